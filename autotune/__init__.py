@@ -1,0 +1,27 @@
+"""autotune: find the largest micro-batch that fits, plan the exact split of a target batch, and
+train it with exact gradient accumulation.
+
+Public API::
+
+    probe(workload, *, device=None, precision="fp32", checkpointing=False,
+          memory_limit=None, max_micro_batch=None) -> ProbeResult
+    Workload, load_workload      the model-file contract
+    ProbeResult, Trial, MemoryModel, DeviceInfo
+    is_oom_error                 what counts as out-of-memory
+    AutotuneError and subclasses
+"""
+
+from .errors import AutotuneError, ConfigError, PlanError, PlanFileError, ProbeError, WorkloadError
+from .memory import DeviceInfo
+from .oom import is_oom_error
+from .precision import Precision
+from .probe import MemoryModel, ProbeResult, Trial, probe
+from .workload import Workload, load_workload
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutotuneError", "ConfigError", "DeviceInfo", "MemoryModel", "PlanError", "PlanFileError",
+    "Precision", "ProbeError", "ProbeResult", "Trial", "Workload", "WorkloadError", "__version__",
+    "is_oom_error", "load_workload", "probe",
+]

@@ -1,0 +1,29 @@
+"""One exception hierarchy for everything autotune reports to a user.
+
+The CLI maps ``AutotuneError`` to exit code 1 and prints only the message, so every message
+names the option or file involved, the values seen and the fix.
+"""
+
+
+class AutotuneError(Exception):
+    """Base class of every error autotune raises on purpose."""
+
+
+class WorkloadError(AutotuneError):
+    """The model file or workload objects do not meet the contract."""
+
+
+class ProbeError(AutotuneError):
+    """The probe could not find a micro-batch that fits (or was asked something impossible)."""
+
+
+class PlanError(AutotuneError):
+    """The request cannot be planned (indivisible target, pinned micro-batch too large, ...)."""
+
+
+class PlanFileError(AutotuneError):
+    """A plan file is missing, corrupt, of an unknown schema version or for another workload."""
+
+
+class ConfigError(AutotuneError):
+    """An option value is invalid (memory limits, precisions, device names, ...)."""

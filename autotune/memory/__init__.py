@@ -1,0 +1,36 @@
+"""Device memory backends: one interface (``MemoryBackend``), one class per device kind."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from .base import DeviceInfo, MemoryBackend
+from .cpu import CPUMemoryBackend
+from .cuda import CUDAMemoryBackend, cuda_available, describe_cuda_devices
+
+
+def resolve_device(device=None) -> torch.device:
+    """``None`` means CUDA when available, else the CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda") if cuda_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r} is not supported; use cpu, cuda or cuda:N")
+    return resolved
+
+
+def backend_for(device=None, memory_limit=None) -> MemoryBackend:
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        return CUDAMemoryBackend(resolved.index, memory_limit=memory_limit)
+    return CPUMemoryBackend(memory_limit=memory_limit)
+
+
+__all__ = [
+    "CPUMemoryBackend", "CUDAMemoryBackend", "DeviceInfo", "MemoryBackend",
+    "backend_for", "cuda_available", "describe_cuda_devices", "resolve_device",
+]

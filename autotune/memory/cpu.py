@@ -1,0 +1,141 @@
+"""The CPU memory backend: live tensor-storage bytes tracked against a budget.
+
+A ``TorchDispatchMode`` sees every tensor an op returns; each new storage is counted once and
+uncounted by a ``weakref.finalize`` when it dies. Parameters, buffers, gradients and optimizer
+state created before tracking are adopted explicitly. Passing the budget raises
+``torch.OutOfMemoryError``, so a probe on the CPU takes the very code path it takes on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import psutil
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..units import format_bytes, parse_bytes
+from .base import DeviceInfo, MemoryBackend
+
+DEFAULT_RAM_FRACTION = 0.5
+"""Without --memory-limit, the CPU budget is this share of the RAM psutil reports available."""
+
+
+class StorageTracker:
+    """Live bytes of distinct tensor storages, with a peak and an optional budget."""
+
+    def __init__(self, budget_bytes: int | None = None):
+        self.budget_bytes = budget_bytes
+        self._live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or tensor.is_meta:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return  # sparse and other storage-less tensors: nothing we can attribute
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        known = self._live.get(key)
+        if known is None:
+            self._live[key] = nbytes
+            weakref.finalize(storage, self._forget, key)
+            self._grow(nbytes)
+        elif known != nbytes:  # resized in place (out= ops)
+            self._live[key] = nbytes
+            self._grow(nbytes - known)
+
+    def _grow(self, delta: int) -> None:
+        self.current += delta
+        if self.current > self.peak:
+            self.peak = self.current
+        if self.budget_bytes is not None and delta > 0 and self.current > self.budget_bytes:
+            raise torch.OutOfMemoryError(
+                f"CPU out of memory (autotune budget): tried to allocate {format_bytes(delta)}; "
+                f"{format_bytes(self.current - delta)} already in use of a "
+                f"{format_bytes(self.budget_bytes)} budget"
+            )
+
+    def _forget(self, key: int) -> None:
+        nbytes = self._live.pop(key, 0)
+        self.current -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+class _TrackingMode(TorchDispatchMode):
+    def __init__(self, tracker: StorageTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.tracker.add(leaf)
+        return out
+
+
+class CPUMemoryBackend(MemoryBackend):
+    kind = "cpu"
+
+    def __init__(self, memory_limit=None):
+        self.device = torch.device("cpu")
+        vm = psutil.virtual_memory()
+        if memory_limit is not None:
+            budget, source = parse_bytes(memory_limit), "--memory-limit"
+        else:
+            budget = int(vm.available * DEFAULT_RAM_FRACTION)
+            source = f"{DEFAULT_RAM_FRACTION:.0%} of available RAM (psutil)"
+        self._info = DeviceInfo(
+            kind="cpu",
+            name=_cpu_name(),
+            total_bytes=int(vm.total),
+            free_bytes=int(vm.available),
+            budget_bytes=budget,
+            budget_source=source,
+        )
+        self.tracker = StorageTracker(budget)
+
+    def info(self) -> DeviceInfo:
+        return self._info
+
+    @contextlib.contextmanager
+    def tracking(self):
+        with _TrackingMode(self.tracker):
+            yield
+
+    def adopt(self, tensors) -> None:
+        for tensor in tensors:
+            self.tracker.add(tensor)
+
+    def current_bytes(self) -> int:
+        return self.tracker.current
+
+    def reset_peak(self) -> None:
+        self.tracker.reset_peak()
+
+    def peak_bytes(self) -> int:
+        return self.tracker.peak
+
+    @contextlib.contextmanager
+    def unlimited(self):
+        """Measure without enforcing the budget (used to say how far over budget a model is)."""
+        saved, self.tracker.budget_bytes = self.tracker.budget_bytes, None
+        try:
+            yield
+        finally:
+            self.tracker.budget_bytes = saved
+
+
+def _cpu_name() -> str:
+    import platform
+
+    name = platform.processor() or platform.machine() or "cpu"
+    return f"CPU ({name}, {psutil.cpu_count(logical=True)} threads)"

@@ -1,0 +1,128 @@
+"""What a probe found: plain dataclasses that round-trip through JSON."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from ..memory.base import DeviceInfo
+
+
+@dataclass(kw_only=True)
+class Trial:
+    """One steady-state training step at ``micro_batch`` samples."""
+
+    micro_batch: int
+    fits: bool
+    peak_bytes: int
+    """Peak of the step; for a step that ran out of memory, the usage when it failed (a lower bound)."""
+    seconds: float
+    activation_peak_bytes: int | None = None
+    """Peak while building the batch, forward and backward."""
+    step_peak_bytes: int | None = None
+    """Peak during unscale, clip, optimizer.step and zero_grad."""
+    baseline_bytes: int | None = None
+    """Live before the step: parameters, buffers, optimizer state."""
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Trial":
+        return cls(**data)
+
+
+@dataclass(kw_only=True)
+class MemoryModel:
+    """Predicted peak of a step at n samples: max(activation(n), step(n)).
+
+    activation(n) = a + b·n + c·n² and step(n) = d + e·n, fitted to the trials that fit.
+    """
+
+    activation: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    step: tuple[float, float] = (0.0, 0.0)
+    kind: str = "linear"
+    """"linear" or "quadratic" (the activation term)."""
+    points: int = 0
+    """How many fitting trials the model was fitted to."""
+
+    def predict(self, n: float) -> float:
+        a, b, c = self.activation
+        d, e = self.step
+        return max(a + b * n + c * n * n, d + e * n)
+
+    def largest_within(self, budget: float, *, limit: int = 1 << 40) -> int | None:
+        """The largest n ≥ 0 whose predicted peak is ≤ budget (None where it grows without bound)."""
+        bounds = [_largest_root(self.activation, budget), _largest_root((*self.step, 0.0), budget)]
+        finite = [b for b in bounds if b is not None]
+        if not finite:
+            return None
+        return int(max(0, min(min(finite), limit)))
+
+    def to_dict(self) -> dict:
+        return {"activation": list(self.activation), "step": list(self.step), "kind": self.kind,
+                "points": self.points}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MemoryModel":
+        return cls(activation=tuple(data["activation"]), step=tuple(data["step"]), kind=data["kind"],
+                   points=data.get("points", 0))
+
+
+def _largest_root(coeffs, budget) -> float | None:
+    """Largest n with a + b·n + c·n² ≤ budget, for n ≥ 0 (None: unbounded)."""
+    a, b, c = coeffs
+    if c > 0:
+        disc = b * b - 4 * c * (a - budget)
+        if disc < 0:
+            return -1.0
+        return math.floor((-b + math.sqrt(disc)) / (2 * c) + 1e-9)
+    if b > 0:
+        return math.floor((budget - a) / b + 1e-9)
+    return None if a <= budget else -1.0
+
+
+@dataclass(kw_only=True)
+class ProbeResult:
+    """The exact largest micro-batch that fits, and how it was found."""
+
+    max_micro_batch: int
+    upper_bound: int | None
+    """The largest micro-batch the probe was asked to consider (None: unbounded)."""
+    capped: bool
+    """True when max_micro_batch equals the upper bound: more might fit, but none was needed."""
+    trials: list[Trial]
+    memory_model: MemoryModel
+    device: DeviceInfo
+    precision: str
+    checkpointing: bool
+    seconds: float
+    oom_count: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.device.budget_bytes
+
+    @property
+    def steps(self) -> int:
+        """Training steps executed (one forward pass each)."""
+        return len(self.trials)
+
+    def peak_at(self, micro_batch: int) -> int | None:
+        """Measured peak at ``micro_batch`` when a fitting trial ran there."""
+        for trial in self.trials:
+            if trial.micro_batch == micro_batch and trial.fits:
+                return trial.peak_bytes
+        return None
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["memory_model"] = self.memory_model.to_dict()
+        data["device"] = self.device.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ProbeResult":
+        data = dict(data)
+        data["trials"] = [Trial.from_dict(t) for t in data["trials"]]
+        data["memory_model"] = MemoryModel.from_dict(data["memory_model"])
+        data["device"] = DeviceInfo.from_dict(data["device"])
+        return cls(**data)
