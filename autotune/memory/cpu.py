@@ -55,10 +55,12 @@ class StorageTracker:
         if self.current > self.peak:
             self.peak = self.current
         if self.budget_bytes is not None and delta > 0 and self.current > self.budget_bytes:
+            # Worded as torch's own CPU allocator failure, so every OOM handler (ours, Lightning's,
+            # Accelerate's) recognises it the same way it recognises a real one.
             raise torch.OutOfMemoryError(
-                f"CPU out of memory (autotune budget): tried to allocate {format_bytes(delta)}; "
-                f"{format_bytes(self.current - delta)} already in use of a "
-                f"{format_bytes(self.budget_bytes)} budget"
+                f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {delta} bytes "
+                f"({format_bytes(delta)}) with {format_bytes(self.current - delta)} already in use "
+                f"of the {format_bytes(self.budget_bytes)} autotune CPU budget"
             )
 
     def _forget(self, key: int) -> None:
