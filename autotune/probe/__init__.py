@@ -11,7 +11,7 @@ from ..units import format_bytes
 from ..workload import load_workload
 from .result import MemoryModel, ProbeResult, Trial
 from .search import fit_memory_model, search_largest_fitting
-from .trial import TrialSession
+from .trial import SetupOutOfMemory, TrialSession
 
 
 def probe(
@@ -38,14 +38,20 @@ def probe(
     backend = backend or backend_for(device, memory_limit)
     info = backend.info()
     started = time.perf_counter()
-    with TrialSession(workload, backend, precision=precision, checkpointing=bool(checkpointing)) as session:
-        best, trials, model = search_largest_fitting(
-            session.run, budget=info.budget_bytes, upper=max_micro_batch
-        )
-        if best == 0:
-            needed = _peak_without_budget(session, backend)
+    session = TrialSession(workload, backend, precision=precision, checkpointing=bool(checkpointing))
+    try:
+        with session:
+            best, trials, model = search_largest_fitting(
+                session.run, budget=info.budget_bytes, upper=max_micro_batch
+            )
+    except SetupOutOfMemory as exc:
+        detail, trials, best = str(exc), [], 0
+    else:
+        detail = None
     if best == 0:
-        raise ProbeError(_does_not_fit_message(workload, info, precision, bool(checkpointing), trials[0], needed))
+        needed = _peak_without_budget(session, backend)
+        raise ProbeError(_does_not_fit_message(workload, info, precision, bool(checkpointing),
+                                               trials[0] if trials else None, needed, detail))
     return ProbeResult(
         max_micro_batch=best,
         upper_bound=max_micro_batch,
@@ -61,20 +67,26 @@ def probe(
 
 
 def _peak_without_budget(session: TrialSession, backend) -> int | None:
-    """On the CPU, measure the real need at micro-batch 1 with the budget lifted."""
+    """On the CPU, measure the real need at micro-batch 1 with the budget lifted.
+
+    Not possible on CUDA (the device is the limit), where the message gives a lower bound.
+    """
     unlimited = getattr(backend, "unlimited", None)
     if unlimited is None:
         return None
-    with unlimited():
+    with unlimited(), session:
         trial = session.run(1)
     return trial.peak_bytes if trial.fits else None
 
 
-def _does_not_fit_message(workload, info, precision, checkpointing, trial: Trial, needed) -> str:
+def _does_not_fit_message(workload, info, precision, checkpointing, trial: Trial | None, needed,
+                          detail: str | None) -> str:
     budget = info.budget_bytes
     if needed is not None:
         need = (f"one training step at micro-batch 1 needs {format_bytes(needed)}, "
                 f"{needed / budget:.2f}x the {format_bytes(budget)} budget")
+    elif trial is None:
+        need = f"one training step at micro-batch 1 does not fit ({detail})"
     else:
         need = (f"one training step at micro-batch 1 ran out of memory with "
                 f"{format_bytes(trial.peak_bytes)} in use against a {format_bytes(budget)} budget")

@@ -26,6 +26,10 @@ CLIP_NORM = 1.0
 """Gradient clipping in a trial: the norm's buffers are part of a real step's memory."""
 
 
+class SetupOutOfMemory(ProbeError):
+    """Parameters, buffers and optimizer state alone ran out of memory (raised by TrialSession)."""
+
+
 class TrialSession:
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
                  checkpointing: bool):
@@ -47,13 +51,9 @@ class TrialSession:
                 raise
             out_of_memory = True
         if out_of_memory:
-            info = self.backend.info()
-            raise ProbeError(
-                f"{self.workload.source} does not fit on {info.name}: the model's parameters, buffers "
-                f"and optimizer state alone pass the {format_bytes(info.budget_bytes)} budget, before "
-                f"any batch. What would help: a device with more memory (or a larger --memory-limit); "
-                f"sharding parameters and optimizer state with FSDP or DeepSpeed ZeRO; a lighter "
-                f"optimizer (SGD keeps less state than AdamW)."
+            raise SetupOutOfMemory(
+                f"{self.workload.source}: the model's parameters, buffers and optimizer state alone "
+                f"pass the {format_bytes(self.backend.budget_bytes)} budget, before any batch"
             )
         return self
 
