@@ -30,9 +30,13 @@ class CUDAMemoryBackend(MemoryBackend):
         self.device = torch.device("cuda", index)
         self.index = index
         self._limit = parse_bytes(memory_limit) if memory_limit is not None else None
-        self._saved_fraction: float | None = None
+        # Read once: the budget must not move while the probe's own allocations change "free".
+        self._info = self._read_info()
 
     def info(self) -> DeviceInfo:
+        return self._info
+
+    def _read_info(self) -> DeviceInfo:
         free, total = torch.cuda.mem_get_info(self.device)
         held = torch.cuda.memory_reserved(self.device)
         available = free + held  # what torch already caches is ours to reuse
