@@ -1,13 +1,20 @@
 """The ``Plan``: what the planner decided, as plain dataclasses (no torch devices needed).
 
-The planner (issue 3) owns this module and may add fields; the training loop relies on:
-``micro_batches``, ``accumulation_steps``, ``world_size``, ``effective_batch``, ``precision``,
-``checkpointing``, ``lr``, ``clip_grad_norm`` and ``workload``.
+The training loop relies on: ``micro_batches``, ``accumulation_steps``, ``world_size``,
+``effective_batch``, ``precision``, ``checkpointing``, ``lr``, ``clip_grad_norm`` and ``workload``.
+Everything else records how the decision was reached, so a saved plan can be audited and checked
+against the workload and device it is used with (see ``autotune.planfile``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+
+from .memory.base import DeviceInfo
+from .probe.result import ProbeResult
+
+SCHEMA_VERSION = 1
+"""Version of the plan file layout; bump it when a field changes meaning or is removed."""
 
 
 @dataclass(kw_only=True)
@@ -30,6 +37,44 @@ class WorkloadFingerprint:
     file_sha256: str | None
     param_count: int
     param_bytes: int
+    optimizer: str | None = None
+    """Class name of the optimizer ``build_optimizer`` returns (drives the "auto" LR rule)."""
+    optimizer_lr: float | None = None
+    """The optimizer's own learning rate (param group 0), kept when no base LR is given."""
+    batchnorm: bool = False
+    """Whether the model has BatchNorm layers (they see only the micro-batch)."""
+    checkpointable: bool = True
+    """Whether the model has repeated blocks that activation checkpointing can wrap."""
+
+
+@dataclass(kw_only=True)
+class SettingTried:
+    """One precision/checkpointing setting the planner probed, and what it allowed."""
+
+    precision: str
+    checkpointing: bool
+    probe: ProbeResult | None = None
+    """None when nothing fitted (see ``error``)."""
+    error: str | None = None
+    """Why the probe found no micro-batch (the ProbeError message)."""
+    allowed_micro_batch: int = 0
+    """Largest micro-batch whose predicted peak stays within the budget minus the headroom."""
+
+    @property
+    def raw_max_micro_batch(self) -> int:
+        return self.probe.max_micro_batch if self.probe is not None else 0
+
+    def to_dict(self) -> dict:
+        return {"precision": self.precision, "checkpointing": self.checkpointing,
+                "probe": self.probe.to_dict() if self.probe is not None else None,
+                "error": self.error, "allowed_micro_batch": self.allowed_micro_batch}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SettingTried":
+        data = dict(data)
+        if data.get("probe") is not None:
+            data["probe"] = ProbeResult.from_dict(data["probe"])
+        return cls(**data)
 
 
 @dataclass(kw_only=True)
@@ -44,6 +89,23 @@ class Plan:
     workload: WorkloadFingerprint
     clip_grad_norm: float | None = 1.0
     warnings: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+    versions: dict = field(default_factory=dict)
+    """{"autotune": ..., "torch": ..., "cuda": ... or None}."""
+    device: DeviceInfo | None = None
+    headroom: float = 0.1
+    """Fraction of the budget kept free (the safety margin)."""
+    ddp_bucket_bytes: int = 0
+    """Memory added to every prediction for DDP's gradient buckets (world size > 1)."""
+    predicted_peak_bytes: int | None = None
+    """Predicted (or measured) peak of the planned micro-batch, including ddp_bucket_bytes."""
+    settings: list[SettingTried] = field(default_factory=list)
+    reasons: dict = field(default_factory=dict)
+    """Why each decision was made: {"precision": ..., "checkpointing": ..., "split": ..., ...}."""
+    distributed: bool = False
+    """Planned under torchrun, every rank probing (the ranks agreed on the smallest answer)."""
+    created_at: str = ""
+    """ISO 8601 time (UTC) the plan was made."""
 
     @property
     def accumulation_steps(self) -> int:
@@ -60,3 +122,55 @@ class Plan:
     @property
     def effective_batch(self) -> int:
         return self.per_device_batch * self.world_size
+
+    @property
+    def is_even(self) -> bool:
+        """Whether every accumulation step has the same micro-batch (what most runners need)."""
+        return len(set(self.micro_batches)) == 1
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.device.budget_bytes if self.device is not None else None
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return int(self.budget_bytes * self.headroom) if self.device is not None else None
+
+    @property
+    def chosen_setting(self) -> SettingTried | None:
+        for setting in self.settings:
+            if setting.precision == self.precision and setting.checkpointing == self.checkpointing:
+                return setting
+        return None
+
+    @property
+    def raw_max_micro_batch(self) -> int | None:
+        """What the probe of the chosen setting found, before the headroom."""
+        chosen = self.chosen_setting
+        return chosen.raw_max_micro_batch if chosen is not None else None
+
+    def to_dict(self) -> dict:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data["lr"] = asdict(self.lr)
+        data["workload"] = asdict(self.workload)
+        data["device"] = self.device.to_dict() if self.device is not None else None
+        data["settings"] = [s.to_dict() for s in self.settings]
+        data["micro_batches"] = list(self.micro_batches)
+        data["warnings"] = list(self.warnings)
+        data["versions"] = dict(self.versions)
+        data["reasons"] = dict(self.reasons)
+        # Derived numbers, written for readers and other tools; ignored when read back.
+        data["derived"] = {"accumulation_steps": self.accumulation_steps,
+                           "micro_batch": self.micro_batch, "effective_batch": self.effective_batch,
+                           "budget_bytes": self.budget_bytes, "headroom_bytes": self.headroom_bytes}
+        return {"schema_version": data.pop("schema_version"), **data}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        data["lr"] = LRDecision(**data["lr"])
+        data["workload"] = WorkloadFingerprint(**data["workload"])
+        if data.get("device") is not None:
+            data["device"] = DeviceInfo.from_dict(data["device"])
+        data["settings"] = [SettingTried.from_dict(s) for s in data.get("settings", [])]
+        return cls(**data)
