@@ -23,6 +23,8 @@ class Trial:
     """Peak during unscale, clip, optimizer.step and zero_grad."""
     baseline_bytes: int | None = None
     """Live before the step: parameters, buffers, optimizer state."""
+    gradient_bytes: int | None = None
+    """Bytes of the trainable parameters' gradients (all live at the end of backward)."""
 
     @classmethod
     def from_dict(cls, data: dict) -> "Trial":

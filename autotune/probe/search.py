@@ -1,14 +1,38 @@
 """The search for the largest micro-batch that fits, independent of devices and torch.
 
-``search_largest_fitting(run_trial, budget, upper)`` needs only a function that runs one trial:
-fit a memory model to the trials that fit, try the largest n it predicts to fit, and use every
-outcome to narrow the bracket [largest that fits, smallest that does not]. Predictions are only
-ever *suggestions*: the answer is proven by a fitting trial at n and a failing one at n + 1 (or
-by reaching the upper bound), so it is exact whatever shape memory has in n.
+``search_largest_fitting(run_trial, budget, upper)`` needs only a function that runs one trial. It
+keeps the bracket [lo, hi): lo the largest n seen to fit, hi the smallest seen to fail (or the
+upper bound + 1), and proposes every next n strictly inside it, so each trial narrows the bracket
+and the search ends whatever the trials say. The answer is proven by a fitting trial at n and a
+failing one at n + 1 (or by reaching the upper bound): the memory model only *suggests* where to
+look, so the answer is exact whatever shape memory has in n, as long as fitting is monotone.
+
+How it suggests, from the trials that fit (the activation peak a(n) = batch + forward + backward,
+and the optimizer-step peak s(n), each above the baseline b = parameters + buffers + optimizer
+state, which stays live for the whole step):
+
+- Peak memory is convex in n: the maximum of affine pieces (the end of backward, with every
+  gradient live: b + G + small·n; the start of backward, activations: b + c + A·n with c ≈ 0,
+  steeper), or quadratic with in-batch negatives. For a convex curve the secant through the two
+  largest fitting points under-estimates memory beyond them, so its root is an *upper* estimate of
+  the answer (U).
+- Every piece above the baseline has a non-negative intercept, so the memory above the baseline
+  per sample, (a(n) − b) / n, does not grow with n: the ray from the baseline through a fitting
+  point over-estimates memory beyond it and its root is a *lower* estimate (L). Where the curve's
+  piece passes through the baseline (activations) L and U meet and the answer is pinned down.
+- The step peak is nearly flat (the batch is its only per-sample part) and is fitted as a line.
+
+The next trial is U when the evidence says the curve is affine up to the answer (the three
+largest fitting points agree on the slope, and the line's intercept is not the gradients' G,
+which would mean a steeper activation piece may still take over), or when L and U nearly agree;
+otherwise a point between L and U (geometric while they are far apart), so that a fit lands in the
+large-n regime and a failure halves the bracket instead of creeping. A quadratic fit replaces the
+line where the three largest points curve upward.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from .result import MemoryModel, Trial
@@ -16,34 +40,63 @@ from .result import MemoryModel, Trial
 GROWTH_LIMIT = 1 << 24
 """With no upper bound and memory that does not grow, stop doubling here."""
 
+SLOPE_AGREEMENT = 0.01
+"""Three points are collinear when the two secant slopes differ by at most this fraction."""
+
+GRADIENT_LIKE = 0.4
+"""A line whose intercept above the baseline is at least this share of the gradient bytes is the
+end-of-backward regime: a steeper activation regime may lie beyond it."""
+
+CLOSE = 0.02
+"""L and U within this fraction: take U directly."""
+
 
 def fit_memory_model(trials: list[Trial]) -> MemoryModel:
     """Fit activation(n) and step(n) to the trials that fit (see ``MemoryModel``)."""
-    points = sorted({t.micro_batch: t for t in trials if t.fits}.values(), key=lambda t: t.micro_batch)
+    points = _fitting_points(trials)
     if not points:
         return MemoryModel(points=0)
+    base = _baseline(trials)
     act = [(t.micro_batch, _activation(t)) for t in points]
     step = [(t.micro_batch, t.step_peak_bytes or 0) for t in points]
+    step_line = _line(step[-2], step[-1]) if len(step) >= 2 else (float(step[0][1]), 0.0)
+    step_line = (step_line[0], max(step_line[1], 0.0))
     if len(points) == 1:
-        # One point: charge everything above the baseline to the samples. That over-states the
-        # slope, so the first prediction lands below the answer and gives a well-spread second point.
+        # One point: the ray from the baseline, an over-estimate of the slope for convex memory.
         n, peak = act[0]
-        base = points[0].baseline_bytes or 0
         slope = max(peak - base, 1) / n
-        return MemoryModel(activation=(float(base), float(slope), 0.0), step=(float(step[0][1]), 0.0),
-                           kind="linear", points=1)
+        return MemoryModel(activation=(float(base), float(slope), 0.0), step=step_line, kind="linear",
+                           points=1)
     top = act[-3:]
-    step_line = _line(step[-3:][0], step[-1])
-    if len(top) == 3:
+    if len(top) == 3 and _curves_up(top):
         quad = _quadratic(*top)
-        line = _line(top[0], top[2])
-        middle_n, middle_peak = top[1]
-        linear_error = abs(line[0] + line[1] * middle_n - middle_peak) / max(middle_peak, 1)
-        if quad[2] > 0 and linear_error > 0.01:
+        if quad[2] > 0:
             return MemoryModel(activation=quad, step=step_line, kind="quadratic", points=len(points))
-    line = _line(top[0], top[-1])
-    return MemoryModel(activation=(line[0], line[1], 0.0), step=step_line, kind="linear",
+    line = _line(top[-2], top[-1])
+    return MemoryModel(activation=(line[0], max(line[1], 0.0), 0.0), step=step_line, kind="linear",
                        points=len(points))
+
+
+def _fitting_points(trials: list[Trial]) -> list[Trial]:
+    """The fitting trials, one per n, sorted; those above a smaller failing n (a glitch) dropped."""
+    failed = [t.micro_batch for t in trials if not t.fits]
+    ceiling = min(failed) if failed else math.inf
+    by_n = {t.micro_batch: t for t in trials if t.fits and t.micro_batch < ceiling}
+    return [by_n[n] for n in sorted(by_n)]
+
+
+def _baseline(trials: list[Trial]) -> float:
+    for t in reversed(trials):
+        if t.baseline_bytes is not None:
+            return float(t.baseline_bytes)
+    return 0.0
+
+
+def _gradient_bytes(trials: list[Trial]) -> float | None:
+    for t in reversed(trials):
+        if t.gradient_bytes is not None:
+            return float(t.gradient_bytes)
+    return None
 
 
 def _activation(trial: Trial) -> int:
@@ -68,12 +121,43 @@ def _quadratic(p, q, r) -> tuple[float, float, float]:
     return float(a), float(b), float(c)
 
 
+def _slopes_agree(p, q, r) -> bool:
+    s1, s2 = _line(p, q)[1], _line(q, r)[1]
+    return abs(s2 - s1) <= SLOPE_AGREEMENT * max(abs(s1), abs(s2), 1e-9)
+
+
+def _curves_up(top) -> bool:
+    s1, s2 = _line(top[0], top[1])[1], _line(top[1], top[2])[1]
+    return s2 > s1 * (1 + SLOPE_AGREEMENT) and s2 > 0
+
+
+def _root_linear(intercept: float, slope: float, budget: float) -> float:
+    """Largest real n with intercept + slope·n ≤ budget (inf where it never passes the budget)."""
+    if slope <= 0:
+        return math.inf if intercept <= budget else -math.inf
+    return (budget - intercept) / slope
+
+
+def _root_quadratic(a: float, b: float, c: float, budget: float) -> float:
+    if c <= 0:
+        return _root_linear(a, b, budget)
+    disc = b * b - 4 * c * (a - budget)
+    if disc < 0:
+        return -math.inf
+    return (-b + math.sqrt(disc)) / (2 * c)
+
+
+def _floor(x: float) -> float:
+    return math.floor(x + 1e-9) if math.isfinite(x) else x
+
+
 def search_largest_fitting(
     run_trial: Callable[[int], Trial], *, budget: int, upper: int | None
 ) -> tuple[int, list[Trial], MemoryModel]:
     """Exact largest n in [1, upper] for which ``run_trial(n).fits``; 0 when n = 1 does not fit.
 
-    Assumes fitting is monotone in n (if n fits, every smaller n fits).
+    Assumes fitting is monotone in n (if n fits, every smaller n fits). Where a trial contradicts
+    that, the bracket still shrinks with every trial, so the search ends.
     """
     trials: list[Trial] = []
     lo, hi = 0, (upper + 1 if upper is not None else None)
@@ -90,28 +174,87 @@ def search_largest_fitting(
 
     if not record(1).fits:
         return 0, trials, fit_memory_model(trials)
-    missed = False
     while hi is None or hi - lo > 1:
-        model = fit_memory_model(trials)
-        predicted = model.largest_within(budget, limit=GROWTH_LIMIT)
-        candidate = _next_candidate(predicted, lo, hi, missed)
+        candidate = next_candidate(trials, budget, lo, hi)
         if candidate is None:
             break  # memory does not grow: doubling reached GROWTH_LIMIT without a failure
-        expected_fit = model.predict(candidate) <= budget
-        missed = record(candidate).fits != expected_fit
+        assert lo < candidate and (hi is None or candidate < hi), (lo, candidate, hi)
+        record(candidate)
     return lo, trials, fit_memory_model(trials)
 
 
-def _next_candidate(predicted, lo, hi, missed) -> int | None:
-    if hi is None and (predicted is None or predicted >= GROWTH_LIMIT):
-        return None if lo >= GROWTH_LIMIT else min(lo * 2, GROWTH_LIMIT)
+def estimates(trials: list[Trial], budget: float) -> tuple[float, float, bool]:
+    """(L, U, trusted) from the fitting trials: L a cautious and U an optimistic estimate of the
+    largest n that fits; trusted when U is believed exact (memory affine up to the answer)."""
+    points = _fitting_points(trials)
+    base = _baseline(trials)
+    grads = _gradient_bytes(trials)
+    act = [(t.micro_batch, float(_activation(t))) for t in points]
+    step = [(t.micro_batch, float(t.step_peak_bytes)) for t in points if t.step_peak_bytes is not None]
+
+    # The optimizer step: nearly flat; a line through its two largest points (flat from one).
+    if len(step) >= 2:
+        step_root = _root_linear(*_line(step[-2], step[-1]), budget)
+    elif step:
+        step_root = math.inf if step[0][1] <= budget else -math.inf
+    else:
+        step_root = math.inf
+
+    # Ray from the baseline through each fitting point (cautious for convex piecewise memory).
+    lower = max((n * (budget - base) / (y - base) if y > base else math.inf) for n, y in act)
+    trusted = False
+    if len(act) >= 2:
+        intercept, slope = _line(act[-2], act[-1])
+        upper_est = _root_linear(intercept, slope, budget)
+        if len(act) >= 3:
+            top = act[-3:]
+            if _curves_up(top):
+                # Curving up: a quadratic through the three largest points. Below the secant; for a
+                # true quadratic it is exact, for a piecewise curve it is cautious.
+                q_root = _root_quadratic(*_quadratic(*top), budget)
+                lower = min(lower, q_root)
+                upper_est = min(upper_est, max(q_root, top[-1][0]))
+                if len(act) >= 4 and _quadratic_confirmed(act[-4:]):
+                    trusted = True
+            elif _slopes_agree(*top):
+                gradient_like = grads is not None and intercept - base >= GRADIENT_LIKE * grads
+                trusted = not gradient_like and slope > 0
+    else:
+        upper_est = math.inf
+    lower = min(lower, upper_est)
+    return (_floor(min(lower, step_root)), _floor(min(upper_est, step_root)), trusted)
+
+
+def _quadratic_confirmed(four) -> bool:
+    """The quadratic through the last three of four points also passes through the first."""
+    a, b, c = _quadratic(*four[1:])
+    n, y = four[0]
+    return abs(a + b * n + c * n * n - y) <= SLOPE_AGREEMENT * max(y, 1)
+
+
+def next_candidate(trials: list[Trial], budget: float, lo: int, hi: int | None) -> int | None:
+    """The next micro-batch to try, strictly inside (lo, hi); None to stop an unbounded search."""
+    lower, upper_est, trusted = estimates(trials, budget)
     top = hi - 1 if hi is not None else GROWTH_LIMIT
-    candidate = min(max(predicted if predicted is not None else top, lo + 1), top)
-    at_edge = candidate in (lo + 1, top)
-    if missed and at_edge and hi is not None and hi - lo > 2:
-        # The model was just wrong and points at the bracket's edge: creeping there one step at
-        # a time could take many trials, so halve the bracket instead.
-        return (lo + hi) // 2
-    if missed and hi is None and candidate == lo + 1:
-        return lo * 2
-    return candidate
+    if lo >= top:
+        return None
+    if upper_est == math.inf and hi is None:
+        # No sign of growth: double (a failure then bounds the bracket).
+        return min(lo * 2, GROWTH_LIMIT)
+    # The last trial failed where the model expected a fit: it over-predicts.
+    missed = bool(trials) and not trials[-1].fits and trials[-1].micro_batch > lo + 1
+    u = int(min(max(upper_est, lo), top))
+    # A cautious estimate at or past a failure is refuted (memory grows faster than a ray: quadratic).
+    failed = min((t.micro_batch for t in trials if not t.fits), default=None)
+    l = lo if failed is not None and lower >= failed else int(min(max(lower, lo), u))
+    if u <= lo:
+        return lo + 1  # the model says lo is the answer: prove it
+    close = u - l <= max(1, CLOSE * u)
+    if not missed and (trusted or close):
+        return u
+    if l > lo and (close or missed or u <= 2 * l):
+        return l
+    # Between: geometric while far apart, arithmetic when close.
+    base = max(l, lo, 1)
+    candidate = int(math.sqrt(base * u)) if u >= 2 * base else (base + u) // 2
+    return min(max(candidate, lo + 1), top)

@@ -75,6 +75,7 @@ class TrialSession:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise WorkloadError(f"{self.workload.source}: the model has no trainable parameters")
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self.optimizer = self.workload.new_optimizer(self.params)
         self.scaler = grad_scaler(self.precision, self.device)
         self.backend.adopt([*self.model.parameters(), *self.model.buffers()])
@@ -108,7 +109,7 @@ class TrialSession:
             peak = self.backend.peak_bytes()
             self._recover()
             return Trial(micro_batch=n, fits=False, peak_bytes=peak, seconds=seconds,
-                         baseline_bytes=baseline)
+                         baseline_bytes=baseline, gradient_bytes=self.gradient_bytes)
         return Trial(
             micro_batch=n,
             fits=self.backend.within_budget(),
@@ -117,6 +118,7 @@ class TrialSession:
             activation_peak_bytes=activation_peak,
             step_peak_bytes=step_peak,
             baseline_bytes=baseline,
+            gradient_bytes=self.gradient_bytes,
         )
 
     def _step(self, n: int) -> tuple[int, int]:
