@@ -1,0 +1,13 @@
+"""The built-in training loop: run a plan with exact accumulation, on one device or under torchrun.
+
+Modules, one job each: ``data`` (which samples each window, rank and micro-batch gets),
+``accumulate`` (exact loss weighting), ``loop`` (one optimizer step, OOM recovery), ``checkpoint``
+(atomic save/resume), ``distributed`` (process group and collectives), ``metrics``, ``schedule``
+(LR and warmup), ``recovery`` (the OOM split policy), ``stop`` (signals), ``checks`` (errors
+before training), ``api`` (``train``).
+"""
+
+from .api import TrainResult, save_model, train
+from .errors import TrainError
+
+__all__ = ["TrainError", "TrainResult", "save_model", "train"]

@@ -1,0 +1,98 @@
+"""Process-group set-up and the few collectives the loop needs (no-ops on one process).
+
+Under torchrun (WORLD_SIZE > 1 in the environment) the loop joins the process group itself:
+nccl on CUDA, gloo on the CPU. Rank 0 alone logs and writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..memory import resolve_device
+
+
+@dataclass
+class DistContext:
+    world_size: int
+    rank: int
+    device: torch.device
+    initialized_here: bool = False
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(device=None) -> DistContext:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1 and not (dist.is_available() and dist.is_initialized()):
+        return DistContext(world_size=1, rank=0, device=resolve_device(device))
+    resolved = resolve_device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    initialized_here = False
+    if not dist.is_initialized():
+        if resolved.type == "cuda":
+            torch.cuda.set_device(resolved)
+        dist.init_process_group(backend="nccl" if resolved.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=10))
+        initialized_here = True
+    return DistContext(world_size=dist.get_world_size(), rank=dist.get_rank(), device=resolved,
+                       initialized_here=initialized_here)
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.initialized_here and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+    if not ctx.distributed:
+        return model
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def sync_context(model: torch.nn.Module, *, final: bool):
+    """``no_sync()`` on every micro-step of a window but the last (DDP only)."""
+    if final or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """True on every rank when ``flag`` is true on any rank (so all ranks take the same path)."""
+    if not ctx.distributed:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def gather_objects(obj, ctx: DistContext) -> list:
+    """Every rank's ``obj`` (rank order), on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model

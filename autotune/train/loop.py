@@ -1,0 +1,227 @@
+"""The optimizer-step loop: accumulate a window exactly, step once, recover from OOM, checkpoint.
+
+``StepRunner`` owns one optimizer step (a window); ``run_steps`` drives the steps, the metrics
+and the checkpoints. Everything is built by ``autotune.train.api``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..oom import free_memory, is_oom_error
+from ..precision import Precision, autocast
+from ..workload import Workload, move_batch
+from . import distributed
+from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
+from .data import Window, slice_batch, split_micro_batches
+from .errors import TrainError
+from .metrics import peak_memory_bytes
+from .recovery import SplitPolicy
+
+
+@dataclass
+class StepOutcome:
+    loss: float
+    lr: float
+    grad_norm: float
+    skipped: bool
+    stop: bool
+    micro_batches: list[int]
+
+
+@dataclass
+class TrainState:
+    """What changes from step to step besides model/optimizer/scheduler/scaler (checkpointed)."""
+
+    step: int = 0
+    skipped_steps: int = 0
+    split: SplitPolicy = field(default_factory=SplitPolicy)
+
+
+class StepRunner:
+    def __init__(self, *, model, optimizer, scheduler, scaler, precision: Precision, workload: Workload,
+                 ctx: distributed.DistContext, clip_grad_norm: float | None, state: TrainState,
+                 notify=lambda message: None):
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.precision = precision
+        self.workload = workload
+        self.ctx = ctx
+        self.device = ctx.device
+        self.clip_grad_norm = clip_grad_norm
+        self.state = state
+        self.notify = notify
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.totals = WindowTotals(self.device)
+        # BatchNorm updates its running statistics in forward; a window redone after an OOM must
+        # start from the statistics it started with, or the redo would count its samples twice.
+        self._norm_buffers = [buf for module in model.modules()
+                              if isinstance(module, torch.nn.modules.batchnorm._NormBase)
+                              for buf in module.buffers()]
+
+    # -- one window ------------------------------------------------------------------------------
+    def step(self, window: Window, batch, *, stop_requested: bool) -> StepOutcome:
+        level = self.state.split.level
+        saved_buffers = [buf.clone() for buf in self._norm_buffers]
+        while True:
+            sizes = split_micro_batches(window.micro_batches, level)
+            if not self._accumulate(window, batch, sizes):
+                break
+            # Outside the except block that caught the OOM: its traceback is gone, so the failed
+            # micro-step's activations can be freed with the partial gradients.
+            self._drop_window(saved_buffers)
+            if max(sizes) <= 1:
+                raise TrainError(
+                    f"step {window.step + 1}: a micro-batch of 1 sample ran out of memory even after "
+                    f"splitting; the model does not fit at this precision. Re-plan (autotune plan) with "
+                    f"--precision bf16 or --checkpointing on, or use a device with more memory"
+                )
+            level += 1
+            kept = self.state.split.record_recovery(level)
+            finer = split_micro_batches(window.micro_batches, level)
+            self.notify(f"out of memory at step {window.step + 1} with micro-batch {max(sizes)}; "
+                        f"redoing the window as {len(finer)} micro-batches of at most {max(finer)}")
+            if kept:
+                self.notify(f"ran out of memory {self.state.split.keep_after} times; keeping micro-batch "
+                            f"{max(finer)} ({len(finer)} accumulation steps) for the rest of the run "
+                            f"(effective batch and LR unchanged); re-plan with a smaller micro-batch")
+        return self._optimizer_step(window, sizes, stop_requested)
+
+    def _accumulate(self, window: Window, batch, sizes: list[int]) -> bool:
+        """Forward and backward over the window's micro-batches; True when any rank ran out of memory."""
+        self.totals.reset()
+        scale = backward_scale(world_size=self.ctx.world_size, window_samples=window.samples)
+        failed = False
+        offset = 0
+        last = len(sizes) - 1
+        for index, size in enumerate(sizes):
+            part = slice_batch(batch, offset, offset + size)
+            offset += size
+            final = index == last
+            if failed:
+                if final and self.ctx.distributed:
+                    distributed.any_rank(True, self.ctx)  # every rank joins the agreement once
+                continue
+            if size == 0:  # an empty piece of a split (never the last one: sizes are sorted)
+                continue
+            failed = self._micro_step(part, size, scale, final)
+        return failed
+
+    def _micro_step(self, part, size: int, scale: float, final: bool) -> bool:
+        out_of_memory = agreed = False
+        try:
+            batch = move_batch(part, self.device)
+            with distributed.sync_context(self.model, final=final):
+                with autocast(self.precision, self.device):
+                    loss, count = self.workload.loss(self.model, batch)
+                loss_sum, items = summed_loss(loss, count, size)
+                if final and self.ctx.distributed:
+                    # The last backward all-reduces gradients; ranks agree first that none ran out
+                    # of memory, so no rank waits forever in an all-reduce another rank skipped.
+                    agreed = True
+                    if distributed.any_rank(False, self.ctx):
+                        return True
+                self.scaler.scale(loss_sum * scale).backward()
+            self.totals.add(loss_sum, items, counted=count is not None)
+        except Exception as exc:  # noqa: BLE001 - anything but out-of-memory is re-raised untouched
+            if not is_oom_error(exc):
+                raise
+            out_of_memory = True
+        if out_of_memory and final and self.ctx.distributed:
+            if agreed:
+                raise TrainError(
+                    "ran out of memory inside the gradient all-reduce of a window's last micro-step; "
+                    "under DDP the ranks cannot agree to redo it there. Re-plan with a smaller "
+                    "micro-batch (autotune plan --micro-batch N) or more headroom (--headroom)"
+                )
+            distributed.any_rank(True, self.ctx)
+        return out_of_memory
+
+    def _drop_window(self, saved_buffers) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.totals.reset()
+        with torch.no_grad():
+            for buf, saved in zip(self._norm_buffers, saved_buffers):
+                buf.copy_(saved)
+        free_memory()
+
+    # -- the optimizer step ----------------------------------------------------------------------
+    def _optimizer_step(self, window: Window, sizes: list[int], stop_requested: bool) -> StepOutcome:
+        reduced = None
+        if self.totals.token_counts:
+            # Item counts are only known now; the window's gradient becomes sum / count exactly.
+            reduced = self._reduce_totals(stop_requested)
+            scale_gradients(self.params, count_correction(window_samples=window.samples,
+                                                          window_items=reduced[1]))
+        self.scaler.unscale_(self.optimizer)  # no-op unless fp16
+        norm = self._grad_norm()
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = False
+        if self.scaler.is_enabled():
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            # GradScaler skips optimizer.step() on inf/NaN and lowers the scale: then the
+            # scheduler must not advance either.
+            skipped = self.scaler.get_scale() < before
+        else:
+            self.optimizer.step()
+        if skipped:
+            self.state.skipped_steps += 1
+        else:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if reduced is None:
+            reduced = self._reduce_totals(stop_requested)
+        loss_sum, items, stop = reduced
+        return StepOutcome(loss=loss_sum / items, lr=lr, grad_norm=float(norm), skipped=skipped,
+                           stop=stop > 0, micro_batches=sizes)
+
+    def _reduce_totals(self, stop_requested: bool) -> list[float]:
+        totals = distributed.all_reduce_sum(self.totals.as_tensor(stop_requested), self.ctx)
+        return totals.tolist()
+
+    def _grad_norm(self) -> torch.Tensor:
+        if self.clip_grad_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.nn.utils.get_total_norm(grads)
+
+
+def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics, stop,
+              save_checkpoint, checkpoint_every: int | None) -> tuple[list[dict], bool]:
+    """Train from ``runner.state.step`` to ``total_steps``; returns (metrics records, interrupted)."""
+    state = runner.state
+    records: list[dict] = []
+    last = time.perf_counter()
+    while state.step < total_steps:
+        window = layout.window(state.step)
+        batch = next(batches)
+        outcome = runner.step(window, batch, stop_requested=stop.requested)
+        state.step += 1
+        now = time.perf_counter()
+        record = {
+            "step": state.step, "epoch": window.epoch, "loss": outcome.loss, "lr": outcome.lr,
+            "grad_norm": outcome.grad_norm, "samples_per_s": window.samples / max(now - last, 1e-9),
+            "peak_memory_bytes": peak_memory_bytes(runner.device), "skipped_steps": state.skipped_steps,
+            "oom_recoveries": state.split.recoveries, "micro_batch": max(outcome.micro_batches),
+            "accumulation_steps": len(outcome.micro_batches),
+        }
+        records.append(record)
+        metrics.write(record)
+        due = checkpoint_every is not None and state.step % checkpoint_every == 0
+        if outcome.stop or due or state.step == total_steps:
+            save_checkpoint()
+        last = time.perf_counter()
+        if outcome.stop:
+            metrics.note(f"stopped by {stop.signal_name or 'a signal on another rank'} after step "
+                         f"{state.step}; resume with --resume")
+            return records, True
+    return records, False
