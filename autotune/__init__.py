@@ -9,6 +9,8 @@ Public API::
     ProbeResult, Trial, MemoryModel, DeviceInfo
     is_oom_error                 what counts as out-of-memory
     AutotuneError and subclasses
+    plan(workload, *, target_batch, ...) -> Plan   micro-batch × accumulation × world = target
+    Plan, save_plan, load_plan, export_plan        the plan file and exports for other runners
 """
 
 from .errors import AutotuneError, ConfigError, PlanError, PlanFileError, ProbeError, WorkloadError
@@ -17,6 +19,10 @@ from .oom import is_oom_error
 from .precision import Precision
 from .probe import MemoryModel, ProbeResult, Trial, probe
 from .workload import Workload, load_workload
+from .plan import LRDecision, Plan
+from .planfile import load_plan, save_plan
+from .planning import plan
+from .export import export_plan
 
 __version__ = "0.1.0"
 
@@ -24,4 +30,5 @@ __all__ = [
     "AutotuneError", "ConfigError", "DeviceInfo", "MemoryModel", "PlanError", "PlanFileError",
     "Precision", "ProbeError", "ProbeResult", "Trial", "Workload", "WorkloadError", "__version__",
     "is_oom_error", "load_workload", "probe",
+    "LRDecision", "Plan", "export_plan", "load_plan", "plan", "save_plan",
 ]

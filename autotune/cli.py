@@ -12,6 +12,9 @@ from . import __version__
 from .errors import AutotuneError, ConfigError
 from .precision import Precision
 from .units import format_bytes, parse_bytes
+from .export import TARGETS as EXPORT_TARGETS
+from .lr import RULES as LR_RULES
+from .planning import CHECKPOINTING_CHOICES, PRECISION_CHOICES as PLAN_PRECISIONS
 
 
 class _MemorySize(click.ParamType):
@@ -93,6 +96,88 @@ def devices(memory_limit, as_json):
     else:
         click.echo(format_devices(cuda, cpu))
 
+
+@cli.command("plan")
+@_model_file
+@click.option("--target-batch", type=click.IntRange(min=1), required=True,
+              help="Effective batch per optimizer step, over all devices.")
+@click.option("--world-size", type=click.IntRange(min=1), default=None,
+              help="Number of processes (default: WORLD_SIZE, else 1).")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
+@click.option("--precision", type=click.Choice(PLAN_PRECISIONS, case_sensitive=False),
+              default="auto", show_default=True,
+              help="auto: bf16 where supported, fp16 on CUDA without bf16, else fp32.")
+@click.option("--checkpointing", type=click.Choice(CHECKPOINTING_CHOICES), default="auto",
+              show_default=True, help="auto: on only where it buys a needed micro-batch.")
+@click.option("--base-lr", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Reference LR (default: BASE_LR in the model file).")
+@click.option("--base-batch", type=click.IntRange(min=1), default=None,
+              help="Batch the reference LR was tuned at (default: BASE_BATCH in the model file).")
+@click.option("--lr-rule", type=click.Choice(LR_RULES), default="auto",
+              show_default=True, help="auto: linear for SGD-like, sqrt for Adam-family optimizers.")
+@click.option("--memory-limit", type=MEMORY_SIZE, default=None,
+              help="Memory budget to emulate a smaller device, e.g. 8GiB, 512MiB or bytes.")
+@click.option("--headroom", type=click.FloatRange(min=0, max=1, max_open=True), default=0.1,
+              show_default=True, help="Fraction of the budget kept free.")
+@click.option("--micro-batch", type=click.IntRange(min=1), default=None,
+              help="Pin the micro-batch; the plan checks it fits and derives the rest.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
+              show_default=True, help="Where to write the plan.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
+@_errors_to_exit_codes
+def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
+                 base_batch, lr_rule, memory_limit, headroom, micro_batch, output, as_json):
+    """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
+    from .planfile import plan_to_json, save_plan
+    from .planning import plan as make_plan
+    from .report import format_plan
+
+    result = make_plan(model_file, target_batch=target_batch, world_size=world_size, device=device,
+                       precision=precision.lower(), checkpointing=checkpointing,
+                       memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
+                       base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule)
+    save_plan(result, output)
+    if as_json:
+        click.echo(plan_to_json(result), nl=False)
+    else:
+        click.echo(format_plan(result))
+        click.echo(f"\nplan written to {output}")
+
+
+@cli.command()
+@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@_errors_to_exit_codes
+def show(plan_file, as_json):
+    """Print the summary of a saved plan."""
+    from .planfile import load_plan, plan_to_json
+    from .report import format_plan
+
+    result = load_plan(plan_file)
+    click.echo(plan_to_json(result) if as_json else format_plan(result), nl=not as_json)
+
+
+@cli.command()
+@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--to", "target", type=click.Choice(EXPORT_TARGETS),
+              required=True, help="The runner to export for.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write to this file (default: stdout).")
+@_errors_to_exit_codes
+def export(plan_file, target, output):
+    """Export a plan as another runner's configuration (or the torchrun command line)."""
+    from .export import export_plan
+    from .planfile import load_plan
+
+    exported = export_plan(load_plan(plan_file), target, plan_path=plan_file)
+    for note in exported.notes:
+        click.echo(f"note: {note}", err=True)
+    if output is None:
+        click.echo(exported.render(), nl=False)
+    else:
+        with open(output, "w", encoding="utf-8") as handle:
+            handle.write(exported.render())
+        click.echo(f"{target} export written to {output}", err=True)
 
 def main(argv=None):
     cli.main(args=argv, prog_name="autotune")

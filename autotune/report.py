@@ -60,3 +60,56 @@ def format_devices(cuda: list[dict], cpu) -> str:
                  f"{format_bytes(cpu.free_bytes)}; probe budget {format_bytes(cpu.budget_bytes)} "
                  f"({cpu.budget_source})")
     return "\n".join(lines)
+
+
+def format_plan(plan) -> str:
+    """The readable summary of a ``Plan``: device, budget, settings tried, the split, LR, warnings."""
+    info = plan.device
+    lines = [f"model:        {plan.workload.source} ({plan.workload.param_count:,} parameters, "
+             f"{format_bytes(plan.workload.param_bytes)})"]
+    if info is not None:
+        lines.append(f"device:       {info.name}")
+        lines.append(f"budget:       {format_bytes(info.budget_bytes)} ({info.budget_source}); headroom "
+                     f"{plan.headroom:.0%} = {format_bytes(plan.headroom_bytes)}, leaving "
+                     f"{format_bytes(info.budget_bytes - plan.headroom_bytes)}")
+    if plan.ddp_bucket_bytes:
+        lines.append(f"DDP buckets:  {format_bytes(plan.ddp_bucket_bytes)} added to every prediction")
+    lines += ["", "settings tried:"]
+    rows = []
+    for s in plan.settings:
+        chosen = "<- plan" if (s.precision, s.checkpointing) == (plan.precision, plan.checkpointing) else ""
+        if s.probe is None:
+            rows.append([s.precision, "on" if s.checkpointing else "off", "-", "-", "-", "does not fit"])
+            continue
+        capped = "+" if s.probe.capped else ""
+        rows.append([s.precision, "on" if s.checkpointing else "off", f"{s.raw_max_micro_batch}{capped}",
+                     s.allowed_micro_batch, s.probe.steps, chosen])
+    lines.append(table(["precision", "checkpointing", "probe max", "planned max", "trials", ""], rows,
+                       align="llrrrl"))
+    if any(s.probe is not None and s.probe.capped for s in plan.settings):
+        lines.append("(+: the probe stopped at the largest micro-batch the plan needs; more may fit)")
+    lines += ["", f"split:        {_split_text(plan)}",
+              f"precision:    {plan.precision} ({plan.reasons.get('precision', '')})",
+              f"checkpointing: {'on' if plan.checkpointing else 'off'} "
+              f"({plan.reasons.get('checkpointing', '')})"]
+    if plan.predicted_peak_bytes is not None:
+        lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "
+                     f"{plan.micro_batch}")
+    lr = plan.lr
+    lines.append(f"lr:           {lr.lr:.4g} ({lr.rule} rule, ×{lr.scale:.4g})" if lr.lr is not None
+                 else f"lr:           the optimizer's own ({lr.rule} rule not applied)")
+    if lr.note:
+        lines.append(f"              {lr.note}")
+    if lr.warmup_steps:
+        lines.append(f"warmup:       {lr.warmup_steps} optimizer steps, linear")
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def _split_text(plan) -> str:
+    steps = plan.accumulation_steps
+    if plan.is_even:
+        per_rank = f"{plan.micro_batch} × {steps} accumulation step{'s' if steps > 1 else ''}"
+    else:
+        per_rank = f"({' + '.join(map(str, plan.micro_batches))}) over {steps} accumulation steps"
+    return f"{per_rank} × {plan.world_size} rank{'s' if plan.world_size > 1 else ''} = {plan.effective_batch}"

@@ -1,0 +1,153 @@
+"""Exports for other runners; each builds the runner's own config object where it is installed."""
+
+import json
+
+import pytest
+
+from autotune.errors import ConfigError
+from autotune.export import TARGETS, even_split, export_plan
+from plan_helpers import device, make_plan
+
+
+@pytest.fixture
+def even():
+    return make_plan(128, 32, base_lr=1e-3, base_batch=32)  # 32 × 4
+
+
+@pytest.fixture
+def uneven():
+    return make_plan(127, 50)  # 43 + 42 + 42
+
+
+def test_even_split_of_an_even_plan_is_the_plan(even):
+    split = even_split(even)
+    assert (split.micro_batch, split.accumulation_steps, split.world_size) == (32, 4, 1)
+
+
+def test_even_split_of_an_uneven_plan_keeps_the_effective_batch():
+    plan = make_plan(128, 50)
+    assert plan.micro_batches == [43, 43, 42]
+    split = even_split(plan)
+    assert split.effective_batch == 128
+    assert (split.micro_batch, split.accumulation_steps) == (32, 4)
+
+
+def test_hf(even):
+    config = export_plan(even, "hf").config
+    assert config["per_device_train_batch_size"] == 32
+    assert config["gradient_accumulation_steps"] == 4
+    assert config["learning_rate"] == pytest.approx(1e-3 * 2)
+    assert config["fp16"] is False and config["bf16"] is False
+    assert config["max_grad_norm"] == 1.0
+
+
+def test_hf_builds_training_arguments(even, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), **export_plan(even, "hf").config)
+    assert args.gradient_accumulation_steps == 4
+
+
+def test_deepspeed_batch_rule(even):
+    plan = make_plan(256, 32, world_size=2)
+    config = export_plan(plan, "deepspeed").config
+    assert config["train_batch_size"] == (config["train_micro_batch_size_per_gpu"]
+                                          * config["gradient_accumulation_steps"] * 2) == 256
+    assert config["bf16"] == {"enabled": False}
+    assert config["gradient_clipping"] == 1.0
+
+
+def test_deepspeed_fp16_section():
+    plan = make_plan(64, 64)
+    plan.precision = "fp16"
+    config = export_plan(plan, "deepspeed").config
+    assert config["fp16"]["enabled"] is True and config["bf16"]["enabled"] is False
+
+
+def test_lightning(even):
+    config = export_plan(even, "lightning").config
+    assert config["trainer"]["accumulate_grad_batches"] == 4
+    assert config["trainer"]["precision"] == "32-true"
+    assert config["dataloader"]["batch_size"] == 32
+
+
+def _lightning():
+    try:
+        import lightning
+        return lightning
+    except ImportError:
+        return pytest.importorskip("pytorch_lightning")
+
+
+def test_lightning_builds_a_trainer(even):
+    lightning = _lightning()
+    trainer = lightning.Trainer(**export_plan(even, "lightning").config["trainer"], logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False)
+    assert trainer.accumulate_grad_batches == 4
+
+
+def test_accelerate(even):
+    config = export_plan(even, "accelerate").config
+    assert config["config"]["mixed_precision"] == "no"
+    assert config["config"]["num_processes"] == 1
+    assert config["accelerator"]["gradient_accumulation_steps"] == 4
+
+
+def test_accelerate_reads_the_config(even, tmp_path):
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    exported = export_plan(even, "accelerate").config
+    path = tmp_path / "accelerate.json"
+    path.write_text(json.dumps(exported["config"]))
+    loaded = load_config_from_file(str(path))
+    assert loaded.num_processes == 1
+    assert str(getattr(loaded.mixed_precision, "value", loaded.mixed_precision)) == "no"
+
+
+def test_accelerate_builds_an_accelerator(even):
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(**export_plan(even, "accelerate").config["accelerator"], cpu=True)
+    assert accelerator.gradient_accumulation_steps == 4
+
+
+def test_torchrun_command(even):
+    plan = make_plan(128, 32, world_size=4)
+    command = export_plan(plan, "torchrun", plan_path="runs/plan.json").config
+    assert command == ("torchrun --standalone --nproc_per_node=4 -m autotune train model.py "
+                       "--plan runs/plan.json")
+
+
+def test_torchrun_takes_uneven_plans_without_a_note(uneven):
+    assert export_plan(uneven, "torchrun").notes == []
+
+
+@pytest.mark.parametrize("target", ["hf", "deepspeed", "lightning", "accelerate"])
+def test_uneven_plans_export_the_nearest_even_plan_with_a_note(uneven, target):
+    exported = export_plan(uneven, target)
+    assert any("uneven (43 + 42 + 42" in n and "1 × 127" in n for n in exported.notes)
+    assert any("--target-batch 126" in n for n in exported.notes)
+    assert "127" in json.dumps(exported.config) or target != "deepspeed"
+
+
+def test_every_target_renders(even):
+    for target in TARGETS:
+        text = export_plan(even, target).render()
+        assert text.endswith("\n") and len(text) > 20
+
+
+def test_unknown_target():
+    with pytest.raises(ConfigError) as info:
+        export_plan(make_plan(8, 8), "keras")
+    assert "--to 'keras'" in str(info.value)
+
+
+def test_missing_lr_is_noted():
+    plan = make_plan(64, 64)
+    exported = export_plan(plan, "hf")
+    assert "learning_rate" not in exported.config
+    assert any("no learning rate is exported" in n for n in exported.notes)
+
+
+def test_lightning_uses_gpu_for_cuda_plans(even):
+    even.device = device(kind="cuda")
+    assert export_plan(even, "lightning").config["trainer"]["accelerator"] == "gpu"

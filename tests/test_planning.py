@@ -1,0 +1,92 @@
+"""autotune.plan(): which settings it probes, world size resolution, ranks agreeing (gloo, 1 rank)."""
+
+import pytest
+import torch
+
+import autotune
+from autotune.errors import ConfigError
+from autotune.planning import _resolve_world_size
+from autotune.workload import Workload
+from plan_helpers import linear_probe
+
+
+def _workload(batchnorm=False):
+    def build():
+        layers = [torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)]
+        return torch.nn.Sequential(*layers, *( [torch.nn.BatchNorm1d(4)] if batchnorm else []))
+
+    return Workload(model=build, make_batch=lambda n: torch.randn(n, 4),
+                    loss_fn=lambda m, b: m(b).sum(), source="test-model")
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """Fake probes: micro-batch 10 fits without checkpointing, 64 with; records the calls."""
+    calls = []
+
+    def fake(workload, *, precision, checkpointing, max_micro_batch, backend):
+        calls.append((precision, checkpointing, max_micro_batch))
+        found = min(64 if checkpointing else 10, max_micro_batch)
+        return linear_probe(found, precision=precision, checkpointing=checkpointing, upper=max_micro_batch)
+
+    monkeypatch.setattr("autotune.planning.probe", fake)
+    return calls
+
+
+def test_auto_checkpointing_probes_both_and_records_why(probes):
+    plan = autotune.plan(_workload(), target_batch=64, device="cpu", precision="fp32", headroom=0.0)
+    assert probes == [("fp32", False, 64), ("fp32", True, 64)]
+    assert plan.checkpointing is True and plan.micro_batches == [64]
+    assert [s.allowed_micro_batch for s in plan.settings] == [10, 64]
+    assert "from 7 to 1" in plan.reasons["checkpointing"]
+
+
+def test_auto_checkpointing_skips_the_second_probe_when_the_share_fits(probes):
+    plan = autotune.plan(_workload(), target_batch=8, device="cpu", precision="fp32", headroom=0.0)
+    assert probes == [("fp32", False, 8)]
+    assert plan.checkpointing is False
+
+
+def test_pinned_micro_batch_is_the_probe_bound(probes):
+    plan = autotune.plan(_workload(), target_batch=64, device="cpu", precision="fp32",
+                         checkpointing="off", micro_batch=8, headroom=0.0)
+    assert probes == [("fp32", False, 8)]
+    assert plan.micro_batches == [8] * 8
+
+
+def test_auto_precision_on_cpu_is_bf16(probes):
+    plan = autotune.plan(_workload(), target_batch=8, device="cpu")
+    assert plan.precision == "bf16"
+    assert probes[0][0] == "bf16"
+
+
+def test_fingerprint_and_base_lr_from_options(probes):
+    plan = autotune.plan(_workload(batchnorm=True), target_batch=8, device="cpu", base_lr=0.1,
+                         base_batch=4, lr_rule="linear")
+    assert plan.workload.param_count == 2 * (16 + 4) + 8
+    assert plan.workload.optimizer == "AdamW" and plan.workload.batchnorm
+    assert plan.lr.lr == pytest.approx(0.2)
+
+
+def test_world_size_from_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert _resolve_world_size(None, False) == 4
+    assert _resolve_world_size(2, False) == 2
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(ConfigError) as info:
+        _resolve_world_size(None, False)
+    assert "WORLD_SIZE='four'" in str(info.value)
+    monkeypatch.delenv("WORLD_SIZE")
+    assert _resolve_world_size(None, False) == 1
+
+
+def test_ranks_agree_through_all_reduce(probes, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        plan = autotune.plan(_workload(), target_batch=8, device="cpu", precision="fp32")
+    finally:
+        dist.destroy_process_group()
+    assert plan.distributed is True and plan.world_size == 1
+    assert not any("one process" in w for w in plan.warnings)
