@@ -53,9 +53,11 @@ def loss_fn(model, batch):
 
 
 def build_dataset():
-    # Learnable synthetic data: each class is a fixed random pattern plus noise.
+    # Learnable synthetic data: each class is a fixed smooth random pattern (a 4x4 grid of
+    # colours, upsampled) plus pixel noise.
     generator = torch.Generator().manual_seed(0)
-    patterns = torch.randn(CLASSES, CHANNELS, SIZE, SIZE, generator=generator)
+    coarse = torch.randn(CLASSES, CHANNELS, 4, 4, generator=generator)
+    patterns = nn.functional.interpolate(coarse, size=(SIZE, SIZE), mode="nearest")
     labels = torch.randint(0, CLASSES, (DATASET_SIZE,), generator=generator)
     noise = torch.randn(DATASET_SIZE, CHANNELS, SIZE, SIZE, generator=generator)
     return torch.utils.data.TensorDataset(patterns[labels] + 0.5 * noise, labels)
