@@ -47,6 +47,10 @@ GRADIENT_LIKE = 0.4
 """A line whose intercept above the baseline is at least this share of the gradient bytes is the
 end-of-backward regime: a steeper activation regime may lie beyond it."""
 
+SUPERLINEAR = 0.002
+"""A secant whose intercept is below the baseline by more than this share of the free budget
+shows memory growing faster than linearly."""
+
 CLOSE = 0.02
 """L and U within this fraction: take U directly."""
 
@@ -196,7 +200,9 @@ def estimates(trials: list[Trial], budget: float) -> tuple[float, float, bool]:
     if len(step) >= 2:
         step_root = _root_linear(*_line(step[-2], step[-1]), budget)
     elif step:
-        step_root = math.inf if step[0][1] <= budget else -math.inf
+        # One point: the ray from the baseline (cautious) until a second point gives the slope.
+        n, y = step[0]
+        step_root = n * (budget - base) / (y - base) if y > base else math.inf
     else:
         step_root = math.inf
 
@@ -206,19 +212,19 @@ def estimates(trials: list[Trial], budget: float) -> tuple[float, float, bool]:
     if len(act) >= 2:
         intercept, slope = _line(act[-2], act[-1])
         upper_est = _root_linear(intercept, slope, budget)
-        if len(act) >= 3:
-            top = act[-3:]
-            if _curves_up(top):
-                # Curving up: a quadratic through the three largest points. Below the secant; for a
-                # true quadratic it is exact, for a piecewise curve it is cautious.
-                q_root = _root_quadratic(*_quadratic(*top), budget)
-                lower = min(lower, q_root)
-                upper_est = min(upper_est, max(q_root, top[-1][0]))
-                if len(act) >= 4 and _quadratic_confirmed(act[-4:]):
-                    trusted = True
-            elif _slopes_agree(*top):
-                gradient_like = grads is not None and intercept - base >= GRADIENT_LIKE * grads
-                trusted = not gradient_like and slope > 0
+        if intercept < base - SUPERLINEAR * max(budget - base, 1):
+            # The secant passes below the baseline: no max of lines with non-negative intercepts
+            # does that, memory grows faster than linearly (in-batch negatives). A quadratic through
+            # the baseline and the two largest points; trusted once a third point agrees with it.
+            quad = _quadratic((0, base), act[-2], act[-1])
+            q_root = _root_quadratic(*quad, budget) if quad[2] > 0 else upper_est
+            lower = upper_est = min(q_root, upper_est)
+            if len(act) >= 3:
+                n, y = act[-3]
+                trusted = abs(quad[0] + quad[1] * n + quad[2] * n * n - y) <= SLOPE_AGREEMENT * max(y - base, 1)
+        elif len(act) >= 3 and _slopes_agree(*act[-3:]):
+            gradient_like = grads is not None and intercept - base >= GRADIENT_LIKE * grads
+            trusted = not gradient_like and slope > 0
     else:
         upper_est = math.inf
     lower = min(lower, upper_est)
@@ -239,21 +245,25 @@ def next_candidate(trials: list[Trial], budget: float, lo: int, hi: int | None) 
     if lo >= top:
         return None
     if upper_est == math.inf and hi is None:
-        # No sign of growth: double (a failure then bounds the bracket).
+        # No sign of growth yet: the cautious estimate where there is one, else double.
+        if lo < lower < math.inf:
+            return int(min(lower, top))
         return min(lo * 2, GROWTH_LIMIT)
     # The last trial failed where the model expected a fit: it over-predicts.
     missed = bool(trials) and not trials[-1].fits and trials[-1].micro_batch > lo + 1
+    # An estimate at or past a failure is refuted: the lower one when memory grows faster than a
+    # ray (quadratic), the upper one when a steeper piece took over.
+    failed = min((t.micro_batch for t in trials if not t.fits), default=math.inf)
+    u_ok = upper_est < failed
     u = int(min(max(upper_est, lo), top))
-    # A cautious estimate at or past a failure is refuted (memory grows faster than a ray: quadratic).
-    failed = min((t.micro_batch for t in trials if not t.fits), default=None)
-    l = lo if failed is not None and lower >= failed else int(min(max(lower, lo), u))
+    l = int(min(max(lower, lo), u)) if lower < failed else lo
     if u <= lo:
         return lo + 1  # the model says lo is the answer: prove it
     close = u - l <= max(1, CLOSE * u)
-    if not missed and (trusted or close):
+    if u_ok and not missed and (trusted or close):
         return u
-    if l > lo and (close or missed or u <= 2 * l):
-        return l
+    if l > lo and (close or ((missed or not u_ok or u <= 2 * l) and 2 * (l - lo) >= u - lo)):
+        return l  # cautious, and at least half-way through the bracket
     # Between: geometric while far apart, arithmetic when close.
     base = max(l, lo, 1)
     candidate = int(math.sqrt(base * u)) if u >= 2 * base else (base + u) // 2
