@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..memory import resolve_device
+from .errors import TrainError
 
 
 @dataclass
@@ -68,6 +69,24 @@ def sync_context(model: torch.nn.Module, *, final: bool):
     if final or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext()
     return model.no_sync()
+
+
+def forget_failed_window(model: torch.nn.Module) -> None:
+    """Reset DDP's reducer after a window abandoned for out-of-memory (every rank calls this).
+
+    A rank that ran the last micro-step's forward outside ``no_sync`` left its reducer expecting
+    that backward; without a reset the redo's first ``no_sync`` backward would launch a gradient
+    all-reduce the other ranks never join. ``_reset_state`` is DDP's own hook for exactly this
+    ("forward can run despite previous backward not succeeding"); it is private, hence the check.
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return
+    reset = getattr(model.reducer, "_reset_state", None)
+    if reset is None:
+        raise TrainError("this torch's DistributedDataParallel has no reducer._reset_state; "
+                           "out-of-memory recovery under DDP needs torch >= 2.4")
+    model._has_rebuilt_buckets = False
+    reset()
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

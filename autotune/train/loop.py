@@ -143,6 +143,7 @@ class StepRunner:
         return out_of_memory
 
     def _drop_window(self, saved_buffers) -> None:
+        distributed.forget_failed_window(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         self.totals.reset()
         with torch.no_grad():
