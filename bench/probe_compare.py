@@ -64,7 +64,7 @@ class Case:
 CASES = (
     Case("mlp", "examples/mlp.py", "64MiB", "linear"),
     Case("cnn_bn", "examples/cnn_bn.py", "64MiB", "linear"),
-    Case("tiny_lm", "examples/tiny_lm.py", "1GiB", "linear"),
+    Case("tiny_lm", "examples/tiny_lm.py", "512MiB", "linear"),
 )
 TOOLS = ("autotune", "lightning", "accelerate", "exact")
 
