@@ -11,6 +11,7 @@ Public API::
     AutotuneError and subclasses
     plan(workload, *, target_batch, ...) -> Plan   micro-batch × accumulation × world = target
     Plan, save_plan, load_plan, export_plan        the plan file and exports for other runners
+    train(plan, workload, *, steps=None, epochs=None, ...) -> TrainResult   the built-in loop
 """
 
 from .errors import AutotuneError, ConfigError, PlanError, PlanFileError, ProbeError, WorkloadError
@@ -23,6 +24,7 @@ from .plan import LRDecision, Plan
 from .planfile import load_plan, save_plan
 from .planning import plan
 from .export import export_plan
+from .train import TrainError, TrainResult, train
 
 __version__ = "0.1.0"
 
@@ -31,4 +33,5 @@ __all__ = [
     "Precision", "ProbeError", "ProbeResult", "Trial", "Workload", "WorkloadError", "__version__",
     "is_oom_error", "load_workload", "probe",
     "LRDecision", "Plan", "export_plan", "load_plan", "plan", "save_plan",
+    "TrainError", "TrainResult", "train",
 ]

@@ -179,6 +179,51 @@ def export(plan_file, target, output):
             handle.write(exported.render())
         click.echo(f"{target} export written to {output}", err=True)
 
+@cli.command("train")
+@_model_file
+@click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="The plan file written by autotune plan.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps to train.")
+@click.option("--epochs", type=click.IntRange(min=1), default=None,
+              help="Epochs over build_dataset() (default: 1 when there is a dataset).")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder for checkpoint.pt (written at the end, every --checkpoint-every steps "
+                   "and on SIGINT/SIGTERM).")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
+              help="Checkpoint every K optimizer steps.")
+@click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir's checkpoint.")
+@click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the trained model's state_dict here (torch.save).")
+@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None,
+              help="Write one JSON line of metrics per optimizer step here.")
+@click.option("--clip-grad-norm", type=click.FloatRange(min=0), default=None,
+              help="Gradient-norm clipping (default: the plan's; 0 turns it off).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seeds the initial weights and the data order.")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
+@_errors_to_exit_codes
+def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
+                  save_path, metrics_path, clip_grad_norm, seed, device):
+    """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP)."""
+    from .train import save_model, train
+
+    clip = {} if clip_grad_norm is None else {"clip_grad_norm": clip_grad_norm or None}
+    result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
+                   checkpoint_every=checkpoint_every, resume=resume, metrics_path=metrics_path,
+                   seed=seed, device=device, **clip)
+    if save_path is not None:
+        save_model(result, save_path)
+    if result.rank != 0:
+        return
+    last = result.metrics[-1]["loss"] if result.metrics else float("nan")
+    click.echo(f"trained {result.steps} optimizer steps (skipped {result.skipped_steps}, "
+               f"out-of-memory recoveries {result.oom_recoveries}); last loss {last:.4f}"
+               + (f"; model saved to {save_path}" if save_path else ""))
+    if result.interrupted:
+        click.echo(f"interrupted at step {result.steps}; continue with --resume", err=True)
+        click.get_current_context().exit(130)
+
+
 def main(argv=None):
     cli.main(args=argv, prog_name="autotune")
 

@@ -18,6 +18,7 @@ def make_plan(micro_batches, *, world_size=1, precision="fp32", lr=None, warmup=
         micro_batches=list(micro_batches), precision=precision, checkpointing=False,
         lr=LRDecision(rule="none", lr=lr, warmup_steps=warmup), clip_grad_norm=clip,
         workload=WorkloadFingerprint(source="tests", file_sha256=sha, param_count=0, param_bytes=0),
+        versions={"autotune": "test", "torch": torch.__version__, "cuda": None},
     )
 
 
