@@ -9,6 +9,8 @@ Public API::
     ProbeResult, Trial, MemoryModel, DeviceInfo
     is_oom_error                 what counts as out-of-memory
     AutotuneError and subclasses
+    estimate_peak(workload, micro_batch, *, precision="fp32", checkpointing=False) -> int
+                                 bytes of one step, estimated on fake tensors (EstimateUnavailable)
     plan(workload, *, target_batch, ...) -> Plan   micro-batch × accumulation × world = target
     Plan, save_plan, load_plan, export_plan        the plan file and exports for other runners
     train(plan, workload, *, steps=None, epochs=None, ...) -> TrainResult   the built-in loop
@@ -24,6 +26,8 @@ from .plan import LRDecision, Plan
 from .planfile import load_plan, save_plan
 from .planning import plan
 from .export import export_plan
+from .errors import EstimateUnavailable
+from .memory.estimate import estimate_peak
 from .train import TrainError, TrainResult, train
 
 __version__ = "0.1.0"

@@ -27,3 +27,8 @@ class PlanFileError(AutotuneError):
 
 class ConfigError(AutotuneError):
     """An option value is invalid (memory limits, precisions, device names, ...)."""
+
+
+class EstimateUnavailable(AutotuneError):
+    """The model cannot run under fake tensors (data-dependent shapes, custom kernels, reading
+    tensor values in Python): its memory can only be measured with real trials."""

@@ -1,0 +1,166 @@
+"""Peak memory of a training step without allocating it: the step runs on fake tensors.
+
+``EstimateMemoryBackend`` is a memory backend like the CPU one, except that inside ``tracking()``
+every tensor is a ``FakeTensor`` (shape, dtype and storage size, no data). The CPU backend's
+``StorageTracker`` counts the fake storages exactly as it counts real ones, so running the probe's
+own ``TrialSession`` on this backend measures the very step a real trial measures (optimizer state,
+precision, checkpointing included) in a fraction of the time and with no memory.
+
+The tensors are fake *CPU* tensors: fake CUDA tensors can abort a CPU-only build, and the byte
+counts of a step do not depend on the device (the CUDA caching allocator's rounding aside).
+
+Models that need real values (``.item()``, ``if tensor:``, ``torch.nonzero``, boolean masks) or
+that call kernels without a fake implementation cannot run like this; ``estimate_peak`` then
+raises ``EstimateUnavailable`` and callers fall back to real trials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+
+import torch
+from torch._subclasses import fake_tensor
+
+from ..errors import ConfigError, EstimateUnavailable
+from ..precision import Precision
+from .base import DeviceInfo
+from .cpu import CPUMemoryBackend, StorageTracker, _TrackingMode
+
+# Failures that mean "this model cannot run on fake tensors", as opposed to a bug in the model
+# (which fails the same way on real tensors and must reach the user untouched).
+_FAKE_LIMITS = (
+    fake_tensor.DataDependentOutputException,
+    fake_tensor.DynamicOutputShapeException,
+    fake_tensor.UnsupportedOperatorException,
+    fake_tensor.UnsupportedFakeTensorException,
+)
+# The same limits, raised as plain RuntimeErrors by torch.library custom ops and Tensor.numpy().
+_FAKE_LIMIT_MESSAGES = (
+    "no fake impl registered",
+    "is not supported for tensor subclasses",
+)
+
+
+class EstimateMemoryBackend(CPUMemoryBackend):
+    """The CPU backend on fake tensors: storage bytes are counted, nothing is allocated.
+
+    With ``budget_bytes`` the tracker raises the same out-of-memory error as the CPU backend when
+    the step passes it, so a probe search can run on estimates alone.
+    """
+
+    kind = "estimate"
+
+    def __init__(self, budget_bytes: int | None = None):
+        # Not CPUMemoryBackend.__init__: its budget comes from this machine's RAM, which has
+        # nothing to do with the device being estimated. Counting (adopt, peaks) is inherited.
+        self.device = torch.device("cpu")
+        self.tracker = StorageTracker(budget_bytes)
+        self._info = DeviceInfo(
+            kind="estimate",
+            name="fake CPU tensors (estimate, nothing allocated)",
+            budget_bytes=budget_bytes if budget_bytes is not None else 0,
+            budget_source="estimate budget" if budget_bytes is not None else "none (estimate only)",
+        )
+
+    @contextlib.contextmanager
+    def tracking(self):
+        # Real tensors that reach an op (constants a model file made at import) are converted,
+        # rather than refused: they are part of what a real step would touch.
+        with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True), _TrackingMode(self.tracker):
+            yield
+
+
+def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing: bool = False) -> int:
+    """Bytes of one steady-state training step at ``micro_batch`` samples, without allocating.
+
+    The step is the probe's (``TrialSession``): parameters, buffers and optimizer state, then
+    batch, forward under autocast, backward, unscale, clip, optimizer step, zero_grad.
+    ``workload`` is a path to a model file or an ``autotune.Workload``. Raises
+    ``EstimateUnavailable`` when the model cannot run under fake tensors (use ``probe`` then).
+    """
+    return estimate_peaks(workload, [micro_batch], precision=precision,
+                          checkpointing=checkpointing)[micro_batch]
+
+
+def estimate_peaks(workload, micro_batches, *, precision="fp32",
+                   checkpointing: bool = False) -> dict[int, int]:
+    """``estimate_peak`` for several micro-batches, building the fake model and its state once."""
+    from ..probe.trial import TrialSession  # the probe imports memory/, not the other way round
+    from ..workload import load_workload
+
+    workload = load_workload(workload)
+    precision = Precision.parse(precision)
+    sizes = [_checked_micro_batch(n) for n in micro_batches]
+    session = TrialSession(_on_fake_tensors(workload), EstimateMemoryBackend(),
+                           precision=precision, checkpointing=bool(checkpointing))
+    peaks: dict[int, int] = {}
+    try:
+        with session:
+            for n in sizes:
+                peaks[n] = session.run(n).peak_bytes
+    except Exception as exc:  # noqa: BLE001 - anything but a fake-tensor limit propagates untouched
+        if not _is_fake_tensor_limit(exc):
+            raise
+        raise EstimateUnavailable(_unavailable_message(workload, exc)) from exc
+    return peaks
+
+
+def _checked_micro_batch(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"micro-batch {n!r} is not a micro-batch size; give a positive int, e.g. 32")
+    return n
+
+
+def _on_fake_tensors(workload):
+    """The workload with a model factory that the session calls inside the fake mode."""
+    original = workload
+
+    def build_fake_model() -> torch.nn.Module:
+        if original.model_is_instance:
+            # A fake copy: the user's module and its real tensors stay untouched.
+            model = _fake_copy(original.model, original.source)
+        else:
+            model = original.new_model()
+        # Module.to() swaps fake parameters for new ones, and torch refuses the swap because the
+        # fake mode keeps weak references to them. Fake CPU tensors are already where the step
+        # runs, so the move is a no-op by definition.
+        model.to = lambda *args, **kwargs: model
+        return model
+
+    return dataclasses.replace(workload, model=build_fake_model)
+
+
+def _fake_copy(model: torch.nn.Module, source: str) -> torch.nn.Module:
+    try:
+        return copy.deepcopy(model)
+    except (TypeError, RuntimeError, copy.Error) as exc:
+        raise EstimateUnavailable(
+            f"{source}: the model instance cannot be copied onto fake tensors "
+            f"({type(exc).__name__}: {exc}); pass the model file (a build_model() factory) or "
+            f"measure with real trials (autotune probe)"
+        ) from exc
+
+
+def _is_fake_tensor_limit(exc: BaseException) -> bool:
+    if isinstance(exc, _FAKE_LIMITS):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _FAKE_LIMIT_MESSAGES)
+
+
+def _unavailable_message(workload, exc: BaseException) -> str:
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, fake_tensor.DynamicOutputShapeException):
+        why = f"an op's output shape depends on the data ({detail}: torch.nonzero, a boolean mask, unique)"
+    elif isinstance(exc, fake_tensor.DataDependentOutputException):
+        why = f"the step reads a tensor's value in Python ({detail}: .item(), .tolist(), `if tensor:`)"
+    elif isinstance(exc, fake_tensor.UnsupportedOperatorException):
+        why = f"the op {detail} has no fake-tensor (meta) implementation, e.g. a custom kernel"
+    else:
+        why = f"{type(exc).__name__}: {detail}"
+    return (f"{workload.source}: peak memory cannot be estimated under fake tensors, because {why}. "
+            f"Measure it with real trials instead (autotune probe), which need the device.")
+
+
+__all__ = ["EstimateMemoryBackend", "estimate_peak", "estimate_peaks"]
