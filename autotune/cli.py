@@ -224,6 +224,55 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
         click.get_current_context().exit(130)
 
 
+@cli.command()
+@_model_file
+@click.option("--micro-batch", "micro_batches", type=click.IntRange(min=1), multiple=True,
+              required=True, help="Micro-batch to estimate; repeat for several (--micro-batch 8 --micro-batch 64).")
+@click.option("--precision", type=PRECISIONS, default="fp32", show_default=True,
+              help="fp32; bf16 autocast; fp16 autocast with GradScaler.")
+@click.option("--checkpointing", type=click.Choice(["off", "on"]), default="off", show_default=True,
+              help="Activation checkpointing around the model's repeated blocks.")
+@click.option("--json", "as_json", is_flag=True, help="Print {micro_batch: peak_bytes} as JSON.")
+@_errors_to_exit_codes
+def estimate(model_file, micro_batches, precision, checkpointing, as_json):
+    """Estimate the peak memory of one training step without allocating it (fake tensors)."""
+    from .memory.estimate import estimate_peaks
+
+    peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
+                           checkpointing=checkpointing == "on")
+    if as_json:
+        click.echo(json.dumps({str(n): peak for n, peak in peaks.items()}, indent=2))
+        return
+    click.echo(f"{model_file}: estimated peak of one training step ({precision.lower()}, "
+               f"checkpointing {checkpointing}; optimizer state included, nothing allocated)")
+    for n, peak in peaks.items():
+        click.echo(f"  micro-batch {n:>6}: {format_bytes(peak):>12}  ({peak} bytes)")
+
+
+@cli.command()
+@click.argument("profile", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the profiles as JSON.")
+@_errors_to_exit_codes
+def profiles(profile, as_json):
+    """List the bundled GPU profiles, or check and show one (a name or a .toml path)."""
+    from .profiles import list_profiles, load_profile
+
+    found = [load_profile(profile)] if profile else list_profiles()
+    if as_json:
+        click.echo(json.dumps([p.to_dict() for p in found], indent=2))
+        return
+    click.echo(f"{'profile':<12} {'memory':>10} {'budget':>10} {'bf16':>5} {'fp16':>5} "
+               f"{'fp32 TF/s':>9} {'bf16 TF/s':>9} {'fp16 TF/s':>9} {'GB/s':>6}  name")
+    for p in found:
+        click.echo(f"{p.id:<12} {format_bytes(p.memory_bytes):>10} {format_bytes(p.budget_bytes):>10} "
+                   f"{'yes' if p.bf16 else 'no':>5} {'yes' if p.fp16 else 'no':>5} "
+                   f"{p.peak_tflops_fp32:>9g} {p.peak_tflops_bf16:>9g} {p.peak_tflops_fp16:>9g} "
+                   f"{p.memory_bandwidth_gb_per_s:>6g}  {p.name}")
+    if not profile:
+        click.echo("\nbudget = memory - CUDA context - allocator reserve; TF/s are dense peaks. "
+                   "Pass a profile name or your own .toml path to check one.")
+
+
 def main(argv=None):
     cli.main(args=argv, prog_name="autotune")
 
