@@ -133,6 +133,8 @@ class Outcome:
     steps: int
     ooms: int
     seconds: float
+    cpu_seconds: float = 0.0
+    """CPU time of this process (all threads): less sensitive than wall time to other load."""
     note: str = ""
 
 
@@ -322,11 +324,22 @@ def _host_side_checkpoints(trainer, backend: CPUMemoryBackend) -> None:
 
 # --- running and reporting ---------------------------------------------------------------------
 
+def warm_up(workload: Workload) -> None:
+    """Untimed steps first, so the tool that happens to run first does not pay torch's warm-up."""
+    model, optimizer, params = build_with_state(workload, ForwardCounter(workload.model))
+    for n in (1, 2, 8):
+        steady_step(workload, model, optimizer, params, n)
+    del model, optimizer, params
+    gc.collect()
+
+
 def run_case(case: Case, tools, accelerate_start: int, log) -> list[Outcome]:
     workload = load_workload(ROOT / case.path)
+    warm_up(workload)
     outcomes = []
     for tool in tools:
         log(f"  {case.name}: {tool} ...")
+        cpu_start = time.process_time()
         if tool == "autotune":
             outcome = run_autotune(workload, case.memory_limit)
         elif tool == "lightning":
@@ -335,15 +348,16 @@ def run_case(case: Case, tools, accelerate_start: int, log) -> list[Outcome]:
             outcome = run_accelerate(workload, case.memory_limit, accelerate_start)
         else:
             outcome = run_exact(workload, case.memory_limit)
+        outcome.cpu_seconds = time.process_time() - cpu_start
         gc.collect()
         log(f"  {case.name}: {tool}: found {outcome.found}, {outcome.steps} steps, "
-            f"{outcome.ooms} OOMs, {outcome.seconds:.1f}s")
+            f"{outcome.ooms} OOMs, {outcome.seconds:.1f}s ({outcome.cpu_seconds:.1f}s CPU)")
         outcomes.append(outcome)
     return outcomes
 
 
 HEADER = ("workload", "budget", "tool", "found", "exact", "found/exact", "steps", "OOMs", "seconds",
-          "time vs autotune")
+          "CPU seconds", "time vs autotune (wall / CPU)")
 
 
 def table_rows(results):
@@ -354,10 +368,11 @@ def table_rows(results):
         ours = by_tool.get("autotune")
         for o in outcomes:
             ratio = f"{o.found / exact.found:.3f}" if exact and exact.found and o.found else "-"
-            vs = f"{o.seconds / ours.seconds:.1f}x" if ours and ours.seconds else "-"
+            vs = (f"{o.seconds / ours.seconds:.1f}x / {o.cpu_seconds / ours.cpu_seconds:.1f}x"
+                  if ours and ours.seconds and ours.cpu_seconds else "-")
             rows.append((case.name, case.memory_limit, o.tool, str(o.found),
                          str(exact.found) if exact else "-", ratio, str(o.steps), str(o.ooms),
-                         f"{o.seconds:.1f}", vs))
+                         f"{o.seconds:.1f}", f"{o.cpu_seconds:.1f}", vs))
     return rows
 
 
@@ -389,8 +404,10 @@ def targets(results) -> list[str]:
             checks.append((f"<= 1 OOM ({ours.ooms})", ours.ooms <= 1))
         checks.append((f"<= 10 steps ({ours.steps})", ours.steps <= 10))
         if light:
-            checks.append((f"time <= 1/5 of Lightning's ({ours.seconds:.1f}s vs {light.seconds:.1f}s)",
+            checks.append((f"time <= 1/5 of Lightning's (wall {ours.seconds:.1f}s vs {light.seconds:.1f}s)",
                            ours.seconds * 5 <= light.seconds))
+            checks.append((f"CPU time <= 1/5 of Lightning's ({ours.cpu_seconds:.1f}s vs "
+                           f"{light.cpu_seconds:.1f}s)", ours.cpu_seconds * 5 <= light.cpu_seconds))
         for text, ok in checks:
             lines.append(f"{case.name}: {'met' if ok else 'NOT met'}: {text}")
     return lines
