@@ -141,9 +141,8 @@ def test_top_level_profiles_folder_points_to_the_package():
     assert bundled_profiles_dir().joinpath("a100-40gb.toml").is_file()
 
 
-@pytest.mark.slow
 def test_built_wheel_ships_the_profiles(tmp_path):
-    # Build from a copy: an in-tree build would write build/ and *.egg-info into the shared tree.
+    # About 3 s, so not marked slow. Build from a copy: an in-tree build would write build/ and *.egg-info into the shared tree.
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(ROOT / "pyproject.toml", src)
