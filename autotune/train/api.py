@@ -114,7 +114,8 @@ class _Session:
         metrics = MetricsLog(metrics_path, enabled=self.ctx.is_main, total_steps=self.total_steps,
                              progress=progress, resume_step=self.state.step)
         try:
-            metrics.note(self._describe())
+            if progress:
+                metrics.note(self._describe())
             runner = StepRunner(model=distributed.wrap_model(self.model, self.ctx),
                                 optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                 precision=self.precision, workload=self.workload, ctx=self.ctx,
