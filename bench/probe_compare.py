@@ -133,9 +133,9 @@ class Outcome:
     steps: int
     ooms: int
     seconds: float
+    note: str = ""
     cpu_seconds: float = 0.0
     """CPU time of this process (all threads): less sensitive than wall time to other load."""
-    note: str = ""
 
 
 def steady_step(workload: Workload, model, optimizer, params, n: int) -> None:
@@ -178,7 +178,7 @@ def run_autotune(workload: Workload, memory_limit: str) -> Outcome:
         note = (f"autotune reports {len(result.trials)} trials / {result.oom_count} OOMs, "
                 f"counted {counter.count} / {backend.tracker.oom_events}")
     return Outcome("autotune", result.max_micro_batch, counter.count, backend.tracker.oom_events,
-                   seconds, note)
+                   seconds, note=note)
 
 
 def run_exact(workload: Workload, memory_limit: str) -> Outcome:
@@ -235,7 +235,7 @@ def run_accelerate(workload: Workload, memory_limit: str, starting_batch_size: i
 
         found = train()
     return Outcome("accelerate", found, counter.count, backend.tracker.oom_events,
-                   time.perf_counter() - start, f"starting_batch_size={starting_batch_size}")
+                   time.perf_counter() - start, note=f"starting_batch_size={starting_batch_size}")
 
 
 class PoolDataset(torch.utils.data.Dataset):
@@ -304,7 +304,7 @@ def run_lightning(workload: Workload, memory_limit: str) -> Outcome:
         del module, trainer
         gc.collect()
     return Outcome("lightning", found, counter.count, backend.tracker.oom_events,
-                   time.perf_counter() - start, f"largest step that fit {largest_step}; "
+                   time.perf_counter() - start, note=f"largest step that fit {largest_step}; "
                    f"found = that less its default 5% margin" if largest_step != found else "")
 
 
