@@ -52,12 +52,15 @@ class EstimateMemoryBackend(CPUMemoryBackend):
 
     kind = "estimate"
 
-    def __init__(self, budget_bytes: int | None = None):
+    def __init__(self, budget_bytes: int | None = None, *, for_cuda: bool = False,
+                 target: DeviceInfo | None = None):
         # Not CPUMemoryBackend.__init__: its budget comes from this machine's RAM, which has
         # nothing to do with the device being estimated. Counting (adopt, peaks) is inherited.
         self.device = torch.device("cpu")
         self.tracker = StorageTracker(budget_bytes)
-        self._info = DeviceInfo(
+        self.for_cuda = for_cuda
+        """Estimating for a CUDA device: optimizers take their foreach path, as they do there."""
+        self._info = target or DeviceInfo(
             kind="estimate",
             name="fake CPU tensors (estimate, nothing allocated)",
             budget_bytes=budget_bytes if budget_bytes is not None else 0,
@@ -93,18 +96,25 @@ def estimate_peaks(workload, micro_batches, *, precision="fp32",
     workload = load_workload(workload)
     precision = Precision.parse(precision)
     sizes = [_checked_micro_batch(n) for n in micro_batches]
-    session = TrialSession(_on_fake_tensors(workload), EstimateMemoryBackend(),
+    session = TrialSession(on_fake_tensors(workload), EstimateMemoryBackend(),
                            precision=precision, checkpointing=bool(checkpointing))
     peaks: dict[int, int] = {}
+    with fake_tensor_limits(workload), session:
+        for n in sizes:
+            peaks[n] = session.run(n).peak_bytes
+    return peaks
+
+
+@contextlib.contextmanager
+def fake_tensor_limits(workload):
+    """Turns "this model cannot run on fake tensors" into ``EstimateUnavailable``; any other
+    failure (a bug in the model fails the same way on real tensors) propagates untouched."""
     try:
-        with session:
-            for n in sizes:
-                peaks[n] = session.run(n).peak_bytes
-    except Exception as exc:  # noqa: BLE001 - anything but a fake-tensor limit propagates untouched
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised untouched unless it is a fake-tensor limit
         if not _is_fake_tensor_limit(exc):
             raise
         raise EstimateUnavailable(_unavailable_message(workload, exc)) from exc
-    return peaks
 
 
 def _checked_micro_batch(n) -> int:
@@ -113,9 +123,16 @@ def _checked_micro_batch(n) -> int:
     return n
 
 
-def _on_fake_tensors(workload):
-    """The workload with a model factory that the session calls inside the fake mode."""
+def on_fake_tensors(workload, *, foreach: bool = False):
+    """The workload with a model factory that the session calls inside the fake mode.
+
+    ``foreach``: optimizers left to choose their implementation (``foreach=None``) take the
+    foreach path, as they do on CUDA; on CPU tensors they would loop per parameter, and the
+    foreach path's transient (about one parameter-size buffer for AdamW) would be missed.
+    """
     original = workload
+    if foreach:
+        workload = dataclasses.replace(workload, build_optimizer=_foreach_optimizer(workload))
 
     def build_fake_model() -> torch.nn.Module:
         if original.model_is_instance:
@@ -130,6 +147,18 @@ def _on_fake_tensors(workload):
         return model
 
     return dataclasses.replace(workload, model=build_fake_model)
+
+
+def _foreach_optimizer(workload):
+    def build(params) -> torch.optim.Optimizer:
+        optimizer = workload.new_optimizer(params)
+        for group in optimizer.param_groups:
+            # Only where the user left the choice to torch (None) and did not ask for fused.
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
+        return optimizer
+
+    return build
 
 
 def _fake_copy(model: torch.nn.Module, source: str) -> torch.nn.Module:
@@ -163,4 +192,5 @@ def _unavailable_message(workload, exc: BaseException) -> str:
             f"Measure it with real trials instead (autotune probe), which need the device.")
 
 
-__all__ = ["EstimateMemoryBackend", "estimate_peak", "estimate_peaks"]
+__all__ = ["EstimateMemoryBackend", "estimate_peak", "estimate_peaks", "fake_tensor_limits",
+           "on_fake_tensors"]

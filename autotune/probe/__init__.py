@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from ..errors import ProbeError
 from ..memory import MemoryBackend, backend_for
+from ..memory.estimate import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from ..units import format_bytes
 from ..workload import load_workload
 from .result import MemoryModel, ProbeResult, Trial
 from .search import fit_memory_model, search_largest_fitting
+from .seed import estimate_seed
 from .trial import SetupOutOfMemory, TrialSession
 
 
@@ -23,6 +26,7 @@ def probe(
     memory_limit=None,
     max_micro_batch: int | None = None,
     backend: MemoryBackend | None = None,
+    use_estimate: bool = True,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -30,6 +34,9 @@ def probe(
     when available, else the CPU. ``memory_limit`` ("8GiB", "512MiB" or bytes) emulates a smaller
     device. ``max_micro_batch`` caps the search (the per-device share of a target batch); None
     finds the true maximum. ``backend`` overrides the memory backend built from device and limit.
+    ``use_estimate``: first search on fake tensors (nothing allocated), then prove that answer
+    with real trials (two when the estimate is right); models that fake tensors cannot run are
+    searched with real trials alone, and ``notes`` says so. The answer is exact either way.
     """
     workload = load_workload(workload)
     precision = Precision.parse(precision)
@@ -38,20 +45,39 @@ def probe(
     backend = backend or backend_for(device, memory_limit)
     info = backend.info()
     started = time.perf_counter()
-    session = TrialSession(workload, backend, precision=precision, checkpointing=bool(checkpointing))
+    estimating = isinstance(backend, EstimateMemoryBackend)
+    seed = None
+    if use_estimate and not estimating:
+        seed = estimate_seed(workload, backend, precision=precision, checkpointing=bool(checkpointing),
+                             upper=max_micro_batch)
+    # On the estimate backend the session's tensors are fake: the model is built inside the fake
+    # mode, and a model that fake tensors cannot run raises EstimateUnavailable.
+    run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
+    session = TrialSession(run_workload, backend, precision=precision, checkpointing=bool(checkpointing))
+    def limits():
+        return fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
+
     try:
-        with session:
+        with limits(), session:
             best, trials, model = search_largest_fitting(
-                session.run, budget=info.budget_bytes, upper=max_micro_batch
+                session.run, budget=info.budget_bytes, upper=max_micro_batch,
+                hint=seed.hint if seed is not None else None,
             )
     except SetupOutOfMemory as exc:
         detail, trials, best = str(exc), [], 0
     else:
         detail = None
     if best == 0:
-        needed = _peak_without_budget(session, backend)
+        with limits():
+            needed = _peak_without_budget(session, backend)
         raise ProbeError(_does_not_fit_message(workload, info, precision, bool(checkpointing),
                                                trials[0] if trials else None, needed, detail))
+    notes = []
+    if estimating:
+        notes.append(f"every trial ran on fake tensors ({info.name}): estimated, nothing allocated")
+    if seed is not None:
+        notes.append(seed.note(best, trials))
+        model = seed.memory_model(trials, model)
     return ProbeResult(
         max_micro_batch=best,
         upper_bound=max_micro_batch,
@@ -63,6 +89,9 @@ def probe(
         checkpointing=bool(checkpointing),
         seconds=time.perf_counter() - started,
         oom_count=sum(not t.fits for t in trials),
+        notes=notes,
+        estimate_steps=seed.steps if seed is not None else 0,
+        estimated_max_micro_batch=seed.answer if seed is not None else None,
     )
 
 

@@ -98,6 +98,11 @@ class ProbeResult:
     seconds: float
     oom_count: int = 0
     notes: list[str] = field(default_factory=list)
+    estimate_steps: int = 0
+    """Steps run on fake tensors to find where to start (not in ``trials``, which are all real,
+    except on the estimate backend itself, where ``notes`` says every trial was estimated)."""
+    estimated_max_micro_batch: int | None = None
+    """What the estimate said the answer was (None: the probe did not use one)."""
 
     @property
     def budget_bytes(self) -> int:

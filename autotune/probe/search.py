@@ -156,12 +156,16 @@ def _floor(x: float) -> float:
 
 
 def search_largest_fitting(
-    run_trial: Callable[[int], Trial], *, budget: int, upper: int | None
+    run_trial: Callable[[int], Trial], *, budget: int, upper: int | None, hint: int | None = None
 ) -> tuple[int, list[Trial], MemoryModel]:
     """Exact largest n in [1, upper] for which ``run_trial(n).fits``; 0 when n = 1 does not fit.
 
     Assumes fitting is monotone in n (if n fits, every smaller n fits). Where a trial contradicts
     that, the bracket still shrinks with every trial, so the search ends.
+
+    ``hint`` is where an estimate puts the answer (0: nothing fits): the search first tries the
+    hint and the hint + 1, which prove the answer in two trials when the estimate is right, and
+    otherwise continues from the bracket those two trials left.
     """
     trials: list[Trial] = []
     lo, hi = 0, (upper + 1 if upper is not None else None)
@@ -176,8 +180,16 @@ def search_largest_fitting(
             hi = n if hi is None else min(hi, n)
         return trial
 
-    if not record(1).fits:
-        return 0, trials, fit_memory_model(trials)
+    if hint is not None:
+        for n in _hint_trials(hint, upper):
+            if hi is not None and n >= hi:
+                break  # the hint itself failed: hint + 1 would fail too
+            record(n)
+    if lo == 0:
+        # Nothing known to fit yet (no hint, or it failed): micro-batch 1 either fits, giving the
+        # baseline the estimates grow from, or proves that nothing does.
+        if hi == 1 or not record(1).fits:
+            return 0, trials, fit_memory_model(trials)
     while hi is None or hi - lo > 1:
         candidate = next_candidate(trials, budget, lo, hi)
         if candidate is None:
@@ -185,6 +197,13 @@ def search_largest_fitting(
         assert lo < candidate and (hi is None or candidate < hi), (lo, candidate, hi)
         record(candidate)
     return lo, trials, fit_memory_model(trials)
+
+
+def _hint_trials(hint: int, upper: int | None) -> list[int]:
+    """The hint (clamped to [1, upper]) and the next micro-batch, where it is within the bound."""
+    top = upper if upper is not None else GROWTH_LIMIT
+    n = min(max(int(hint), 0), top)
+    return [m for m in (n, n + 1) if 1 <= m <= top]
 
 
 def estimates(trials: list[Trial], budget: float) -> tuple[float, float, bool]:
