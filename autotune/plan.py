@@ -78,6 +78,45 @@ class SettingTried:
 
 
 @dataclass(kw_only=True)
+class ConfigurationMeasured:
+    """One configuration the throughput search considered: measured, or pruned for memory."""
+
+    precision: str
+    checkpointing: bool
+    micro_batches: list[int]
+    """Samples per accumulation step on each rank (they sum to the per-device share)."""
+    samples_per_s: float | None = None
+    """Median over timed full windows (all micro-steps and the optimizer step); None: not run."""
+    peak_bytes: int | None = None
+    """Measured peak of the warm-up window (None: not run)."""
+    predicted_peak_bytes: int | None = None
+    """The probe's memory model at the largest micro-batch, with DDP buckets."""
+    fits: bool = True
+    status: str = "measured"
+    """"measured" or "pruned" (predicted not to fit, ran out of memory, or past the headroom)."""
+    note: str = ""
+    reused: bool = False
+    """Measured by an earlier run of the same stored study, not re-measured."""
+
+    @property
+    def micro_batch(self) -> int:
+        return max(self.micro_batches)
+
+    @property
+    def accumulation_steps(self) -> int:
+        return len(self.micro_batches)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["micro_batches"] = list(self.micro_batches)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ConfigurationMeasured":
+        return cls(**data)
+
+
+@dataclass(kw_only=True)
 class Plan:
     target_batch: int
     world_size: int
@@ -106,6 +145,13 @@ class Plan:
     """Planned under torchrun, every rank probing (the ranks agreed on the smallest answer)."""
     created_at: str = ""
     """ISO 8601 time (UTC) the plan was made."""
+    optimize: str = "memory"
+    """"memory" (the largest micro-batch that fits) or "throughput" (the fastest measured)."""
+    throughput: list[ConfigurationMeasured] = field(default_factory=list)
+    """Every configuration the throughput search considered (empty for "memory")."""
+    estimated: bool = False
+    """Memory estimated on fake tensors for a GPU profile (``--gpu``), not measured on the device;
+    ``autotune verify`` checks it there."""
 
     @property
     def accumulation_steps(self) -> int:
@@ -155,6 +201,7 @@ class Plan:
         data["workload"] = asdict(self.workload)
         data["device"] = self.device.to_dict() if self.device is not None else None
         data["settings"] = [s.to_dict() for s in self.settings]
+        data["throughput"] = [c.to_dict() for c in self.throughput]
         data["micro_batches"] = list(self.micro_batches)
         data["warnings"] = list(self.warnings)
         data["versions"] = dict(self.versions)
@@ -173,4 +220,5 @@ class Plan:
         if data.get("device") is not None:
             data["device"] = DeviceInfo.from_dict(data["device"])
         data["settings"] = [SettingTried.from_dict(s) for s in data.get("settings", [])]
+        data["throughput"] = [ConfigurationMeasured.from_dict(c) for c in data.get("throughput", [])]
         return cls(**data)

@@ -74,6 +74,9 @@ def format_plan(plan) -> str:
                      f"{format_bytes(info.budget_bytes - plan.headroom_bytes)}")
     if plan.ddp_bucket_bytes:
         lines.append(f"DDP buckets:  {format_bytes(plan.ddp_bucket_bytes)} added to every prediction")
+    if getattr(plan, "estimated", False):
+        lines.append("estimate:     memory estimated on fake tensors without the device, not measured; "
+                     "check it there with autotune verify")
     lines += ["", "settings tried:"]
     rows = []
     for s in plan.settings:
@@ -103,7 +106,27 @@ def format_plan(plan) -> str:
     if lr.warmup_steps:
         lines.append(f"warmup:       {lr.warmup_steps} optimizer steps, linear")
     lines += [f"warning: {w}" for w in plan.warnings]
+    if plan.throughput:
+        lines += ["", format_throughput(plan)]
     return "\n".join(lines)
+
+
+def format_throughput(plan) -> str:
+    """The throughput search's table: every configuration considered, fastest first."""
+    rows = []
+    for c in plan.throughput:
+        chosen = (c.fits and (c.precision, c.checkpointing, c.micro_batches)
+                  == (plan.precision, plan.checkpointing, list(plan.micro_batches)))
+        speed = f"{c.samples_per_s:.1f}" if c.samples_per_s is not None else "-"
+        status = "<- plan" if chosen else ("reused" if c.reused and c.fits else
+                                           "" if c.fits else f"pruned: {c.note}")
+        rows.append([c.precision, "on" if c.checkpointing else "off", c.micro_batch,
+                     c.accumulation_steps, speed, format_bytes(c.peak_bytes),
+                     format_bytes(c.predicted_peak_bytes), status])
+    text = table(["precision", "checkpointing", "micro-batch", "steps", "samples/s", "peak",
+                  "predicted", ""], rows, align="llrrrrrl")
+    why = plan.reasons.get("throughput", "")
+    return "throughput search (samples/s over full windows):\n" + text + (f"\nwhy: {why}" if why else "")
 
 
 def _split_text(plan) -> str:
