@@ -1,0 +1,168 @@
+"""Samples per second of one configuration, measured with real training windows.
+
+A configuration is a precision, a checkpointing setting and a split of the per-device share into
+micro-batches. Its windows run through the training loop's own ``StepRunner`` (the accumulation,
+loss scaling, clipping and optimizer step that ``autotune train`` runs) on a model set up by the
+probe's ``TrialSession`` (optimizer state allocated, the memory budget enforced). The first window
+is the warm-up and gives the peak; the next ones are timed whole, all micro-steps plus the
+optimizer step, so samples/s compares plans with different accumulation on equal terms. Building
+the batch is not timed (a data loader overlaps it with compute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .memory.base import MemoryBackend
+from .oom import free_memory
+from .precision import Precision
+from .probe.trial import CLIP_NORM, SetupOutOfMemory, TrialSession
+from .train.data import Window
+from .train.distributed import DistContext
+from .train.errors import TrainError
+from .train.loop import StepRunner, TrainState
+from .workload import Workload
+
+TIMED_WINDOWS = 3
+"""Windows timed after the warm-up; samples/s is the median (robust to one noisy window)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Configuration:
+    """What the search varies: everything else about training stays as planned."""
+
+    precision: str
+    checkpointing: bool
+    micro_batches: tuple[int, ...]
+
+    @property
+    def micro_batch(self) -> int:
+        return max(self.micro_batches)
+
+    @property
+    def accumulation_steps(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def share(self) -> int:
+        return sum(self.micro_batches)
+
+    @property
+    def label(self) -> str:
+        split = (f"{self.micro_batch}x{self.accumulation_steps}" if len(set(self.micro_batches)) == 1
+                 else "+".join(map(str, self.micro_batches)))
+        return f"{self.precision}, checkpointing {'on' if self.checkpointing else 'off'}, {split}"
+
+
+@dataclass(kw_only=True)
+class Measurement:
+    samples_per_s: float | None
+    """None when the configuration ran out of memory."""
+    peak_bytes: int | None
+    """Peak of the warm-up window; for an out-of-memory one, the usage when it failed (or None)."""
+    out_of_memory: bool = False
+    within_budget: bool = True
+    """False when the backend saw the window pass its budget without raising (CUDA reserved)."""
+    window_seconds: tuple[float, ...] = ()
+    seconds: float = 0.0
+    """Wall time of the whole measurement: set-up, warm-up and timed windows."""
+
+
+def measure_configuration(workload: Workload, backend: MemoryBackend, config: Configuration, *,
+                          windows: int = TIMED_WINDOWS) -> Measurement:
+    """Run one warm-up window and ``windows`` timed windows of ``config``."""
+    started = time.perf_counter()
+    session = TrialSession(workload, backend, precision=Precision.parse(config.precision),
+                           checkpointing=config.checkpointing)
+    try:
+        with session:
+            result = _measure_in(session, config, windows)
+    except SetupOutOfMemory:
+        result = Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+class _WindowOutOfMemory(Exception):
+    """Raised through StepRunner's notify hook: a measurement stops at its first OOM instead of
+    letting the loop redo the window with a finer split (that would measure another plan)."""
+
+
+def _stop_at_out_of_memory(message: str) -> None:
+    raise _WindowOutOfMemory(message)
+
+
+class _ConstantSchedule:
+    def step(self) -> None:
+        """The LR does not change the cost of a step."""
+
+
+def _measure_in(session: TrialSession, config: Configuration, windows: int) -> Measurement:
+    backend = session.backend
+    runner = StepRunner(
+        model=session.model, optimizer=session.optimizer, scheduler=_ConstantSchedule(),
+        scaler=session.scaler, precision=session.precision, workload=session.workload,
+        ctx=DistContext(world_size=1, rank=0, device=session.device), clip_grad_norm=CLIP_NORM,
+        state=TrainState(), notify=_stop_at_out_of_memory,
+    )
+    window = Window(step=0, epoch=0, index=0, samples=config.share, start=0, stop=config.share,
+                    micro_batches=config.micro_batches)
+    batch = session.workload.batch(config.share)
+    backend.release()
+    backend.reset_peak()
+    if not _run_window(runner, window, batch):
+        peak = backend.peak_bytes()
+        free_memory()
+        return Measurement(samples_per_s=None, peak_bytes=peak, out_of_memory=True)
+    peak, within = backend.peak_bytes(), backend.within_budget()
+    times = []
+    with _untracked(backend):
+        for _ in range(windows):
+            _synchronize(session.device)
+            start = time.perf_counter()
+            ran = _run_window(runner, window, batch)
+            _synchronize(session.device)
+            if not ran:  # possible on CUDA (fragmentation) even after the warm-up fitted
+                free_memory()
+                return Measurement(samples_per_s=None, peak_bytes=peak, out_of_memory=True)
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times) if times else float("nan")
+    return Measurement(samples_per_s=config.share / median if times else None, peak_bytes=peak,
+                       within_budget=within, window_seconds=tuple(times))
+
+
+def _run_window(runner: StepRunner, window: Window, batch) -> bool:
+    """One optimizer step over the window; False when it ran out of memory."""
+    try:
+        runner.step(window, batch, stop_requested=False)
+    except _WindowOutOfMemory:
+        return False
+    except TrainError:
+        # In one process, StepRunner.step raises TrainError only when a micro-batch of one sample
+        # ran out of memory (it cannot split further, so notify is never reached). Anything else
+        # is not ours to hide.
+        if window.micro_batches and max(window.micro_batches) > 1:
+            raise
+        return False
+    return True
+
+
+def _untracked(backend: MemoryBackend):
+    # The CPU backend counts bytes in a TorchDispatchMode, which adds Python work to every op that
+    # real training does not pay; the warm-up already measured the peak, so timed windows run
+    # without it. On CUDA tracking is the allocator's own and costs nothing.
+    if backend.device.type != "cpu":
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
