@@ -1,0 +1,210 @@
+"""Throughput search: pruning for memory (predicted and on OOM), the winner, study resume, --budget,
+and `autotune plan --optimize throughput` end to end on a tiny model."""
+
+import json
+
+import optuna
+import pytest
+import torch
+from click.testing import CliRunner
+
+import autotune
+from autotune.cli import cli
+from autotune.errors import ConfigError
+from autotune.memory import CPUMemoryBackend
+from autotune.planfile import plan_from_json, plan_schema, plan_to_json
+from autotune.search_throughput import (Candidate, build_candidates, parse_duration,
+                                        search_throughput, split_choices)
+from autotune.throughput import Configuration, Measurement, measure_configuration
+from autotune.workload import Workload
+from plan_helpers import MiB, linear_probe, setting
+
+SPEEDS = {("fp32", False, 8): 100.0, ("fp32", False, 16): 180.0, ("fp32", False, 32): 150.0,
+          ("bf16", False, 8): 120.0, ("bf16", False, 16): 210.0, ("bf16", False, 32): 200.0}
+
+
+class FakeMeasure:
+    """Deterministic samples/s per (precision, checkpointing, micro-batch); counts measurements."""
+
+    def __init__(self, speeds=SPEEDS, oom=()):
+        self.speeds, self.oom, self.calls = speeds, set(oom), []
+
+    def __call__(self, config: Configuration) -> Measurement:
+        key = (config.precision, config.checkpointing, config.micro_batch)
+        self.calls.append(key)
+        if key in self.oom:
+            return Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True)
+        return Measurement(samples_per_s=self.speeds[key], peak_bytes=config.micro_batch * MiB)
+
+
+def _candidates(fits_up_to=32, precisions=("fp32", "bf16")):
+    found = []
+    for precision in precisions:
+        for m in (8, 16, 32, 64):
+            config = Configuration(precision=precision, checkpointing=False, micro_batches=(m,) * (64 // m))
+            found.append(Candidate(config=config, predicted_peak_bytes=m * MiB,
+                                   predicted_fits=m <= fits_up_to, why_not="predicted too big"))
+    return found
+
+
+def _search(measure, storage=None, candidates=None, name="test-study", budget_s=30):
+    return search_throughput(candidates or _candidates(), measure, budget_s=budget_s,
+                             usable_bytes=1000 * MiB, study_name=name, storage=storage)
+
+
+def _states(storage, name="test-study"):
+    study = optuna.load_study(study_name=name, storage=storage)
+    return {(t.params["precision"], t.params["micro_batch"]): t.state for t in study.trials
+            if "status" in t.user_attrs}
+
+
+def test_predicted_misfits_are_pruned_without_a_step(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    measure = FakeMeasure()
+    result = _search(measure, storage)
+    assert all(key[2] <= 32 for key in measure.calls)  # micro-batch 64 never ran
+    pruned = [r for r in result.records if r.micro_batch == 64]
+    assert len(pruned) == 2 and all(r.status == "pruned" and not r.fits for r in pruned)
+    assert all(r.samples_per_s is None and r.peak_bytes is None for r in pruned)
+    assert _states(storage)[("fp32", 64)] == optuna.trial.TrialState.PRUNED
+
+
+def test_out_of_memory_is_a_pruned_trial_not_a_failed_one(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    result = _search(FakeMeasure(oom={("bf16", False, 16)}), storage)
+    record = next(r for r in result.records if (r.precision, r.micro_batch) == ("bf16", 16))
+    assert record.status == "pruned" and not record.fits and "out of memory" in record.note
+    states = _states(storage)
+    assert states[("bf16", 16)] == optuna.trial.TrialState.PRUNED
+    assert optuna.trial.TrialState.FAIL not in states.values()
+    # The fastest that fits wins, not the OOM one.
+    assert (result.winner.precision, result.winner.micro_batch) == ("bf16", 32)
+
+
+def test_the_winner_is_the_best_measured():
+    measure = FakeMeasure()
+    result = _search(measure)
+    assert sorted(measure.calls) == sorted(SPEEDS)  # a small space is measured exhaustively
+    assert (result.winner.precision, result.winner.micro_batch) == ("bf16", 16)
+    assert result.winner.samples_per_s == max(SPEEDS.values())
+    assert [r.samples_per_s for r in result.records[:6]] == sorted(SPEEDS.values(), reverse=True)
+
+
+def test_memory_plans_are_measured_first():
+    measure = FakeMeasure()
+    _search(measure)
+    assert set(measure.calls[:2]) == {("fp32", False, 32), ("bf16", False, 32)}
+
+
+def test_a_stored_study_resumes_without_measuring_again(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first = FakeMeasure()
+    _search(first, storage, candidates=_candidates(precisions=("fp32",)))
+    assert len(first.calls) == 3
+    second = FakeMeasure()
+    result = _search(second, storage)  # bf16 added: only its configurations are new
+    assert sorted(second.calls) == [("bf16", False, 8), ("bf16", False, 16), ("bf16", False, 32)]
+    assert result.reused == 3 and result.measured == 3
+    third = FakeMeasure()
+    again = _search(third, storage)
+    assert third.calls == [] and again.winner.samples_per_s == 210.0
+
+
+def test_a_stored_measurement_too_big_for_this_budget_is_redone(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    _search(FakeMeasure(), storage)
+    measure = FakeMeasure()
+    search_throughput(_candidates(), measure, budget_s=30, usable_bytes=20 * MiB,
+                      study_name="test-study", storage=storage)
+    assert sorted(measure.calls) == [("bf16", False, 32), ("fp32", False, 32)]
+
+
+@pytest.mark.parametrize("text,seconds", [("60s", 60), ("2m", 120), ("90", 90), ("1.5m", 90), (45, 45)])
+def test_budget_parsing(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "-5s", "0", "10x"])
+def test_bad_budget_names_the_option(text):
+    with pytest.raises(ConfigError, match="--budget"):
+        parse_duration(text)
+
+
+def test_bad_budget_exits_2_naming_the_option(examples_dir):
+    result = CliRunner().invoke(cli, ["plan", str(examples_dir / "gpt_varlen.py"), "--target-batch", "8",
+                                      "--optimize", "throughput", "--budget", "soon"])
+    assert result.exit_code == 2
+    assert "--budget 'soon'" in result.output
+
+
+def test_candidates_are_exact_splits_with_predictions():
+    probe = linear_probe(20, base=100 * MiB, per_sample=10 * MiB)
+    tried = setting(probe, headroom=0.0)
+    candidates = build_candidates([tried], share=64, usable=1000 * MiB)
+    assert all(c.config.share == 64 for c in candidates)
+    fitting = [c.config.micro_batch for c in candidates if c.predicted_fits]
+    assert fitting == [m for m in split_choices(64) if m <= 20]
+    beyond = [c for c in candidates if not c.predicted_fits]
+    assert [c.config.micro_batch for c in beyond] == [22] and "not run" in beyond[0].why_not
+
+
+def _tiny_workload():
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64),
+                                   torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+    return Workload(model=build, make_batch=lambda n: torch.randn(n, 64),
+                    loss_fn=lambda m, b: m(b).pow(2).mean(), source="tiny")
+
+
+def test_real_measurement_and_a_real_out_of_memory():
+    backend = CPUMemoryBackend(memory_limit="2MiB")
+    fits = measure_configuration(_tiny_workload(), backend,
+                                 Configuration(precision="fp32", checkpointing=False, micro_batches=(8, 8)),
+                                 windows=2)
+    assert fits.samples_per_s > 0 and not fits.out_of_memory and len(fits.window_seconds) == 2
+    assert 0 < fits.peak_bytes < 2 * MiB
+    big = measure_configuration(_tiny_workload(), backend,
+                                Configuration(precision="fp32", checkpointing=False, micro_batches=(2048,)),
+                                windows=1)
+    assert big.out_of_memory and big.samples_per_s is None
+
+
+def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path):
+    def fake_probe(workload, *, precision, checkpointing, max_micro_batch, backend):
+        return linear_probe(min(32, max_micro_batch), precision=precision, upper=max_micro_batch)
+
+    speeds = {(p, False, m): (300.0 if (p, m) == ("fp32", 22) else 100.0 + m)
+              for p in ("fp32", "bf16") for m in split_choices(64)}
+    monkeypatch.setattr("autotune.planning.probe", fake_probe)
+    monkeypatch.setattr("autotune.planning.measure_configuration",
+                        lambda workload, backend, config: FakeMeasure(speeds)(config))
+    plan = autotune.plan(_tiny_workload(), target_batch=64, device="cpu", headroom=0.0,
+                         optimize="throughput", budget="30s", checkpointing="off")
+    assert plan.optimize == "throughput"
+    assert (plan.precision, plan.micro_batches) == ("fp32", [22, 21, 21])
+    assert "fastest measured" in plan.reasons["throughput"]
+    assert max(c.samples_per_s or 0 for c in plan.throughput if c.fits) == 300.0
+    text = plan_to_json(plan)
+    assert plan_from_json(text).throughput == plan.throughput
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(json.loads(text), plan_schema())
+
+
+def test_cli_optimize_throughput_end_to_end(examples_dir, tmp_path):
+    out = tmp_path / "plan.json"
+    runner = CliRunner()
+    result = runner.invoke(cli, ["plan", str(examples_dir / "gpt_varlen.py"), "--target-batch", "16",
+                                 "--optimize", "throughput", "--budget", "8s", "--memory-limit", "8MiB",
+                                 "--storage", f"sqlite:///{tmp_path / 'a.db'}", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "throughput search" in result.output and "<- plan" in result.output
+    plan = autotune.load_plan(out)
+    measured = [c for c in plan.throughput if c.fits and c.samples_per_s is not None]
+    assert measured and plan.effective_batch == 16
+    best = max(measured, key=lambda c: c.samples_per_s)
+    assert (best.precision, best.checkpointing, best.micro_batches) == \
+        (plan.precision, plan.checkpointing, plan.micro_batches)
+    shown = runner.invoke(cli, ["show", str(out)])
+    assert shown.exit_code == 0 and "throughput search" in shown.output
