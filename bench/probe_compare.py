@@ -37,6 +37,8 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten
 
 import autotune
 from autotune.memory.cpu import CPUMemoryBackend, StorageTracker
@@ -111,14 +113,19 @@ def fresh_backend(memory_limit: str) -> CPUMemoryBackend:
 
 
 class ForwardCounter:
-    """Counts forward passes of every model built through ``factory``."""
+    """Counts forward passes of every model built through ``factory``: real ones in ``count``,
+    passes on fake tensors (autotune's estimate, nothing allocated or computed) in ``fake``."""
 
     def __init__(self, factory):
         self._factory = factory
         self.count = 0
+        self.fake = 0
 
     def _hook(self, module, args):
-        self.count += 1
+        if any(isinstance(leaf, FakeTensor) for leaf in tree_flatten(args)[0]):
+            self.fake += 1
+        else:
+            self.count += 1
 
     def build(self) -> torch.nn.Module:
         model = self._factory()
@@ -173,10 +180,14 @@ def run_autotune(workload: Workload, memory_limit: str) -> Outcome:
     start = time.perf_counter()
     result = autotune.probe(counted, backend=backend)
     seconds = time.perf_counter() - start
-    note = ""
+    notes = []
+    if counter.fake:
+        notes.append(f"{counter.fake} forward passes on fake tensors first (the estimate: nothing "
+                     f"allocated; its time is in the seconds)")
     if len(result.trials) != counter.count or result.oom_count != backend.tracker.oom_events:
-        note = (f"autotune reports {len(result.trials)} trials / {result.oom_count} OOMs, "
-                f"counted {counter.count} / {backend.tracker.oom_events}")
+        notes.append(f"autotune reports {len(result.trials)} trials / {result.oom_count} OOMs, "
+                     f"counted {counter.count} / {backend.tracker.oom_events}")
+    note = "; ".join(notes)
     return Outcome("autotune", result.max_micro_batch, counter.count, backend.tracker.oom_events,
                    seconds, note=note)
 
