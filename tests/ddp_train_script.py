@@ -47,11 +47,12 @@ report = {}
 for name, (workload, micro_batches) in runs.items():
     allreduces.clear()
     result = train(make_plan(micro_batches, world_size=2, lr=0.1), workload, steps=3, progress=False)
-    counts = [None, None]
+    counts, noise = [None, None], [None, None]
     dist.all_gather_object(counts, len(allreduces))
+    dist.all_gather_object(noise, [(m["noise_grad_sq_ema"], m["noise_trace_ema"]) for m in result.metrics])
     report[name] = {"allreduces": counts, "steps": result.steps, "recoveries": result.oom_recoveries,
                     "accumulation": [m["accumulation_steps"] for m in result.metrics],
-                    "loss": [m["loss"] for m in result.metrics]}
+                    "loss": [m["loss"] for m in result.metrics], "noise": noise}
     if rank == 0:
         torch.save(params_of(result.model), out / f"{name}.pt")
 if rank == 0:

@@ -1,6 +1,7 @@
 """Two gloo ranks under torchrun give the parameters of one process with the same effective batch."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -55,3 +56,14 @@ def test_ranks_agree_on_oom_recovery(ddp_run):
     _, report = ddp_run
     assert report["oom"]["recoveries"] == 2
     assert report["oom"]["accumulation"] == [4, 4, 2]  # two recoveries: the finer split is kept
+
+
+@pytest.mark.slow
+def test_ranks_share_one_noise_scale_estimate(ddp_run):
+    _, report = ddp_run
+    # The ranks' small-batch norms ride along in the window's one all-reduce of the totals, so
+    # every rank holds the same moving averages (and gives the same advice).
+    for name in ("mean", "tokens"):
+        first, second = report[name]["noise"]
+        assert first == second
+        assert all(value is not None and math.isfinite(value) for pair in first for value in pair)

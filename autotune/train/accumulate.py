@@ -55,13 +55,26 @@ class WindowTotals:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.items = torch.zeros((), dtype=torch.float64, device=self.device)
         self.token_counts = False
+        # The gradient noise scale's small batch (see ``autotune.train.noise_scale``): this rank's
+        # per-sample |G_small|², 1/B_small, and 1 when the rank measured it (summed over ranks).
+        self.small_sq_norm = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.small_inverse_batch = 0.0
+        self.small_ranks = 0.0
 
     def add(self, loss_sum: torch.Tensor, count, *, counted: bool) -> None:
         self.loss_sum += loss_sum.detach().to(torch.float64)
         self.items += count.detach().to(torch.float64) if isinstance(count, torch.Tensor) else float(count)
         self.token_counts = self.token_counts or counted
 
+    def add_small_batch(self, sq_norm: torch.Tensor, batch: int) -> None:
+        self.small_sq_norm = sq_norm.detach().to(torch.float64)
+        self.small_inverse_batch = 1.0 / batch
+        self.small_ranks = 1.0
+
     def as_tensor(self, stop: bool) -> torch.Tensor:
-        """[loss_sum, items, stop flag]: what ranks all-reduce once per window."""
-        flag = torch.tensor(1.0 if stop else 0.0, dtype=torch.float64, device=self.device)
-        return torch.stack([self.loss_sum, self.items, flag])
+        """[loss_sum, items, stop flag, small |G|², 1/B_small, ranks measured]: what ranks
+        all-reduce once per window (the noise-scale terms ride along for free)."""
+        extra = torch.tensor([1.0 if stop else 0.0, 0.0, self.small_inverse_batch, self.small_ranks],
+                             dtype=torch.float64, device=self.device)
+        extra[1] = self.small_sq_norm
+        return torch.cat([torch.stack([self.loss_sum, self.items]), extra])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batc
 from .errors import TrainError
 from .loop import StepRunner, TrainState, run_steps
 from .metrics import MetricsLog
+from .noise_scale import NoiseScaleEMA, batch_advice, noise_scale, unavailable_reason
 from .schedule import apply_plan_lr, build_scheduler
 from .stop import StopRequest
 
@@ -44,19 +45,26 @@ class TrainResult:
     checkpoint: Path | None
     rank: int = 0
     world_size: int = 1
+    noise_scale: float | None = None
+    """The gradient noise scale B_noise in samples at the end (None: not measured or too few
+    windows yet; ``noise_scale_note`` says which)."""
+    noise_scale_note: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    """Advice printed once at the end of the run (the effective batch far beyond B_noise)."""
 
 
 def train(plan, workload, *, steps: int | None = None, epochs: int | None = None,
           checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
           metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0, device=None,
-          num_workers: int = 0, progress: bool = True) -> TrainResult:
+          num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True) -> TrainResult:
     """Train ``workload`` as ``plan`` says: its micro-batches, accumulation, world size,
     precision, checkpointing, LR and warmup, with the gradient of each window exactly that of the
     whole window as one batch.
 
     ``plan`` is a ``Plan`` or a plan-file path; ``workload`` a model-file path or ``Workload``.
     ``clip_grad_norm`` defaults to the plan's (None: no clipping). Under torchrun each process
-    calls this; rank 0 alone writes metrics and checkpoints.
+    calls this; rank 0 alone writes metrics and checkpoints. ``measure_noise_scale`` estimates
+    the gradient noise scale from gradient norms the loop has anyway (it never changes training).
     """
     plan_source = plan if isinstance(plan, (str, Path)) else "the plan"
     plan = checks.load_plan(plan)
@@ -81,7 +89,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
                            seed=seed, dataset=dataset, dataset_size=size, total_steps=total,
                            checkpoint_dir=checkpoint_dir)
         return session.run(resume=resume, checkpoint_every=checkpoint_every,
-                           metrics_path=metrics_path, num_workers=num_workers, progress=progress)
+                           metrics_path=metrics_path, num_workers=num_workers, progress=progress,
+                           measure_noise=measure_noise_scale)
     finally:
         distributed.teardown(ctx)
 
@@ -109,7 +118,8 @@ class _Session:
         self.scaler = grad_scaler(precision, ctx.device)
         self.state = TrainState()
 
-    def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress) -> TrainResult:
+    def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
+            measure_noise=True) -> TrainResult:
         rng = self._restore() if resume else None
         metrics = MetricsLog(metrics_path, enabled=self.ctx.is_main, total_steps=self.total_steps,
                              progress=progress, resume_step=self.state.step)
@@ -119,7 +129,8 @@ class _Session:
             runner = StepRunner(model=distributed.wrap_model(self.model, self.ctx),
                                 optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                 precision=self.precision, workload=self.workload, ctx=self.ctx,
-                                clip_grad_norm=self.clip, state=self.state, notify=metrics.note)
+                                clip_grad_norm=self.clip, state=self.state, notify=metrics.note,
+                                measure_noise=measure_noise)
             batches = self._batches(num_workers)
             if rng is not None:
                 set_rng_state(rng)  # last, so nothing before the first step draws from it
@@ -127,6 +138,11 @@ class _Session:
                 records, interrupted = run_steps(
                     runner, self.layout, batches, total_steps=self.total_steps, metrics=metrics,
                     stop=stop, save_checkpoint=self._save, checkpoint_every=checkpoint_every)
+            noise, note, warnings = self._noise_advice(measure_noise)
+            for warning in warnings:
+                metrics.note(f"warning: {warning}")
+            if note is not None and progress:
+                metrics.note(note)
         finally:
             metrics.close()
         return TrainResult(
@@ -134,7 +150,24 @@ class _Session:
             scaler=self.scaler, steps=self.state.step, metrics=records,
             skipped_steps=self.state.skipped_steps, oom_recoveries=self.state.split.recoveries,
             micro_batches=_current_split(self.plan, self.state), interrupted=interrupted,
-            checkpoint=self.path, rank=self.ctx.rank, world_size=self.ctx.world_size)
+            checkpoint=self.path, rank=self.ctx.rank, world_size=self.ctx.world_size,
+            noise_scale=noise, noise_scale_note=note, warnings=warnings)
+
+    def _noise_advice(self, measured: bool) -> tuple[float | None, str | None, list[str]]:
+        """(B_noise, why it is None, warnings) at the end of the run."""
+        if not measured:
+            return None, "the gradient noise scale was not measured (measure_noise_scale=False)", []
+        value = noise_scale(self.state.noise)
+        if value is not None:
+            advice = batch_advice(value, self.plan.effective_batch)
+            return value, None, [advice] if advice else []
+        steps = len(_current_split(self.plan, self.state))
+        note = unavailable_reason(micro_steps=steps, world_size=self.ctx.world_size)
+        if note is None:
+            note = (f"the gradient noise scale is not known yet ({self.state.noise.windows} "
+                    f"windows measured; it needs more windows, or the gradient is still lost in "
+                    f"the noise)")
+        return None, note, []
 
     def _batches(self, num_workers):
         start, stop = self.state.step, self.total_steps
@@ -172,6 +205,7 @@ class _Session:
             "step": self.state.step,
             "skipped_steps": self.state.skipped_steps,
             "split": self.state.split.state_dict(),
+            "noise_scale": self.state.noise.to_dict(),
             "data": self._data_position(),
             "plan": self.plan.to_dict(),
         }, self.path)
@@ -202,6 +236,8 @@ class _Session:
         self.state.step = saved["step"]
         self.state.skipped_steps = saved["skipped_steps"]
         self.state.split.load_state_dict(saved["split"])
+        if "noise_scale" in saved:  # absent from checkpoints written before it was measured
+            self.state.noise = NoiseScaleEMA.from_dict(saved["noise_scale"])
         ranks = saved["rng"]
         return ranks[self.ctx.rank] if self.ctx.rank < len(ranks) else None
 

@@ -14,7 +14,7 @@ import torch
 from ..oom import free_memory, is_oom_error
 from ..precision import Precision, autocast
 from ..workload import Workload, move_batch
-from . import distributed
+from . import distributed, noise_scale
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
 from .data import Window, slice_batch, split_micro_batches
 from .errors import TrainError
@@ -39,12 +39,13 @@ class TrainState:
     step: int = 0
     skipped_steps: int = 0
     split: SplitPolicy = field(default_factory=SplitPolicy)
+    noise: noise_scale.NoiseScaleEMA = field(default_factory=noise_scale.NoiseScaleEMA)
 
 
 class StepRunner:
     def __init__(self, *, model, optimizer, scheduler, scaler, precision: Precision, workload: Workload,
                  ctx: distributed.DistContext, clip_grad_norm: float | None, state: TrainState,
-                 notify=lambda message: None):
+                 notify=lambda message: None, measure_noise: bool = True):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -56,6 +57,7 @@ class StepRunner:
         self.clip_grad_norm = clip_grad_norm
         self.state = state
         self.notify = notify
+        self.measure_noise = measure_noise
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.totals = WindowTotals(self.device)
         # BatchNorm updates its running statistics in forward; a window redone after an OOM must
@@ -99,6 +101,9 @@ class StepRunner:
         failed = False
         offset = 0
         last = len(sizes) - 1
+        # The noise scale's small batch is the first non-empty micro-step, provided another one
+        # follows it (the last is never empty): its gradient alone, still local under no_sync.
+        measure_at = next((i for i, n in enumerate(sizes) if n), last) if self.measure_noise else last
         for index, size in enumerate(sizes):
             part = slice_batch(batch, offset, offset + size)
             offset += size
@@ -109,10 +114,10 @@ class StepRunner:
                 continue
             if size == 0:  # an empty piece of a split (never the last one: sizes are sorted)
                 continue
-            failed = self._micro_step(part, size, scale, final)
+            failed = self._micro_step(part, size, scale, final, measure=index == measure_at < last)
         return failed
 
-    def _micro_step(self, part, size: int, scale: float, final: bool) -> bool:
+    def _micro_step(self, part, size: int, scale: float, final: bool, *, measure: bool) -> bool:
         out_of_memory = agreed = False
         try:
             batch = move_batch(part, self.device)
@@ -128,6 +133,12 @@ class StepRunner:
                         return True
                 self.scaler.scale(loss_sum * scale).backward()
             self.totals.add(loss_sum, items, counted=count is not None)
+            if measure:
+                # Reading the gradients leaves them (and so training) untouched. The grads are
+                # GradScaler scale × (world_size·n/N) × the micro-batch's per-sample mean
+                # gradient; the factor is divided out at the optimizer step, where the scale is
+                # read anyway, so no device sync happens here.
+                self.totals.add_small_batch(self._grad_sq_norm() / (scale * size) ** 2, size)
         except Exception as exc:  # noqa: BLE001 - anything but out-of-memory is re-raised untouched
             if not is_oom_error(exc):
                 raise
@@ -153,6 +164,8 @@ class StepRunner:
 
     # -- the optimizer step ----------------------------------------------------------------------
     def _optimizer_step(self, window: Window, sizes: list[int], stop_requested: bool) -> StepOutcome:
+        if self.totals.small_ranks and self.scaler.is_enabled():
+            self.totals.small_sq_norm = self.totals.small_sq_norm / self.scaler.get_scale() ** 2
         reduced = None
         if self.totals.token_counts:
             # Item counts are only known now; the window's gradient becomes sum / count exactly.
@@ -179,13 +192,34 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         if reduced is None:
             reduced = self._reduce_totals(stop_requested)
-        loss_sum, items, stop = reduced
+        loss_sum, items, stop = reduced[:3]
+        self._update_noise_scale(window, reduced, float(norm))
         return StepOutcome(loss=loss_sum / items, lr=lr, grad_norm=float(norm), skipped=skipped,
                            stop=stop > 0, micro_batches=sizes)
 
     def _reduce_totals(self, stop_requested: bool) -> list[float]:
         totals = distributed.all_reduce_sum(self.totals.as_tensor(stop_requested), self.ctx)
         return totals.tolist()
+
+    def _update_noise_scale(self, window: Window, reduced: list[float], norm: float) -> None:
+        _, items, _, small_sq_sum, inverse_sum, ranks = reduced
+        if not ranks:
+            return
+        # The window's gradient is per-sample mean (or, with item counts, sum / C): scale it back
+        # to the per-sample mean of the summed loss, the quantity the small batch measured.
+        big = norm * (items / window.samples if self.totals.token_counts else 1.0)
+        small_batch = ranks / inverse_sum  # harmonic mean of the ranks' micro-batch sizes
+        if not small_batch < window.samples:
+            return
+        estimate = noise_scale.two_batch_estimate(small_sq_sum / ranks, big * big,
+                                                  small_batch=small_batch, big_batch=window.samples)
+        self.state.noise = noise_scale.update(self.state.noise, estimate)
+
+    def _grad_sq_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2
 
     def _grad_norm(self) -> torch.Tensor:
         if self.clip_grad_norm is not None:
@@ -214,6 +248,8 @@ def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics,
             "peak_memory_bytes": peak_memory_bytes(runner.device), "skipped_steps": state.skipped_steps,
             "oom_recoveries": state.split.recoveries, "micro_batch": max(outcome.micro_batches),
             "accumulation_steps": len(outcome.micro_batches),
+            "noise_scale": noise_scale.noise_scale(state.noise),
+            "noise_grad_sq_ema": state.noise.grad_sq, "noise_trace_ema": state.noise.trace,
         }
         records.append(record)
         metrics.write(record)

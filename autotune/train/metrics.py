@@ -13,7 +13,10 @@ import torch
 from ..units import format_bytes
 
 FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "peak_memory_bytes",
-          "skipped_steps", "oom_recoveries", "micro_batch", "accumulation_steps")
+          "skipped_steps", "oom_recoveries", "micro_batch", "accumulation_steps",
+          # The gradient noise scale (samples; None until known) and the moving averages of the
+          # per-sample |G|² and tr(Σ) it is the ratio of: see autotune.train.noise_scale.
+          "noise_scale", "noise_grad_sq_ema", "noise_trace_ema")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -78,6 +81,8 @@ def format_progress(record: dict, total_steps: int) -> str:
         extra += f"  skipped {record['skipped_steps']}"
     if record["oom_recoveries"]:
         extra += f"  oom-recoveries {record['oom_recoveries']}"
+    if record.get("noise_scale") is not None:
+        extra += f"  B_noise {record['noise_scale']:.3g}"
     return (
         f"step {record['step']}/{total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.3g}  "
         f"|g| {norm_text}  {record['samples_per_s']:.0f} samples/s  "
