@@ -130,13 +130,16 @@ def devices(memory_limit, as_json):
 @click.option("--storage", default=None,
               help="Optuna storage URL that keeps the throughput study, e.g. sqlite:///autotune.db "
                    "(a rerun resumes; optuna-dashboard can read it).")
+@click.option("--gpu", default=None,
+              help="Plan for this GPU without it: a profile name (autotune profiles lists them) or "
+                   "a profile .toml path; memory is estimated on fake tensors.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
 @_errors_to_exit_codes
 def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
-                 output, as_json):
+                 gpu, output, as_json):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
     from .planfile import plan_to_json, save_plan
     from .planning import plan as make_plan
@@ -146,7 +149,7 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                        precision=precision.lower(), checkpointing=checkpointing,
                        memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
                        base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
-                       optimize=optimize, budget=budget, storage=storage)
+                       optimize=optimize, budget=budget, storage=storage, gpu=gpu)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)
@@ -282,6 +285,36 @@ def profiles(profile, as_json):
     if not profile:
         click.echo("\nbudget = memory - CUDA context - allocator reserve; TF/s are dense peaks. "
                    "Pass a profile name or your own .toml path to check one.")
+
+
+@cli.command()
+@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--model", "model_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The model file (default: the one the plan records).")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
+@click.option("--memory-limit", type=MEMORY_SIZE, default=None,
+              help="Memory budget to emulate a smaller device, e.g. 8GiB, 512MiB or bytes.")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Real training steps to run at the plan's micro-batch.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write the re-planned plan here when the plan is not confirmed.")
+@_errors_to_exit_codes
+def verify(plan_file, model_file, device, memory_limit, steps, output):
+    """Run a plan's micro-batch for a few real steps here: exit 0 when it fits, 1 when re-planned."""
+    from .planfile import save_plan
+    from .verify import format_verify, verify_plan
+
+    result = verify_plan(plan_file, workload=model_file, device=device, memory_limit=memory_limit,
+                         steps=steps)
+    click.echo(format_verify(result))
+    if result.confirmed:
+        return
+    if output is not None and result.new_plan is not None:
+        save_plan(result.new_plan, output)
+        click.echo(f"new plan written to {output}")
+    elif result.new_plan is not None:
+        click.echo("the new plan was not written; pass -o FILE to write it")
+    click.get_current_context().exit(1)
 
 
 def main(argv=None):

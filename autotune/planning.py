@@ -21,6 +21,7 @@ from .plan import Plan, SettingTried, WorkloadFingerprint
 from .planner import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
                       ddp_bucket_bytes, evaluate_setting, usable_bytes)
 from .precision import Precision, supports_bf16
+from .gpu_target import profile_target
 from .probe import probe
 from .search_throughput import (DEFAULT_BUDGET_S, build_candidates, parse_duration,
                                 search_throughput, study_name, why_fastest)
@@ -49,6 +50,7 @@ def plan(
     optimize: str = "memory",
     budget=DEFAULT_BUDGET_S,
     storage: str | None = None,
+    gpu=None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -63,6 +65,10 @@ def plan(
     supports under "auto", checkpointing off/on under "auto", every fitting split) for ``budget``
     ("60s", "2m" or seconds) and plans the fastest. ``storage`` (an Optuna URL such as
     ``sqlite:///autotune.db``) keeps the study so a rerun reuses what was measured.
+
+    ``gpu`` (a bundled GPU profile name such as "a100-40gb", or a profile .toml path) plans for
+    that GPU without it: budget and precision support from the profile, memory estimated on fake
+    tensors; the plan is marked ``estimated`` (check it on the device with ``autotune verify``).
     """
     workload = load_workload(workload)
     if precision not in PRECISION_CHOICES:
@@ -76,10 +82,15 @@ def plan(
         raise ConfigError("--optimize throughput measures in one process; run autotune plan without "
                           "torchrun (the plan is the same on every rank of identical devices)")
     world_size = _resolve_world_size(world_size, distributed)
-    backend = backend_for(device, memory_limit)
+    # --gpu: plan for a profile's device on fake tensors, without it (see autotune.gpu_target).
+    target = (profile_target(gpu, device=device, memory_limit=memory_limit, optimize=optimize)
+              if gpu is not None else None)
+    backend = target.backend if target else backend_for(device, memory_limit)
     info = backend.info()
-    chosen, precision_reason = choose_precision(
+    chosen, precision_reason = target.choose_precision(precision) if target else choose_precision(
         precision, device_kind=backend.device.type, bf16_supported=supports_bf16(backend.device))
+    if target:
+        target.check_estimable(workload, chosen)
     fingerprint = fingerprint_workload(workload)
     request = PlanRequest(
         target_batch=target_batch, world_size=world_size, precision=chosen,
@@ -113,8 +124,9 @@ def plan(
     settings = [try_setting(checkpointing == "on")]
     if checkpointing_worth_probing(settings[0], request, fingerprint):
         settings.append(try_setting(True))
-    return build_plan(request, workload=fingerprint, settings=settings, device=info,
-                      versions=current_versions(), created_at=created_at)
+    result = build_plan(request, workload=fingerprint, settings=settings, device=info,
+                        versions=current_versions(), created_at=created_at)
+    return target.mark(result) if target else result
 
 
 def _supported_precisions(device) -> list[str]:

@@ -19,3 +19,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def examples_dir():
     return EXAMPLES
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: tiny CPU ops run far slower with several OpenMP threads on a
+    busy machine, and measured bytes do not depend on the thread count."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
