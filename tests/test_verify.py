@@ -1,0 +1,82 @@
+"""`autotune verify`: confirm a plan on the device at hand, or re-plan and say how far off it was."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import autotune
+from autotune.cli import cli
+from autotune.planfile import load_plan, save_plan
+from autotune.verify import verify_plan
+
+from conftest import EXAMPLES
+
+MLP = EXAMPLES / "mlp.py"
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    # fp32, checkpointing off: the MLP at 64MiB plans 1024 × 2.
+    plan = autotune.plan(MLP, target_batch=2048, device="cpu", memory_limit="64MiB",
+                         precision="fp32", checkpointing="off")
+    path = tmp_path_factory.mktemp("verify") / "plan.json"
+    save_plan(plan, path)
+    return path
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_confirmed_on_the_device_it_was_planned_for(plan_file):
+    result = verify_plan(plan_file, device="cpu", memory_limit="64MiB", steps=2)
+    assert result.confirmed and result.new_plan is None
+    # The CPU backend measures the very step the probe measured.
+    assert abs(result.error_fraction) < 0.01
+    assert result.measured_peak_bytes <= result.usable_bytes
+
+
+def test_a_smaller_device_re_plans_and_says_how_far_off(plan_file):
+    plan = load_plan(plan_file)
+    result = verify_plan(plan_file, device="cpu", memory_limit="56MiB", steps=1)
+    assert not result.confirmed
+    # It ran (the budget holds it) but passes the budget less the headroom; the prediction was right.
+    assert result.usable_bytes < result.measured_peak_bytes <= result.budget_bytes
+    assert abs(result.error_fraction) < 0.01
+    new = result.new_plan
+    assert new.effective_batch == plan.effective_batch and new.micro_batch < plan.micro_batch
+    assert new.precision == plan.precision and not new.estimated
+
+
+def test_an_estimated_plan_reports_the_estimate_error(tmp_path):
+    estimated = autotune.plan(MLP, target_batch=64, gpu="a100-40gb", precision="fp32")
+    path = save_plan(estimated, tmp_path / "a100.json")
+    result = verify_plan(path, device="cpu", memory_limit="1GiB", steps=1)
+    assert result.confirmed  # the CPU run has no foreach transient: a little below the estimate
+    assert result.error_bytes < 0 and abs(result.error_fraction) < 0.1
+
+
+def test_cli_exit_0_when_confirmed(plan_file):
+    result = run("verify", plan_file, "--device", "cpu", "--memory-limit", "64MiB", "--steps", 1)
+    assert result.exit_code == 0, result.output
+    assert "confirmed" in result.output and "off by" in result.output
+
+
+def test_cli_exit_1_when_re_planned_and_writes_only_with_o(plan_file, tmp_path):
+    result = run("verify", plan_file, "--device", "cpu", "--memory-limit", "56MiB", "--steps", 1)
+    assert result.exit_code == 1
+    assert "NOT confirmed" in result.output and "re-planned" in result.output
+    assert "pass -o FILE" in result.output
+    out = tmp_path / "new.json"
+    result = run("verify", plan_file, "--device", "cpu", "--memory-limit", "56MiB", "--steps", 1,
+                 "-o", out)
+    assert result.exit_code == 1 and load_plan(out).effective_batch == 2048
+
+
+def test_cli_nothing_fits_here_still_reports(plan_file):
+    result = run("verify", plan_file, "--device", "cpu", "--memory-limit", "20MiB", "--steps", 1)
+    assert result.exit_code == 1
+    assert "out of memory" in result.output and "re-plan failed" in result.output
