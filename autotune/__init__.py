@@ -14,6 +14,8 @@ Public API::
     plan(workload, *, target_batch, ...) -> Plan   micro-batch × accumulation × world = target
     Plan, save_plan, load_plan, export_plan        the plan file and exports for other runners
     train(plan, workload, *, steps=None, epochs=None, ...) -> TrainResult   the built-in loop
+    verify_plan(plan, *, device=None, memory_limit=None, steps=3) -> VerifyResult
+                                 run a plan's micro-batch here: confirmed, or re-planned
 """
 
 from .errors import AutotuneError, ConfigError, PlanError, PlanFileError, ProbeError, WorkloadError
@@ -29,6 +31,7 @@ from .export import export_plan
 from .errors import EstimateUnavailable
 from .memory.estimate import estimate_peak
 from .train import TrainError, TrainResult, train
+from .verify import VerifyResult, verify_plan
 
 __version__ = "0.1.0"
 
@@ -37,5 +40,5 @@ __all__ = [
     "Precision", "ProbeError", "ProbeResult", "Trial", "Workload", "WorkloadError", "__version__",
     "is_oom_error", "load_workload", "probe",
     "LRDecision", "Plan", "export_plan", "load_plan", "plan", "save_plan",
-    "TrainError", "TrainResult", "train",
+    "TrainError", "TrainResult", "train", "VerifyResult", "verify_plan",
 ]
