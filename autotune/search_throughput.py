@@ -1,9 +1,11 @@
 """The throughput search: an Optuna study over configurations that keep the effective batch exact.
 
-The space is precision × checkpointing × micro-batch, where the micro-batches are the fewest-steps
-splits of the per-device share (every ``ceil(share / k)``): all of them sum exactly to the share.
-Parameter choices depend only on the share, so a study kept in ``--storage`` stays compatible
-from run to run even when the memory budget changes. A configuration predicted not to fit (the
+The space is precision × checkpointing × accumulation steps k, and k stands for the fewest-steps
+split of the per-device share into micro-batches of at most ``ceil(share / k)`` (all of them sum
+exactly to the share). k is an integer on a log scale, so TPE can learn "more steps is slower";
+two k with the same split are one configuration, measured once. The distributions depend only
+on the share, so a study kept in ``--storage`` stays compatible from run to run even when the
+memory budget changes. A configuration predicted not to fit (the
 probe's memory model against the budget minus the headroom) is pruned before any step runs; one
 that runs out of memory is pruned at its first OOM. Both are Optuna PRUNED trials, never FAIL.
 
@@ -36,6 +38,9 @@ from .units import format_bytes
 DEFAULT_BUDGET_S = 60.0
 GRID_LIMIT = 16
 """Spaces with at most this many fitting configurations are queued whole (searched exhaustively)."""
+
+STALE_LIMIT = 30
+"""Stop after this many trials in a row proposed nothing new (TPE keeps circling what it knows)."""
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|sec|m|min|h)?\s*$", re.IGNORECASE)
@@ -140,8 +145,6 @@ def search_throughput(candidates: list[Candidate], measure: Callable[[Configurat
         raise ConfigError("the throughput search has no configuration to try")
     started = time.perf_counter()
     share = candidates[0].config.share
-    choices = {"precision": list(PRECISIONS), "checkpointing": [False, True],
-               "micro_batch": sorted(set(split_choices(share)) | {c.config.micro_batch for c in candidates})}
     by_key = {_key(c.config): c for c in candidates}
     with _quiet(verbose):
         study = _open_study(study_name, storage,
@@ -149,7 +152,8 @@ def search_throughput(candidates: list[Candidate], measure: Callable[[Configurat
         known = _known_results(study, by_key, usable_bytes)
         for candidate in _to_enqueue(candidates, known, _tried_before(study)):
             study.enqueue_trial(_params(candidate.config))
-        run = _Run(by_key=by_key, known=known, measure=measure, usable=usable_bytes, choices=choices)
+        run = _Run(by_key=by_key, known=known, measure=measure, usable=usable_bytes, share=share,
+                   budget_s=budget_s)
         if not run.done():
             study.optimize(run.objective, timeout=budget_s, callbacks=[run.stop_when_done],
                            catch=())
@@ -164,27 +168,35 @@ def search_throughput(candidates: list[Candidate], measure: Callable[[Configurat
 # --- the objective ---------------------------------------------------------------------------------
 
 class _Run:
-    def __init__(self, *, by_key, known, measure, usable, choices):
+    def __init__(self, *, by_key, known, measure, usable, share, budget_s):
         self.by_key = by_key
         self.measure = measure
         self.usable = usable
-        self.choices = choices
+        self.share = share
         self.results: dict[tuple, ConfigurationMeasured] = dict(known)
         self.measured = 0
+        self.measuring_s = 0.0
+        self.stale = 0
+        self.deadline = time.perf_counter() + budget_s
 
     def done(self) -> bool:
         return all(key in self.results for key in self.by_key)
 
     def stop_when_done(self, study, _trial) -> None:
-        if self.done():
+        # Optuna's timeout only stops *starting* trials after the budget; stopping when a typical
+        # measurement would not finish in time keeps the search within the budget.
+        typical = self.measuring_s / self.measured if self.measured else 0.0
+        if (self.done() or self.stale >= STALE_LIMIT
+                or time.perf_counter() + typical > self.deadline):
             study.stop()
 
     def objective(self, trial: optuna.Trial) -> float:
-        precision = trial.suggest_categorical("precision", self.choices["precision"])
-        checkpointing = trial.suggest_categorical("checkpointing", self.choices["checkpointing"])
-        micro_batch = trial.suggest_categorical("micro_batch", self.choices["micro_batch"])
-        key = (precision, checkpointing, micro_batch)
+        precision = trial.suggest_categorical("precision", list(PRECISIONS))
+        checkpointing = trial.suggest_categorical("checkpointing", [False, True])
+        steps = trial.suggest_int("accumulation_steps", 1, self.share, log=True)
+        key = (precision, checkpointing, max(split_share(self.share, math.ceil(self.share / steps))))
         candidate = self.by_key.get(key)
+        self.stale += 1
         if candidate is None:
             trial.set_user_attr("note", "outside this run's space (precision, checkpointing or "
                                         "micro-batch not searched)")
@@ -193,6 +205,7 @@ class _Run:
         if known is not None and known.status == "measured":
             # Sampled again (TPE may repeat itself): the result stands, nothing is re-run.
             return known.samples_per_s
+        self.stale = 0
         record = self._evaluate(candidate)
         self.results[key] = record
         for name, value in record.to_dict().items():
@@ -210,8 +223,10 @@ class _Run:
         if not candidate.predicted_fits:
             record.fits, record.status, record.note = False, "pruned", candidate.why_not
             return record
+        started = time.perf_counter()
         result = self.measure(config)
         self.measured += 1
+        self.measuring_s += time.perf_counter() - started
         record.peak_bytes = result.peak_bytes
         record.samples_per_s = result.samples_per_s
         if result.out_of_memory or result.samples_per_s is None:
@@ -236,7 +251,7 @@ def _key(config: Configuration) -> tuple:
 
 def _params(config: Configuration) -> dict:
     return {"precision": config.precision, "checkpointing": config.checkpointing,
-            "micro_batch": config.micro_batch}
+            "accumulation_steps": config.accumulation_steps}
 
 
 def _open_study(name: str, storage: str | None, *, sampler) -> optuna.Study:
@@ -255,9 +270,10 @@ def _known_results(study: optuna.Study, by_key: dict, usable: int) -> dict:
     known: dict[tuple, ConfigurationMeasured] = {}
     for trial in study.get_trials(deepcopy=False):
         attrs = trial.user_attrs
-        key = (trial.params.get("precision"), trial.params.get("checkpointing"),
-               trial.params.get("micro_batch"))
-        if key not in by_key or "micro_batches" not in attrs or "status" not in attrs:
+        if "micro_batches" not in attrs or "status" not in attrs:
+            continue
+        key = (trial.params.get("precision"), trial.params.get("checkpointing"), max(attrs["micro_batches"]))
+        if key not in by_key:
             continue
         record = ConfigurationMeasured.from_dict({k: attrs[k] for k in _RECORD_FIELDS if k in attrs})
         record.reused = True
@@ -275,8 +291,9 @@ _RECORD_FIELDS = tuple(ConfigurationMeasured.__dataclass_fields__)
 
 
 def _tried_before(study: optuna.Study) -> set[tuple]:
-    return {(t.params.get("precision"), t.params.get("checkpointing"), t.params.get("micro_batch"))
-            for t in study.get_trials(deepcopy=False) if t.state.is_finished()}
+    return {(t.params.get("precision"), t.params.get("checkpointing"), max(t.user_attrs["micro_batches"]))
+            for t in study.get_trials(deepcopy=False)
+            if t.state.is_finished() and "micro_batches" in t.user_attrs}
 
 
 def _to_enqueue(candidates: list[Candidate], known: dict, tried: set) -> list[Candidate]:

@@ -54,7 +54,7 @@ def _search(measure, storage=None, candidates=None, name="test-study", budget_s=
 
 def _states(storage, name="test-study"):
     study = optuna.load_study(study_name=name, storage=storage)
-    return {(t.params["precision"], t.params["micro_batch"]): t.state for t in study.trials
+    return {(t.params["precision"], max(t.user_attrs["micro_batches"])): t.state for t in study.trials
             if "status" in t.user_attrs}
 
 
@@ -181,7 +181,7 @@ def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path)
     monkeypatch.setattr("autotune.planning.measure_configuration",
                         lambda workload, backend, config: FakeMeasure(speeds)(config))
     plan = autotune.plan(_tiny_workload(), target_batch=64, device="cpu", headroom=0.0,
-                         optimize="throughput", budget="30s", checkpointing="off")
+                         optimize="throughput", budget="10s", checkpointing="off")
     assert plan.optimize == "throughput"
     assert (plan.precision, plan.micro_batches) == ("fp32", [22, 21, 21])
     assert "fastest measured" in plan.reasons["throughput"]
