@@ -91,3 +91,19 @@ def test_asking_for_cuda_without_cuda_is_a_clear_error():
     with pytest.raises(ConfigError) as info:
         backend_for("cuda")
     assert "--device cpu" in str(info.value)
+
+
+def test_a_refused_allocation_holds_nothing_so_an_oom_handler_can_allocate_again():
+    backend = CPUMemoryBackend(memory_limit=10_000)
+    with backend.tracking():
+        keep = torch.empty(2000)  # 8 kB of 10 kB
+        in_use = backend.current_bytes()
+        try:
+            torch.empty(1000)  # refused
+        except torch.OutOfMemoryError:
+            # inside the handler, as Lightning's and Accelerate's run: usage is as before the request
+            assert backend.current_bytes() == in_use
+            small = torch.empty(100)  # 400 B still fits
+            assert backend.current_bytes() == in_use + 400
+            del small
+    assert keep.numel() == 2000

@@ -42,26 +42,27 @@ class StorageTracker:
         key = storage._cdata
         nbytes = storage.nbytes()
         known = self._live.get(key)
+        delta = nbytes if known is None else nbytes - known
+        if delta > 0 and self.budget_bytes is not None and self.current + delta > self.budget_bytes:
+            # Refuse before counting, as a real allocator holds nothing after a failed request:
+            # code that handles the OOM (ours, Lightning's, Accelerate's) can allocate again.
+            self.peak = max(self.peak, self.current + delta)
+            raise self._out_of_memory(delta)
         if known is None:
-            self._live[key] = nbytes
             weakref.finalize(storage, self._forget, key)
-            self._grow(nbytes)
-        elif known != nbytes:  # resized in place (out= ops)
+        if delta or known is None:
             self._live[key] = nbytes
-            self._grow(nbytes - known)
+            self.current += delta
+            self.peak = max(self.peak, self.current)
 
-    def _grow(self, delta: int) -> None:
-        self.current += delta
-        if self.current > self.peak:
-            self.peak = self.current
-        if self.budget_bytes is not None and delta > 0 and self.current > self.budget_bytes:
-            # Worded as torch's own CPU allocator failure, so every OOM handler (ours, Lightning's,
-            # Accelerate's) recognises it the same way it recognises a real one.
-            raise torch.OutOfMemoryError(
-                f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {delta} bytes "
-                f"({format_bytes(delta)}) with {format_bytes(self.current - delta)} already in use "
-                f"of the {format_bytes(self.budget_bytes)} autotune CPU budget"
-            )
+    def _out_of_memory(self, delta: int) -> torch.OutOfMemoryError:
+        # Worded as torch's own CPU allocator failure, so every OOM handler (ours, Lightning's,
+        # Accelerate's) recognises it the same way it recognises a real one.
+        return torch.OutOfMemoryError(
+            f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {delta} bytes "
+            f"({format_bytes(delta)}) with {format_bytes(self.current)} already in use "
+            f"of the {format_bytes(self.budget_bytes)} autotune CPU budget"
+        )
 
     def _forget(self, key: int) -> None:
         nbytes = self._live.pop(key, 0)
@@ -78,9 +79,14 @@ class _TrackingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor):
+        leaves = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+        try:
+            for leaf in leaves:
                 self.tracker.add(leaf)
+        except torch.OutOfMemoryError:
+            # The traceback keeps this frame alive: drop the refused output so it is freed now.
+            del out, leaves, leaf
+            raise
         return out
 
 
