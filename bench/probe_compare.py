@@ -74,35 +74,17 @@ TOOLS = ("autotune", "lightning", "accelerate", "exact")
 # --- measuring: one budget, counted forward passes and OOM events -------------------------------
 
 class CountingTracker(StorageTracker):
-    """autotune's storage tracker, counting budget breaches, and forgetting the breaching storage.
-
-    ``StorageTracker`` raises *after* the op has produced its output, and that output stays
-    counted while the exception's traceback keeps it alive. A device allocator that fails holds
-    nothing for the failed request, so an ``except`` block (where Lightning and Accelerate do their
-    recovery) could still allocate a little. Un-counting the storage whose allocation breached the
-    budget emulates that; autotune's own recovery runs outside ``except`` and is not affected.
-    """
+    """autotune's storage tracker, counting budget breaches (out-of-memory events)."""
 
     def __init__(self, budget_bytes):
         super().__init__(budget_bytes)
         self.oom_events = 0
 
     def add(self, tensor) -> None:
-        key = known = None
-        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and not tensor.is_meta:
-            with contextlib.suppress(RuntimeError, NotImplementedError):
-                key = tensor.untyped_storage()._cdata
-                known = self._live.get(key)
         try:
             super().add(tensor)
         except torch.OutOfMemoryError:
             self.oom_events += 1
-            if key is not None and key in self._live:
-                self.current -= self._live[key] - (known or 0)
-                if known is None:
-                    del self._live[key]  # its finalizer then finds nothing to subtract
-                else:
-                    self._live[key] = known
             raise
 
 
