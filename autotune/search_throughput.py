@@ -24,7 +24,7 @@ import hashlib
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import optuna
@@ -134,7 +134,6 @@ class SearchResult:
     seconds: float
     budget_s: float
     study_name: str
-    notes: list[str] = field(default_factory=list)
 
 
 def search_throughput(candidates: list[Candidate], measure: Callable[[Configuration], Measurement], *,
