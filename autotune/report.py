@@ -87,7 +87,7 @@ def format_plan(plan) -> str:
         capped = "+" if s.probe.capped else ""
         rows.append([s.precision, "on" if s.checkpointing else "off", f"{s.raw_max_micro_batch}{capped}",
                      s.allowed_micro_batch, s.probe.steps, chosen])
-    lines.append(table(["precision", "checkpointing", "probe max", "planned max", "trials", ""], rows,
+    lines.append(table(["precision", "checkpointing", "probe max", "planned max", "trials", "chosen"], rows,
                        align="llrrrl"))
     if any(s.probe is not None and s.probe.capped for s in plan.settings):
         lines.append("(+: the probe stopped at the largest micro-batch the plan needs; more may fit)")
