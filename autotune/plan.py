@@ -116,8 +116,31 @@ class ConfigurationMeasured:
         return cls(**data)
 
 
+class SplitArithmetic:
+    """Numbers derived from a split; the class that mixes this in defines ``micro_batches``."""
+
+    micro_batches: "list[int] | tuple[int, ...]"
+
+    @property
+    def accumulation_steps(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def micro_batch(self) -> int:
+        return max(self.micro_batches)
+
+    @property
+    def per_device_batch(self) -> int:
+        return sum(self.micro_batches)
+
+    @property
+    def is_even(self) -> bool:
+        """Whether every accumulation step has the same micro-batch (what most runners need)."""
+        return len(set(self.micro_batches)) == 1
+
+
 @dataclass(kw_only=True)
-class Plan:
+class Plan(SplitArithmetic):
     target_batch: int
     world_size: int
     micro_batches: list[int]
@@ -154,25 +177,8 @@ class Plan:
     ``autotune verify`` checks it there."""
 
     @property
-    def accumulation_steps(self) -> int:
-        return len(self.micro_batches)
-
-    @property
-    def micro_batch(self) -> int:
-        return max(self.micro_batches)
-
-    @property
-    def per_device_batch(self) -> int:
-        return sum(self.micro_batches)
-
-    @property
     def effective_batch(self) -> int:
         return self.per_device_batch * self.world_size
-
-    @property
-    def is_even(self) -> bool:
-        """Whether every accumulation step has the same micro-batch (what most runners need)."""
-        return len(set(self.micro_batches)) == 1
 
     @property
     def budget_bytes(self) -> int | None:

@@ -19,6 +19,7 @@ import torch
 
 from .memory.base import MemoryBackend
 from .oom import free_memory
+from .plan import SplitArithmetic
 from .precision import Precision
 from .probe.trial import CLIP_NORM, SetupOutOfMemory, TrialSession
 from .train.data import Window
@@ -33,7 +34,7 @@ slow a window down, so the fastest is the closest to what the configuration itse
 
 
 @dataclass(frozen=True, kw_only=True)
-class Configuration:
+class Configuration(SplitArithmetic):
     """What the search varies: everything else about training stays as planned."""
 
     precision: str
@@ -41,21 +42,13 @@ class Configuration:
     micro_batches: tuple[int, ...]
 
     @property
-    def micro_batch(self) -> int:
-        return max(self.micro_batches)
-
-    @property
-    def accumulation_steps(self) -> int:
-        return len(self.micro_batches)
-
-    @property
     def share(self) -> int:
-        return sum(self.micro_batches)
+        return self.per_device_batch
 
     @property
     def label(self) -> str:
         split = f"{self.micro_batch}x{self.accumulation_steps}"
-        if len(set(self.micro_batches)) > 1:
+        if not self.is_even:
             split += f" (uneven, {self.share})"
         return f"{self.precision}, checkpointing {'on' if self.checkpointing else 'off'}, {split}"
 
