@@ -79,7 +79,11 @@ class _TrackingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        leaves = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+        # Most ops return one tensor; flattening every output shows in the per-op cost.
+        if isinstance(out, torch.Tensor):
+            leaves = [out]
+        else:
+            leaves = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
         try:
             for leaf in leaves:
                 self.tracker.add(leaf)

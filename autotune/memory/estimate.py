@@ -24,7 +24,6 @@ import inspect
 
 import torch
 from torch._subclasses import fake_tensor
-from torch.utils._pytree import tree_flatten
 
 from ..errors import ConfigError, EstimateUnavailable
 from ..precision import Precision
@@ -74,35 +73,8 @@ class EstimateMemoryBackend(CPUMemoryBackend):
     def tracking(self):
         # Real tensors that reach an op (constants a model file made at import) are converted,
         # rather than refused: they are part of what a real step would touch.
-        with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True), _FakeTrackingMode(self.tracker):
+        with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True), _TrackingMode(self.tracker):
             yield
-
-
-class _FakeTrackingMode(_TrackingMode):
-    """The CPU backend's tracking mode with a fast path for the common single-tensor output: the
-    estimate is all Python dispatch, so flattening every op's output shows in its time."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not isinstance(out, torch.Tensor):
-            return _track_leaves(self.tracker, out)
-        try:
-            self.tracker.add(out)
-        except torch.OutOfMemoryError:
-            del out  # the traceback keeps this frame alive: free the refused output now
-            raise
-        return out
-
-
-def _track_leaves(tracker: StorageTracker, out):
-    leaves = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
-    try:
-        for leaf in leaves:
-            tracker.add(leaf)
-    except torch.OutOfMemoryError:
-        del out, leaves, leaf
-        raise
-    return out
 
 
 def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing: bool = False) -> int:
@@ -141,9 +113,7 @@ def estimate_peaks(workload, micro_batches, *, precision="fp32",
 @functools.cache
 def _estimate_session_class():
     # The probe imports memory/, not the other way round.
-    from ..precision import autocast
-    from ..probe.trial import CLIP_NORM, TrialSession, _state_tensors
-    from ..workload import move_batch
+    from ..probe.trial import TrialSession, _state_tensors
 
     class EstimateSession(TrialSession):
         """The probe's session, made cheaper where that changes no byte it counts.
@@ -155,40 +125,25 @@ def _estimate_session_class():
           foreach path for that one step (same state, a few multi-tensor ops instead of a dozen
           ops per parameter). The measured step keeps the implementation the user (or the
           device) chose, so its transient is the real one.
-        - The optimizer phase of the measured step is measured once per session (see ``_step``).
+        - The optimizer phase of the measured step is measured once per session (see
+          ``_optimizer_phase``).
         """
 
         _step_cost = None
         """(gradient layout, bytes the optimizer phase adds to the live bytes) of the first step."""
 
-        def _step(self, n: int) -> tuple[int, int]:
-            # TrialSession._step, except that the optimizer phase (unscale, clip, step, update) is
-            # measured once per session: its transient depends only on the gradients, parameters
+        def _optimizer_phase(self) -> int:
+            # Measured once per session: its transient depends only on the gradients, parameters
             # and optimizer state, which are the same at every micro-batch when every parameter
             # gets a gradient of the same layout. Otherwise it is measured again.
-            batch = move_batch(self.workload.batch(n), self.device)
-            with autocast(self.precision, self.device):
-                loss, count = self.workload.loss(self.model, batch)
-            if count is not None:
-                loss = loss / count
-            self.scaler.scale(loss).backward()
-            del loss
-            activation_peak = self.backend.peak_bytes()
-            self.backend.reset_peak()
             before = self.backend.current_bytes()
             layout = _gradient_layout(self.params)
             if self._step_cost is not None and self._step_cost[0] == layout:
-                step_peak = before + self._step_cost[1]
-            else:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
-                self.optimizer.step()
-                self.scaler.update()
-                step_peak = self.backend.peak_bytes()
-                self._step_cost = (layout, step_peak - before)
-            self.optimizer.zero_grad(set_to_none=True)
-            del batch
-            return activation_peak, max(step_peak, self.backend.peak_bytes())
+                self.optimizer.zero_grad(set_to_none=True)
+                return before + self._step_cost[1]
+            step_peak = super()._optimizer_phase()
+            self._step_cost = (layout, step_peak - before)
+            return step_peak
 
         def _allocate_optimizer_state(self):
             if _init_adam_state(self.optimizer):

@@ -123,14 +123,24 @@ class TrialSession:
 
     def _step(self, n: int) -> tuple[int, int]:
         batch = move_batch(self.workload.batch(n), self.device)
+        activation_peak = self._forward_backward(batch)
+        self.backend.reset_peak()
+        step_peak = self._optimizer_phase()  # the batch is still alive here, as in training
+        del batch
+        return activation_peak, step_peak
+
+    def _forward_backward(self, batch) -> int:
+        """Forward under the precision and backward; the peak of the phase."""
         with autocast(self.precision, self.device):
             loss, count = self.workload.loss(self.model, batch)
         if count is not None:
             loss = loss / count
         self.scaler.scale(loss).backward()
         del loss
-        activation_peak = self.backend.peak_bytes()
-        self.backend.reset_peak()
+        return self.backend.peak_bytes()
+
+    def _optimizer_phase(self) -> int:
+        """unscale_, clip, optimizer step, update, zero_grad; the peak since the last reset."""
         self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
         # optimizer.step() directly, not scaler.step(): a real fp16 step that found inf would be
@@ -138,8 +148,7 @@ class TrialSession:
         self.optimizer.step()
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        del batch
-        return activation_peak, self.backend.peak_bytes()
+        return self.backend.peak_bytes()
 
     def _recover(self):
         self.optimizer.zero_grad(set_to_none=True)
