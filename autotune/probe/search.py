@@ -250,13 +250,6 @@ def estimates(trials: list[Trial], budget: float) -> tuple[float, float, bool]:
     return (_floor(min(lower, step_root)), _floor(min(upper_est, step_root)), trusted)
 
 
-def _quadratic_confirmed(four) -> bool:
-    """The quadratic through the last three of four points also passes through the first."""
-    a, b, c = _quadratic(*four[1:])
-    n, y = four[0]
-    return abs(a + b * n + c * n * n - y) <= SLOPE_AGREEMENT * max(y, 1)
-
-
 def next_candidate(trials: list[Trial], budget: float, lo: int, hi: int | None) -> int | None:
     """The next micro-batch to try, strictly inside (lo, hi); None to stop an unbounded search."""
     lower, upper_est, trusted = estimates(trials, budget)
