@@ -87,14 +87,18 @@ def per_device_share(target_batch: int, world_size: int) -> int:
     return target_batch // world_size
 
 
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` as ``parts`` near-equal non-negative sizes, smallest first."""
+    base, extra = divmod(total, parts)
+    return [base] * (parts - extra) + [base + 1] * extra
+
+
 def split_share(share: int, max_micro_batch: int) -> list[int]:
     """The fewest micro-batches of at most ``max_micro_batch`` that sum to ``share``, as even as
     possible (larger ones first)."""
     if max_micro_batch < 1:
         raise PlanError(f"cannot split {share} samples into micro-batches of at most {max_micro_batch}")
-    steps = math.ceil(share / max_micro_batch)
-    small, extra = divmod(share, steps)
-    return [small + 1] * extra + [small] * (steps - extra)
+    return even_split(share, math.ceil(share / max_micro_batch))[::-1]
 
 
 def split_pinned(share: int, micro_batch: int) -> list[int]:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import WorkloadError
+from ..planner import even_split
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,6 @@ def windows_per_epoch(dataset_size: int | None, effective_batch: int, world_size
         return None
     full, rest = divmod(dataset_size, effective_batch)
     return full + (1 if rest >= world_size else 0)
-
-
-def even_split(total: int, parts: int) -> list[int]:
-    """``total`` as ``parts`` near-equal non-negative sizes, smallest first."""
-    base, extra = divmod(total, parts)
-    return [base] * (parts - extra) + [base + 1] * extra
 
 
 def split_micro_batches(sizes, level: int) -> list[int]:
