@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import statistics
 import sys
 import time
 
@@ -98,24 +99,36 @@ def gpt_100m() -> Workload:
                     source="bench GPT (~98M parameters)")
 
 
-def timing(sizes):
+def _timed(call, repeat):
+    """(median wall, best wall, median CPU) seconds of ``repeat`` calls."""
+    walls, cpus = [], []
+    for _ in range(repeat):
+        wall, cpu = time.perf_counter(), time.process_time()
+        call()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls), min(walls), statistics.median(cpus)
+
+
+def timing(sizes, repeat):
     workload = gpt_100m()
     with torch.device("meta"):
         params = sum(p.numel() for p in _GPT().parameters())
-    print(f"\nTiming: {workload.source}, {params / 1e6:.1f}M parameters, AdamW, fp32")
+    print(f"\nTiming: {workload.source}, {params / 1e6:.1f}M parameters, AdamW, fp32; "
+          f"median and best of {repeat} cold calls")
     estimate_peak(workload, 1)  # first call pays for torch's one-time fake-mode imports
     # Wall time depends on what else the machine runs; CPU time of this process is the steadier
     # figure on a shared machine (the estimate is single-threaded Python dispatch).
     for n in sizes:
-        wall, cpu = time.perf_counter(), time.process_time()
         peak = estimate_peak(workload, n)
-        print(f"  estimate_peak(n={n:>3}): {time.perf_counter() - wall:5.2f} s wall, "
-              f"{time.process_time() - cpu:5.2f} s CPU  -> {format_bytes(peak)}")
-    wall, cpu = time.perf_counter(), time.process_time()
-    estimate_peaks(workload, sizes)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    print(f"  estimate_peaks({list(sizes)}): {wall:5.2f} s wall, {cpu:5.2f} s CPU in all; per micro-batch "
-          f"size {wall / len(sizes):5.2f} s wall, {cpu / len(sizes):5.2f} s CPU (model and state built once)")
+        median, best, cpu = _timed(lambda: estimate_peak(workload, n), repeat)
+        print(f"  estimate_peak(n={n:>3}): {median:5.2f} s wall (best {best:4.2f}), {cpu:5.2f} s CPU"
+              f"  -> {format_bytes(peak)}")
+    median, best, cpu = _timed(lambda: estimate_peaks(workload, sizes), repeat)
+    k = len(sizes)
+    print(f"  estimate_peaks({list(sizes)}): {median:5.2f} s wall (best {best:4.2f}), {cpu:5.2f} s CPU "
+          f"in all; per micro-batch size {median / k:5.2f} s wall (best {best / k:4.2f}), "
+          f"{cpu / k:5.2f} s CPU (model and state built once)")
 
 
 def main(argv=None) -> int:
@@ -123,6 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 3, 8, 16])
     parser.add_argument("--timing-micro-batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tolerance", type=float, default=0.03)
+    parser.add_argument("--repeat", type=int, default=5, help="timed calls per size (median, best)")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-accuracy", action="store_true")
     args = parser.parse_args(argv)
@@ -138,7 +152,7 @@ def main(argv=None) -> int:
             print(f"{example:<10} {setting:<16} {n:>4} {estimate:>13,} {measured:>13,} {100 * error:>+8.3f}")
         print(f"worst |error|: {100 * worst:.3f}% (bar: {100 * args.tolerance:.0f}%)")
     if not args.skip_timing:
-        timing(args.timing_micro_batches)
+        timing(args.timing_micro_batches, args.repeat)
     return 0 if worst <= args.tolerance else 1
 
 

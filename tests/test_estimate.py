@@ -174,3 +174,71 @@ def test_cli_estimate_unavailable_exits_1(tmp_path):
     result = CliRunner().invoke(cli, ["estimate", str(model_file), "--micro-batch", "8"])
     assert result.exit_code == 1
     assert "cannot be estimated under fake tensors" in result.output and "autotune probe" in result.output
+
+
+class _Stack(torch.nn.Module):
+    """Parameters of few kinds, large next to the activations of a small batch: the optimizer
+    step's transient decides the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(torch.nn.Linear(192, 192) for _ in range(4)),
+                                          torch.nn.Linear(192, 3))
+
+    def forward(self, x):
+        return self.layers(x).square().mean()
+
+
+OPTIMIZERS = {
+    "adamw-amsgrad": lambda p: torch.optim.AdamW(p, amsgrad=True),
+    "adam-l2-maximize": lambda p: torch.optim.Adam(p, weight_decay=0.1, maximize=True),
+    "sgd-nesterov": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p),
+    "rmsprop-centered": lambda p: torch.optim.RMSprop(p, centered=True, momentum=0.5),
+    "nadam": lambda p: torch.optim.NAdam(p),
+    "two-groups": lambda p: torch.optim.AdamW([{"params": p[:4]}, {"params": p[4:], "lr": 1e-4}]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_estimate_steps_one_parameter_per_kind_and_still_matches_measurement(name, monkeypatch):
+    from autotune.memory import estimate
+
+    workload = Workload(model=_Stack, make_batch=lambda n: torch.randn(n, 192),
+                        build_optimizer=lambda params: OPTIMIZERS[name](list(params)), source=name)
+    stepped = []
+    original = estimate._distinct_neighbour_runs
+
+    def spy(optimizer):
+        runs = original(optimizer)
+        stepped.append(None if runs is None else sum(len(run) for _, run in runs))
+        return runs
+
+    monkeypatch.setattr(estimate, "_distinct_neighbour_runs", spy)
+    peaks = estimate_peaks(workload, SIZES)
+    # 10 parameters: 4 x (weight, bias) of the same two kinds, then the head's two.
+    assert stepped and stepped[0] is not None and stepped[0] < 10, stepped
+    monkeypatch.setattr(estimate, "_distinct_neighbour_runs", lambda optimizer: None)
+    assert estimate_peaks(workload, SIZES) == peaks  # the full step, every parameter
+    assert peaks == measured(workload, "fp32", False)
+
+
+def test_neighbour_runs_and_optimizers_that_step_every_parameter():
+    from autotune.memory.estimate import _distinct_neighbour_runs
+
+    params = [torch.nn.Parameter(torch.zeros(3, 3)) for _ in range(7)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    params[2].grad = torch.zeros(3, 3).t()  # a transposed gradient: another kind of parameter
+    runs = _distinct_neighbour_runs(torch.optim.AdamW(params, foreach=False))
+    # Kinds a a b a a a a: the pairs (-, a), (a, a), (a, b), (b, a) appear by the fourth; the
+    # last three parameters repeat (a, a).
+    position = {id(p): i for i, p in enumerate(params)}
+    assert [(index, [position[id(p)] for p in run]) for index, run in runs] == [(0, [0, 1, 2, 3])]
+    assert _distinct_neighbour_runs(torch.optim.AdamW(params, foreach=True)) is None
+
+    class Custom(torch.optim.SGD):
+        pass
+
+    assert _distinct_neighbour_runs(Custom(params, lr=0.1)) is None
+    assert _distinct_neighbour_runs(torch.optim.LBFGS(params)) is None

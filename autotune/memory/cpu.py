@@ -9,6 +9,7 @@ state created before tracking are adopted explicitly. Passing the budget raises
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import psutil
@@ -29,6 +30,7 @@ class StorageTracker:
     def __init__(self, budget_bytes: int | None = None):
         self.budget_bytes = budget_bytes
         self._live: dict[int, int] = {}
+        self._watch: dict[int, weakref.ref] = {}
         self.current = 0
         self.peak = 0
 
@@ -49,11 +51,28 @@ class StorageTracker:
             self.peak = max(self.peak, self.current + delta)
             raise self._out_of_memory(delta)
         if known is None:
-            weakref.finalize(storage, self._forget, key)
+            # A plain weak reference with a callback: weakref.finalize costs several times more,
+            # and the fake-tensor estimate pays it for every storage of the step.
+            self._watch[key] = weakref.ref(storage, functools.partial(self._forget, key))
         if delta or known is None:
             self._live[key] = nbytes
             self.current += delta
             self.peak = max(self.peak, self.current)
+
+    def add_outputs(self, out) -> None:
+        """Counts the tensors an op returned."""
+        # Most ops return one tensor; flattening every output shows in the per-op cost.
+        if isinstance(out, torch.Tensor):
+            leaves = [out]
+        else:
+            leaves = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+        del out
+        try:
+            for leaf in leaves:
+                self.add(leaf)
+        except torch.OutOfMemoryError:
+            del leaves, leaf  # as in the caller: the traceback must not keep the refused output
+            raise
 
     def _out_of_memory(self, delta: int) -> torch.OutOfMemoryError:
         # Worded as torch's own CPU allocator failure, so every OOM handler (ours, Lightning's,
@@ -64,7 +83,8 @@ class StorageTracker:
             f"of the {format_bytes(self.budget_bytes)} autotune CPU budget"
         )
 
-    def _forget(self, key: int) -> None:
+    def _forget(self, key: int, _ref=None) -> None:
+        self._watch.pop(key, None)
         nbytes = self._live.pop(key, 0)
         self.current -= nbytes
 
@@ -79,17 +99,11 @@ class _TrackingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # Most ops return one tensor; flattening every output shows in the per-op cost.
-        if isinstance(out, torch.Tensor):
-            leaves = [out]
-        else:
-            leaves = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
         try:
-            for leaf in leaves:
-                self.tracker.add(leaf)
+            self.tracker.add_outputs(out)
         except torch.OutOfMemoryError:
             # The traceback keeps this frame alive: drop the refused output so it is freed now.
-            del out, leaves, leaf
+            del out
             raise
         return out
 

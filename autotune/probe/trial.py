@@ -143,12 +143,19 @@ class TrialSession:
         """unscale_, clip, optimizer step, update, zero_grad; the peak since the last reset."""
         self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
-        # optimizer.step() directly, not scaler.step(): a real fp16 step that found inf would be
-        # skipped, and the probe must still measure what the optimizer step costs.
-        self.optimizer.step()
+        self._optimizer_step()
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return self.backend.peak_bytes()
+
+    def _optimizer_step(self):
+        # optimizer.step() directly, not scaler.step(): a real fp16 step that found inf would be
+        # skipped, and the probe must still measure what the optimizer step costs.
+        self.optimizer.step()
+
+    def _release_memory(self):
+        free_memory()
+        self.backend.release()
 
     def _recover(self):
         self.optimizer.zero_grad(set_to_none=True)
@@ -169,8 +176,7 @@ class TrialSession:
                     _restore_module_state(self.model, self._saved)
             self.model = None
             self.params = []
-            free_memory()
-            self.backend.release()
+            self._release_memory()
         finally:
             self._tracking.__exit__(None, None, None)
 
