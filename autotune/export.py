@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
 from .plan import Plan
@@ -75,21 +75,45 @@ def _common_notes(plan: Plan, target: str) -> list[str]:
     return notes
 
 
+_HF_CHECKPOINTING = "activation_checkpointing"
+_HF_CHECKPOINTING_OLD = "gradient_checkpointing"
+
+
+def _hf_checkpointing_field() -> str | None:
+    """The TrainingArguments field that switches activation checkpointing on in the installed
+    transformers: ``activation_checkpointing`` (5.x, where ``gradient_checkpointing`` is a
+    deprecated alias) or ``gradient_checkpointing`` (4.x); None when transformers cannot be
+    imported. transformers is optional, so it is imported here and only here."""
+    try:
+        from transformers import TrainingArguments
+
+        names = {f.name for f in fields(TrainingArguments)}
+    except Exception:  # not installed, or an install that does not import: same as absent
+        return None
+    return _HF_CHECKPOINTING if _HF_CHECKPOINTING in names else _HF_CHECKPOINTING_OLD
+
+
 def to_hf(plan: Plan) -> Export:
-    """Fields for transformers.TrainingArguments."""
+    """Fields for transformers.TrainingArguments (the checkpointing switch under the name the
+    installed transformers takes)."""
     even = even_split(plan)
+    checkpointing_field = _hf_checkpointing_field()
     config = {
         "per_device_train_batch_size": even.micro_batch,
         "gradient_accumulation_steps": even.accumulation_steps,
         "bf16": plan.precision == "bf16",
         "fp16": plan.precision == "fp16",
-        "gradient_checkpointing": plan.checkpointing,
+        checkpointing_field or _HF_CHECKPOINTING_OLD: plan.checkpointing,
         "max_grad_norm": plan.clip_grad_norm if plan.clip_grad_norm is not None else 0.0,
         "warmup_steps": plan.lr.warmup_steps,
     }
     if plan.lr.lr is not None:
         config["learning_rate"] = plan.lr.lr
     notes = _common_notes(plan, "TrainingArguments")
+    if checkpointing_field is None:
+        notes.append(f"transformers could not be imported here, so the checkpointing switch is "
+                     f"exported as '{_HF_CHECKPOINTING_OLD}' (the name transformers 4.x takes); "
+                     f"transformers 5.x deprecates it: rename it '{_HF_CHECKPOINTING}' there")
     if plan.world_size > 1:
         notes.append(f"launch on {plan.world_size} processes (e.g. torchrun --nproc_per_node "
                      f"{plan.world_size}); TrainingArguments takes the per-device batch")

@@ -1,9 +1,14 @@
 """Exports for other runners; each builds the runner's own config object where it is installed."""
 
+import dataclasses
 import json
+import subprocess
+import sys
+import warnings
 
 import pytest
 
+from autotune import export
 from autotune.errors import ConfigError
 from autotune.export import TARGETS, even_split, export_plan
 from plan_helpers import device, make_plan
@@ -41,10 +46,52 @@ def test_hf(even):
     assert config["max_grad_norm"] == 1.0
 
 
-def test_hf_builds_training_arguments(even, tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_hf_builds_training_arguments(even, tmp_path, checkpointing):
     transformers = pytest.importorskip("transformers")
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), **export_plan(even, "hf").config)
+    even.checkpointing = checkpointing
+    config = export_plan(even, "hf").config
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecated field names
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), **config)
     assert args.gradient_accumulation_steps == 4
+    field = export._hf_checkpointing_field()
+    assert field in config and getattr(args, field) is checkpointing
+
+
+def test_hf_uses_activation_checkpointing_where_transformers_has_it(even):
+    transformers = pytest.importorskip("transformers")
+    if "activation_checkpointing" not in {f.name for f in dataclasses.fields(transformers.TrainingArguments)}:
+        pytest.skip("this transformers predates activation_checkpointing")
+    exported = export_plan(even, "hf")
+    assert exported.config["activation_checkpointing"] is False
+    assert "gradient_checkpointing" not in exported.config
+    assert not any("gradient_checkpointing" in n for n in exported.notes)
+
+
+def test_hf_uses_gradient_checkpointing_for_older_transformers(even, monkeypatch):
+    monkeypatch.setattr(export, "_hf_checkpointing_field", lambda: "gradient_checkpointing")
+    even.checkpointing = True
+    exported = export_plan(even, "hf")
+    assert exported.config["gradient_checkpointing"] is True
+    assert "activation_checkpointing" not in exported.config
+    assert not any("gradient_checkpointing" in n for n in exported.notes)
+
+
+def test_hf_without_transformers_uses_gradient_checkpointing_and_says_why(even, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    assert export._hf_checkpointing_field() is None
+    exported = export_plan(even, "hf")
+    assert exported.config["gradient_checkpointing"] is False
+    assert "activation_checkpointing" not in exported.config
+    assert any("transformers could not be imported" in n and "'gradient_checkpointing'" in n
+               and "'activation_checkpointing'" in n for n in exported.notes)
+
+
+def test_exports_do_not_import_transformers():
+    code = ("import sys, autotune, autotune.export, autotune.cli; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_deepspeed_batch_rule(even):
