@@ -88,7 +88,7 @@ def _hf_checkpointing_field() -> str | None:
         from transformers import TrainingArguments
 
         names = {f.name for f in fields(TrainingArguments)}
-    except Exception:  # not installed, or an install that does not import: same as absent
+    except ImportError:  # not installed: the export is for another machine anyway
         return None
     return _HF_CHECKPOINTING if _HF_CHECKPOINTING in names else _HF_CHECKPOINTING_OLD
 
