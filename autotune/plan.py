@@ -97,6 +97,8 @@ class ConfigurationMeasured:
     note: str = ""
     reused: bool = False
     """Measured by an earlier run of the same stored study, not re-measured."""
+    measurements: int = 0
+    """Times measured (more than once: among the fastest, measured again before choosing)."""
 
     @property
     def micro_batch(self) -> int:

@@ -12,6 +12,7 @@ the batch is not timed (a data loader overlaps it with compute).
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import dataclass
 
@@ -29,8 +30,14 @@ from .train.loop import StepRunner, TrainState
 from .workload import Workload
 
 TIMED_WINDOWS = 3
-"""Windows timed after the warm-up. samples/s comes from the fastest: other processes can only
-slow a window down, so the fastest is the closest to what the configuration itself costs."""
+"""Windows timed after the warm-up, at least. samples/s comes from the fastest: other processes
+can only slow a window down, so the fastest is the closest to what the configuration costs."""
+
+MIN_TIMED_S = 0.25
+"""...and windows are timed until they add up to this: a small model's window lasts a few
+milliseconds, and the fastest of three that short is whatever the rest of the machine allowed."""
+
+MAX_TIMED_WINDOWS = 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,14 +75,15 @@ class Measurement:
 
 
 def measure_configuration(workload: Workload, backend: MemoryBackend, config: Configuration, *,
-                          windows: int = TIMED_WINDOWS) -> Measurement:
-    """Run one warm-up window and ``windows`` timed windows of ``config``."""
+                          windows: int = TIMED_WINDOWS, min_seconds: float = MIN_TIMED_S) -> Measurement:
+    """Run one warm-up window, then timed windows of ``config``: at least ``windows``, and more
+    until they add up to ``min_seconds`` (at most ``MAX_TIMED_WINDOWS``)."""
     started = time.perf_counter()
     session = TrialSession(workload, backend, precision=Precision.parse(config.precision),
                            checkpointing=config.checkpointing)
     try:
         with session:
-            result = _measure_in(session, config, windows)
+            result = _measure_in(session, config, windows, min_seconds)
     except SetupOutOfMemory:
         result = Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True)
     result.seconds = time.perf_counter() - started
@@ -96,7 +104,8 @@ class _ConstantSchedule:
         """The LR does not change the cost of a step."""
 
 
-def _measure_in(session: TrialSession, config: Configuration, windows: int) -> Measurement:
+def _measure_in(session: TrialSession, config: Configuration, windows: int,
+                min_seconds: float) -> Measurement:
     backend = session.backend
     runner = StepRunner(
         model=session.model, optimizer=session.optimizer, scheduler=_ConstantSchedule(),
@@ -115,8 +124,8 @@ def _measure_in(session: TrialSession, config: Configuration, windows: int) -> M
         return Measurement(samples_per_s=None, peak_bytes=peak, out_of_memory=True)
     peak, within = backend.peak_bytes(), backend.within_budget()
     times = []
-    with _untracked(backend):
-        for _ in range(windows):
+    with _untracked(backend), _no_gc_pauses():
+        while len(times) < windows or (sum(times) < min_seconds and len(times) < MAX_TIMED_WINDOWS):
             _synchronize(session.device)
             start = time.perf_counter()
             ran = _run_window(runner, window, batch)
@@ -154,6 +163,19 @@ def _untracked(backend: MemoryBackend):
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+@contextlib.contextmanager
+def _no_gc_pauses():
+    # As timeit does: a collection that happens to fall into one configuration's windows would
+    # be charged to that configuration alone. What is left to collect waits for the next one.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _synchronize(device: torch.device) -> None:

@@ -1,11 +1,11 @@
 """Throughput search against exhaustive measurement, in the same run.
 
-Probes every setting once, measures every configuration predicted to fit (the exhaustive answer
-and its time), then runs the Optuna search with a budget of a third of that time. Both use the
-same measuring function; the chosen configuration is scored by its exhaustive measurement, so
-timing noise in the search's own measurement cannot flatter it. On a shared machine one
-measurement can be off by tens of percent, so when the chosen and the best differ, both are
-measured again, alternating (--confirm rounds), and compared fastest against fastest.
+Probes every setting once, measures every configuration predicted to fit once (the exhaustive
+answer and its time), then runs the Optuna search with a budget of a third of that time. Both use
+the same measuring function. On a shared machine one measurement can be off by tens of percent,
+so neither pass is the judge: the contenders (the chosen configuration and the fastest few of
+either pass) are measured again, interleaved (--confirm rounds), and scored by their fastest
+round; the chosen one's score is compared with the best score.
 
     OMP_NUM_THREADS=1 python bench/throughput_search.py examples/gpt_varlen.py \\
         --target-batch 128 --memory-limit 8MiB
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-limit", default="8MiB")
     parser.add_argument("--headroom", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--confirm", type=int, default=3, help="alternating re-measurements")
+    parser.add_argument("--confirm", type=int, default=5, help="interleaved scoring rounds")
     args = parser.parse_args(argv)
 
     workload = load_workload(args.model_file)
@@ -83,20 +83,40 @@ def main(argv=None) -> int:
     print(f"{args.model_file}, target batch {args.target_batch}, CPU budget {args.memory_limit} "
           f"(usable {format_bytes(usable)}), probing {probing:.1f}s\n")
     print(table(["config", "samples/s", "peak", "fits", ""], rows, align="lrrll"))
-    quality, time_ratio = chosen / best, result.seconds / exhaustive_s
-    confirmed = quality
-    if chosen_key != best_key and chosen_key in exhaustive:
-        pair = {best_key: [], chosen_key: []}
-        for _ in range(args.confirm):
-            for key in pair:
-                pair[key].append(measure(exhaustive[key][0]).samples_per_s or 0.0)
-        confirmed = max(pair[chosen_key]) / max(pair[best_key])
-    print(f"\nexhaustive: {len(feasible)} configurations in {exhaustive_s:.1f}s; best {best:.1f} samples/s")
-    print(f"search ({result.sampler}): {result.measured} measured in {result.seconds:.1f}s; chosen "
-          f"{_label(chosen_key)} = {chosen:.1f} samples/s (exhaustive measurement)")
-    print(f"chosen / best, exhaustive measurements = {quality:.3f}; re-measured alternately "
-          f"({args.confirm} rounds, fastest of each) = {confirmed:.3f} (need >= 0.97): "
-          f"{'PASS' if confirmed >= 0.97 else 'FAIL'}")
+    time_ratio = result.seconds / exhaustive_s
+    print("\nthe search's own fastest (its measurements):")
+    for record in [r for r in result.records if r.fits and r.samples_per_s][:5]:
+        print(f"  {_label((record.precision, record.checkpointing, record.micro_batch))}: "
+              f"{record.samples_per_s:.1f} samples/s, measured {record.measurements}x")
+    # Scoring: one pass cannot rank configurations a few percent apart on a shared machine (its
+    # speed moves by 20% from one second to the next), so the contenders (the chosen one, and the
+    # fastest few by either pass) are measured again, interleaved, and each is scored by its
+    # fastest round. Not counted in either time.
+    contenders = list(dict.fromkeys(
+        [chosen_key, best_key]
+        + sorted(fitting, key=lambda k: -fitting[k].samples_per_s)[:3]
+        + [(r.precision, r.checkpointing, r.micro_batch) for r in result.records
+           if r.fits and r.samples_per_s][:3]))
+    contenders = [k for k in contenders if k in exhaustive]
+    rounds = {key: [] for key in contenders}
+    for _ in range(args.confirm):
+        for key in contenders:
+            rounds[key].append(measure(exhaustive[key][0]).samples_per_s or 0.0)
+    truth = {key: max(values) for key, values in rounds.items()}
+    true_best = max(truth, key=truth.get)
+    print("\nscoring: contenders measured again, interleaved "
+          f"({args.confirm} rounds, fastest round of each):")
+    for key in sorted(truth, key=truth.get, reverse=True):
+        marks = [m for m, k in (("chosen", chosen_key), ("exhaustive best", best_key)) if k == key]
+        print(f"  {_label(key)}: {truth[key]:.1f} samples/s  {' '.join(marks)}")
+    quality = truth.get(chosen_key, 0.0) / truth[true_best]
+    exhaustive_quality = truth[best_key] / truth[true_best]
+    print(f"\nexhaustive: {len(feasible)} configurations in {exhaustive_s:.1f}s; its pick "
+          f"{_label(best_key)} ({best:.1f} samples/s in its pass) scores {exhaustive_quality:.3f}")
+    print(f"search ({result.sampler}): {result.measured} measurements in {result.seconds:.1f}s; chosen "
+          f"{_label(chosen_key)} ({chosen:.1f} samples/s in the exhaustive pass)")
+    print(f"chosen / best, single exhaustive pass = {chosen / best:.3f}; scored = {quality:.3f} "
+          f"(need >= 0.97): {'PASS' if quality >= 0.97 else 'FAIL'}")
     print(f"search time / exhaustive time = {time_ratio:.3f} (need <= 0.333): "
           f"{'PASS' if time_ratio <= 1 / 3 + 0.01 else 'FAIL'}")
     return 0

@@ -13,8 +13,9 @@ from autotune.cli import cli
 from autotune.errors import ConfigError
 from autotune.memory import CPUMemoryBackend
 from autotune.planfile import plan_from_json, plan_schema, plan_to_json
+from autotune.report import format_throughput
 from autotune.search_throughput import (Candidate, build_candidates, parse_duration,
-                                        search_throughput, split_choices)
+                                        search_throughput, split_choices, why_fastest)
 from autotune.throughput import Configuration, Measurement, measure_configuration
 from autotune.workload import Workload
 from plan_helpers import MiB, linear_probe, setting
@@ -34,7 +35,10 @@ class FakeMeasure:
         self.calls.append(key)
         if key in self.oom:
             return Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True)
-        return Measurement(samples_per_s=self.speeds[key], peak_bytes=config.micro_batch * MiB)
+        speed = self.speeds[key]
+        if isinstance(speed, list):  # one value per measurement, the last one repeating
+            speed = speed.pop(0) if len(speed) > 1 else speed[0]
+        return Measurement(samples_per_s=speed, peak_bytes=config.micro_batch * MiB)
 
 
 def _candidates(fits_up_to=32, precisions=("fp32", "bf16")):
@@ -47,9 +51,9 @@ def _candidates(fits_up_to=32, precisions=("fp32", "bf16")):
     return found
 
 
-def _search(measure, storage=None, candidates=None, name="test-study", budget_s=30):
+def _search(measure, storage=None, candidates=None, name="test-study", budget_s=30, **options):
     return search_throughput(candidates or _candidates(), measure, budget_s=budget_s,
-                             usable_bytes=1000 * MiB, study_name=name, storage=storage)
+                             usable_bytes=1000 * MiB, study_name=name, storage=storage, **options)
 
 
 def _states(storage, name="test-study"):
@@ -84,10 +88,41 @@ def test_out_of_memory_is_a_pruned_trial_not_a_failed_one(tmp_path):
 def test_the_winner_is_the_best_measured():
     measure = FakeMeasure()
     result = _search(measure)
-    assert sorted(measure.calls) == sorted(SPEEDS)  # a small space is measured exhaustively
+    assert sorted(measure.calls[:6]) == sorted(SPEEDS)  # a small space is measured exhaustively
+    # Then the four fastest again, alternating, four times (the budget allows it).
+    top = [("bf16", False, 16), ("bf16", False, 32), ("fp32", False, 16), ("fp32", False, 32)]
+    assert measure.calls[6:] == top * 4
     assert (result.winner.precision, result.winner.micro_batch) == ("bf16", 16)
-    assert result.winner.samples_per_s == max(SPEEDS.values())
+    assert result.winner.samples_per_s == max(SPEEDS.values()) and result.winner.measurements == 5
     assert [r.samples_per_s for r in result.records[:6]] == sorted(SPEEDS.values(), reverse=True)
+    assert "fastest of 5 measurements" in why_fastest(result)
+
+
+def test_measuring_the_fastest_again_finds_a_best_measured_in_a_slow_moment():
+    # bf16/16 is the fastest, but its first measurement fell into a slow moment of the machine.
+    speeds = {**SPEEDS, ("bf16", False, 16): [170.0, 215.0, 205.0]}
+    result = _search(FakeMeasure(speeds))
+    assert (result.winner.precision, result.winner.micro_batch, result.winner.samples_per_s) == \
+        ("bf16", 16, 215.0)
+    without = _search(FakeMeasure({**SPEEDS, ("bf16", False, 16): [170.0, 215.0]}),
+                      name="once", confirm_top=0)
+    assert (without.winner.precision, without.winner.micro_batch) == ("bf16", 32)
+
+
+def test_measuring_again_stays_within_the_budget(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("autotune.search_throughput.time.perf_counter", lambda: clock[0])
+
+    class Slow(FakeMeasure):
+        def __call__(self, config):
+            clock[0] += 1.0  # every measurement takes a second
+            return super().__call__(config)
+
+    measure = Slow()
+    result = _search(measure, budget_s=7.5)
+    # 5 to explore (no sixth: it would end past 70% of the budget), then 2 more before 7.5 s.
+    assert len(measure.calls) == 7 and result.seconds <= 7.5
+    assert len(set(measure.calls[:5])) == 5 and set(measure.calls[5:]) <= set(measure.calls[:5])
 
 
 def test_memory_plans_are_measured_first():
@@ -99,14 +134,14 @@ def test_memory_plans_are_measured_first():
 def test_a_stored_study_resumes_without_measuring_again(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     first = FakeMeasure()
-    _search(first, storage, candidates=_candidates(precisions=("fp32",)))
+    _search(first, storage, candidates=_candidates(precisions=("fp32",)), confirm_top=0)
     assert len(first.calls) == 3
     second = FakeMeasure()
-    result = _search(second, storage)  # bf16 added: only its configurations are new
+    result = _search(second, storage, confirm_top=0)  # bf16 added: only its configurations are new
     assert sorted(second.calls) == [("bf16", False, 8), ("bf16", False, 16), ("bf16", False, 32)]
     assert result.reused == 3 and result.measured == 3
     third = FakeMeasure()
-    again = _search(third, storage)
+    again = _search(third, storage)  # every result reused: nothing is measured again either
     assert third.calls == [] and again.winner.samples_per_s == 210.0
 
 
@@ -162,8 +197,14 @@ def test_real_measurement_and_a_real_out_of_memory():
     backend = CPUMemoryBackend(memory_limit="2MiB")
     fits = measure_configuration(_tiny_workload(), backend,
                                  Configuration(precision="fp32", checkpointing=False, micro_batches=(8, 8)),
-                                 windows=2)
+                                 windows=2, min_seconds=0)
     assert fits.samples_per_s > 0 and not fits.out_of_memory and len(fits.window_seconds) == 2
+    assert fits.samples_per_s == 16 / min(fits.window_seconds)
+    longer = measure_configuration(_tiny_workload(), backend,
+                                   Configuration(precision="fp32", checkpointing=False, micro_batches=(8, 8)),
+                                   windows=2, min_seconds=0.05)
+    # Windows of a few milliseconds: timed until they add up to the minimum.
+    assert sum(longer.window_seconds) >= 0.05 and len(longer.window_seconds) > 2
     assert 0 < fits.peak_bytes < 2 * MiB
     big = measure_configuration(_tiny_workload(), backend,
                                 Configuration(precision="fp32", checkpointing=False, micro_batches=(2048,)),
@@ -186,6 +227,9 @@ def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path)
     assert (plan.precision, plan.micro_batches) == ("fp32", [22, 21, 21])
     assert "fastest measured" in plan.reasons["throughput"]
     assert max(c.samples_per_s or 0 for c in plan.throughput if c.fits) == 300.0
+    winner = next(c for c in plan.throughput if c.samples_per_s == 300.0)
+    assert winner.measurements == 5  # measured, then four more times among the fastest
+    assert "300.0 (best of 5)" in format_throughput(plan)
     text = plan_to_json(plan)
     assert plan_from_json(text).throughput == plan.throughput
     jsonschema = pytest.importorskip("jsonschema")
