@@ -97,8 +97,9 @@ class ConfigurationMeasured:
     note: str = ""
     reused: bool = False
     """Measured by an earlier run of the same stored study, not re-measured."""
-    measurements: int = 0
-    """Times measured (more than once: among the fastest, measured again before choosing)."""
+    compared: bool = False
+    """Among the fastest, timed again side by side with the others (window by window); samples_per_s
+    is then from that comparison, and the winner is the fastest of those compared."""
 
     @property
     def micro_batch(self) -> int:

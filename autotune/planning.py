@@ -25,7 +25,7 @@ from .gpu_target import profile_target
 from .probe import probe
 from .search_throughput import (DEFAULT_BUDGET_S, build_candidates, parse_duration,
                                 search_throughput, study_name, why_fastest)
-from .throughput import measure_configuration
+from .throughput import compare_configurations, measure_configuration
 from .workload import Workload, load_workload
 
 PRECISION_CHOICES = ("auto", *(p.value for p in Precision))
@@ -147,8 +147,10 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
     name = study_name(workload_key=fingerprint.file_sha256 or fingerprint.source,
                       target_batch=request.target_batch, world_size=request.world_size,
                       device=f"{info.kind}-{info.name}", pinned_micro_batch=request.micro_batch)
-    result = search_throughput(candidates, lambda config: measure_configuration(workload, backend, config),
-                               budget_s=budget_s, usable_bytes=usable, study_name=name, storage=storage)
+    result = search_throughput(
+        candidates, lambda config: measure_configuration(workload, backend, config),
+        lambda configs, seconds: compare_configurations(workload, backend, configs, seconds=seconds),
+        budget_s=budget_s, usable_bytes=usable, study_name=name, storage=storage)
     if result.winner is None:
         notes = "; ".join(f"{r.precision}/{'on' if r.checkpointing else 'off'}/{r.micro_batch}: {r.note}"
                           for r in result.records[:6])

@@ -118,8 +118,8 @@ def format_throughput(plan) -> str:
         chosen = (c.fits and (c.precision, c.checkpointing, c.micro_batches)
                   == (plan.precision, plan.checkpointing, list(plan.micro_batches)))
         speed = f"{c.samples_per_s:.1f}" if c.samples_per_s is not None else "-"
-        if c.measurements > 1:
-            speed += f" (best of {c.measurements})"
+        if c.compared:
+            speed += " (side by side)"
         status = "<- plan" if chosen else ("reused" if c.reused and c.fits else
                                            "" if c.fits else f"pruned: {c.note}")
         rows.append([c.precision, "on" if c.checkpointing else "off", c.micro_batch,

@@ -40,14 +40,11 @@ GRID_LIMIT = 16
 """Spaces with at most this many fitting configurations are queued whole (searched exhaustively)."""
 
 CONFIRM_TOP = 4
-"""The fastest few configurations are measured again, alternating, before the winner is named."""
-
-CONFIRM_ROUNDS = 4
-"""At most; as many as the budget allows. A machine's speed drifts over seconds, so rounds
-spread over a longer time give each contender more chances at the machine's usual speed."""
+"""The fastest few configurations (and the memory plan of each of their settings) are timed
+again side by side before the winner is named."""
 
 CONFIRM_SHARE = 0.3
-"""Of the budget, kept for measuring the fastest again when the search would use it all."""
+"""Of the budget, kept for that comparison when the exploration would use it all."""
 
 STALE_LIMIT = 30
 """Stop after this many trials in a row proposed nothing new (TPE keeps circling what it knows)."""
@@ -146,15 +143,19 @@ class SearchResult:
     study_name: str
 
 
-def search_throughput(candidates: list[Candidate], measure: Callable[[Configuration], Measurement], *,
+def search_throughput(candidates: list[Candidate], measure: Callable[[Configuration], Measurement],
+                      compare: Callable[[list[Configuration], float], list[Measurement]], *,
                       budget_s: float, usable_bytes: int, study_name: str, storage: str | None = None,
                       seed: int = 0, verbose: bool = False, confirm_top: int = CONFIRM_TOP) -> SearchResult:
     """Measure candidates under ``budget_s`` seconds and return every result and the fastest.
 
-    The search explores first; then the ``confirm_top`` fastest are measured again, alternating,
-    in what is left of the budget, and each keeps its fastest measurement. One pass over noisy
-    measurements crowns whichever configuration was luckiest (the winner's curse); a second look
-    in the same conditions tells apart configurations that one pass cannot.
+    ``measure(config)`` measures one configuration (its peak and samples/s); ``compare(configs,
+    seconds)`` times several side by side (``throughput.compare_configurations``). The search
+    explores with ``measure``; then the ``confirm_top`` fastest, and the memory plan (largest
+    micro-batch) of each of their settings, are compared window by window in what is left of the
+    budget, and the fastest of that comparison wins. Measured one after
+    the other, configurations meet different moments of a machine whose speed drifts, and one
+    pass crowns whichever was luckiest (the winner's curse); side by side they meet the same.
     """
     if not candidates:
         raise ConfigError("the throughput search has no configuration to try")
@@ -168,8 +169,8 @@ def search_throughput(candidates: list[Candidate], measure: Callable[[Configurat
         for candidate in _to_enqueue(candidates, known, _tried_before(study)):
             study.enqueue_trial(_params(candidate.config))
         explore_s = budget_s * (1 - CONFIRM_SHARE) if confirm_top > 1 else budget_s
-        run = _Run(by_key=by_key, known=known, measure=measure, usable=usable_bytes, share=share,
-                   budget_s=explore_s)
+        run = _Run(by_key=by_key, known=known, measure=measure, compare=compare, usable=usable_bytes,
+                   share=share, budget_s=explore_s)
         if not run.done():
             study.optimize(run.objective, timeout=explore_s, callbacks=[run.stop_when_done],
                            catch=())
@@ -185,9 +186,10 @@ def search_throughput(candidates: list[Candidate], measure: Callable[[Configurat
 # --- the objective ---------------------------------------------------------------------------------
 
 class _Run:
-    def __init__(self, *, by_key, known, measure, usable, share, budget_s):
+    def __init__(self, *, by_key, known, measure, compare, usable, share, budget_s):
         self.by_key = by_key
         self.measure = measure
+        self.compare = compare
         self.usable = usable
         self.share = share
         self.results: dict[tuple, ConfigurationMeasured] = dict(known)
@@ -233,35 +235,35 @@ class _Run:
         return record.samples_per_s
 
     def confirm(self, top: int, *, deadline: float) -> None:
-        """Measure the ``top`` fastest again, alternating, ``CONFIRM_ROUNDS`` times while the
-        budget lasts. Only when this run measured one of them: a rerun that reuses every result
-        of a stored study measures nothing."""
-        contenders = [r for r in sorted(self.results.values(), key=_speed, reverse=True)
-                      if r.fits and r.status == "measured"][:top]
+        """Time the ``top`` fastest side by side in what is left of the budget. Only when this
+        run measured one of them: a rerun that reuses every result of a stored study measures
+        nothing. A set-up and a warm-up round cost about one measurement; with less left than
+        two measurements, the single measurements stand."""
+        measured = [r for r in sorted(self.results.values(), key=_speed, reverse=True)
+                    if r.fits and r.status == "measured"]
+        contenders = measured[:top]
+        # With them, the memory plan of each of their settings (its largest micro-batch), the plan
+        # the search must not lose to, even when its own measurement met a slow moment.
+        for setting in dict.fromkeys((r.precision, r.checkpointing) for r in contenders):
+            largest = max((r for r in measured if (r.precision, r.checkpointing) == setting),
+                          key=lambda r: r.micro_batch)
+            if largest not in contenders:
+                contenders.append(largest)
         if len(contenders) < 2 or all(r.reused for r in contenders):
             return
-        for _ in range(CONFIRM_ROUNDS):
-            for record in contenders:
-                typical = self.measuring_s / self.measured if self.measured else 0.0
-                if time.perf_counter() + typical > deadline:
-                    return
-                if record.fits:
-                    self._measure_again(record)
-
-    def _measure_again(self, record: ConfigurationMeasured) -> None:
-        candidate = self.by_key[(record.precision, record.checkpointing, record.micro_batch)]
-        started = time.perf_counter()
-        result = self.measure(candidate.config)
-        self.measured += 1
-        self.measuring_s += time.perf_counter() - started
-        record.measurements += 1
-        if result.out_of_memory or result.samples_per_s is None:
-            # Possible on CUDA (fragmentation): a plan that fails now and then is no winner.
-            record.fits, record.status = False, "pruned"
-            record.note = "out of memory when measured again"
+        typical = self.measuring_s / self.measured if self.measured else 0.0
+        seconds = deadline - time.perf_counter() - typical
+        if seconds < typical:
             return
-        record.samples_per_s = max(record.samples_per_s, result.samples_per_s)
-        record.peak_bytes = max(record.peak_bytes or 0, result.peak_bytes or 0)
+        configs = [self.by_key[(r.precision, r.checkpointing, r.micro_batch)].config for r in contenders]
+        for record, result in zip(contenders, self.compare(configs, seconds)):
+            record.compared = True
+            if result.out_of_memory or result.samples_per_s is None:
+                # Possible on CUDA (fragmentation): a plan that fails now and then is no winner.
+                record.fits, record.status = False, "pruned"
+                record.note = "out of memory when timed again beside the other fastest"
+            else:
+                record.samples_per_s = result.samples_per_s
 
     def _evaluate(self, candidate: Candidate) -> ConfigurationMeasured:
         config = candidate.config
@@ -275,7 +277,6 @@ class _Run:
         result = self.measure(config)
         self.measured += 1
         self.measuring_s += time.perf_counter() - started
-        record.measurements = 1
         record.peak_bytes = result.peak_bytes
         record.samples_per_s = result.samples_per_s
         if result.out_of_memory or result.samples_per_s is None:
@@ -289,7 +290,8 @@ class _Run:
 
 
 def _speed(record: ConfigurationMeasured) -> tuple:
-    return (record.fits, record.samples_per_s or 0.0)
+    # Compared side by side, the contenders rank above single measurements taken at other moments.
+    return (record.fits, record.compared, record.samples_per_s or 0.0)
 
 
 # --- the study -------------------------------------------------------------------------------------
@@ -390,8 +392,9 @@ def why_fastest(result: SearchResult) -> str:
     pruned = [r for r in result.records if r.status == "pruned"]
     text = (f"fastest measured: {_label(winner)} at {winner.samples_per_s:.1f} samples/s over full "
             f"windows")
-    if winner.measurements > 1:
-        text += f" (fastest of {winner.measurements} measurements)"
+    compared = [r for r in result.records if r.compared and r.fits]
+    if winner.compared:
+        text += f" (timed side by side with {len(compared) - 1} other(s), window by window)"
     runner_up = next((r for r in measured if r is not winner), None)
     if runner_up is not None:
         ratio = winner.samples_per_s / runner_up.samples_per_s

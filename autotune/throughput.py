@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .checkpointing import disable_checkpointing, enable_checkpointing
 from .memory.base import MemoryBackend
 from .oom import free_memory
 from .plan import SplitArithmetic
-from .precision import Precision
+from .precision import Precision, grad_scaler
 from .probe.trial import CLIP_NORM, SetupOutOfMemory, TrialSession
 from .train.data import Window
 from .train.distributed import DistContext
@@ -104,17 +105,25 @@ class _ConstantSchedule:
         """The LR does not change the cost of a step."""
 
 
-def _measure_in(session: TrialSession, config: Configuration, windows: int,
-                min_seconds: float) -> Measurement:
-    backend = session.backend
-    runner = StepRunner(
+def _runner(session: TrialSession, precision: Precision, scaler) -> StepRunner:
+    return StepRunner(
         model=session.model, optimizer=session.optimizer, scheduler=_ConstantSchedule(),
-        scaler=session.scaler, precision=session.precision, workload=session.workload,
+        scaler=scaler, precision=precision, workload=session.workload,
         ctx=DistContext(world_size=1, rank=0, device=session.device), clip_grad_norm=CLIP_NORM,
         state=TrainState(), notify=_stop_at_out_of_memory,
     )
-    window = Window(step=0, epoch=0, index=0, samples=config.share, start=0, stop=config.share,
-                    micro_batches=config.micro_batches)
+
+
+def _window(config: Configuration) -> Window:
+    return Window(step=0, epoch=0, index=0, samples=config.share, start=0, stop=config.share,
+                  micro_batches=config.micro_batches)
+
+
+def _measure_in(session: TrialSession, config: Configuration, windows: int,
+                min_seconds: float) -> Measurement:
+    backend = session.backend
+    runner = _runner(session, session.precision, session.scaler)
+    window = _window(config)
     batch = session.workload.batch(config.share)
     backend.release()
     backend.reset_peak()
@@ -136,6 +145,73 @@ def _measure_in(session: TrialSession, config: Configuration, windows: int,
             times.append(time.perf_counter() - start)
     return Measurement(samples_per_s=config.share / min(times) if times else None, peak_bytes=peak,
                        within_budget=within, window_seconds=tuple(times))
+
+
+COMPARE_MIN_ROUNDS = 3
+
+
+def compare_configurations(workload: Workload, backend: MemoryBackend, configs: list[Configuration], *,
+                           seconds: float) -> list[Measurement]:
+    """Time configurations side by side: one model, their windows interleaved round by round for
+    about ``seconds`` (at least ``COMPARE_MIN_ROUNDS`` rounds), samples/s from each one's fastest.
+
+    A machine's speed drifts from one second to the next, so configurations measured one after
+    the other are compared across different moments; interleaved, every configuration sees the
+    same ones. Only for configurations already measured one by one: this measures no peak, and
+    one that runs out of memory here (CUDA fragmentation) drops out with ``out_of_memory``.
+    """
+    if len({config.share for config in configs}) > 1:
+        raise ValueError("compare_configurations: every configuration must split the same share")
+    started = time.perf_counter()
+    session = TrialSession(workload, backend, precision=Precision.FP32, checkpointing=False)
+    try:
+        with session:
+            times = _compare_in(session, configs, started + seconds)
+    except SetupOutOfMemory:
+        times = [None] * len(configs)
+    return [Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True) if not found
+            else Measurement(samples_per_s=config.share / min(found), peak_bytes=None,
+                             window_seconds=tuple(found), seconds=time.perf_counter() - started)
+            for config, found in zip(configs, times)]
+
+
+def _compare_in(session: TrialSession, configs: list[Configuration], deadline: float) -> list:
+    """Per configuration, its timed windows (None: it ran out of memory)."""
+    runners = []
+    for config in configs:
+        precision = Precision.parse(config.precision)
+        runners.append(_runner(session, precision, grad_scaler(precision, session.device)))
+    batch = session.workload.batch(configs[0].share) if configs else None
+    times: list = [[] for _ in configs]
+    try:
+        with _untracked(session.backend), _no_gc_pauses():
+            # Round 0 is the warm-up: each configuration's first window after set-up.
+            for round_ in range(MAX_TIMED_WINDOWS + 1):
+                if round_ > COMPARE_MIN_ROUNDS and time.perf_counter() >= deadline:
+                    break
+                for i, config in enumerate(configs):
+                    if times[i] is None:
+                        continue
+                    _set_checkpointing(session, config.checkpointing)
+                    _synchronize(session.device)
+                    start = time.perf_counter()
+                    ran = _run_window(runners[i], _window(config), batch)
+                    _synchronize(session.device)
+                    if not ran:
+                        times[i] = None
+                        free_memory()
+                    elif round_:
+                        times[i].append(time.perf_counter() - start)
+    finally:
+        disable_checkpointing(session.model)
+    return times
+
+
+def _set_checkpointing(session: TrialSession, on: bool) -> None:
+    if on:
+        enable_checkpointing(session.model, source=session.workload.source)
+    else:
+        disable_checkpointing(session.model)
 
 
 def _run_window(runner: StepRunner, window: Window, batch) -> bool:

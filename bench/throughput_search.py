@@ -4,8 +4,8 @@ Probes every setting once, measures every configuration predicted to fit once (t
 answer and its time), then runs the Optuna search with a budget of a third of that time. Both use
 the same measuring function. On a shared machine one measurement can be off by tens of percent,
 so neither pass is the judge: the contenders (the chosen configuration and the fastest few of
-either pass) are measured again, interleaved (--confirm rounds), and scored by their fastest
-round; the chosen one's score is compared with the best score.
+either pass) are timed again side by side, window by window (--score seconds), and scored by
+their fastest window; the chosen one's score is compared with the best score.
 
     OMP_NUM_THREADS=1 python bench/throughput_search.py examples/gpt_varlen.py \\
         --target-batch 128 --memory-limit 8MiB
@@ -28,7 +28,7 @@ from autotune.planner import evaluate_setting, usable_bytes  # noqa: E402
 from autotune.planning import _probe_setting, _supported_precisions  # noqa: E402
 from autotune.report import table  # noqa: E402
 from autotune.search_throughput import build_candidates, search_throughput  # noqa: E402
-from autotune.throughput import measure_configuration  # noqa: E402
+from autotune.throughput import compare_configurations, measure_configuration  # noqa: E402
 from autotune.units import format_bytes  # noqa: E402
 from autotune.workload import load_workload  # noqa: E402
 
@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-limit", default="8MiB")
     parser.add_argument("--headroom", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--confirm", type=int, default=5, help="interleaved scoring rounds")
+    parser.add_argument("--score", type=float, default=20.0,
+                        help="seconds of side-by-side timing to score the contenders")
     args = parser.parse_args(argv)
 
     workload = load_workload(args.model_file)
@@ -69,8 +70,11 @@ def main(argv=None) -> int:
     best_key = max(fitting, key=lambda k: fitting[k].samples_per_s)
     best = fitting[best_key].samples_per_s
 
-    result = search_throughput(candidates, measure, budget_s=exhaustive_s / 3, usable_bytes=usable,
-                               study_name="bench", seed=args.seed)
+    def compare(configs, seconds):
+        return compare_configurations(workload, backend, configs, seconds=seconds)
+
+    result = search_throughput(candidates, measure, compare, budget_s=exhaustive_s / 3,
+                               usable_bytes=usable, study_name="bench", seed=args.seed)
     chosen_key = (result.winner.precision, result.winner.checkpointing, result.winner.micro_batch)
     chosen = fitting[chosen_key].samples_per_s if chosen_key in fitting else 0.0
 
@@ -87,25 +91,22 @@ def main(argv=None) -> int:
     print("\nthe search's own fastest (its measurements):")
     for record in [r for r in result.records if r.fits and r.samples_per_s][:5]:
         print(f"  {_label((record.precision, record.checkpointing, record.micro_batch))}: "
-              f"{record.samples_per_s:.1f} samples/s, measured {record.measurements}x")
+              f"{record.samples_per_s:.1f} samples/s{' (side by side)' if record.compared else ''}")
     # Scoring: one pass cannot rank configurations a few percent apart on a shared machine (its
     # speed moves by 20% from one second to the next), so the contenders (the chosen one, and the
-    # fastest few by either pass) are measured again, interleaved, and each is scored by its
-    # fastest round. Not counted in either time.
+    # fastest few by either pass) are timed again side by side, window by window, for --score
+    # seconds. Not counted in either time.
     contenders = list(dict.fromkeys(
         [chosen_key, best_key]
         + sorted(fitting, key=lambda k: -fitting[k].samples_per_s)[:3]
         + [(r.precision, r.checkpointing, r.micro_batch) for r in result.records
            if r.fits and r.samples_per_s][:3]))
     contenders = [k for k in contenders if k in exhaustive]
-    rounds = {key: [] for key in contenders}
-    for _ in range(args.confirm):
-        for key in contenders:
-            rounds[key].append(measure(exhaustive[key][0]).samples_per_s or 0.0)
-    truth = {key: max(values) for key, values in rounds.items()}
+    scored = compare([exhaustive[k][0] for k in contenders], args.score)
+    truth = {key: m.samples_per_s or 0.0 for key, m in zip(contenders, scored)}
     true_best = max(truth, key=truth.get)
-    print("\nscoring: contenders measured again, interleaved "
-          f"({args.confirm} rounds, fastest round of each):")
+    print(f"\nscoring: contenders timed side by side, window by window, for {args.score:.0f}s "
+          f"(fastest window of each):")
     for key in sorted(truth, key=truth.get, reverse=True):
         marks = [m for m, k in (("chosen", chosen_key), ("exhaustive best", best_key)) if k == key]
         print(f"  {_label(key)}: {truth[key]:.1f} samples/s  {' '.join(marks)}")

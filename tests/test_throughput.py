@@ -16,7 +16,8 @@ from autotune.planfile import plan_from_json, plan_schema, plan_to_json
 from autotune.report import format_throughput
 from autotune.search_throughput import (Candidate, build_candidates, parse_duration,
                                         search_throughput, split_choices, why_fastest)
-from autotune.throughput import Configuration, Measurement, measure_configuration
+from autotune.throughput import (COMPARE_MIN_ROUNDS, Configuration, Measurement,
+                                 compare_configurations, measure_configuration)
 from autotune.workload import Workload
 from plan_helpers import MiB, linear_probe, setting
 
@@ -28,7 +29,7 @@ class FakeMeasure:
     """Deterministic samples/s per (precision, checkpointing, micro-batch); counts measurements."""
 
     def __init__(self, speeds=SPEEDS, oom=()):
-        self.speeds, self.oom, self.calls = speeds, set(oom), []
+        self.speeds, self.oom, self.calls, self.compared = speeds, set(oom), [], []
 
     def __call__(self, config: Configuration) -> Measurement:
         key = (config.precision, config.checkpointing, config.micro_batch)
@@ -39,6 +40,12 @@ class FakeMeasure:
         if isinstance(speed, list):  # one value per measurement, the last one repeating
             speed = speed.pop(0) if len(speed) > 1 else speed[0]
         return Measurement(samples_per_s=speed, peak_bytes=config.micro_batch * MiB)
+
+    def compare(self, configs, seconds):
+        """Side by side: each configuration measured once more, at the same moment."""
+        self.compared.append(([(c.precision, c.checkpointing, c.micro_batch) for c in configs], seconds))
+        return [Measurement(samples_per_s=m.samples_per_s, peak_bytes=None,
+                            out_of_memory=m.out_of_memory) for m in map(self, configs)]
 
 
 def _candidates(fits_up_to=32, precisions=("fp32", "bf16")):
@@ -52,7 +59,7 @@ def _candidates(fits_up_to=32, precisions=("fp32", "bf16")):
 
 
 def _search(measure, storage=None, candidates=None, name="test-study", budget_s=30, **options):
-    return search_throughput(candidates or _candidates(), measure, budget_s=budget_s,
+    return search_throughput(candidates or _candidates(), measure, measure.compare, budget_s=budget_s,
                              usable_bytes=1000 * MiB, study_name=name, storage=storage, **options)
 
 
@@ -89,27 +96,56 @@ def test_the_winner_is_the_best_measured():
     measure = FakeMeasure()
     result = _search(measure)
     assert sorted(measure.calls[:6]) == sorted(SPEEDS)  # a small space is measured exhaustively
-    # Then the four fastest again, alternating, four times (the budget allows it).
+    # Then the four fastest side by side, once, in what is left of the budget.
     top = [("bf16", False, 16), ("bf16", False, 32), ("fp32", False, 16), ("fp32", False, 32)]
-    assert measure.calls[6:] == top * 4
-    assert (result.winner.precision, result.winner.micro_batch) == ("bf16", 16)
-    assert result.winner.samples_per_s == max(SPEEDS.values()) and result.winner.measurements == 5
+    assert [configs for configs, _ in measure.compared] == [top] and len(measure.calls) == 10
+    assert 0 < measure.compared[0][1] <= 30
+    assert (result.winner.precision, result.winner.micro_batch) == ("bf16", 16) and result.winner.compared
+    assert result.winner.samples_per_s == max(SPEEDS.values())
     assert [r.samples_per_s for r in result.records[:6]] == sorted(SPEEDS.values(), reverse=True)
-    assert "fastest of 5 measurements" in why_fastest(result)
+    assert [r.compared for r in result.records[:6]] == [True] * 4 + [False] * 2
+    assert "timed side by side with 3 other(s)" in why_fastest(result)
 
 
-def test_measuring_the_fastest_again_finds_a_best_measured_in_a_slow_moment():
-    # bf16/16 is the fastest, but its first measurement fell into a slow moment of the machine.
-    speeds = {**SPEEDS, ("bf16", False, 16): [170.0, 215.0, 205.0]}
+def test_the_side_by_side_comparison_decides_between_the_fastest():
+    # bf16/16 is the fastest, but its single measurement fell into a fast moment of the machine
+    # and fp32/16's into a slow one; side by side, fp32/16 is faster.
+    speeds = {**SPEEDS, ("bf16", False, 16): [260.0, 190.0], ("fp32", False, 16): [180.0, 230.0]}
     result = _search(FakeMeasure(speeds))
     assert (result.winner.precision, result.winner.micro_batch, result.winner.samples_per_s) == \
-        ("bf16", 16, 215.0)
-    without = _search(FakeMeasure({**SPEEDS, ("bf16", False, 16): [170.0, 215.0]}),
-                      name="once", confirm_top=0)
-    assert (without.winner.precision, without.winner.micro_batch) == ("bf16", 32)
+        ("fp32", 16, 230.0)
+    # The table leads with the comparison (same moments), then the single measurements.
+    assert [r.samples_per_s for r in result.records[:4]] == [230.0, 200.0, 190.0, 150.0]
+    alone = _search(FakeMeasure({**speeds, ("bf16", False, 16): [260.0, 190.0],
+                                 ("fp32", False, 16): [180.0, 230.0]}), name="once", confirm_top=0)
+    assert (alone.winner.precision, alone.winner.micro_batch) == ("bf16", 16)
 
 
-def test_measuring_again_stays_within_the_budget(monkeypatch):
+def test_the_memory_plan_of_a_contending_setting_is_compared_too():
+    # bf16/32 (bf16's memory plan) was measured in a slow moment: not among the two fastest.
+    speeds = {**SPEEDS, ("bf16", False, 32): [140.0, 230.0]}
+    measure = FakeMeasure(speeds)
+    result = _search(measure, confirm_top=2)
+    assert measure.compared[0][0] == [("bf16", False, 16), ("fp32", False, 16),
+                                      ("bf16", False, 32), ("fp32", False, 32)]
+    assert (result.winner.precision, result.winner.micro_batch, result.winner.samples_per_s) == \
+        ("bf16", 32, 230.0)
+
+
+def test_a_contender_out_of_memory_beside_the_others_is_no_winner():
+    class Flaky(FakeMeasure):
+        def compare(self, configs, seconds):
+            found = super().compare(configs, seconds)
+            found[0] = Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True)
+            return found
+
+    result = _search(Flaky())
+    lost = next(r for r in result.records if (r.precision, r.micro_batch) == ("bf16", 16))
+    assert not lost.fits and lost.status == "pruned" and "out of memory" in lost.note
+    assert (result.winner.precision, result.winner.micro_batch) == ("bf16", 32)
+
+
+def test_the_comparison_stays_within_the_budget(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr("autotune.search_throughput.time.perf_counter", lambda: clock[0])
 
@@ -118,11 +154,20 @@ def test_measuring_again_stays_within_the_budget(monkeypatch):
             clock[0] += 1.0  # every measurement takes a second
             return super().__call__(config)
 
+        def compare(self, configs, seconds):
+            self.compared.append((configs, seconds))
+            clock[0] += 1.0 + seconds  # set-up and warm-up, then the seconds it was given
+            return [Measurement(samples_per_s=self.speeds[(c.precision, c.checkpointing, c.micro_batch)],
+                                peak_bytes=None) for c in configs]
+
     measure = Slow()
-    result = _search(measure, budget_s=7.5)
-    # 5 to explore (no sixth: it would end past 70% of the budget), then 2 more before 7.5 s.
-    assert len(measure.calls) == 7 and result.seconds <= 7.5
-    assert len(set(measure.calls[:5])) == 5 and set(measure.calls[5:]) <= set(measure.calls[:5])
+    result = _search(measure, budget_s=10)
+    # 6 to explore (a seventh would end past 70% of the budget), then the comparison in the rest.
+    assert len(measure.calls) == 6 and len(measure.compared) == 1
+    assert measure.compared[0][1] == pytest.approx(10 - 6 - 1) and result.seconds <= 10
+    short = Slow()
+    _search(short, budget_s=4.5, name="short")  # 3 explored, 1.5 s left: less than two measurements
+    assert short.compared == []
 
 
 def test_memory_plans_are_measured_first():
@@ -149,7 +194,7 @@ def test_a_stored_measurement_too_big_for_this_budget_is_redone(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     _search(FakeMeasure(), storage)
     measure = FakeMeasure()
-    search_throughput(_candidates(), measure, budget_s=30, usable_bytes=20 * MiB,
+    search_throughput(_candidates(), measure, measure.compare, budget_s=30, usable_bytes=20 * MiB,
                       study_name="test-study", storage=storage)
     assert sorted(measure.calls) == [("bf16", False, 32), ("fp32", False, 32)]
 
@@ -212,6 +257,22 @@ def test_real_measurement_and_a_real_out_of_memory():
     assert big.out_of_memory and big.samples_per_s is None
 
 
+def test_real_side_by_side_comparison():
+    backend = CPUMemoryBackend(memory_limit="64MiB")
+    configs = [Configuration(precision="fp32", checkpointing=False, micro_batches=(8, 8)),
+               Configuration(precision="bf16", checkpointing=True, micro_batches=(16,)),
+               Configuration(precision="fp32", checkpointing=True, micro_batches=(4, 4, 4, 4))]
+    found = compare_configurations(_tiny_workload(), backend, configs, seconds=0.05)
+    # Round by round: every configuration got the same number of timed windows, at least three.
+    counts = {len(m.window_seconds) for m in found}
+    assert len(counts) == 1 and counts.pop() >= COMPARE_MIN_ROUNDS
+    assert all(m.samples_per_s == 16 / min(m.window_seconds) and not m.out_of_memory for m in found)
+    assert backend.current_bytes() == 0  # nothing left behind, checkpointing undone with the model
+    with pytest.raises(ValueError, match="same share"):
+        compare_configurations(_tiny_workload(), backend, [configs[0], Configuration(
+            precision="fp32", checkpointing=False, micro_batches=(8,))], seconds=0.01)
+
+
 def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path):
     def fake_probe(workload, *, precision, checkpointing, max_micro_batch, backend):
         return linear_probe(min(32, max_micro_batch), precision=precision, upper=max_micro_batch)
@@ -219,8 +280,11 @@ def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path)
     speeds = {(p, False, m): (300.0 if (p, m) == ("fp32", 22) else 100.0 + m)
               for p in ("fp32", "bf16") for m in split_choices(64)}
     monkeypatch.setattr("autotune.planning.probe", fake_probe)
+    fake = FakeMeasure(speeds)
     monkeypatch.setattr("autotune.planning.measure_configuration",
-                        lambda workload, backend, config: FakeMeasure(speeds)(config))
+                        lambda workload, backend, config: fake(config))
+    monkeypatch.setattr("autotune.planning.compare_configurations",
+                        lambda workload, backend, configs, seconds: fake.compare(configs, seconds))
     plan = autotune.plan(_tiny_workload(), target_batch=64, device="cpu", headroom=0.0,
                          optimize="throughput", budget="10s", checkpointing="off")
     assert plan.optimize == "throughput"
@@ -228,8 +292,7 @@ def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path)
     assert "fastest measured" in plan.reasons["throughput"]
     assert max(c.samples_per_s or 0 for c in plan.throughput if c.fits) == 300.0
     winner = next(c for c in plan.throughput if c.samples_per_s == 300.0)
-    assert winner.measurements == 5  # measured, then four more times among the fastest
-    assert "300.0 (best of 5)" in format_throughput(plan)
+    assert winner.compared and "300.0 (side by side)" in format_throughput(plan)
     text = plan_to_json(plan)
     assert plan_from_json(text).throughput == plan.throughput
     jsonschema = pytest.importorskip("jsonschema")
