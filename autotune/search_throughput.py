@@ -231,8 +231,26 @@ class _Run:
             trial.set_user_attr(name, value)
         trial.set_user_attr("usable_bytes", self.usable)
         if record.status == "pruned":
+            if candidate.predicted_fits:
+                self._queue_next_memory_plan(trial.study, candidate)
             raise optuna.TrialPruned(record.note)
         return record.samples_per_s
+
+    def _queue_next_memory_plan(self, study: optuna.Study, failed: Candidate) -> None:
+        """A setting's memory plan (its largest micro-batch predicted to fit) that ran past the
+        budget when measured gives way to the next smaller split, queued next: the search must
+        not end without the plan it is meant to improve on."""
+        setting = (failed.config.precision, failed.config.checkpointing)
+        fitting = [r for r in self.results.values()
+                   if (r.precision, r.checkpointing) == setting and r.fits and r.status == "measured"]
+        smaller = [c for key, c in self.by_key.items()
+                   if key[:2] == setting and c.predicted_fits and key not in self.results
+                   and c.config.micro_batch < failed.config.micro_batch]
+        if not smaller:
+            return
+        following = max(smaller, key=lambda c: c.config.micro_batch)
+        if all(r.micro_batch < following.config.micro_batch for r in fitting):
+            study.enqueue_trial(_params(following.config))
 
     def confirm(self, top: int, *, deadline: float) -> None:
         """Time the ``top`` fastest side by side in what is left of the budget. Only when this

@@ -14,6 +14,7 @@ from autotune.errors import ConfigError
 from autotune.memory import CPUMemoryBackend
 from autotune.planfile import plan_from_json, plan_schema, plan_to_json
 from autotune.report import format_throughput
+from autotune.planner import split_share
 from autotune.search_throughput import (Candidate, build_candidates, parse_duration,
                                         search_throughput, split_choices, why_fastest)
 from autotune.throughput import (COMPARE_MIN_ROUNDS, Configuration, Measurement,
@@ -168,6 +169,21 @@ def test_the_comparison_stays_within_the_budget(monkeypatch):
     short = Slow()
     _search(short, budget_s=4.5, name="short")  # 3 explored, 1.5 s left: less than two measurements
     assert short.compared == []
+
+
+def test_a_memory_plan_past_the_budget_gives_way_to_the_next_split_at_once():
+    # A space too large to queue whole: only the memory plans are queued, TPE picks the rest.
+    found, speeds = [], {}
+    for precision in ("fp32", "bf16"):
+        for m in split_choices(64):
+            config = Configuration(precision=precision, checkpointing=False,
+                                   micro_batches=tuple(split_share(64, m)))
+            found.append(Candidate(config=config, predicted_peak_bytes=m * MiB,
+                                   predicted_fits=m <= 32, why_not="predicted too big"))
+            speeds[(precision, False, m)] = 100.0 + m
+    measure = FakeMeasure(speeds, oom={("fp32", False, 32)})
+    _search(measure, candidates=found, budget_s=30)
+    assert measure.calls[:3] == [("fp32", False, 32), ("bf16", False, 32), ("fp32", False, 22)]
 
 
 def test_memory_plans_are_measured_first():
