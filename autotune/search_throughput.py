@@ -15,6 +15,10 @@ plan would train) is queued first, so the search can only improve on it; a small
 grid search in a useful order. (Optuna's GridSampler visits its grid in random order and, in
 Optuna 5.0, fails in ``after_trial`` when combined with queued trials.) A rerun of the same study
 reuses what was measured: a configuration with a result is not measured again.
+
+The exploration ends at 70% of the budget; in the rest the fastest few are timed side by side
+(windows interleaved on one model) and that comparison, not the single measurements taken at
+different moments, names the winner.
 """
 
 from __future__ import annotations
