@@ -16,7 +16,7 @@ from typing import Callable
 from .errors import ConfigError, PlanError
 from .lr import decide_lr, lr_warnings
 from .memory.base import DeviceInfo
-from .plan import LRDecision, Plan, SettingTried, WorkloadFingerprint
+from .plan import Plan, SettingTried, WorkloadFingerprint
 from .probe.result import ProbeResult
 from .units import format_bytes
 

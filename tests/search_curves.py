@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import pathlib
 from dataclasses import dataclass, field
 from typing import Callable

@@ -2,7 +2,6 @@
 a crash while writing leaves the previous checkpoint loadable."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

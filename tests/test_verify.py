@@ -1,7 +1,6 @@
 """`autotune verify`: confirm a plan on the device at hand, or re-plan and say how far off it was."""
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import autotune
