@@ -35,7 +35,12 @@ class StorageTracker:
         self.peak = 0
 
     def add(self, tensor: torch.Tensor) -> None:
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or tensor.is_meta:
+        if not isinstance(tensor, torch.Tensor):
+            return
+        # A FakeTensor answers .device with a dispatched op (prim.device) that costs as much as a
+        # real op, and the estimate would pay it for every output; its fake_device is free.
+        device = getattr(tensor, "fake_device", None) or tensor.device
+        if device.type != "cpu":  # meta tensors included: they have no storage to count
             return
         try:
             storage = tensor.untyped_storage()
