@@ -86,7 +86,8 @@ class ConfigurationMeasured:
     micro_batches: list[int]
     """Samples per accumulation step on each rank (they sum to the per-device share)."""
     samples_per_s: float | None = None
-    """From the fastest timed full window (all micro-steps and the optimizer step); None: not run."""
+    """From the fastest timed full window (all micro-steps and the optimizer step), or the median
+    window when compared side by side (``compared``); None: not run."""
     peak_bytes: int | None = None
     """Measured peak of the warm-up window (None: not run)."""
     predicted_peak_bytes: int | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -153,11 +154,13 @@ COMPARE_MIN_ROUNDS = 3
 def compare_configurations(workload: Workload, backend: MemoryBackend, configs: list[Configuration], *,
                            seconds: float) -> list[Measurement]:
     """Time configurations side by side: one model, their windows interleaved round by round for
-    about ``seconds`` (at least ``COMPARE_MIN_ROUNDS`` rounds), samples/s from each one's fastest.
+    about ``seconds`` (at least ``COMPARE_MIN_ROUNDS`` rounds), samples/s from each one's median
+    window.
 
     A machine's speed drifts from one second to the next, so configurations measured one after
     the other are compared across different moments; interleaved, every configuration sees the
-    same ones. Only for configurations already measured one by one: this measures no peak, and
+    same ones, and the median window compares them on those same moments where each one's
+    single fastest window is a matter of luck. Only for configurations already measured one by one: this measures no peak, and
     one that runs out of memory here (CUDA fragmentation) drops out with ``out_of_memory``.
     """
     if len({config.share for config in configs}) > 1:
@@ -170,7 +173,7 @@ def compare_configurations(workload: Workload, backend: MemoryBackend, configs: 
     except SetupOutOfMemory:
         times = [None] * len(configs)
     return [Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True) if not found
-            else Measurement(samples_per_s=config.share / min(found), peak_bytes=None,
+            else Measurement(samples_per_s=config.share / statistics.median(found), peak_bytes=None,
                              window_seconds=tuple(found), seconds=time.perf_counter() - started)
             for config, found in zip(configs, times)]
 

@@ -5,7 +5,7 @@ answer and its time), then runs the Optuna search with a budget of a third of th
 the same measuring function. On a shared machine one measurement can be off by tens of percent,
 so neither pass is the judge: the contenders (the chosen configuration and the fastest few of
 either pass) are timed again side by side, window by window (--score seconds), and scored by
-their fastest window; the chosen one's score is compared with the best score.
+their median window; the chosen one's score is compared with the best score.
 
     OMP_NUM_THREADS=1 python bench/throughput_search.py examples/gpt_varlen.py \\
         --target-batch 128 --memory-limit 8MiB
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     truth = {key: m.samples_per_s or 0.0 for key, m in zip(contenders, scored)}
     true_best = max(truth, key=truth.get)
     print(f"\nscoring: contenders timed side by side, window by window, for {args.score:.0f}s "
-          f"(fastest window of each):")
+          f"(median window of each):")
     for key in sorted(truth, key=truth.get, reverse=True):
         marks = [m for m, k in (("chosen", chosen_key), ("exhaustive best", best_key)) if k == key]
         print(f"  {_label(key)}: {truth[key]:.1f} samples/s  {' '.join(marks)}")
