@@ -136,14 +136,10 @@ def _measure_in(session: TrialSession, config: Configuration, windows: int,
     times = []
     with _untracked(backend), _no_gc_pauses():
         while len(times) < windows or (sum(times) < min_seconds and len(times) < MAX_TIMED_WINDOWS):
-            _synchronize(session.device)
-            start = time.perf_counter()
-            ran = _run_window(runner, window, batch)
-            _synchronize(session.device)
-            if not ran:  # possible on CUDA (fragmentation) even after the warm-up fitted
-                free_memory()
+            seconds = _timed_window(runner, window, batch, session.device)
+            if seconds is None:  # possible on CUDA (fragmentation) even after the warm-up fitted
                 return Measurement(samples_per_s=None, peak_bytes=peak, out_of_memory=True)
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     return Measurement(samples_per_s=config.share / min(times) if times else None, peak_bytes=peak,
                        within_budget=within, window_seconds=tuple(times))
 
@@ -160,8 +156,9 @@ def compare_configurations(workload: Workload, backend: MemoryBackend, configs: 
     A machine's speed drifts from one second to the next, so configurations measured one after
     the other are compared across different moments; interleaved, every configuration sees the
     same ones, and the median window compares them on those same moments where each one's
-    single fastest window is a matter of luck. Only for configurations already measured one by one: this measures no peak, and
-    one that runs out of memory here (CUDA fragmentation) drops out with ``out_of_memory``.
+    single fastest window is a matter of luck. Only for configurations already measured one by
+    one: this measures no peak, and one that runs out of memory here (CUDA fragmentation) drops
+    out with ``out_of_memory``.
     """
     if len({config.share for config in configs}) > 1:
         raise ValueError("compare_configurations: every configuration must split the same share")
@@ -196,15 +193,11 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
                     if times[i] is None:
                         continue
                     _set_checkpointing(session, config.checkpointing)
-                    _synchronize(session.device)
-                    start = time.perf_counter()
-                    ran = _run_window(runners[i], _window(config), batch)
-                    _synchronize(session.device)
-                    if not ran:
+                    seconds = _timed_window(runners[i], _window(config), batch, session.device)
+                    if seconds is None:
                         times[i] = None
-                        free_memory()
                     elif round_:
-                        times[i].append(time.perf_counter() - start)
+                        times[i].append(seconds)
     finally:
         disable_checkpointing(session.model)
     return times
@@ -215,6 +208,18 @@ def _set_checkpointing(session: TrialSession, on: bool) -> None:
         enable_checkpointing(session.model, source=session.workload.source)
     else:
         disable_checkpointing(session.model)
+
+
+def _timed_window(runner: StepRunner, window: Window, batch, device: torch.device) -> float | None:
+    """Seconds of one window, device work included; None when it ran out of memory."""
+    _synchronize(device)
+    start = time.perf_counter()
+    ran = _run_window(runner, window, batch)
+    _synchronize(device)
+    if not ran:
+        free_memory()
+        return None
+    return time.perf_counter() - start
 
 
 def _run_window(runner: StepRunner, window: Window, batch) -> bool:

@@ -260,8 +260,7 @@ def _distinct_neighbour_runs(optimizer: torch.optim.Optimizer) -> list[tuple[int
         return None
     runs = []
     for index, group in enumerate(optimizer.param_groups):
-        params = list(group["params"])
-        with_grad = [p for p in params if p.grad is not None]
+        with_grad = [p for p in group["params"] if p.grad is not None]
         if group.get("fused") or _takes_foreach_path(group, with_grad):
             return None
         # Parameters without a gradient are skipped by the update, so they are no neighbours.
