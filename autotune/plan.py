@@ -77,8 +77,31 @@ class SettingTried:
         return cls(**data)
 
 
+class SplitArithmetic:
+    """Numbers derived from a split; the class that mixes this in defines ``micro_batches``."""
+
+    micro_batches: "list[int] | tuple[int, ...]"
+
+    @property
+    def accumulation_steps(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def micro_batch(self) -> int:
+        return max(self.micro_batches)
+
+    @property
+    def per_device_batch(self) -> int:
+        return sum(self.micro_batches)
+
+    @property
+    def is_even(self) -> bool:
+        """Whether every accumulation step has the same micro-batch (what most runners need)."""
+        return len(set(self.micro_batches)) == 1
+
+
 @dataclass(kw_only=True)
-class ConfigurationMeasured:
+class ConfigurationMeasured(SplitArithmetic):
     """One configuration the throughput search considered: measured, or pruned for memory."""
 
     precision: str
@@ -102,14 +125,6 @@ class ConfigurationMeasured:
     """Among the fastest, timed again side by side with the others (window by window); samples_per_s
     is then from that comparison, and the winner is the fastest of those compared."""
 
-    @property
-    def micro_batch(self) -> int:
-        return max(self.micro_batches)
-
-    @property
-    def accumulation_steps(self) -> int:
-        return len(self.micro_batches)
-
     def to_dict(self) -> dict:
         data = asdict(self)
         data["micro_batches"] = list(self.micro_batches)
@@ -118,29 +133,6 @@ class ConfigurationMeasured:
     @classmethod
     def from_dict(cls, data: dict) -> "ConfigurationMeasured":
         return cls(**data)
-
-
-class SplitArithmetic:
-    """Numbers derived from a split; the class that mixes this in defines ``micro_batches``."""
-
-    micro_batches: "list[int] | tuple[int, ...]"
-
-    @property
-    def accumulation_steps(self) -> int:
-        return len(self.micro_batches)
-
-    @property
-    def micro_batch(self) -> int:
-        return max(self.micro_batches)
-
-    @property
-    def per_device_batch(self) -> int:
-        return sum(self.micro_batches)
-
-    @property
-    def is_even(self) -> bool:
-        """Whether every accumulation step has the same micro-batch (what most runners need)."""
-        return len(set(self.micro_batches)) == 1
 
 
 @dataclass(kw_only=True)
