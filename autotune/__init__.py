@@ -21,20 +21,20 @@ Public API::
 from .errors import (
     AutotuneError, ConfigError, EstimateUnavailable, PlanError, PlanFileError, ProbeError, WorkloadError,
 )
-from .export import export_plan
+from .planning.export import export_plan
 from .memory import DeviceInfo
-from .memory.estimate import estimate_peak
+from .probing.estimate import estimate_peak
 from .oom import is_oom_error
-from .plan import LRDecision, Plan
-from .planfile import load_plan, save_plan
-from .planning import plan
+from .planning.types import LRDecision, Plan
+from .planning.planfile import load_plan, save_plan
+from .planning.api import plan
 from .precision import Precision
-from .probe import MemoryModel, ProbeResult, Trial, probe
-from .train import TrainError, TrainResult, train
-from .verify import VerifyResult, verify_plan
+from .probing.api import MemoryModel, ProbeResult, Trial, probe
+from .training import TrainError, TrainResult, train
+from .planning.verify import VerifyResult, verify_plan
+from .version import __version__
 from .workload import Workload, load_workload
 
-__version__ = "0.1.0"
 
 __all__ = [
     "AutotuneError", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",

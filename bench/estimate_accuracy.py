@@ -23,13 +23,13 @@ import time
 import torch
 from torch import nn
 
-from autotune.checkpointing import repeated_blocks
+from autotune.workload.activation_checkpointing import repeated_blocks
 from autotune.memory import CPUMemoryBackend
-from autotune.memory.estimate import estimate_peak, estimate_peaks
+from autotune.probing.estimate import estimate_peak, estimate_peaks
 from autotune.precision import Precision
-from autotune.probe.trial import TrialSession
+from autotune.probing.trial import TrialSession
 from autotune.units import format_bytes
-from autotune.workload import Workload, load_workload
+from autotune.workload.contract import Workload, load_workload
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PRECISIONS = ("fp32", "bf16")

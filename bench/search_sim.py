@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from search_curves import (DATA, budgets_for, is_linear_near, recorded_curves,  # noqa: E402
                            synthetic_curves)
 
-from autotune.probe.search import search_largest_fitting  # noqa: E402
+from autotune.probing.search import search_largest_fitting  # noqa: E402
 
 RECORD = {
     "mlp_fp32": ("examples/mlp.py", "fp32", False, [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024,
@@ -38,8 +38,8 @@ RECORD = {
 def record():
     from autotune.memory import CPUMemoryBackend
     from autotune.precision import Precision
-    from autotune.probe.trial import TrialSession
-    from autotune.workload import load_workload
+    from autotune.probing.trial import TrialSession
+    from autotune.workload.contract import load_workload
 
     curves = {}
     for name, (path, precision, ckpt, grid) in RECORD.items():

@@ -23,14 +23,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autotune.memory import backend_for  # noqa: E402
-from autotune.plan import SettingTried  # noqa: E402
-from autotune.planner import evaluate_setting, usable_bytes  # noqa: E402
-from autotune.planning import _probe_setting, _supported_precisions  # noqa: E402
-from autotune.report import table  # noqa: E402
-from autotune.search_throughput import build_candidates, search_throughput  # noqa: E402
-from autotune.throughput import compare_configurations, measure_configuration  # noqa: E402
+from autotune.planning.types import SettingTried  # noqa: E402
+from autotune.planning.policy import evaluate_setting, usable_bytes  # noqa: E402
+from autotune.planning.api import _probe_setting, _supported_precisions  # noqa: E402
+from autotune.cli.format import table  # noqa: E402
+from autotune.tuning.search import build_candidates, search_throughput  # noqa: E402
+from autotune.tuning.measure import compare_configurations, measure_configuration  # noqa: E402
 from autotune.units import format_bytes  # noqa: E402
-from autotune.workload import load_workload  # noqa: E402
+from autotune.workload.contract import load_workload  # noqa: E402
 
 
 def main(argv=None) -> int:

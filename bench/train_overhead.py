@@ -9,7 +9,7 @@ of every block left out (iterator start-up, lazy optimizer state). Two clocks: w
 process's CPU time (with --threads 1 the latter barely moves when other processes load the
 machine, which wall time on a shared machine does a lot).
 
-Two tables: whole runs (``autotune.train`` against the hand-written loop, data loading
+Two tables: whole runs (``autotune.training`` against the hand-written loop, data loading
 included), and the optimizer step alone, the loop's ``StepRunner.step`` against the hand-written
 step on the same batch, alternating every step (the most precise comparison on a busy machine).
 
@@ -29,15 +29,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from autotune.plan import LRDecision, Plan, WorkloadFingerprint  # noqa: E402
+from autotune.planning.types import LRDecision, Plan, WorkloadFingerprint  # noqa: E402
 from autotune.precision import Precision, autocast  # noqa: E402
-from autotune.train import metrics as train_metrics  # noqa: E402
-from autotune.train import distributed, train  # noqa: E402
-from autotune.train.data import Window  # noqa: E402
-from autotune.train.loop import StepRunner, TrainState  # noqa: E402
-from autotune.train.schedule import build_scheduler  # noqa: E402
+from autotune.training import metrics as train_metrics  # noqa: E402
+from autotune.training import distributed, train  # noqa: E402
+from autotune.training.data import Window  # noqa: E402
+from autotune.training.loop import StepRunner, TrainState  # noqa: E402
+from autotune.training.schedule import build_scheduler  # noqa: E402
 from autotune.precision import grad_scaler  # noqa: E402
-from autotune.workload import load_workload  # noqa: E402
+from autotune.workload.contract import load_workload  # noqa: E402
 
 CASES = [  # (model file, micro-batch, accumulation steps, precision)
     ("examples/cnn_bn.py", 32, 4, "fp32"),

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from autotune.train import distributed, train
+from autotune.training import distributed, train
 from test_train_oom import _OOMOnce
 from train_helpers import build_mlp, make_plan, mlp_workload, params_of, token_workload
 

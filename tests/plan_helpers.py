@@ -1,9 +1,9 @@
 """Hand-built probe results and plans for the planner, plan-file, export and CLI tests."""
 
 from autotune.memory.base import DeviceInfo
-from autotune.plan import SettingTried, WorkloadFingerprint
-from autotune.planner import PlanRequest, build_plan, evaluate_setting, usable_bytes
-from autotune.probe.result import MemoryModel, ProbeResult, Trial
+from autotune.planning.types import SettingTried, WorkloadFingerprint
+from autotune.planning.policy import PlanRequest, build_plan, evaluate_setting, usable_bytes
+from autotune.probing.result import MemoryModel, ProbeResult, Trial
 
 MiB = 1 << 20
 

@@ -23,7 +23,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from autotune.probe.result import Trial
+from autotune.probing.result import Trial
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "probe_curves.json"

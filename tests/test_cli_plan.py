@@ -8,8 +8,8 @@ from click.testing import CliRunner
 
 import autotune
 from autotune import load_plan
-from autotune.cli import cli
-from autotune.planfile import save_plan
+from autotune.cli.main import cli
+from autotune.planning.planfile import save_plan
 from plan_helpers import linear_probe, make_plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -94,7 +94,7 @@ def _fake_probe(monkeypatch, max_micro):
         return linear_probe(min(max_micro, max_micro_batch), precision=precision,
                             checkpointing=checkpointing, upper=max_micro_batch)
 
-    monkeypatch.setattr("autotune.planning.probe", fake)
+    monkeypatch.setattr("autotune.planning.api.probe", fake)
 
 
 def test_plan_summary_shows_warnings(monkeypatch, tmp_path):

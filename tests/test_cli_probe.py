@@ -4,7 +4,7 @@ import sys
 
 from click.testing import CliRunner
 
-from autotune.cli import cli
+from autotune.cli.main import cli
 
 from conftest import EXAMPLES
 

@@ -7,14 +7,14 @@ import torch
 from click.testing import CliRunner
 
 import autotune
-from autotune.checkpointing import repeated_blocks
-from autotune.cli import cli
+from autotune.workload.activation_checkpointing import repeated_blocks
+from autotune.cli.main import cli
 from autotune.errors import ConfigError, EstimateUnavailable
 from autotune.memory import CPUMemoryBackend
-from autotune.memory.estimate import estimate_peaks
+from autotune.probing.estimate import estimate_peaks
 from autotune.precision import Precision
-from autotune.probe.trial import TrialSession
-from autotune.workload import Workload, load_workload
+from autotune.probing.trial import TrialSession
+from autotune.workload.contract import Workload, load_workload
 
 from conftest import EXAMPLES
 
@@ -202,7 +202,7 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_estimate_steps_one_parameter_per_kind_and_still_matches_measurement(name, monkeypatch):
-    from autotune.memory import estimate
+    from autotune.probing import estimate
 
     workload = Workload(model=_Stack, make_batch=lambda n: torch.randn(n, 192),
                         build_optimizer=lambda params: OPTIMIZERS[name](list(params)), source=name)
@@ -224,7 +224,7 @@ def test_estimate_steps_one_parameter_per_kind_and_still_matches_measurement(nam
 
 
 def test_neighbour_runs_and_optimizers_that_step_every_parameter():
-    from autotune.memory.estimate import _distinct_neighbour_runs
+    from autotune.probing.estimate import _distinct_neighbour_runs
 
     params = [torch.nn.Parameter(torch.zeros(3, 3)) for _ in range(7)]
     for p in params:

@@ -9,7 +9,7 @@ from torch import nn
 from autotune import Workload, probe
 from autotune.memory import CUDAMemoryBackend, describe_cuda_devices
 from autotune.precision import Precision
-from autotune.probe.trial import TrialSession
+from autotune.probing.trial import TrialSession
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from autotune.errors import ConfigError
-from autotune.lr import decide_lr, rule_for_optimizer, scale_factor
+from autotune.planning.lr import decide_lr, rule_for_optimizer, scale_factor
 
 
 def test_linear_rule():

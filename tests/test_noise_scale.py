@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.train import train
-from autotune.train import noise_scale as ns
-from autotune.train.data import epoch_permutation
-from autotune.workload import Workload
+from autotune.training import train
+from autotune.training import noise_scale as ns
+from autotune.training.data import epoch_permutation
+from autotune.workload.contract import Workload
 from train_helpers import make_plan, mlp_workload, params_of, token_loss, token_workload
 
 

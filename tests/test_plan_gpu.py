@@ -6,10 +6,10 @@ import pytest
 from click.testing import CliRunner
 
 import autotune
-from autotune.cli import cli
+from autotune.cli.main import cli
 from autotune.errors import ConfigError, EstimateUnavailable
-from autotune.planfile import load_plan, plan_from_dict, plan_to_json
-from autotune.profiles import load_profile
+from autotune.planning.planfile import load_plan, plan_from_dict, plan_to_json
+from autotune.gpus.catalog import load_profile
 
 from conftest import EXAMPLES
 

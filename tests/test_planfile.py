@@ -8,9 +8,9 @@ import pytest
 
 from autotune import Plan, load_plan, save_plan
 from autotune.errors import PlanFileError
-from autotune.plan import SCHEMA_VERSION
-from autotune.planfile import PlanFileWarning, first_schema_error, plan_schema
-from autotune.workload import Workload
+from autotune.planning.types import SCHEMA_VERSION
+from autotune.planning.planfile import PlanFileWarning, first_schema_error, plan_schema
+from autotune.workload.contract import Workload
 from plan_helpers import device, make_plan
 
 

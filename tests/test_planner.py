@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autotune.errors import ConfigError, PlanError
-from autotune.planner import (PlanRequest, allowed_micro_batch, build_plan,
+from autotune.planning.policy import (PlanRequest, allowed_micro_batch, build_plan,
                               checkpointing_worth_probing, choose_precision, per_device_share,
                               predicted_peak, split_pinned, split_share)
 from plan_helpers import MiB, device, fingerprint, linear_probe, make_plan, setting

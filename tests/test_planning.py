@@ -5,8 +5,8 @@ import torch
 
 import autotune
 from autotune.errors import ConfigError
-from autotune.planning import _resolve_world_size
-from autotune.workload import Workload
+from autotune.planning.api import _resolve_world_size
+from autotune.workload.contract import Workload
 from plan_helpers import linear_probe
 
 
@@ -29,7 +29,7 @@ def probes(monkeypatch):
         found = min(64 if checkpointing else 10, max_micro_batch)
         return linear_probe(found, precision=precision, checkpointing=checkpointing, upper=max_micro_batch)
 
-    monkeypatch.setattr("autotune.planning.probe", fake)
+    monkeypatch.setattr("autotune.planning.api.probe", fake)
     return calls
 
 

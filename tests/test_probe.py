@@ -10,7 +10,7 @@ import autotune
 from autotune import ProbeError, ProbeResult, Workload, WorkloadError, probe
 from autotune.memory import CPUMemoryBackend
 from autotune.precision import Precision
-from autotune.probe.trial import TrialSession
+from autotune.probing.trial import TrialSession
 
 
 class Blocks(nn.Module):

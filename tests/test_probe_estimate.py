@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from autotune import Workload, probe
-from autotune.probe.search import search_largest_fitting
-from autotune.probe.result import Trial
+from autotune.probing.search import search_largest_fitting
+from autotune.probing.result import Trial
 
 from conftest import EXAMPLES
 

@@ -8,9 +8,9 @@ import zipfile
 import pytest
 from click.testing import CliRunner
 
-from autotune.cli import cli
+from autotune.cli.main import cli
 from autotune.errors import ConfigError
-from autotune.profiles import GPUProfile, bundled_profiles_dir, list_profiles, load_profile
+from autotune.gpus.catalog import GPUProfile, bundled_profiles_dir, list_profiles, load_profile
 
 from conftest import ROOT
 
@@ -135,10 +135,10 @@ def test_cli_checks_a_user_file(tmp_path):
     assert bad.exit_code == 2 and "bad.toml" in bad.output
 
 
-def test_top_level_profiles_folder_points_to_the_package():
-    assert not list((ROOT / "profiles").glob("*.toml")), "profiles live in autotune/profiles only"
-    assert "autotune/profiles/" in (ROOT / "profiles" / "README.md").read_text()
+def test_profiles_live_in_one_place_with_their_field_guide():
+    assert not (ROOT / "profiles").exists(), "profiles live in autotune/gpus/profiles only"
     assert bundled_profiles_dir().joinpath("a100-40gb.toml").is_file()
+    assert "memory_bytes" in bundled_profiles_dir().joinpath("README.md").read_text()
 
 
 def test_built_wheel_ships_the_profiles(tmp_path):
@@ -154,5 +154,6 @@ def test_built_wheel_ships_the_profiles(tmp_path):
     (wheel,) = out.glob("autotune-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in REQUIRED:
-        assert f"autotune/profiles/{name}.toml" in names
-    assert "autotune/profiles.py" in names
+        assert f"autotune/gpus/profiles/{name}.toml" in names
+    assert "autotune/gpus/catalog.py" in names
+    assert "autotune/planning/schemas/plan.schema.json" in names

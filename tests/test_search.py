@@ -1,4 +1,4 @@
-"""The pure search (autotune.probe.search) on simulated memory curves: exact answers, few trials.
+"""The pure search (autotune.probing.search) on simulated memory curves: exact answers, few trials.
 
 No torch work runs: each trial is a lookup on a curve from tests/search_curves.py (synthetic
 families and curves recorded from examples/). The trial and OOM bounds are guarantees of the
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.probe.result import MemoryModel, Trial
-from autotune.probe.search import GROWTH_LIMIT, search_largest_fitting
+from autotune.probing.result import MemoryModel, Trial
+from autotune.probing.search import GROWTH_LIMIT, search_largest_fitting
 from search_curves import (GiB, MiB, budgets_for, convex, flat_then_linear, linear, quadratic,
                            recorded_curves, synthetic_curves)
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from autotune.train import train
-from autotune.train.data import epoch_permutation
+from autotune.training import train
+from autotune.training.data import epoch_permutation
 from train_helpers import (initial_params, make_plan, mlp_workload, params_of, relative_error,
                            token_loss, token_workload)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.train import TrainError, train
-from autotune.train import checkpoint as checkpoint_module
+from autotune.training import TrainError, train
+from autotune.training import checkpoint as checkpoint_module
 from train_helpers import make_plan, mlp_workload, params_of
 
 TESTS = Path(__file__).resolve().parent
@@ -49,7 +49,7 @@ def test_resume_after_stopping_matches_an_uninterrupted_run(tmp_path, uninterrup
 _CHILD = """
 import os, sys, time
 sys.path.insert(0, {tests!r})
-from autotune.train import train
+from autotune.training import train
 from train_helpers import make_plan, mean_loss, mlp_workload
 import test_train_checkpoint as t
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from autotune.train.data import (WindowLayout, dataset_batches, even_split, split_micro_batches,
+from autotune.training.data import (WindowLayout, dataset_batches, even_split, split_micro_batches,
                                  synthetic_batches)
 
 N = 53

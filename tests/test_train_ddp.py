@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.train import train
+from autotune.training import train
 from train_helpers import make_plan, mlp_workload, params_of, token_workload
 
 TESTS = Path(__file__).resolve().parent

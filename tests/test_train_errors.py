@@ -8,10 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from autotune.cli import cli
+from autotune.cli.main import cli
 from autotune.errors import ConfigError, PlanFileError, WorkloadError
-from autotune.planfile import save_plan
-from autotune.train import TrainError, train
+from autotune.planning.planfile import save_plan
+from autotune.training import TrainError, train
 from train_helpers import make_plan, mlp_workload
 
 MODEL_FILE = textwrap.dedent("""

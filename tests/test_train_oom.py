@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from autotune.train import TrainError, train
+from autotune.training import TrainError, train
 from train_helpers import build_mlp, make_plan, mlp_workload, params_of
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from autotune.train import train
+from autotune.training import train
 from train_helpers import make_plan, mean_loss, mlp_workload, params_of
 
 

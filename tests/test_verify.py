@@ -4,9 +4,9 @@ import pytest
 from click.testing import CliRunner
 
 import autotune
-from autotune.cli import cli
-from autotune.planfile import load_plan, save_plan
-from autotune.verify import verify_plan
+from autotune.cli.main import cli
+from autotune.planning.planfile import load_plan, save_plan
+from autotune.planning.verify import verify_plan
 
 from conftest import EXAMPLES
 

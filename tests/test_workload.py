@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autotune import Workload, WorkloadError, load_workload
-from autotune.workload import count_samples
+from autotune.workload.contract import count_samples
 
 GOOD = """
 import torch

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autotune.plan import LRDecision, Plan, WorkloadFingerprint
-from autotune.workload import Workload
+from autotune.planning.types import LRDecision, Plan, WorkloadFingerprint
+from autotune.workload.contract import Workload
 
 FEATURES, HIDDEN, CLASSES = 6, 8, 3
 

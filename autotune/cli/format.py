@@ -1,0 +1,140 @@
+"""Plain-text tables for the CLI: results in, strings out (no printing, no logic)."""
+
+from __future__ import annotations
+
+from ..units import format_bytes
+
+
+def table(headers: list[str], rows: list[list], *, align: str | None = None) -> str:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    align = align or "l" + "r" * (len(headers) - 1)
+
+    def line(values):
+        return "  ".join(v.ljust(w) if a == "l" else v.rjust(w) for v, w, a in zip(values, widths, align))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def format_probe(result, source: str = "") -> str:
+    info = result.device
+    rows = [[i + 1, t.micro_batch, "yes" if t.fits else "OOM", format_bytes(t.peak_bytes),
+             f"{t.seconds:.2f}"] for i, t in enumerate(result.trials)]
+    head = [
+        f"model:      {source}",
+        f"device:     {info.name}",
+        f"budget:     {format_bytes(info.budget_bytes)} ({info.budget_source})",
+        f"setting:    {result.precision}, checkpointing {'on' if result.checkpointing else 'off'}",
+        "",
+        table(["trial", "micro-batch", "fits", "peak", "seconds"], rows),
+        "",
+    ]
+    model = result.memory_model
+    head.append(f"memory model ({model.kind}, {model.points} points): "
+                f"peak(n) ≈ {_describe_model(model)}")
+    capped = " (the upper bound asked for; more may fit)" if result.capped else ""
+    head.append(f"largest micro-batch that fits: {result.max_micro_batch}{capped}  "
+                f"[{result.steps} training steps, {result.oom_count} out-of-memory, "
+                f"{result.seconds:.1f}s]")
+    head.extend(f"note: {n}" for n in result.notes)
+    return "\n".join(head)
+
+
+def _describe_model(model) -> str:
+    a, b, c = model.activation
+    d, e = model.step
+    act = f"{format_bytes(a)} + {format_bytes(b)}·n" + (f" + {format_bytes(c)}·n²" if c else "")
+    return f"max({act}, {format_bytes(d)} + {format_bytes(e)}·n)"
+
+
+def format_devices(cuda: list[dict], cpu) -> str:
+    lines = []
+    if cuda:
+        rows = [[f"cuda:{d['index']}", d["name"], format_bytes(d["total_bytes"]), format_bytes(d["free_bytes"]),
+                 {True: "yes", False: "no", None: "?"}[d.get("bf16")]] for d in cuda]
+        lines.append(table(["device", "name", "total", "free", "bf16"], rows, align="llrrl"))
+    else:
+        lines.append("no CUDA device visible to torch")
+    lines.append("")
+    lines.append(f"cpu: {cpu.name}; RAM {format_bytes(cpu.total_bytes)}, available "
+                 f"{format_bytes(cpu.free_bytes)}; probe budget {format_bytes(cpu.budget_bytes)} "
+                 f"({cpu.budget_source})")
+    return "\n".join(lines)
+
+
+def format_plan(plan) -> str:
+    """The readable summary of a ``Plan``: device, budget, settings tried, the split, LR, warnings."""
+    info = plan.device
+    lines = [f"model:        {plan.workload.source} ({plan.workload.param_count:,} parameters, "
+             f"{format_bytes(plan.workload.param_bytes)})"]
+    if info is not None:
+        lines.append(f"device:       {info.name}")
+        lines.append(f"budget:       {format_bytes(info.budget_bytes)} ({info.budget_source}); headroom "
+                     f"{plan.headroom:.0%} = {format_bytes(plan.headroom_bytes)}, leaving "
+                     f"{format_bytes(info.budget_bytes - plan.headroom_bytes)}")
+    if plan.ddp_bucket_bytes:
+        lines.append(f"DDP buckets:  {format_bytes(plan.ddp_bucket_bytes)} added to every prediction")
+    if getattr(plan, "estimated", False):
+        lines.append("estimate:     memory estimated on fake tensors without the device, not measured; "
+                     "check it there with autotune verify")
+    lines += ["", "settings tried:"]
+    rows = []
+    for s in plan.settings:
+        chosen = "<- plan" if (s.precision, s.checkpointing) == (plan.precision, plan.checkpointing) else ""
+        if s.probe is None:
+            rows.append([s.precision, "on" if s.checkpointing else "off", "-", "-", "-", "does not fit"])
+            continue
+        capped = "+" if s.probe.capped else ""
+        rows.append([s.precision, "on" if s.checkpointing else "off", f"{s.raw_max_micro_batch}{capped}",
+                     s.allowed_micro_batch, s.probe.steps, chosen])
+    lines.append(table(["precision", "checkpointing", "probe max", "planned max", "trials", "chosen"], rows,
+                       align="llrrrl"))
+    if any(s.probe is not None and s.probe.capped for s in plan.settings):
+        lines.append("(+: the probe stopped at the largest micro-batch the plan needs; more may fit)")
+    lines += ["", f"split:        {_split_text(plan)}",
+              f"precision:    {plan.precision} ({plan.reasons.get('precision', '')})",
+              f"checkpointing: {'on' if plan.checkpointing else 'off'} "
+              f"({plan.reasons.get('checkpointing', '')})"]
+    if plan.predicted_peak_bytes is not None:
+        lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "
+                     f"{plan.micro_batch}")
+    lr = plan.lr
+    lines.append(f"lr:           {lr.lr:.4g} ({lr.rule} rule, ×{lr.scale:.4g})" if lr.lr is not None
+                 else f"lr:           the optimizer's own ({lr.rule} rule not applied)")
+    if lr.note:
+        lines.append(f"              {lr.note}")
+    if lr.warmup_steps:
+        lines.append(f"warmup:       {lr.warmup_steps} optimizer steps, linear")
+    lines += [f"warning: {w}" for w in plan.warnings]
+    if plan.throughput:
+        lines += ["", format_throughput(plan)]
+    return "\n".join(lines)
+
+
+def format_throughput(plan) -> str:
+    """The throughput search's table: every configuration considered, fastest first."""
+    rows = []
+    for c in plan.throughput:
+        chosen = (c.fits and (c.precision, c.checkpointing, c.micro_batches)
+                  == (plan.precision, plan.checkpointing, list(plan.micro_batches)))
+        speed = f"{c.samples_per_s:.1f}" if c.samples_per_s is not None else "-"
+        if c.compared:
+            speed += " (side by side)"
+        status = "<- plan" if chosen else ("reused" if c.reused and c.fits else
+                                           "" if c.fits else f"pruned: {c.note}")
+        rows.append([c.precision, "on" if c.checkpointing else "off", c.micro_batch,
+                     c.accumulation_steps, speed, format_bytes(c.peak_bytes),
+                     format_bytes(c.predicted_peak_bytes), status])
+    text = table(["precision", "checkpointing", "micro-batch", "steps", "samples/s", "peak",
+                  "predicted", ""], rows, align="llrrrrrl")
+    why = plan.reasons.get("throughput", "")
+    return "throughput search (samples/s over full windows):\n" + text + (f"\nwhy: {why}" if why else "")
+
+
+def _split_text(plan) -> str:
+    steps = plan.accumulation_steps
+    if plan.is_even:
+        per_rank = f"{plan.micro_batch} × {steps} accumulation step{'s' if steps > 1 else ''}"
+    else:
+        per_rank = f"({' + '.join(map(str, plan.micro_batches))}) over {steps} accumulation steps"
+    return f"{per_rank} × {plan.world_size} rank{'s' if plan.world_size > 1 else ''} = {plan.effective_batch}"

@@ -1,0 +1,325 @@
+"""The ``autotune`` command: parse options, call the public API, print. No logic lives here."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from ..version import __version__
+from ..errors import AutotuneError, ConfigError
+from ..precision import Precision
+from ..units import format_bytes, parse_bytes
+from ..planning.export import TARGETS as EXPORT_TARGETS
+from ..planning.lr import RULES as LR_RULES
+from ..planning.api import CHECKPOINTING_CHOICES, PRECISION_CHOICES as PLAN_PRECISIONS
+from ..planning.api import OPTIMIZE_CHOICES as PLAN_GOALS
+
+
+class _MemorySize(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_bytes(value, option=f"--{param.name.replace('_', '-')}" if param else "size")
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+MEMORY_SIZE = _MemorySize()
+PRECISIONS = click.Choice([p.value for p in Precision], case_sensitive=False)
+
+
+def _errors_to_exit_codes(command):
+    """AutotuneError -> message on stderr, exit 1; click handles usage errors (exit 2)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from exc
+        except AutotuneError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="autotune")
+def cli():
+    """OOM-aware auto-tuner for PyTorch training."""
+
+
+def _model_file(function):
+    return click.argument("model_file", type=click.Path(exists=True, dir_okay=False))(function)
+
+
+@cli.command()
+@_model_file
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
+@click.option("--precision", type=PRECISIONS, default="fp32", show_default=True,
+              help="fp32; bf16 autocast; fp16 autocast with GradScaler.")
+@click.option("--checkpointing", type=click.Choice(["off", "on"]), default="off", show_default=True,
+              help="Activation checkpointing around the model's repeated blocks.")
+@click.option("--memory-limit", type=MEMORY_SIZE, default=None,
+              help="Memory budget to emulate a smaller device, e.g. 8GiB, 512MiB or bytes.")
+@click.option("--max-micro-batch", type=click.IntRange(min=1), default=None,
+              help="Largest micro-batch worth finding (default: the true maximum).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_errors_to_exit_codes
+def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_batch, as_json):
+    """Find the exact largest micro-batch whose full training step fits."""
+    from ..probing.api import probe as run_probe
+    from .format import format_probe
+
+    result = run_probe(model_file, device=device, precision=precision,
+                       checkpointing=checkpointing == "on", memory_limit=memory_limit,
+                       max_micro_batch=max_micro_batch)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_probe(result, model_file))
+
+
+@cli.command()
+@click.option("--memory-limit", type=MEMORY_SIZE, default=None, help="CPU budget to report.")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@_errors_to_exit_codes
+def devices(memory_limit, as_json):
+    """List CUDA devices (name, total, free) and the CPU budget."""
+    from ..memory import CPUMemoryBackend, describe_cuda_devices
+    from .format import format_devices
+
+    cuda = describe_cuda_devices()
+    cpu = CPUMemoryBackend(memory_limit=memory_limit).info()
+    if as_json:
+        click.echo(json.dumps({"cuda": cuda, "cpu": cpu.to_dict()}, indent=2))
+    else:
+        click.echo(format_devices(cuda, cpu))
+
+
+@cli.command("plan")
+@_model_file
+@click.option("--target-batch", type=click.IntRange(min=1), required=True,
+              help="Effective batch per optimizer step, over all devices.")
+@click.option("--world-size", type=click.IntRange(min=1), default=None,
+              help="Number of processes (default: WORLD_SIZE, else 1).")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
+@click.option("--precision", type=click.Choice(PLAN_PRECISIONS, case_sensitive=False),
+              default="auto", show_default=True,
+              help="auto: bf16 where supported, fp16 on CUDA without bf16, else fp32.")
+@click.option("--checkpointing", type=click.Choice(CHECKPOINTING_CHOICES), default="auto",
+              show_default=True, help="auto: on only where it buys a needed micro-batch.")
+@click.option("--base-lr", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Reference LR (default: BASE_LR in the model file).")
+@click.option("--base-batch", type=click.IntRange(min=1), default=None,
+              help="Batch the reference LR was tuned at (default: BASE_BATCH in the model file).")
+@click.option("--lr-rule", type=click.Choice(LR_RULES), default="auto",
+              show_default=True, help="auto: linear for SGD-like, sqrt for Adam-family optimizers.")
+@click.option("--memory-limit", type=MEMORY_SIZE, default=None,
+              help="Memory budget to emulate a smaller device, e.g. 8GiB, 512MiB or bytes.")
+@click.option("--headroom", type=click.FloatRange(min=0, max=1, max_open=True), default=0.1,
+              show_default=True, help="Fraction of the budget kept free.")
+@click.option("--micro-batch", type=click.IntRange(min=1), default=None,
+              help="Pin the micro-batch; the plan checks it fits and derives the rest.")
+@click.option("--optimize", type=click.Choice(PLAN_GOALS), default="memory", show_default=True,
+              help="memory: the largest micro-batch that fits; throughput: the fastest measured "
+                   "configuration (precision, checkpointing, split).")
+@click.option("--budget", default="60s", show_default=True,
+              help="Time for --optimize throughput's measurements, e.g. 60s, 2m or seconds.")
+@click.option("--storage", default=None,
+              help="Optuna storage URL that keeps the throughput study, e.g. sqlite:///autotune.db "
+                   "(a rerun resumes; optuna-dashboard can read it).")
+@click.option("--gpu", default=None,
+              help="Plan for this GPU without it: a profile name (autotune profiles lists them) or "
+                   "a profile .toml path; memory is estimated on fake tensors.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
+              show_default=True, help="Where to write the plan.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
+@_errors_to_exit_codes
+def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
+                 base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
+                 gpu, output, as_json):
+    """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
+    from ..planning.planfile import plan_to_json, save_plan
+    from ..planning.api import plan as make_plan
+    from .format import format_plan
+
+    result = make_plan(model_file, target_batch=target_batch, world_size=world_size, device=device,
+                       precision=precision.lower(), checkpointing=checkpointing,
+                       memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
+                       base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
+                       optimize=optimize, budget=budget, storage=storage, gpu=gpu)
+    save_plan(result, output)
+    if as_json:
+        click.echo(plan_to_json(result), nl=False)
+    else:
+        click.echo(format_plan(result))
+        click.echo(f"\nplan written to {output}")
+
+
+@cli.command()
+@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@_errors_to_exit_codes
+def show(plan_file, as_json):
+    """Print the summary of a saved plan."""
+    from ..planning.planfile import load_plan, plan_to_json
+    from .format import format_plan
+
+    result = load_plan(plan_file)
+    click.echo(plan_to_json(result) if as_json else format_plan(result), nl=not as_json)
+
+
+@cli.command()
+@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--to", "target", type=click.Choice(EXPORT_TARGETS),
+              required=True, help="The runner to export for.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write to this file (default: stdout).")
+@_errors_to_exit_codes
+def export(plan_file, target, output):
+    """Export a plan as another runner's configuration (or the torchrun command line)."""
+    from ..planning.export import export_plan
+    from ..planning.planfile import load_plan
+
+    exported = export_plan(load_plan(plan_file), target, plan_path=plan_file)
+    for note in exported.notes:
+        click.echo(f"note: {note}", err=True)
+    if output is None:
+        click.echo(exported.render(), nl=False)
+    else:
+        with open(output, "w", encoding="utf-8") as handle:
+            handle.write(exported.render())
+        click.echo(f"{target} export written to {output}", err=True)
+
+@cli.command("train")
+@_model_file
+@click.option("--plan", "plan_file", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="The plan file written by autotune plan.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps to train.")
+@click.option("--epochs", type=click.IntRange(min=1), default=None,
+              help="Epochs over build_dataset() (default: 1 when there is a dataset).")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder for checkpoint.pt (written at the end, every --checkpoint-every steps "
+                   "and on SIGINT/SIGTERM).")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
+              help="Checkpoint every K optimizer steps.")
+@click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir's checkpoint.")
+@click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the trained model's state_dict here (torch.save).")
+@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None,
+              help="Write one JSON line of metrics per optimizer step here.")
+@click.option("--clip-grad-norm", type=click.FloatRange(min=0), default=None,
+              help="Gradient-norm clipping (default: the plan's; 0 turns it off).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seeds the initial weights and the data order.")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
+@_errors_to_exit_codes
+def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
+                  save_path, metrics_path, clip_grad_norm, seed, device):
+    """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP)."""
+    from ..training import save_model, train
+
+    clip = {} if clip_grad_norm is None else {"clip_grad_norm": clip_grad_norm or None}
+    result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
+                   checkpoint_every=checkpoint_every, resume=resume, metrics_path=metrics_path,
+                   seed=seed, device=device, **clip)
+    if save_path is not None:
+        save_model(result, save_path)
+    if result.rank != 0:
+        return
+    last = result.metrics[-1]["loss"] if result.metrics else float("nan")
+    click.echo(f"trained {result.steps} optimizer steps (skipped {result.skipped_steps}, "
+               f"out-of-memory recoveries {result.oom_recoveries}); last loss {last:.4f}"
+               + (f"; model saved to {save_path}" if save_path else ""))
+    if result.interrupted:
+        click.echo(f"interrupted at step {result.steps}; continue with --resume", err=True)
+        click.get_current_context().exit(130)
+
+
+@cli.command()
+@_model_file
+@click.option("--micro-batch", "micro_batches", type=click.IntRange(min=1), multiple=True,
+              required=True, help="Micro-batch to estimate; repeat for several (--micro-batch 8 --micro-batch 64).")
+@click.option("--precision", type=PRECISIONS, default="fp32", show_default=True,
+              help="fp32; bf16 autocast; fp16 autocast with GradScaler.")
+@click.option("--checkpointing", type=click.Choice(["off", "on"]), default="off", show_default=True,
+              help="Activation checkpointing around the model's repeated blocks.")
+@click.option("--json", "as_json", is_flag=True, help="Print {micro_batch: peak_bytes} as JSON.")
+@_errors_to_exit_codes
+def estimate(model_file, micro_batches, precision, checkpointing, as_json):
+    """Estimate the peak memory of one training step without allocating it (fake tensors)."""
+    from ..probing.estimate import estimate_peaks
+
+    peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
+                           checkpointing=checkpointing == "on")
+    if as_json:
+        click.echo(json.dumps({str(n): peak for n, peak in peaks.items()}, indent=2))
+        return
+    click.echo(f"{model_file}: estimated peak of one training step ({precision.lower()}, "
+               f"checkpointing {checkpointing}; optimizer state included, nothing allocated)")
+    for n, peak in peaks.items():
+        click.echo(f"  micro-batch {n:>6}: {format_bytes(peak):>12}  ({peak} bytes)")
+
+
+@cli.command()
+@click.argument("profile", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the profiles as JSON.")
+@_errors_to_exit_codes
+def profiles(profile, as_json):
+    """List the bundled GPU profiles, or check and show one (a name or a .toml path)."""
+    from ..gpus.catalog import list_profiles, load_profile
+
+    found = [load_profile(profile)] if profile else list_profiles()
+    if as_json:
+        click.echo(json.dumps([p.to_dict() for p in found], indent=2))
+        return
+    click.echo(f"{'profile':<12} {'memory':>10} {'budget':>10} {'bf16':>5} {'fp16':>5} "
+               f"{'fp32 TF/s':>9} {'bf16 TF/s':>9} {'fp16 TF/s':>9} {'GB/s':>6}  name")
+    for p in found:
+        click.echo(f"{p.id:<12} {format_bytes(p.memory_bytes):>10} {format_bytes(p.budget_bytes):>10} "
+                   f"{'yes' if p.bf16 else 'no':>5} {'yes' if p.fp16 else 'no':>5} "
+                   f"{p.peak_tflops_fp32:>9g} {p.peak_tflops_bf16:>9g} {p.peak_tflops_fp16:>9g} "
+                   f"{p.memory_bandwidth_gb_per_s:>6g}  {p.name}")
+    if not profile:
+        click.echo("\nbudget = memory - CUDA context - allocator reserve; TF/s are dense peaks. "
+                   "Pass a profile name or your own .toml path to check one.")
+
+
+@cli.command()
+@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--model", "model_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The model file (default: the one the plan records).")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
+@click.option("--memory-limit", type=MEMORY_SIZE, default=None,
+              help="Memory budget to emulate a smaller device, e.g. 8GiB, 512MiB or bytes.")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Real training steps to run at the plan's micro-batch.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write the re-planned plan here when the plan is not confirmed.")
+@_errors_to_exit_codes
+def verify(plan_file, model_file, device, memory_limit, steps, output):
+    """Run a plan's micro-batch for a few real steps here: exit 0 when it fits, 1 when re-planned."""
+    from ..planning.planfile import save_plan
+    from ..planning.verify import format_verify, verify_plan
+
+    result = verify_plan(plan_file, workload=model_file, device=device, memory_limit=memory_limit,
+                         steps=steps)
+    click.echo(format_verify(result))
+    if result.confirmed:
+        return
+    if output is not None and result.new_plan is not None:
+        save_plan(result.new_plan, output)
+        click.echo(f"new plan written to {output}")
+    elif result.new_plan is not None:
+        click.echo("the new plan was not written; pass -o FILE to write it")
+    click.get_current_context().exit(1)
+
+
+def main(argv=None):
+    cli.main(args=argv, prog_name="autotune")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

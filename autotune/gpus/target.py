@@ -1,0 +1,86 @@
+"""Planning for a GPU you do not have (``--gpu NAME``): the target comes from a GPU profile.
+
+The probe's search runs unchanged, on the estimate backend: fake CPU tensors with the profile's
+budget (memory less the CUDA context and the allocator reserve), the optimizer on its foreach
+path as on CUDA. Nothing is allocated and no device is needed; the plan is marked ``estimated``
+so that ``autotune verify`` can check it on the real device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError, EstimateUnavailable
+from ..memory.base import DeviceInfo
+from ..memory.fake import EstimateMemoryBackend
+from ..probing.estimate import estimate_peak
+from ..precision import Precision
+from .catalog import GPUProfile, load_profile
+from ..units import format_bytes
+
+
+@dataclass(frozen=True)
+class ProfileTarget:
+    profile: GPUProfile
+    backend: EstimateMemoryBackend
+
+    def choose_precision(self, requested: str) -> tuple[str, str]:
+        """Resolve "auto" from the profile (bf16, else fp16 with GradScaler, else fp32); refuse a
+        precision the GPU does not support."""
+        p = self.profile
+        if requested != "auto":
+            if not p.supports(requested):
+                usable = ", ".join(x.value for x in Precision if p.supports(x))
+                raise ConfigError(f"--precision {requested}: the {p.name} (--gpu {p.id}) does not "
+                                  f"support {requested}; use auto or one of {usable}")
+            return requested, f"{requested} as requested"
+        if p.bf16:
+            return "bf16", f"auto: the {p.name} profile supports bf16 (no loss scaling needed)"
+        if p.fp16:
+            return "fp16", f"auto: the {p.name} profile lacks bf16, so fp16 autocast with a GradScaler"
+        return "fp32", f"auto: the {p.name} profile supports neither bf16 nor fp16"
+
+    def check_estimable(self, workload, precision: str) -> None:
+        """One step on fake tensors, so a model they cannot run fails here, with the way out."""
+        try:
+            estimate_peak(workload, 1, precision=precision)
+        except EstimateUnavailable as exc:
+            raise EstimateUnavailable(
+                f"--gpu {self.profile.id} plans from memory estimates, and {exc} Plan on the device "
+                f"instead: autotune plan {workload.source} --target-batch N on a machine with the "
+                f"{self.profile.name} (then autotune verify checks the plan there)") from exc
+
+    def mark(self, plan):
+        """Record on the plan that its memory was estimated for the profile, not measured."""
+        plan.estimated = True
+        plan.reasons["memory"] = (plan.reasons.get("memory", "") + f"; peaks estimated on fake "
+                                  f"tensors for the {self.profile.name} (nothing allocated)")
+        plan.warnings.append(f"estimated for the {self.profile.name} without the device: check it "
+                             f"there with autotune verify PLAN.json before a long run")
+        return plan
+
+
+def profile_target(gpu, *, device=None, memory_limit=None,
+                   optimize: str = "memory") -> ProfileTarget:
+    """The target for ``--gpu`` (a bundled profile name or a .toml path)."""
+    for option, value in (("--device", device), ("--memory-limit", memory_limit)):
+        if value is not None:
+            raise ConfigError(f"{option} {value} and --gpu {gpu} both name the device to plan for; "
+                              f"drop {option} (--gpu plans for the profile, without the device)")
+    if optimize != "memory":
+        raise ConfigError(f"--optimize {optimize} measures speed on the device, and --gpu {gpu} "
+                          f"plans without it; use --optimize memory with --gpu, or plan for "
+                          f"throughput on the GPU itself")
+    profile = load_profile(gpu)
+    info = DeviceInfo(
+        kind="cuda", name=profile.name, total_bytes=profile.memory_bytes,
+        budget_bytes=profile.budget_bytes,
+        budget_source=(f"GPU profile {profile.id}: {format_bytes(profile.memory_bytes)} less "
+                       f"{format_bytes(profile.cuda_context_bytes)} CUDA context and "
+                       f"{format_bytes(profile.allocator_reserve_bytes)} allocator reserve; estimated"),
+    )
+    return ProfileTarget(profile, EstimateMemoryBackend(profile.budget_bytes, for_cuda=True,
+                                                        target=info))
+
+
+__all__ = ["ProfileTarget", "profile_target"]

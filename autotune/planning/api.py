@@ -1,0 +1,257 @@
+"""``autotune.plan()``: the one impure step of planning.
+
+It inspects the workload (parameter bytes, optimizer, BatchNorm), probes the settings the request
+needs, and hands everything to the pure planner (``autotune.planning.policy``). Under torchrun every rank
+probes its own device and the ranks agree on the smallest answer (all-reduce MIN), so they all
+build the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+
+from ..workload.activation_checkpointing import repeated_blocks
+from ..version import __version__
+from ..errors import ConfigError, PlanError, ProbeError
+from ..memory import backend_for
+from .types import Plan, SettingTried, WorkloadFingerprint
+from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
+                      ddp_bucket_bytes, evaluate_setting, usable_bytes)
+from ..precision import Precision, supports_bf16
+from ..gpus.target import profile_target
+from ..probing.api import probe
+from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, parse_duration,
+                                search_throughput, study_name, why_fastest)
+from ..tuning.measure import compare_configurations, measure_configuration
+from ..workload.contract import Workload, load_workload
+
+PRECISION_CHOICES = ("auto", *(p.value for p in Precision))
+CHECKPOINTING_CHOICES = ("auto", "on", "off")
+OPTIMIZE_CHOICES = ("memory", "throughput")
+
+
+def plan(
+    workload,
+    *,
+    target_batch: int,
+    world_size: int | None = None,
+    device=None,
+    precision: str = "auto",
+    checkpointing: str = "auto",
+    memory_limit=None,
+    headroom: float = 0.1,
+    micro_batch: int | None = None,
+    base_lr: float | None = None,
+    base_batch: int | None = None,
+    lr_rule: str = "auto",
+    optimize: str = "memory",
+    budget=DEFAULT_BUDGET_S,
+    storage: str | None = None,
+    gpu=None,
+) -> Plan:
+    """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
+
+    ``world_size`` defaults to torch.distributed's world size when initialised, else the
+    WORLD_SIZE environment variable, else 1. ``precision`` is auto|fp32|bf16|fp16 and
+    ``checkpointing`` auto|on|off ("auto": only where it buys something). ``headroom`` is the
+    fraction of the budget kept free. ``micro_batch`` pins the micro-batch. ``base_lr`` at
+    ``base_batch`` (default: BASE_LR / BASE_BATCH in the model file) is rescaled by ``lr_rule``.
+
+    ``optimize="memory"`` plans the largest micro-batch that fits (the fewest accumulation steps);
+    ``"throughput"`` measures the configurations that keep the batch exact (precisions the device
+    supports under "auto", checkpointing off/on under "auto", every fitting split) for ``budget``
+    ("60s", "2m" or seconds) and plans the fastest. ``storage`` (an Optuna URL such as
+    ``sqlite:///autotune.db``) keeps the study so a rerun reuses what was measured.
+
+    ``gpu`` (a bundled GPU profile name such as "a100-40gb", or a profile .toml path) plans for
+    that GPU without it: budget and precision support from the profile, memory estimated on fake
+    tensors; the plan is marked ``estimated`` (check it on the device with ``autotune verify``).
+    """
+    workload = load_workload(workload)
+    if precision not in PRECISION_CHOICES:
+        raise ConfigError(f"--precision {precision!r} is not a precision; use one of "
+                          f"{', '.join(PRECISION_CHOICES)}")
+    if optimize not in OPTIMIZE_CHOICES:
+        raise ConfigError(f"--optimize {optimize!r} is not a goal; use one of {', '.join(OPTIMIZE_CHOICES)}")
+    budget_s = parse_duration(budget) if optimize == "throughput" else None
+    distributed = _distributed()
+    if distributed and optimize == "throughput":
+        raise ConfigError("--optimize throughput measures in one process; run autotune plan without "
+                          "torchrun (the plan is the same on every rank of identical devices)")
+    world_size = _resolve_world_size(world_size, distributed)
+    # --gpu: plan for a profile's device on fake tensors, without it (see autotune.gpus.target).
+    target = (profile_target(gpu, device=device, memory_limit=memory_limit, optimize=optimize)
+              if gpu is not None else None)
+    backend = target.backend if target else backend_for(device, memory_limit)
+    info = backend.info()
+    chosen, precision_reason = target.choose_precision(precision) if target else choose_precision(
+        precision, device_kind=backend.device.type, bf16_supported=supports_bf16(backend.device))
+    if target:
+        target.check_estimable(workload, chosen)
+    fingerprint = fingerprint_workload(workload)
+    request = PlanRequest(
+        target_batch=target_batch, world_size=world_size, precision=chosen,
+        precision_reason=precision_reason, checkpointing=checkpointing, headroom=headroom,
+        micro_batch=micro_batch, lr_rule=lr_rule,
+        base_lr=base_lr if base_lr is not None else workload.base_lr,
+        base_batch=base_batch if base_batch is not None else workload.base_batch,
+        dataset_size=_dataset_size(workload), distributed=distributed,
+    )
+    if checkpointing == "on" and not fingerprint.checkpointable:
+        raise PlanError(f"--checkpointing on: {workload.source} has no repeated blocks (an "
+                        f"nn.ModuleList or nn.Sequential of layers) to checkpoint; use auto or off")
+    usable = usable_bytes(info.budget_bytes, headroom)
+    extra = ddp_bucket_bytes(world_size, fingerprint.param_bytes)
+    agree = _min_across_ranks if distributed else None
+
+    def try_setting(checkpoint: bool, precision: str = chosen) -> SettingTried:
+        setting = _probe_setting(workload, backend, precision, checkpoint, request.wanted_micro_batch)
+        return evaluate_setting(setting, usable=usable, extra_bytes=extra, agree=agree)
+
+    created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if optimize == "throughput":
+        precisions = [chosen] if precision != "auto" else _supported_precisions(backend.device)
+        settings = []
+        for candidate in precisions:
+            settings.append(try_setting(checkpointing == "on", candidate))
+            if checkpointing_worth_probing(settings[-1], request, fingerprint):
+                settings.append(try_setting(True, candidate))
+        return _fastest_plan(workload, backend, request, fingerprint, settings, info, usable=usable,
+                             extra=extra, budget_s=budget_s, storage=storage, created_at=created_at)
+    settings = [try_setting(checkpointing == "on")]
+    if checkpointing_worth_probing(settings[0], request, fingerprint):
+        settings.append(try_setting(True))
+    result = build_plan(request, workload=fingerprint, settings=settings, device=info,
+                        versions=current_versions(), created_at=created_at)
+    return target.mark(result) if target else result
+
+
+def _supported_precisions(device) -> list[str]:
+    # fp16 autocast on the CPU is slow and rarely what anyone trains with; CUDA has it everywhere.
+    found = [Precision.FP32.value]
+    if supports_bf16(device):
+        found.append(Precision.BF16.value)
+    if device.type == "cuda":
+        found.append(Precision.FP16.value)
+    return found
+
+
+def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, usable, extra, budget_s,
+                  storage, created_at) -> Plan:
+    """Measure the configurations and plan the fastest (the planner still makes the split)."""
+    candidates = build_candidates(settings, share=request.share, usable=usable, extra_bytes=extra,
+                                  pinned_micro_batch=request.micro_batch)
+    name = study_name(workload_key=fingerprint.file_sha256 or fingerprint.source,
+                      target_batch=request.target_batch, world_size=request.world_size,
+                      device=f"{info.kind}-{info.name}", pinned_micro_batch=request.micro_batch)
+    result = search_throughput(
+        candidates, lambda config: measure_configuration(workload, backend, config),
+        lambda configs, seconds: compare_configurations(workload, backend, configs, seconds=seconds),
+        budget_s=budget_s, usable_bytes=usable, study_name=name, storage=storage)
+    if result.winner is None:
+        notes = "; ".join(f"{r.precision}/{'on' if r.checkpointing else 'off'}/{r.micro_batch}: {r.note}"
+                          for r in result.records[:6])
+        raise PlanError(f"--optimize throughput: no configuration fits and ran within the budget "
+                        f"({notes}); lower --headroom, give it more memory or use --optimize memory")
+    winner = result.winner
+    setting = next(s for s in settings
+                   if (s.precision, s.checkpointing) == (winner.precision, winner.checkpointing))
+    if request.micro_batch is None:
+        # The planner splits the share into the fewest steps of at most the allowed micro-batch;
+        # allowing exactly the winner's makes it plan the split that was measured.
+        setting = dataclasses.replace(setting, allowed_micro_batch=winner.micro_batch)
+    request = dataclasses.replace(
+        request, precision=winner.precision, checkpointing="on" if winner.checkpointing else "off",
+        precision_reason=f"{winner.precision}: the fastest measured (see throughput)")
+    plan = build_plan(request, workload=fingerprint, settings=[setting], device=info,
+                      versions=current_versions(), created_at=created_at)
+    plan.settings = settings
+    plan.optimize = "throughput"
+    plan.throughput = result.records
+    plan.reasons["checkpointing"] = (f"{'on' if winner.checkpointing else 'off'}: the fastest "
+                                     f"measured (see throughput)")
+    plan.reasons["throughput"] = why_fastest(result)
+    return plan
+
+
+def _probe_setting(workload, backend, precision: str, checkpoint: bool, upper: int) -> SettingTried:
+    try:
+        result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
+                       backend=backend)
+    except ProbeError as exc:
+        # Not fitting is an answer for this setting (another may fit); the message is kept.
+        return SettingTried(precision=precision, checkpointing=checkpoint, error=str(exc))
+    return SettingTried(precision=precision, checkpointing=checkpoint, probe=result)
+
+
+def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
+    """What the plan needs to know about the model: sizes, optimizer, BatchNorm, repeated blocks."""
+    model = workload.new_model()
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    optimizer = workload.new_optimizer(trainable) if trainable else None
+    lr = optimizer.param_groups[0].get("lr") if optimizer is not None else None
+    return WorkloadFingerprint(
+        source=workload.source,
+        file_sha256=workload.file_sha256,
+        param_count=sum(p.numel() for p in params),
+        param_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        optimizer=type(optimizer).__name__ if optimizer is not None else None,
+        optimizer_lr=float(lr) if isinstance(lr, (int, float)) else None,
+        batchnorm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
+        checkpointable=any(any(True for _ in b.parameters()) for b in repeated_blocks(model)),
+    )
+
+
+def _dataset_size(workload: Workload) -> int | None:
+    # Only for warmup advice in optimizer steps; an unsized (iterable) dataset gives none.
+    if workload.build_dataset is None:
+        return None
+    dataset = workload.build_dataset()
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def current_versions() -> dict:
+
+    return {"autotune": __version__, "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _resolve_world_size(world_size: int | None, distributed: bool) -> int:
+    if distributed:
+        ranks = torch.distributed.get_world_size()
+        if world_size is not None and world_size != ranks:
+            raise ConfigError(f"--world-size {world_size} differs from the {ranks} ranks torchrun "
+                              f"started; omit --world-size or launch {world_size} processes")
+        return ranks
+    if world_size is not None:
+        return world_size
+    env = os.environ.get("WORLD_SIZE")
+    if env is None:
+        return 1
+    try:
+        value = int(env)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE={env!r} is not a positive int; "
+                          f"unset it or pass --world-size N")
+    return value
+
+
+def _min_across_ranks(value: int) -> int:
+    backend = torch.distributed.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
+    return int(tensor.item())

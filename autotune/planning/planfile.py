@@ -1,0 +1,194 @@
+"""Plan files: ``Plan`` <-> versioned JSON, checked against the shipped JSON Schema.
+
+The schema (``autotune/planning/schemas/plan.schema.json``) is the one description of the layout: it is
+shipped for other tools, and ``load_plan`` checks files against it with the small validator below
+(the subset of JSON Schema the file uses), so the runtime needs no jsonschema package and the two
+cannot drift. Writes are atomic: a temporary file in the same directory, fsync, then os.replace,
+so a crash leaves either the old plan or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from importlib import resources
+from pathlib import Path
+
+from ..atomicfile import write_atomic
+from ..errors import PlanFileError
+from ..memory.base import DeviceInfo
+from .types import SCHEMA_VERSION, Plan
+from ..workload.contract import Workload, load_workload
+
+
+class PlanFileWarning(UserWarning):
+    """A plan file is usable but was made for a different device than the one in use."""
+
+
+@functools.cache
+def plan_schema() -> dict:
+    """The JSON Schema of plan files (draft 2020-12)."""
+    text = resources.files("autotune.planning").joinpath("schemas/plan.schema.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def plan_to_json(plan: Plan) -> str:
+    return json.dumps(plan.to_dict(), indent=2) + "\n"
+
+
+def plan_from_json(text: str, *, source: str = "<plan>") -> Plan:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFileError(f"plan file {source} is not valid JSON (line {exc.lineno}, column "
+                            f"{exc.colno}: {exc.msg}); re-create it with autotune plan") from None
+    return plan_from_dict(data, source=source)
+
+
+def plan_from_dict(data, *, source: str = "<plan>") -> Plan:
+    if not isinstance(data, dict):
+        raise PlanFileError(f"plan file {source} must hold a JSON object, got {type(data).__name__}")
+    if "schema_version" not in data:
+        raise PlanFileError(f"plan file {source} is missing the field schema_version; "
+                            f"is it an autotune plan? Re-create it with autotune plan")
+    version = data["schema_version"]
+    if version != SCHEMA_VERSION:
+        raise PlanFileError(f"plan file {source} has schema_version {version!r}, but this autotune "
+                            f"reads schema_version {SCHEMA_VERSION}; re-create it with autotune plan "
+                            f"(or use the autotune version that wrote it)")
+    problem = first_schema_error(data, plan_schema())
+    if problem is not None:
+        raise PlanFileError(f"plan file {source}: {problem}; re-create it with autotune plan")
+    plan = Plan.from_dict(data)
+    if plan.effective_batch != plan.target_batch:
+        raise PlanFileError(
+            f"plan file {source}: micro_batches {plan.micro_batches} × world_size {plan.world_size} = "
+            f"{plan.effective_batch}, not target_batch {plan.target_batch}; re-create it with autotune plan")
+    return plan
+
+
+def save_plan(plan: Plan, path) -> Path:
+    """Write ``plan`` to ``path`` atomically; returns the path."""
+    data = plan_to_json(plan).encode("utf-8")
+    return write_atomic(path, lambda handle: handle.write(data))
+
+
+def load_plan(path, *, workload=None, device: DeviceInfo | None = None) -> Plan:
+    """Read and validate a plan file.
+
+    With ``workload`` (a model file path or ``Workload``), a plan made for another model file
+    (a different file_sha256) is a ``PlanFileError``. With ``device`` (a ``DeviceInfo``), a plan
+    made on another kind of device or one with a different name or memory gives a
+    ``PlanFileWarning``: it may still work, but its micro-batch was measured elsewhere.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlanFileError(f"plan file {path} does not exist; create it with "
+                            f"autotune plan MODEL.py --target-batch N -o {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanFileError(f"plan file {path} cannot be read: {exc}") from None
+    plan = plan_from_json(text, source=str(path))
+    if workload is not None:
+        check_workload(plan, load_workload(workload), source=str(path))
+    if device is not None:
+        check_device(plan, device, source=str(path))
+    return plan
+
+
+def check_workload(plan: Plan, workload: Workload, *, source: str = "<plan>") -> None:
+    planned, current = plan.workload.file_sha256, workload.file_sha256
+    if planned is not None and current is not None and planned != current:
+        raise PlanFileError(
+            f"plan file {source} was made for another version of the model: its workload.file_sha256 "
+            f"is {planned[:12]}…, {workload.source} hashes to {current[:12]}…; re-plan with "
+            f"autotune plan {workload.source} --target-batch {plan.target_batch}")
+
+
+def check_device(plan: Plan, device: DeviceInfo, *, source: str = "<plan>") -> None:
+    planned = plan.device
+    if planned is None:
+        return
+    for field in ("kind", "name", "total_bytes"):
+        was, now = getattr(planned, field), getattr(device, field)
+        if was != now:
+            warnings.warn(f"plan file {source} was made on another device: device.{field} was "
+                          f"{was!r}, now {now!r}; its micro-batch may not fit here (re-plan to be "
+                          f"sure)", PlanFileWarning, stacklevel=3)
+            return
+
+
+# --- a validator for the subset of JSON Schema that plan.schema.json uses ---------------------------
+
+_TYPES = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+}
+
+
+def first_schema_error(value, schema: dict, *, root: dict | None = None, where: str = "") -> str | None:
+    """The first way ``value`` breaks ``schema``, naming the field (None when it conforms)."""
+    root = root if root is not None else schema
+    name = where or "the top level"
+    if "$ref" in schema:
+        target = root
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            target = target[part]
+        return first_schema_error(value, target, root=root, where=where)
+    if "oneOf" in schema:
+        errors = [first_schema_error(value, s, root=root, where=where) for s in schema["oneOf"]]
+        matched = errors.count(None)
+        if matched == 1:
+            return None
+        if matched > 1:
+            return f"field {name} matches more than one allowed form"
+        # "must be null" says little about a value that is not null: report the other branch.
+        telling = [e for s, e in zip(schema["oneOf"], errors) if s != {"type": "null"}]
+        return (telling or errors)[0]
+    if "const" in schema and value != schema["const"]:
+        return f"field {name} must be {schema['const']!r}, got {value!r}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"field {name} must be one of {schema['enum']}, got {value!r}"
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_TYPES[t](value) for t in types):
+            return f"field {name} must be {' or '.join(types)}, got {type(value).__name__} {value!r}"[:300]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            return f"field {name} must be at least {schema['minimum']}, got {value!r}"
+        if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
+            return f"field {name} must be less than {schema['exclusiveMaximum']}, got {value!r}"
+    if isinstance(value, dict):
+        return _object_error(value, schema, root, where)
+    if isinstance(value, list):
+        if len(value) < schema.get("minItems", 0):
+            return f"field {name} needs at least {schema['minItems']} item(s), got {len(value)}"
+        if "items" in schema:
+            for i, item in enumerate(value):
+                problem = first_schema_error(item, schema["items"], root=root, where=f"{where}[{i}]")
+                if problem:
+                    return problem
+    return None
+
+
+def _object_error(value: dict, schema: dict, root: dict, where: str) -> str | None:
+    prefix = f"{where}." if where else ""
+    for key in schema.get("required", []):
+        if key not in value:
+            return f"missing field {prefix}{key}"
+    properties = schema.get("properties", {})
+    extra = schema.get("additionalProperties")
+    for key, item in value.items():
+        sub = properties.get(key, extra if isinstance(extra, dict) else None)
+        if sub is not None:
+            problem = first_schema_error(item, sub, root=root, where=f"{prefix}{key}")
+            if problem:
+                return problem
+    return None

@@ -1,0 +1,331 @@
+"""The planner: pure functions from probe results and a request to a ``Plan`` (no torch devices).
+
+The split policy: a target batch is first divided over the world size (exactly, or an error that
+names the nearest targets that divide). Each rank's share is then cut into the fewest
+accumulation steps whose micro-batch keeps the predicted peak within the budget minus the
+headroom; the micro-batches are as even as possible (they differ by at most one sample), so they
+always sum exactly to the share: 127 with at most 50 per step is 43 + 42 + 42.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import ConfigError, PlanError
+from .lr import decide_lr, lr_warnings
+from ..memory.base import DeviceInfo
+from .types import Plan, SettingTried, WorkloadFingerprint
+from ..probing.result import ProbeResult
+from ..units import format_bytes
+
+BATCHNORM_MIN_MICRO_BATCH = 16
+"""Below this, BatchNorm statistics over one micro-batch are noisy enough to hurt training."""
+
+MAX_QUIET_ACCUMULATION = 32
+"""More accumulation steps than this are worth a warning (slow, and often a sign of a misfit)."""
+
+
+@dataclass(kw_only=True)
+class PlanRequest:
+    """What the user asked for, with every "auto"/default already resolved except checkpointing."""
+
+    target_batch: int
+    world_size: int = 1
+    precision: str = "fp32"
+    precision_reason: str = ""
+    checkpointing: str = "auto"
+    """"auto", "on" or "off"."""
+    headroom: float = 0.1
+    micro_batch: int | None = None
+    """A pinned micro-batch (None: the planner chooses)."""
+    lr_rule: str = "auto"
+    base_lr: float | None = None
+    base_batch: int | None = None
+    dataset_size: int | None = None
+    distributed: bool = False
+    """Planned under torchrun with every rank probing."""
+
+    def __post_init__(self):
+        _check_positive_int(self.target_batch, "--target-batch")
+        _check_positive_int(self.world_size, "--world-size")
+        if self.micro_batch is not None:
+            _check_positive_int(self.micro_batch, "--micro-batch")
+        if not 0 <= self.headroom < 1:
+            raise ConfigError(f"--headroom {self.headroom!r} must be a fraction in [0, 1), e.g. 0.1 for 10%")
+        if self.checkpointing not in ("auto", "on", "off"):
+            raise ConfigError(f"--checkpointing {self.checkpointing!r} must be auto, on or off")
+        if self.micro_batch is not None:
+            split_pinned(self.share, self.micro_batch)  # raises when it exceeds the share
+
+    @property
+    def share(self) -> int:
+        return per_device_share(self.target_batch, self.world_size)
+
+    @property
+    def wanted_micro_batch(self) -> int:
+        """The largest micro-batch worth probing for: the pinned one, else the whole share."""
+        return self.micro_batch if self.micro_batch is not None else self.share
+
+
+def _check_positive_int(value, option: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{option} must be a positive int, got {value!r}")
+
+
+# --- the split -----------------------------------------------------------------------------------
+
+def per_device_share(target_batch: int, world_size: int) -> int:
+    """Samples each rank contributes per optimizer step; the target must divide exactly."""
+    if target_batch % world_size:
+        lower = target_batch - target_batch % world_size
+        upper = lower + world_size
+        options = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+        raise PlanError(f"--target-batch {target_batch} is not divisible by --world-size {world_size}; "
+                        f"use {options} (every rank must take the same number of samples per step)")
+    return target_batch // world_size
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` as ``parts`` near-equal non-negative sizes, smallest first."""
+    base, extra = divmod(total, parts)
+    return [base] * (parts - extra) + [base + 1] * extra
+
+
+def split_share(share: int, max_micro_batch: int) -> list[int]:
+    """The fewest micro-batches of at most ``max_micro_batch`` that sum to ``share``, as even as
+    possible (larger ones first)."""
+    if max_micro_batch < 1:
+        raise PlanError(f"cannot split {share} samples into micro-batches of at most {max_micro_batch}")
+    return even_split(share, math.ceil(share / max_micro_batch))[::-1]
+
+
+def split_pinned(share: int, micro_batch: int) -> list[int]:
+    """Micro-batches of exactly ``micro_batch``, the last one taking the remainder."""
+    if micro_batch > share:
+        raise PlanError(f"--micro-batch {micro_batch} is larger than the per-device share {share} of "
+                        f"the target batch; use --micro-batch {share} or less")
+    full, rest = divmod(share, micro_batch)
+    return [micro_batch] * full + ([rest] if rest else [])
+
+
+# --- memory ----------------------------------------------------------------------------------------
+
+def predicted_peak(probe: ProbeResult, micro_batch: int, extra_bytes: int = 0) -> float:
+    """The peak of a step at ``micro_batch``: measured where a fitting trial ran there, otherwise
+    the memory model's prediction, never below a measured peak at a smaller micro-batch."""
+    measured = probe.peak_at(micro_batch)
+    if measured is not None:
+        return measured + extra_bytes
+    below = [t.peak_bytes for t in probe.trials if t.fits and t.micro_batch < micro_batch]
+    return max([probe.memory_model.predict(micro_batch), *below]) + extra_bytes
+
+
+def usable_bytes(budget_bytes: int, headroom: float) -> int:
+    return int(budget_bytes * (1 - headroom))
+
+
+def allowed_micro_batch(probe: ProbeResult, usable: int, extra_bytes: int = 0) -> int:
+    """Largest micro-batch, up to what the probe proved fits, predicted to stay within ``usable``."""
+    for n in range(probe.max_micro_batch, 0, -1):
+        if predicted_peak(probe, n, extra_bytes) <= usable:
+            return n
+    return 0
+
+
+def evaluate_setting(setting: SettingTried, *, usable: int, extra_bytes: int,
+                     agree: Callable[[int], int] | None = None) -> SettingTried:
+    """Fill in ``setting.allowed_micro_batch``. ``agree`` combines the answer across ranks (the
+    minimum under torchrun); every rank must call this for the same settings in the same order."""
+    allowed = allowed_micro_batch(setting.probe, usable, extra_bytes) if setting.probe else 0
+    setting.allowed_micro_batch = agree(allowed) if agree is not None else allowed
+    return setting
+
+
+def ddp_bucket_bytes(world_size: int, param_bytes: int) -> int:
+    # DDP copies gradients into flat all-reduce buckets about as large as the gradients.
+    return param_bytes if world_size > 1 else 0
+
+
+# --- decisions -------------------------------------------------------------------------------------
+
+def choose_precision(requested: str, *, device_kind: str, bf16_supported: bool) -> tuple[str, str]:
+    """Resolve "auto": bf16 where supported, fp16 with GradScaler on CUDA without bf16, else fp32."""
+    if requested != "auto":
+        return requested, f"{requested} as requested"
+    if bf16_supported:
+        return "bf16", f"auto: the {device_kind} device supports bf16 (no loss scaling needed)"
+    if device_kind == "cuda":
+        return "fp16", "auto: this CUDA device lacks bf16, so fp16 autocast with a GradScaler"
+    return "fp32", f"auto: the {device_kind} device supports neither bf16 nor fp16 training well"
+
+
+def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
+                                workload: WorkloadFingerprint) -> bool:
+    """Under "auto": probe with checkpointing only where it might buy what the plan needs."""
+    if request.checkpointing != "auto" or not workload.checkpointable:
+        return False
+    return off.allowed_micro_batch < request.wanted_micro_batch
+
+
+def _split_for(allowed: int, request: PlanRequest) -> list[int] | None:
+    if request.micro_batch is not None:
+        return split_pinned(request.share, request.micro_batch) if allowed >= request.micro_batch else None
+    return split_share(request.share, allowed) if allowed > 0 else None
+
+
+def _choose_setting(settings: list[SettingTried], request: PlanRequest,
+                    workload: WorkloadFingerprint) -> tuple[SettingTried, list[int], str]:
+    """The setting to train with, its split, and why (checkpointing)."""
+    splits = [(s, _split_for(s.allowed_micro_batch, request)) for s in settings]
+    usable = [(s, split) for s, split in splits if split is not None]
+    if not usable:
+        raise PlanError(_nothing_fits_message(settings, request))
+    off = next(((s, sp) for s, sp in splits if not s.checkpointing), None)
+    on = next(((s, sp) for s, sp in splits if s.checkpointing), None)
+    if on is None or on[1] is None:
+        setting, split = usable[0]
+        return setting, split, _why_single(setting, request, workload, on)
+    if off is None:
+        return on[0], on[1], "on as requested"
+    if off[1] is None:
+        need = (f"the pinned micro-batch {request.micro_batch}" if request.micro_batch
+                else "even micro-batch 1 within the budget minus the headroom")
+        return on[0], on[1], f"auto: on, because without it {need} does not fit"
+    steps_off, steps_on = len(off[1]), len(on[1])
+    if steps_on < steps_off:
+        why = f"auto: on, because it cuts accumulation steps from {steps_off} to {steps_on}"
+        if workload.batchnorm and min(off[1]) < BATCHNORM_MIN_MICRO_BATCH <= min(on[1]):
+            why += (f" and lifts the BatchNorm micro-batch from {min(off[1])} to {min(on[1])} "
+                    f"(>= {BATCHNORM_MIN_MICRO_BATCH})")
+        return on[0], on[1], why + " (at ~20-35% more step time)"
+    return off[0], off[1], (f"auto: off; checkpointing was probed but keeps {steps_on} accumulation "
+                            f"steps either way, and it costs ~20-35% more step time")
+
+
+def _why_single(setting, request, workload, on) -> str:
+    if request.checkpointing == "on":
+        return "on as requested"
+    if request.checkpointing == "off":
+        return "off as requested"
+    if not workload.checkpointable:
+        return "auto: off; the model has no repeated blocks (ModuleList/Sequential) to checkpoint"
+    if on is not None:
+        return "auto: off; checkpointing was probed and allowed no larger micro-batch"
+    return (f"auto: off; micro-batch {setting.allowed_micro_batch} already fits without it, "
+            f"so it would buy nothing")
+
+
+def _nothing_fits_message(settings: list[SettingTried], request: PlanRequest) -> str:
+    parts = []
+    for s in settings:
+        label = f"{s.precision}, checkpointing {'on' if s.checkpointing else 'off'}"
+        if s.probe is None:
+            parts.append(f"{label}: {s.error}")
+        elif request.micro_batch is not None and s.allowed_micro_batch < request.micro_batch:
+            parts.append(f"{label}: --micro-batch {request.micro_batch} does not fit; at most "
+                         f"{s.allowed_micro_batch} fits within the budget minus --headroom "
+                         f"{request.headroom:g} (the probe's raw maximum is {s.raw_max_micro_batch})")
+        else:
+            peak = predicted_peak(s.probe, 1)
+            parts.append(f"{label}: micro-batch 1 fits the budget but not the budget minus "
+                         f"--headroom {request.headroom:g} (peak {format_bytes(peak)} against "
+                         f"{format_bytes(s.probe.budget_bytes * (1 - request.headroom))}); "
+                         f"lower --headroom or give it more memory")
+    head = (f"--micro-batch {request.micro_batch} cannot be planned" if request.micro_batch is not None
+            else f"no micro-batch fits for --target-batch {request.target_batch}")
+    fix = (" Use a smaller --micro-batch (or none, to let autotune choose)."
+           if request.micro_batch is not None else "")
+    return f"{head}. " + "; ".join(parts) + "." + fix
+
+
+def _split_reason(split: list[int], request: PlanRequest, allowed: int) -> str:
+    share = request.share
+    shape = (f"{split[0]} × {len(split)}" if len(set(split)) == 1
+             else f"{' + '.join(map(str, split))} (uneven: {share} has no even split into "
+                  f"{len(split)} steps of at most {max(split)})")
+    if request.micro_batch is not None:
+        source = f"--micro-batch {request.micro_batch} pinned; it fits (at most {allowed} would)"
+    else:
+        source = f"the fewest accumulation steps whose micro-batch is at most {allowed}"
+    return (f"{request.target_batch} = {request.world_size} rank(s) × {share}; {share} = {shape}; "
+            f"{source}")
+
+
+def plan_warnings(plan: Plan, request: PlanRequest) -> list[str]:
+    found = []
+    smallest = min(plan.micro_batches)
+    if plan.workload.batchnorm and smallest < BATCHNORM_MIN_MICRO_BATCH:
+        found.append(f"the model has BatchNorm and its micro-batch is {smallest} (< "
+                     f"{BATCHNORM_MIN_MICRO_BATCH}): statistics over so few samples are noisy; "
+                     f"consider SyncBatchNorm (across ranks) or GroupNorm")
+    if plan.accumulation_steps > MAX_QUIET_ACCUMULATION:
+        found.append(f"{plan.accumulation_steps} accumulation steps (> {MAX_QUIET_ACCUMULATION}): "
+                     f"each optimizer step runs {plan.accumulation_steps} forward/backward passes; "
+                     f"consider bf16, checkpointing, a smaller --target-batch or more devices")
+    if plan.world_size > 1 and not request.distributed:
+        found.append(f"--world-size {plan.world_size} was planned from one process: every rank is "
+                     f"assumed to match this device and its free memory; run the plan under torchrun "
+                     f"to probe each rank")
+    found += lr_warnings(plan.lr, plan.target_batch)
+    return found
+
+
+def build_plan(
+    request: PlanRequest,
+    *,
+    workload: WorkloadFingerprint,
+    settings: list[SettingTried],
+    device: DeviceInfo,
+    versions: dict | None = None,
+    created_at: str = "",
+) -> Plan:
+    """The plan, from settings whose ``allowed_micro_batch`` ``evaluate_setting`` filled in."""
+    if not settings:
+        raise PlanError("no setting was probed; nothing to plan from")
+    setting, split, checkpoint_reason = _choose_setting(settings, request, workload)
+    extra = ddp_bucket_bytes(request.world_size, workload.param_bytes)
+    lr = decide_lr(rule=request.lr_rule, target_batch=request.target_batch, base_lr=request.base_lr,
+                   base_batch=request.base_batch, optimizer=workload.optimizer,
+                   optimizer_lr=workload.optimizer_lr, dataset_size=request.dataset_size)
+    reasons = {
+        "precision": request.precision_reason or f"{setting.precision} as requested",
+        "checkpointing": checkpoint_reason,
+        "split": _split_reason(split, request, setting.allowed_micro_batch),
+        "memory": _memory_reason(setting, device, request.headroom, extra),
+        "lr": lr.note,
+    }
+    plan = Plan(
+        target_batch=request.target_batch, world_size=request.world_size, micro_batches=split,
+        precision=setting.precision, checkpointing=setting.checkpointing, lr=lr, workload=workload,
+        versions=dict(versions or {}), device=device, headroom=request.headroom,
+        ddp_bucket_bytes=extra,
+        predicted_peak_bytes=int(predicted_peak(setting.probe, max(split), extra)),
+        settings=list(settings), reasons=reasons, distributed=request.distributed,
+        created_at=created_at,
+    )
+    if plan.effective_batch != request.target_batch:  # a bug here would silently change training
+        raise PlanError(f"internal error: planned {split} × {request.world_size} = "
+                        f"{plan.effective_batch}, not --target-batch {request.target_batch}")
+    plan.warnings = plan_warnings(plan, request)
+    return plan
+
+
+def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, extra: int) -> str:
+    budget = device.budget_bytes
+    text = (f"budget {format_bytes(budget)} ({device.budget_source}) minus headroom {headroom:.0%} "
+            f"({format_bytes(budget * headroom)}) leaves {format_bytes(usable_bytes(budget, headroom))}; "
+            f"the probe's raw maximum is {setting.raw_max_micro_batch}, and "
+            f"{setting.allowed_micro_batch} is predicted to stay within the margin")
+    if extra:
+        text += f" (counting {format_bytes(extra)} of DDP gradient buckets)"
+    return text
+
+
+__all__ = [
+    "BATCHNORM_MIN_MICRO_BATCH", "MAX_QUIET_ACCUMULATION", "PlanRequest", "allowed_micro_batch",
+    "build_plan", "checkpointing_worth_probing", "choose_precision", "ddp_bucket_bytes",
+    "evaluate_setting", "per_device_share", "plan_warnings", "predicted_peak", "split_pinned",
+    "split_share", "usable_bytes",
+]

@@ -1,0 +1,145 @@
+"""``autotune verify``: run a plan's micro-batch on the device at hand and confirm it, or re-plan.
+
+A plan's peak was predicted (from a probe elsewhere, or estimated for a GPU profile). Here the
+planned micro-batch runs for a few real steady-state steps — its precision and checkpointing, the
+optimizer state allocated — and its measured peak (plus the plan's DDP buckets) must stay within
+the budget less the plan's headroom. The budget is the smaller of the plan's and this device's:
+a plan made for a smaller GPU is checked against what that GPU offers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PlanError
+from ..memory import backend_for
+from ..memory.base import DeviceInfo
+from .types import Plan
+from .planfile import check_workload, load_plan
+from .policy import usable_bytes
+from ..precision import Precision
+from ..probing.trial import SetupOutOfMemory, TrialSession
+from ..units import format_bytes
+from ..workload.contract import load_workload
+
+DEFAULT_STEPS = 3
+
+
+@dataclass(kw_only=True)
+class VerifyResult:
+    plan: Plan
+    """The plan that was checked."""
+    device: DeviceInfo
+    budget_bytes: int
+    """What the check allowed before the headroom: min(the plan's budget, this device's)."""
+    usable_bytes: int
+    """``budget_bytes`` less the plan's headroom: the measured peak must stay within it."""
+    measured_peak_bytes: int | None
+    """Largest peak over the steps, plus the plan's DDP buckets; None when a step ran out of memory."""
+    steps: int
+    new_plan: Plan | None = None
+    """The re-plan on this device, when the plan was not confirmed."""
+    replan_error: str | None = None
+    """Why no plan fits here either (the PlanError message), when re-planning failed."""
+
+    @property
+    def confirmed(self) -> bool:
+        return self.measured_peak_bytes is not None and self.measured_peak_bytes <= self.usable_bytes
+
+    @property
+    def error_bytes(self) -> int | None:
+        """Measured less predicted peak (positive: the plan under-estimated)."""
+        predicted = self.plan.predicted_peak_bytes
+        if self.measured_peak_bytes is None or predicted is None:
+            return None
+        return self.measured_peak_bytes - predicted
+
+    @property
+    def error_fraction(self) -> float | None:
+        predicted = self.plan.predicted_peak_bytes
+        return self.error_bytes / predicted if self.error_bytes is not None and predicted else None
+
+
+def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
+                steps: int = DEFAULT_STEPS, replan: bool = True) -> VerifyResult:
+    """Check ``plan`` (a ``Plan`` or a plan file path) on this device; re-plan when it fails.
+
+    ``workload`` defaults to the model file the plan records (a changed file is a
+    ``PlanFileError``). ``replan=False`` only reports.
+    """
+    plan = load_plan(plan) if not isinstance(plan, Plan) else plan
+    workload = load_workload(workload if workload is not None else plan.workload.source)
+    check_workload(plan, workload)
+    backend = backend_for(device, memory_limit)
+    info = backend.info()
+    budget = min(info.budget_bytes, plan.budget_bytes or info.budget_bytes)
+    usable = usable_bytes(budget, plan.headroom)
+    try:
+        with TrialSession(workload, backend, precision=Precision.parse(plan.precision),
+                          checkpointing=plan.checkpointing) as session:
+            trials = [session.run(plan.micro_batch) for _ in range(steps)]
+    except SetupOutOfMemory:
+        trials = []  # parameters and optimizer state alone pass the budget: nothing fits
+    fits = bool(trials) and all(t.fits for t in trials)
+    measured = max(t.peak_bytes for t in trials) + plan.ddp_bucket_bytes if fits else None
+    result = VerifyResult(plan=plan, device=info, budget_bytes=budget, usable_bytes=usable,
+                          measured_peak_bytes=measured, steps=steps)
+    if replan and not result.confirmed:
+        try:
+            result.new_plan = _replan(plan, workload, device=device, budget=budget)
+        except PlanError as exc:  # nothing fits here: still an answer for the report
+            result.replan_error = str(exc)
+    return result
+
+
+def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
+    from .api import plan as make_plan  # planning imports the probe; verify is a leaf
+
+    lr = plan.lr
+    return make_plan(
+        workload, target_batch=plan.target_batch, world_size=plan.world_size, device=device,
+        memory_limit=budget, precision=plan.precision,
+        # The same setting, so the new micro-batch answers for the one that did not fit.
+        checkpointing="on" if plan.checkpointing else "off", headroom=plan.headroom,
+        base_lr=lr.base_lr, base_batch=lr.base_batch,
+        lr_rule=lr.rule if lr.base_lr is not None else "auto",
+    )
+
+
+def format_verify(result: VerifyResult) -> str:
+    plan, info = result.plan, result.device
+    lines = [f"device:     {info.name} (budget {format_bytes(info.budget_bytes)}, {info.budget_source})",
+             f"checked:    micro-batch {plan.micro_batch}, {plan.precision}, checkpointing "
+             f"{'on' if plan.checkpointing else 'off'}, {result.steps} real steps",
+             f"limit:      {format_bytes(result.usable_bytes)} = {format_bytes(result.budget_bytes)} "
+             f"budget less {plan.headroom:.0%} headroom"]
+    predicted = format_bytes(plan.predicted_peak_bytes)
+    kind = "estimated" if plan.estimated else "predicted"
+    if result.measured_peak_bytes is None:
+        lines.append(f"peak:       out of memory (the plan {kind} {predicted})")
+    else:
+        off = ""
+        if result.error_bytes is not None:
+            off = (f"; the plan {kind} {predicted}, off by {_signed_bytes(result.error_bytes)} "
+                   f"({result.error_fraction:+.1%})")
+        lines.append(f"peak:       {format_bytes(result.measured_peak_bytes)} measured{off}")
+    if result.confirmed:
+        lines.append("confirmed:  the plan fits on this device")
+    else:
+        lines.append("NOT confirmed: the plan's micro-batch does not fit within the limit here")
+        new = result.new_plan
+        if new is not None:
+            lines.append(f"re-planned: micro-batch {new.micro_batch} × {new.accumulation_steps} "
+                         f"accumulation steps × {new.world_size} rank(s) = {new.effective_batch} "
+                         f"(was {plan.micro_batch} × {plan.accumulation_steps}); "
+                         f"{new.precision}, checkpointing {'on' if new.checkpointing else 'off'}")
+        if result.replan_error is not None:
+            lines.append(f"re-plan failed: {result.replan_error}")
+    return "\n".join(lines)
+
+
+def _signed_bytes(n: int) -> str:
+    return ("+" if n >= 0 else "-") + format_bytes(abs(n))
+
+
+__all__ = ["DEFAULT_STEPS", "VerifyResult", "format_verify", "verify_plan"]

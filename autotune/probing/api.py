@@ -1,0 +1,133 @@
+"""The probe: the exact largest micro-batch that fits, for one precision and checkpointing setting."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from ..errors import ProbeError
+from ..memory import MemoryBackend, backend_for
+from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
+from ..precision import Precision
+from ..units import format_bytes
+from ..workload.contract import load_workload
+from .result import MemoryModel, ProbeResult, Trial
+from .search import fit_memory_model, search_largest_fitting
+from .seed import estimate_seed
+from .trial import SetupOutOfMemory, TrialSession
+
+
+def probe(
+    workload,
+    *,
+    device=None,
+    precision="fp32",
+    checkpointing: bool = False,
+    memory_limit=None,
+    max_micro_batch: int | None = None,
+    backend: MemoryBackend | None = None,
+    use_estimate: bool = True,
+) -> ProbeResult:
+    """Find the exact largest micro-batch whose full steady-state training step fits.
+
+    ``workload`` is a path to a model file or an ``autotune.Workload``. ``device=None`` means CUDA
+    when available, else the CPU. ``memory_limit`` ("8GiB", "512MiB" or bytes) emulates a smaller
+    device. ``max_micro_batch`` caps the search (the per-device share of a target batch); None
+    finds the true maximum. ``backend`` overrides the memory backend built from device and limit.
+    ``use_estimate``: first search on fake tensors (nothing allocated), then prove that answer
+    with real trials (two when the estimate is right); models that fake tensors cannot run are
+    searched with real trials alone, and ``notes`` says so. The answer is exact either way.
+    """
+    workload = load_workload(workload)
+    precision = Precision.parse(precision)
+    if max_micro_batch is not None and (not isinstance(max_micro_batch, int) or max_micro_batch < 1):
+        raise ProbeError(f"max_micro_batch must be a positive int or None, got {max_micro_batch!r}")
+    backend = backend or backend_for(device, memory_limit)
+    info = backend.info()
+    started = time.perf_counter()
+    estimating = isinstance(backend, EstimateMemoryBackend)
+    seed = None
+    if use_estimate and not estimating:
+        seed = estimate_seed(workload, backend, precision=precision, checkpointing=bool(checkpointing),
+                             upper=max_micro_batch)
+    # On the estimate backend the session's tensors are fake: the model is built inside the fake
+    # mode, and a model that fake tensors cannot run raises EstimateUnavailable.
+    run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
+    session = TrialSession(run_workload, backend, precision=precision, checkpointing=bool(checkpointing))
+    def limits():
+        return fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
+
+    try:
+        with limits(), session:
+            best, trials, model = search_largest_fitting(
+                session.run, budget=info.budget_bytes, upper=max_micro_batch,
+                hint=seed.hint if seed is not None else None,
+            )
+    except SetupOutOfMemory as exc:
+        detail, trials, best = str(exc), [], 0
+    else:
+        detail = None
+    if best == 0:
+        with limits():
+            needed = _peak_without_budget(session, backend)
+        raise ProbeError(_does_not_fit_message(workload, info, precision, bool(checkpointing),
+                                               trials[0] if trials else None, needed, detail))
+    notes = []
+    if estimating:
+        notes.append(f"every trial ran on fake tensors ({info.name}): estimated, nothing allocated")
+    if seed is not None:
+        notes.append(seed.note(best, trials))
+        model = seed.memory_model(trials, model)
+    return ProbeResult(
+        max_micro_batch=best,
+        upper_bound=max_micro_batch,
+        capped=max_micro_batch is not None and best == max_micro_batch,
+        trials=trials,
+        memory_model=model,
+        device=info,
+        precision=precision.value,
+        checkpointing=bool(checkpointing),
+        seconds=time.perf_counter() - started,
+        oom_count=sum(not t.fits for t in trials),
+        notes=notes,
+        estimate_steps=seed.steps if seed is not None else 0,
+        estimated_max_micro_batch=seed.answer if seed is not None else None,
+    )
+
+
+def _peak_without_budget(session: TrialSession, backend) -> int | None:
+    """On the CPU, measure the real need at micro-batch 1 with the budget lifted.
+
+    Not possible on CUDA (the device is the limit), where the message gives a lower bound.
+    """
+    unlimited = getattr(backend, "unlimited", None)
+    if unlimited is None:
+        return None
+    with unlimited(), session:
+        trial = session.run(1)
+    return trial.peak_bytes if trial.fits else None
+
+
+def _does_not_fit_message(workload, info, precision, checkpointing, trial: Trial | None, needed,
+                          detail: str | None) -> str:
+    budget = info.budget_bytes
+    if needed is not None:
+        need = (f"one training step at micro-batch 1 needs {format_bytes(needed)}, "
+                f"{needed / budget:.2f}x the {format_bytes(budget)} budget")
+    elif trial is None:
+        need = f"one training step at micro-batch 1 does not fit ({detail})"
+    else:
+        need = (f"one training step at micro-batch 1 ran out of memory with "
+                f"{format_bytes(trial.peak_bytes)} in use against a {format_bytes(budget)} budget")
+    helps = []
+    if precision is Precision.FP32:
+        helps.append("--precision bf16 (or fp16)")
+    if not checkpointing:
+        helps.append("--checkpointing on")
+    helps += ["a device with more memory (or a larger --memory-limit)",
+              "sharding parameters and optimizer state with FSDP or DeepSpeed ZeRO"]
+    return (f"{workload.source} does not fit on {info.name} ({precision.value}, checkpointing "
+            f"{'on' if checkpointing else 'off'}): {need}. What would help: {'; '.join(helps)}.")
+
+
+__all__ = ["MemoryModel", "ProbeResult", "Trial", "fit_memory_model", "probe", "search_largest_fitting"]

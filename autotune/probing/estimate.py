@@ -1,0 +1,244 @@
+"""Peak memory of the probe's training step, estimated on fake tensors (no memory allocated).
+
+``EstimateSession`` is the probe's ``TrialSession`` run on ``memory.fake.EstimateMemoryBackend``,
+made cheaper where that changes no byte it counts. ``estimate_peak`` is the public entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from ..memory.fake import EstimateMemoryBackend, checked_micro_batch, fake_tensor_limits, on_fake_tensors
+from ..precision import Precision
+from ..workload.contract import load_workload
+from .trial import TrialSession, _state_tensors
+
+
+def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing: bool = False) -> int:
+    """Bytes of one steady-state training step at ``micro_batch`` samples, without allocating.
+
+    The step is the probe's (``TrialSession``): parameters, buffers and optimizer state, then
+    batch, forward under autocast, backward, unscale, clip, optimizer step, zero_grad.
+    ``workload`` is a path to a model file or an ``autotune.Workload``. Raises
+    ``EstimateUnavailable`` when the model cannot run under fake tensors (use ``probe`` then).
+    """
+    return estimate_peaks(workload, [micro_batch], precision=precision,
+                          checkpointing=checkpointing)[micro_batch]
+
+
+def estimate_peaks(workload, micro_batches, *, precision="fp32",
+                   checkpointing: bool = False) -> dict[int, int]:
+    """``estimate_peak`` for several micro-batches, building the fake model and its state once.
+
+    The optimizer phase (unscale, clip, step) is measured at the first size and its transient
+    reused at the others while every gradient has the same layout (see ``EstimateSession``).
+    """
+    workload = load_workload(workload)
+    precision = Precision.parse(precision)
+    sizes = [checked_micro_batch(n) for n in micro_batches]
+    session = EstimateSession(on_fake_tensors(workload), EstimateMemoryBackend(),
+                               precision=precision, checkpointing=bool(checkpointing))
+    peaks: dict[int, int] = {}
+    with fake_tensor_limits(workload), session:
+        for n in sizes:
+            peaks[n] = session.run(n).peak_bytes
+    return peaks
+
+
+class EstimateSession(TrialSession):
+    """The probe's session, made cheaper where that changes no byte it counts.
+
+    - Optimizer state: the zero-gradient step that allocates Adam-like state only needs the
+      state tensors it leaves behind (run() resets the peak before the measured step). For
+      torch's Adam/AdamW the optimizer's own lazy initialisation (``_init_group``) allocates
+      exactly that state without the update math; other built-in torch optimizers take their
+      foreach path for that one step (same state, a few multi-tensor ops instead of a dozen
+      ops per parameter). The measured step keeps the implementation the user (or the
+      device) chose, so its transient is the real one.
+    - The optimizer phase of the measured step is measured once per session (see
+      ``_optimizer_phase``).
+    """
+
+    _step_cost = None
+    """(gradient layout, bytes the optimizer phase adds to the live bytes) of the first step."""
+
+    def _optimizer_phase(self) -> int:
+        # Measured once per session: its transient depends only on the gradients, parameters
+        # and optimizer state, which are the same at every micro-batch when every parameter
+        # gets a gradient of the same layout. Otherwise it is measured again.
+        before = self.backend.current_bytes()
+        layout = _gradient_layout(self.params)
+        if self._step_cost is not None and self._step_cost[0] == layout:
+            self.optimizer.zero_grad(set_to_none=True)
+            return before + self._step_cost[1]
+        step_peak = super()._optimizer_phase()
+        self._step_cost = (layout, step_peak - before)
+        return step_peak
+
+    def _optimizer_step(self):
+        # A per-parameter (single-tensor) update frees a parameter's temporaries by the end
+        # of the next parameter's update (the loop rebinds its locals), so the step's peak is
+        # set by pairs of neighbouring parameters, and alike pairs give alike peaks: stepping
+        # each distinct pair once, in order, reaches the full step's peak.
+        runs = _distinct_neighbour_runs(self.optimizer)
+        if runs is None:
+            super()._optimizer_step()
+            return
+        groups = self.optimizer.param_groups
+        saved = [group["params"] for group in groups]
+        try:
+            for index, run in runs:
+                for i, group in enumerate(groups):
+                    group["params"] = run if i == index else []
+                super()._optimizer_step()
+        finally:
+            for group, params in zip(groups, saved):
+                group["params"] = params
+
+    def _release_memory(self):
+        # Fake tensors hold no memory, and a full garbage collection costs 0.1-0.2 s on a
+        # large heap: collect only when reference cycles kept some fake storage alive.
+        if self.backend.current_bytes() > self.start_bytes:
+            super()._release_memory()
+
+    def _allocate_optimizer_state(self):
+        if _init_adam_state(self.optimizer):
+            self.backend.adopt(_state_tensors(self.optimizer))
+            return
+        with _foreach_path(self.optimizer):
+            super()._allocate_optimizer_state()
+
+
+
+def _gradient_layout(params) -> tuple:
+    """What the optimizer phase's memory depends on: each gradient's layout and storage sharing."""
+    storages: dict[int, int] = {}
+    layout = []
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            layout.append(None)
+            continue
+        storage = grad.untyped_storage()
+        shared = storages.setdefault(storage._cdata, len(storages))
+        layout.append((shared, storage.nbytes(), tuple(grad.shape), grad.stride(),
+                       grad.storage_offset(), grad.dtype, grad.layout))
+    return tuple(layout)
+
+
+# torch optimizers whose single-tensor path updates one parameter at a time, keeping nothing
+# between parameters but the parameter's own state.
+_PER_PARAMETER_OPTIMIZERS = tuple(
+    getattr(torch.optim, name) for name in (
+        "Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
+        "Rprop", "ASGD", "Adafactor",
+    ) if hasattr(torch.optim, name)
+)
+
+
+def _distinct_neighbour_runs(optimizer: torch.optim.Optimizer) -> list[tuple[int, list]] | None:
+    """Short runs of parameters, as (group index, parameters), that hold every pair of
+    neighbouring parameter kinds (layout, gradient layout, state layout) of each group in their
+    order, the group's first parameter first; None when the optimizer may not update parameters
+    one at a time (foreach or fused kernels work on all of them at once; other optimizers are
+    unknown)."""
+    if type(optimizer) not in _PER_PARAMETER_OPTIMIZERS:
+        return None
+    runs = []
+    for index, group in enumerate(optimizer.param_groups):
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        if group.get("fused") or _takes_foreach_path(group, with_grad):
+            return None
+        # Parameters without a gradient are skipped by the update, so they are no neighbours.
+        kinds = [_parameter_kind(p, optimizer.state.get(p, {})) for p in with_grad]
+        seen = set()
+        for i, p in enumerate(with_grad):
+            pair = (kinds[i - 1] if i else None, kinds[i])
+            if pair in seen:
+                continue
+            seen.add(pair)
+            if i and runs and runs[-1][0] == index and runs[-1][1][-1] is with_grad[i - 1]:
+                runs[-1][1].append(p)
+            else:
+                runs.append((index, [with_grad[i - 1], p] if i else [p]))
+    return runs
+
+
+def _takes_foreach_path(group: dict, params: list) -> bool:
+    foreach = group.get("foreach")
+    if foreach is not None:
+        return bool(foreach)
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+    except ImportError:
+        return True  # cannot tell: assume it may
+    # The optimizer's own choice when left to torch (the same call its step makes).
+    return bool(_default_to_fused_or_foreach(params, bool(group.get("differentiable")),
+                                             use_fused=False)[1])
+
+
+def _parameter_kind(p: torch.Tensor, state: dict) -> tuple:
+    def layout(t):
+        if not isinstance(t, torch.Tensor):
+            return repr(t)
+        return (tuple(t.shape), t.stride() if t.layout == torch.strided else None, t.dtype,
+                t.layout, t.device)
+
+    grad = None if p.grad is None else layout(p.grad)
+    return (layout(p), grad, tuple(sorted((str(k), layout(v)) for k, v in state.items())))
+
+
+_ADAM_INIT_GROUP_ARGS = ("group", "params_with_grad", "grads", "exp_avgs", "exp_avg_sqs",
+                         "max_exp_avg_sqs", "state_steps")
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Allocates torch's Adam/AdamW state with the optimizer's own lazy initialisation, the part of
+    the first step that creates it, and none of the update math. False (nothing done) for any
+    other optimizer, or a torch whose ``Adam._init_group`` takes other arguments."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    init_group = getattr(optimizer, "_init_group", None)
+    try:
+        names = tuple(inspect.signature(init_group).parameters) if init_group else ()
+    except (TypeError, ValueError):
+        return False
+    if names != _ADAM_INIT_GROUP_ARGS:
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [p.grad for p in params]
+    try:
+        with torch.no_grad():
+            for p in params:
+                if p.requires_grad:  # the zero-gradient step gives every trainable parameter a grad
+                    p.grad = p.detach()  # a view: _init_group only checks that a gradient exists
+            for group in optimizer.param_groups:
+                init_group(group, [], [], [], [], [], [])
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad
+    return True
+
+
+@contextlib.contextmanager
+def _foreach_path(optimizer: torch.optim.Optimizer):
+    """Built-in torch optimizers take their foreach path inside; the groups are restored after."""
+    saved = []
+    if type(optimizer).__module__.startswith("torch.optim."):
+        for group in optimizer.param_groups:
+            if ("foreach" in group and not group["foreach"] and not group.get("fused")
+                    and not group.get("differentiable") and not group.get("capturable")
+                    and not isinstance(group.get("lr"), torch.Tensor)):
+                saved.append((group, group["foreach"]))
+                group["foreach"] = True
+    try:
+        yield
+    finally:
+        for group, value in saved:
+            group["foreach"] = value
+
+
+__all__ = ["EstimateSession", "estimate_peak", "estimate_peaks"]

@@ -1,0 +1,93 @@
+"""Where the probe starts: the same search, run first on fake tensors (nothing allocated).
+
+The estimate backend counts the storage bytes of the very step a real trial runs, so its answer
+is usually the real one; the real search then only has to prove it (a fit at the answer and a
+failure one above). Where the estimate is off the real search continues from the bracket those
+trials left, so the answer stays exact. Models that fake tensors cannot run give no estimate,
+and the real search runs as it would without one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..errors import EstimateUnavailable
+from ..memory.base import MemoryBackend
+from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
+from ..precision import Precision
+from .result import MemoryModel, Trial
+from .search import search_largest_fitting
+from .trial import SetupOutOfMemory, TrialSession
+
+
+@dataclass(kw_only=True)
+class EstimateSeed:
+    """What the search on fake tensors found, for the real search to start from."""
+
+    answer: int | None = None
+    """Estimated largest micro-batch that fits (0: not even 1); None when there is no estimate."""
+    steps: int = 0
+    """Training steps run on fake tensors."""
+    seconds: float = 0.0
+    model: MemoryModel | None = None
+    """The memory model fitted to the estimated trials."""
+    unavailable: str | None = None
+    """Why the model cannot be estimated (the EstimateUnavailable message)."""
+
+    @property
+    def hint(self) -> int | None:
+        return self.answer
+
+    def note(self, best: int, trials: list[Trial]) -> str:
+        """One line for ProbeResult.notes: what the estimate said and what the real trials found."""
+        if self.answer is None:
+            return f"no estimate, so real trials only: {self.unavailable}"
+        said = (f"the estimate ({self.steps} steps on fake tensors, {self.seconds:.1f}s, nothing "
+                f"allocated) put the answer at {self.answer}")
+        if best == self.answer:
+            return f"{said}; {len(trials)} real trial(s) confirmed it"
+        return (f"{said}; the real answer is {best} (off by {best - self.answer:+d}), found with "
+                f"{len(trials)} real trials")
+
+    def memory_model(self, trials: list[Trial], measured: MemoryModel) -> MemoryModel:
+        """The memory model for the planner's predictions below the answer.
+
+        Where the real trials fitted at one micro-batch only, their model is a ray from the
+        baseline, which under-predicts below that point when part of the memory does not grow
+        with n. The estimate's curve, scaled to agree with the real peak there, keeps its shape.
+        """
+        fitting = {t.micro_batch: t.peak_bytes for t in trials if t.fits}
+        if self.model is None or self.model.points < 2 or len(fitting) != 1:
+            return measured
+        (n, real), = fitting.items()
+        estimated = self.model.predict(n)
+        if estimated <= 0:
+            return measured
+        return _scaled(self.model, real / estimated)
+
+
+def estimate_seed(workload, backend: MemoryBackend, *, precision: Precision, checkpointing: bool,
+                  upper: int | None) -> EstimateSeed:
+    """Run the probe's search on fake tensors, against the real backend's budget."""
+    budget = backend.info().budget_bytes
+    # A CUDA step runs the optimizer's foreach path; estimate that one.
+    estimator = EstimateMemoryBackend(budget, for_cuda=backend.device.type == "cuda")
+    session = TrialSession(on_fake_tensors(workload, foreach=estimator.for_cuda), estimator,
+                           precision=precision, checkpointing=checkpointing)
+    started = time.perf_counter()
+    try:
+        with fake_tensor_limits(workload), session:
+            best, trials, model = search_largest_fitting(session.run, budget=budget, upper=upper)
+    except SetupOutOfMemory:
+        best, trials, model = 0, [], None
+    except EstimateUnavailable as exc:
+        return EstimateSeed(unavailable=str(exc))
+    return EstimateSeed(answer=best, steps=len(trials), seconds=time.perf_counter() - started,
+                        model=model)
+
+
+def _scaled(model: MemoryModel, factor: float) -> MemoryModel:
+    return MemoryModel(activation=tuple(c * factor for c in model.activation),
+                       step=tuple(c * factor for c in model.step), kind=model.kind,
+                       points=model.points)

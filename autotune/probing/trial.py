@@ -1,0 +1,211 @@
+"""One steady-state training step at micro-batch n, measured on a memory backend.
+
+``TrialSession`` sets up the model (fresh from the factory, or the user's instance with its state
+saved), the optimizer with its state already allocated, precision and checkpointing; ``run(n)``
+takes one full step — batch, forward, backward, unscale, clip, optimizer step, zero_grad — and
+reports its peak, or that it ran out of memory. Closing the session restores the user's model and
+returns memory to where it was.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import ProbeError, WorkloadError
+from ..units import format_bytes
+from ..workload.activation_checkpointing import disable_checkpointing, enable_checkpointing
+from ..memory.base import MemoryBackend
+from ..oom import free_memory, is_oom_error
+from ..precision import Precision, autocast, grad_scaler
+from ..workload.contract import Workload, move_batch
+from .result import Trial
+
+CLIP_NORM = 1.0
+"""Gradient clipping in a trial: the norm's buffers are part of a real step's memory."""
+
+
+class SetupOutOfMemory(ProbeError):
+    """Parameters, buffers and optimizer state alone ran out of memory (raised by TrialSession)."""
+
+
+class TrialSession:
+    def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
+                 checkpointing: bool):
+        self.workload = workload
+        self.backend = backend
+        self.precision = precision
+        self.checkpointing = checkpointing
+        self.device = backend.device
+
+    def __enter__(self) -> "TrialSession":
+        self._tracking = self.backend.tracking()
+        self._tracking.__enter__()
+        out_of_memory = False
+        try:
+            self._setup()
+        except BaseException as exc:
+            self._teardown()
+            if not is_oom_error(exc):
+                raise
+            out_of_memory = True
+        if out_of_memory:
+            raise SetupOutOfMemory(
+                f"{self.workload.source}: the model's parameters, buffers and optimizer state alone "
+                f"pass the {format_bytes(self.backend.budget_bytes)} budget, before any batch"
+            )
+        return self
+
+    def __exit__(self, *exc_info):
+        self._teardown()
+
+    def _setup(self):
+        self.model = None
+        self.optimizer = None
+        self._saved = None
+        self.start_bytes = self.backend.current_bytes()
+        model = self.workload.new_model()
+        if self.workload.model_is_instance:
+            self._saved = _save_module_state(model)
+        self.model = model.to(self.device)
+        self.model.train()
+        if self.checkpointing:
+            enable_checkpointing(self.model, source=self.workload.source)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise WorkloadError(f"{self.workload.source}: the model has no trainable parameters")
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.optimizer = self.workload.new_optimizer(self.params)
+        self.scaler = grad_scaler(self.precision, self.device)
+        self.backend.adopt([*self.model.parameters(), *self.model.buffers()])
+        self._allocate_optimizer_state()
+
+    def _allocate_optimizer_state(self):
+        # Adam-like optimizers allocate their state lazily at the first step; a trial that ran
+        # without it would miss a large share of the peak. A step on zero gradients allocates it
+        # without a forward pass (the probe's model is a copy, or restored afterwards).
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.backend.adopt(_state_tensors(self.optimizer))
+
+    def run(self, n: int) -> Trial:
+        self.backend.release()
+        baseline = self.backend.current_bytes()
+        self.backend.reset_peak()
+        start = time.perf_counter()
+        out_of_memory = False
+        try:
+            activation_peak, step_peak = self._step(n)
+        except Exception as exc:  # noqa: BLE001 - re-raised untouched unless it is an OOM
+            if not is_oom_error(exc):
+                raise
+            out_of_memory = True
+        seconds = time.perf_counter() - start
+        if out_of_memory:
+            # Outside the except block: the traceback no longer pins the failed step's tensors.
+            peak = self.backend.peak_bytes()
+            self._recover()
+            return Trial(micro_batch=n, fits=False, peak_bytes=peak, seconds=seconds,
+                         baseline_bytes=baseline, gradient_bytes=self.gradient_bytes)
+        return Trial(
+            micro_batch=n,
+            fits=self.backend.within_budget(),
+            peak_bytes=max(activation_peak, step_peak),
+            seconds=seconds,
+            activation_peak_bytes=activation_peak,
+            step_peak_bytes=step_peak,
+            baseline_bytes=baseline,
+            gradient_bytes=self.gradient_bytes,
+        )
+
+    def _step(self, n: int) -> tuple[int, int]:
+        batch = move_batch(self.workload.batch(n), self.device)
+        activation_peak = self._forward_backward(batch)
+        self.backend.reset_peak()
+        step_peak = self._optimizer_phase()  # the batch is still alive here, as in training
+        del batch
+        return activation_peak, step_peak
+
+    def _forward_backward(self, batch) -> int:
+        """Forward under the precision and backward; the peak of the phase."""
+        with autocast(self.precision, self.device):
+            loss, count = self.workload.loss(self.model, batch)
+        if count is not None:
+            loss = loss / count
+        self.scaler.scale(loss).backward()
+        del loss
+        return self.backend.peak_bytes()
+
+    def _optimizer_phase(self) -> int:
+        """unscale_, clip, optimizer step, update, zero_grad; the peak since the last reset."""
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
+        self._optimizer_step()
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.backend.peak_bytes()
+
+    def _optimizer_step(self):
+        # optimizer.step() directly, not scaler.step(): a real fp16 step that found inf would be
+        # skipped, and the probe must still measure what the optimizer step costs.
+        self.optimizer.step()
+
+    def _release_memory(self):
+        free_memory()
+        self.backend.release()
+
+    def _recover(self):
+        self.optimizer.zero_grad(set_to_none=True)
+        # A step can fail between unscale_ and update; a fresh scaler forgets that half-done step.
+        self.scaler = grad_scaler(self.precision, self.device)
+        free_memory()
+        self.backend.release()
+
+    def _teardown(self):
+        try:
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer = None
+            if self.model is not None:
+                if self.checkpointing:
+                    disable_checkpointing(self.model)
+                if self._saved is not None:
+                    _restore_module_state(self.model, self._saved)
+            self.model = None
+            self.params = []
+            self._release_memory()
+        finally:
+            self._tracking.__exit__(None, None, None)
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer):
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def _save_module_state(model: torch.nn.Module) -> dict:
+    """Everything a probe changes on a module instance, copied to the CPU."""
+    first = next(iter(model.parameters()), None)
+    return {
+        "device": first.device if first is not None else torch.device("cpu"),
+        "training": {name: m.training for name, m in model.named_modules()},
+        "state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        "grads": {name: (p.grad.detach().to("cpu", copy=True) if p.grad is not None else None)
+                  for name, p in model.named_parameters()},
+    }
+
+
+def _restore_module_state(model: torch.nn.Module, saved: dict) -> None:
+    model.to(saved["device"])
+    with torch.no_grad():
+        model.load_state_dict(saved["state"])
+    for name, module in model.named_modules():
+        module.training = saved["training"].get(name, module.training)
+    for name, p in model.named_parameters():
+        grad = saved["grads"].get(name)
+        p.grad = grad.to(p.device) if grad is not None else None

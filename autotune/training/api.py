@@ -1,0 +1,253 @@
+"""``autotune.training``: run a plan with exact accumulation, on one device or under torchrun."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..workload.activation_checkpointing import enable_checkpointing
+from ..planning.planfile import check_workload
+from ..precision import Precision, grad_scaler
+from ..workload.contract import load_workload
+from . import checks, distributed
+from .checkpoint import FORMAT_VERSION, checkpoint_path, load, rng_state, save_atomic, set_rng_state
+from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
+                   windows_per_epoch)
+from .errors import TrainError
+from .loop import StepRunner, TrainState, run_steps
+from .metrics import MetricsLog
+from .noise_scale import NoiseScaleEMA, batch_advice, noise_scale, unavailable_reason
+from .schedule import apply_plan_lr, build_scheduler
+from .stop import StopRequest
+
+_FROM_PLAN = object()
+
+
+@dataclass
+class TrainResult:
+    model: torch.nn.Module
+    """The trained model (unwrapped from DDP)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: torch.amp.GradScaler
+    steps: int
+    """Optimizer steps taken so far, resumed ones included (skipped fp16 steps count too)."""
+    metrics: list[dict]
+    """One record per optimizer step run by this call (see ``autotune.training.metrics.FIELDS``)."""
+    skipped_steps: int
+    oom_recoveries: int
+    micro_batches: list[int]
+    """The micro-batch sizes in use at the end (finer than the plan's after kept OOM recoveries)."""
+    interrupted: bool
+    """Stopped early by SIGINT/SIGTERM (after checkpointing when a checkpoint folder was given)."""
+    checkpoint: Path | None
+    rank: int = 0
+    world_size: int = 1
+    noise_scale: float | None = None
+    """The gradient noise scale B_noise in samples at the end (None: not measured or too few
+    windows yet; ``noise_scale_note`` says which)."""
+    noise_scale_note: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    """Advice printed once at the end of the run (the effective batch far beyond B_noise)."""
+
+
+def train(plan, workload, *, steps: int | None = None, epochs: int | None = None,
+          checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
+          metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0, device=None,
+          num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True) -> TrainResult:
+    """Train ``workload`` as ``plan`` says: its micro-batches, accumulation, world size,
+    precision, checkpointing, LR and warmup, with the gradient of each window exactly that of the
+    whole window as one batch.
+
+    ``plan`` is a ``Plan`` or a plan-file path; ``workload`` a model-file path or ``Workload``.
+    ``clip_grad_norm`` defaults to the plan's (None: no clipping). Under torchrun each process
+    calls this; rank 0 alone writes metrics and checkpoints. ``measure_noise_scale`` estimates
+    the gradient noise scale from gradient norms the loop has anyway (it never changes training).
+    """
+    plan_source = plan if isinstance(plan, (str, Path)) else "the plan"
+    plan = checks.load_plan(plan)
+    workload = load_workload(workload)
+    check_workload(plan, workload, source=str(plan_source))
+    clip = plan.clip_grad_norm if clip_grad_norm is _FROM_PLAN else clip_grad_norm
+    checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                         resume=resume, clip_grad_norm=clip, num_workers=num_workers)
+    precision = Precision.parse(plan.precision, option="plan precision")
+    dataset = workload.build_dataset() if workload.build_dataset is not None else None
+    size = None if dataset is None else dataset_size(dataset, source=workload.source)
+    if size is not None:
+        checks.check_dataset_size(size, plan, source=workload.source)
+    total = checks.total_steps(steps=steps, epochs=epochs, source=workload.source,
+                               windows_per_epoch=windows_per_epoch(size, plan.effective_batch,
+                                                                   plan.world_size))
+    ctx = distributed.setup(device)
+    try:
+        checks.check_world_size(plan, ctx.world_size)
+        checks.check_precision(precision, ctx.device)
+        session = _Session(plan=plan, workload=workload, ctx=ctx, precision=precision, clip=clip,
+                           seed=seed, dataset=dataset, dataset_size=size, total_steps=total,
+                           checkpoint_dir=checkpoint_dir)
+        return session.run(resume=resume, checkpoint_every=checkpoint_every,
+                           metrics_path=metrics_path, num_workers=num_workers, progress=progress,
+                           measure_noise=measure_noise_scale)
+    finally:
+        distributed.teardown(ctx)
+
+
+class _Session:
+    """The objects of one run, and how they are checkpointed and restored."""
+
+    def __init__(self, *, plan, workload, ctx, precision, clip, seed, dataset, dataset_size,
+                 total_steps, checkpoint_dir):
+        self.plan, self.workload, self.ctx, self.precision = plan, workload, ctx, precision
+        self.clip, self.seed, self.dataset, self.dataset_size = clip, seed, dataset, dataset_size
+        self.total_steps = total_steps
+        self.path = None if checkpoint_dir is None else checkpoint_path(checkpoint_dir)
+        self.layout = WindowLayout(effective_batch=plan.effective_batch, micro_batches=plan.micro_batches,
+                                   world_size=ctx.world_size, rank=ctx.rank, dataset_size=dataset_size)
+        torch.manual_seed(seed)  # the same initial weights on every rank and in every run
+        model = workload.new_model().to(ctx.device)
+        model.train()
+        if plan.checkpointing:
+            enable_checkpointing(model, source=workload.source)
+        self.model = model
+        self.optimizer = workload.new_optimizer(p for p in model.parameters() if p.requires_grad)
+        apply_plan_lr(self.optimizer, plan)
+        self.scheduler = build_scheduler(workload, self.optimizer, plan)
+        self.scaler = grad_scaler(precision, ctx.device)
+        self.state = TrainState()
+
+    def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
+            measure_noise=True) -> TrainResult:
+        rng = self._restore() if resume else None
+        metrics = MetricsLog(metrics_path, enabled=self.ctx.is_main, total_steps=self.total_steps,
+                             progress=progress, resume_step=self.state.step)
+        try:
+            if progress:
+                metrics.note(self._describe())
+            runner = StepRunner(model=distributed.wrap_model(self.model, self.ctx),
+                                optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+                                precision=self.precision, workload=self.workload, ctx=self.ctx,
+                                clip_grad_norm=self.clip, state=self.state, notify=metrics.note,
+                                measure_noise=measure_noise)
+            batches = self._batches(num_workers)
+            if rng is not None:
+                set_rng_state(rng)  # last, so nothing before the first step draws from it
+            with StopRequest() as stop:
+                records, interrupted = run_steps(
+                    runner, self.layout, batches, total_steps=self.total_steps, metrics=metrics,
+                    stop=stop, save_checkpoint=self._save, checkpoint_every=checkpoint_every)
+            noise, note, warnings = self._noise_advice(measure_noise)
+            for warning in warnings:
+                metrics.note(f"warning: {warning}")
+            if note is not None and progress:
+                metrics.note(note)
+        finally:
+            metrics.close()
+        return TrainResult(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            scaler=self.scaler, steps=self.state.step, metrics=records,
+            skipped_steps=self.state.skipped_steps, oom_recoveries=self.state.split.recoveries,
+            micro_batches=_current_split(self.plan, self.state), interrupted=interrupted,
+            checkpoint=self.path, rank=self.ctx.rank, world_size=self.ctx.world_size,
+            noise_scale=noise, noise_scale_note=note, warnings=warnings)
+
+    def _noise_advice(self, measured: bool) -> tuple[float | None, str | None, list[str]]:
+        """(B_noise, why it is None, warnings) at the end of the run."""
+        if not measured:
+            return None, "the gradient noise scale was not measured (measure_noise_scale=False)", []
+        value = noise_scale(self.state.noise)
+        if value is not None:
+            advice = batch_advice(value, self.plan.effective_batch)
+            return value, None, [advice] if advice else []
+        steps = len(_current_split(self.plan, self.state))
+        note = unavailable_reason(micro_steps=steps, world_size=self.ctx.world_size)
+        if note is None:
+            note = (f"the gradient noise scale is not known yet ({self.state.noise.windows} "
+                    f"windows measured; it needs more windows, or the gradient is still lost in "
+                    f"the noise)")
+        return None, note, []
+
+    def _batches(self, num_workers):
+        start, stop = self.state.step, self.total_steps
+        if self.dataset is None:
+            return synthetic_batches(self.workload.batch, self.layout, seed=self.seed,
+                                     start_step=start, stop_step=stop)
+        return dataset_batches(self.dataset, self.layout, seed=self.seed, start_step=start,
+                               stop_step=stop, num_workers=num_workers,
+                               pin_memory=self.ctx.device.type == "cuda")
+
+    def _describe(self) -> str:
+        plan = self.plan
+        lr = plan.lr.lr if plan.lr.lr is not None else self.optimizer.param_groups[0]["lr"]
+        data = ("make_batch (no dataset)" if self.dataset_size is None else
+                f"{self.dataset_size} samples, {self.layout.windows_per_epoch} steps per epoch")
+        return (f"{self.total_steps} optimizer steps from step {self.state.step}: micro-batches "
+                f"{plan.micro_batches} x {plan.world_size} rank(s) = effective batch "
+                f"{plan.effective_batch}; {self.precision.value}; lr {lr:g} (warmup "
+                f"{plan.lr.warmup_steps} steps); clip {self.clip}; data: {data}")
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        rng = distributed.gather_objects(rng_state(), self.ctx)  # every rank takes part
+        if not self.ctx.is_main:
+            return
+        save_atomic({
+            "format": FORMAT_VERSION,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng,
+            "step": self.state.step,
+            "skipped_steps": self.state.skipped_steps,
+            "split": self.state.split.state_dict(),
+            "noise_scale": self.state.noise.to_dict(),
+            "data": self._data_position(),
+            "plan": self.plan.to_dict(),
+        }, self.path)
+
+    def _data_position(self) -> dict:
+        position = {"seed": self.seed, "effective_batch": self.plan.effective_batch,
+                    "dataset_size": self.dataset_size, "epoch": None, "window": None}
+        if self.state.step < self.total_steps:
+            window = self.layout.window(self.state.step)
+            position.update(epoch=window.epoch, window=window.index)
+        return position
+
+    def _restore(self):
+        saved = load(self.path)
+        data = saved["data"]
+        for option, name, value in (("--seed", "seed", self.seed),
+                                    ("the plan's effective batch", "effective_batch", self.plan.effective_batch),
+                                    ("the dataset size", "dataset_size", self.dataset_size)):
+            if data[name] != value:
+                raise TrainError(
+                    f"--resume: {option} is {value} but the checkpoint {self.path} was trained with "
+                    f"{data[name]}; resume with the same setting (or start a new --checkpoint-dir)"
+                )
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scaler.load_state_dict(saved["scaler"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.state.step = saved["step"]
+        self.state.skipped_steps = saved["skipped_steps"]
+        self.state.split.load_state_dict(saved["split"])
+        if "noise_scale" in saved:  # absent from checkpoints written before it was measured
+            self.state.noise = NoiseScaleEMA.from_dict(saved["noise_scale"])
+        ranks = saved["rng"]
+        return ranks[self.ctx.rank] if self.ctx.rank < len(ranks) else None
+
+
+def _current_split(plan, state) -> list[int]:
+    return [n for n in split_micro_batches(plan.micro_batches, state.split.level) if n]
+
+
+def save_model(result: TrainResult, path) -> None:
+    """``--save``: ``{"model": state_dict, "steps": n}`` with ``torch.save`` (rank 0 only)."""
+    if result.rank != 0:
+        return
+    save_atomic({"model": result.model.state_dict(), "steps": result.steps}, Path(path))

@@ -1,0 +1,95 @@
+"""Everything that can be wrong before training starts, reported before any step is taken."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ConfigError, PlanFileError, WorkloadError
+from ..planning.types import Plan
+from ..planning.planfile import load_plan as read_plan_file
+from ..precision import Precision, supports_bf16
+from .errors import TrainError
+
+
+def load_plan(plan) -> Plan:
+    """A ``Plan`` object, or one read (and validated) from a plan file."""
+    if isinstance(plan, Plan):
+        return check_plan(plan, source="plan")
+    if isinstance(plan, (str, Path)):
+        return check_plan(read_plan_file(plan), source=f"--plan {plan}")
+    raise PlanFileError(f"plan must be an autotune Plan or a path to a plan file, got {type(plan).__name__}")
+
+
+def check_plan(plan, *, source: str) -> Plan:
+    if not isinstance(plan, Plan):
+        raise PlanFileError(f"{source}: expected an autotune Plan, got {type(plan).__name__}")
+    sizes = plan.micro_batches
+    if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+        raise PlanFileError(f"{source}: micro_batches must be a non-empty list of positive integers, got {sizes!r}")
+    if not isinstance(plan.world_size, int) or plan.world_size < 1:
+        raise PlanFileError(f"{source}: world_size must be a positive integer, got {plan.world_size!r}")
+    Precision.parse(plan.precision, option=f"{source}: precision")
+    return plan
+
+
+def check_world_size(plan: Plan, world_size: int) -> None:
+    if plan.world_size != world_size:
+        raise TrainError(
+            f"the plan is for world_size {plan.world_size} but this run has {world_size} process(es): "
+            f"launch it with torchrun --nproc_per_node {plan.world_size} (or re-plan with "
+            f"--world-size {world_size})"
+        )
+
+
+def check_precision(precision: Precision, device) -> None:
+    if precision is Precision.BF16 and not supports_bf16(device):
+        raise TrainError(
+            f"the plan asks for bf16 but {device} does not support it; re-plan with --precision fp16 "
+            f"or --precision fp32"
+        )
+
+
+def total_steps(*, steps, epochs, windows_per_epoch, source: str) -> int:
+    """Optimizer steps to train: ``steps``, or ``epochs`` × windows per epoch (one epoch by default)."""
+    if steps is not None and epochs is not None:
+        raise ConfigError("--steps and --epochs are exclusive; give one of them")
+    for option, value in (("--steps", steps), ("--epochs", epochs)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{option} must be a positive integer, got {value!r}")
+    if windows_per_epoch is None:
+        if epochs is not None:
+            raise ConfigError(
+                f"--epochs {epochs}: {source} has no build_dataset(), so there are no epochs; "
+                f"give --steps N (batches then come from make_batch)"
+            )
+        if steps is None:
+            raise ConfigError(
+                f"{source} has no build_dataset(): give --steps N (batches then come from make_batch)"
+            )
+        return steps
+    if steps is not None:
+        return steps
+    return (epochs or 1) * windows_per_epoch
+
+
+def check_dataset_size(size: int, plan: Plan, *, source: str) -> None:
+    if size < plan.effective_batch:
+        raise WorkloadError(
+            f"{source}: build_dataset() has {size} samples, fewer than one window of the plan's "
+            f"effective batch {plan.effective_batch}; use a larger dataset or re-plan with "
+            f"--target-batch {size} or less"
+        )
+
+
+def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, num_workers) -> None:
+    if checkpoint_every is not None:
+        if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+            raise ConfigError(f"--checkpoint-every must be a positive integer, got {checkpoint_every!r}")
+        if checkpoint_dir is None:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir to write checkpoints into")
+    if resume and checkpoint_dir is None:
+        raise ConfigError("--resume needs --checkpoint-dir (the folder holding checkpoint.pt)")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ConfigError(f"--clip-grad-norm must be positive, got {clip_grad_norm!r}")
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError(f"num_workers must be a non-negative integer, got {num_workers!r}")

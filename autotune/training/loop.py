@@ -1,0 +1,264 @@
+"""The optimizer-step loop: accumulate a window exactly, step once, recover from OOM, checkpoint.
+
+``StepRunner`` owns one optimizer step (a window); ``run_steps`` drives the steps, the metrics
+and the checkpoints. Everything is built by ``autotune.training.api``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..oom import free_memory, is_oom_error
+from ..precision import Precision, autocast
+from ..workload.contract import Workload, move_batch
+from . import distributed, noise_scale
+from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
+from .data import Window, slice_batch, split_micro_batches
+from .errors import TrainError
+from .metrics import peak_memory_bytes
+from .recovery import SplitPolicy
+
+
+@dataclass
+class StepOutcome:
+    loss: float
+    lr: float
+    grad_norm: float
+    skipped: bool
+    stop: bool
+    micro_batches: list[int]
+
+
+@dataclass
+class TrainState:
+    """What changes from step to step besides model/optimizer/scheduler/scaler (checkpointed)."""
+
+    step: int = 0
+    skipped_steps: int = 0
+    split: SplitPolicy = field(default_factory=SplitPolicy)
+    noise: noise_scale.NoiseScaleEMA = field(default_factory=noise_scale.NoiseScaleEMA)
+
+
+class StepRunner:
+    def __init__(self, *, model, optimizer, scheduler, scaler, precision: Precision, workload: Workload,
+                 ctx: distributed.DistContext, clip_grad_norm: float | None, state: TrainState,
+                 notify=lambda message: None, measure_noise: bool = True):
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.precision = precision
+        self.workload = workload
+        self.ctx = ctx
+        self.device = ctx.device
+        self.clip_grad_norm = clip_grad_norm
+        self.state = state
+        self.notify = notify
+        self.measure_noise = measure_noise
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.totals = WindowTotals(self.device)
+        # BatchNorm updates its running statistics in forward; a window redone after an OOM must
+        # start from the statistics it started with, or the redo would count its samples twice.
+        self._norm_buffers = [buf for module in model.modules()
+                              if isinstance(module, torch.nn.modules.batchnorm._NormBase)
+                              for buf in module.buffers()]
+
+    # -- one window ------------------------------------------------------------------------------
+    def step(self, window: Window, batch, *, stop_requested: bool) -> StepOutcome:
+        level = self.state.split.level
+        saved_buffers = [buf.clone() for buf in self._norm_buffers]
+        while True:
+            sizes = split_micro_batches(window.micro_batches, level)
+            if not self._accumulate(window, batch, sizes):
+                break
+            # Outside the except block that caught the OOM: its traceback is gone, so the failed
+            # micro-step's activations can be freed with the partial gradients.
+            self._drop_window(saved_buffers)
+            if max(sizes) <= 1:
+                raise TrainError(
+                    f"step {window.step + 1}: a micro-batch of 1 sample ran out of memory even after "
+                    f"splitting; the model does not fit at this precision. Re-plan (autotune plan) with "
+                    f"--precision bf16 or --checkpointing on, or use a device with more memory"
+                )
+            level += 1
+            kept = self.state.split.record_recovery(level)
+            finer = split_micro_batches(window.micro_batches, level)
+            self.notify(f"out of memory at step {window.step + 1} with micro-batch {max(sizes)}; "
+                        f"redoing the window as {len(finer)} micro-batches of at most {max(finer)}")
+            if kept:
+                self.notify(f"ran out of memory {self.state.split.keep_after} times; keeping micro-batch "
+                            f"{max(finer)} ({len(finer)} accumulation steps) for the rest of the run "
+                            f"(effective batch and LR unchanged); re-plan with a smaller micro-batch")
+        return self._optimizer_step(window, sizes, stop_requested)
+
+    def _accumulate(self, window: Window, batch, sizes: list[int]) -> bool:
+        """Forward and backward over the window's micro-batches; True when any rank ran out of memory."""
+        self.totals.reset()
+        scale = backward_scale(world_size=self.ctx.world_size, window_samples=window.samples)
+        failed = False
+        offset = 0
+        last = len(sizes) - 1
+        # The noise scale's small batch is the first non-empty micro-step, provided another one
+        # follows it (the last is never empty): its gradient alone, still local under no_sync.
+        measure_at = next((i for i, n in enumerate(sizes) if n), last) if self.measure_noise else last
+        for index, size in enumerate(sizes):
+            part = slice_batch(batch, offset, offset + size)
+            offset += size
+            final = index == last
+            if failed:
+                if final and self.ctx.distributed:
+                    distributed.any_rank(True, self.ctx)  # every rank joins the agreement once
+                continue
+            if size == 0:  # an empty piece of a split (never the last one: sizes are sorted)
+                continue
+            failed = self._micro_step(part, size, scale, final, measure=index == measure_at < last)
+        return failed
+
+    def _micro_step(self, part, size: int, scale: float, final: bool, *, measure: bool) -> bool:
+        out_of_memory = agreed = False
+        try:
+            batch = move_batch(part, self.device)
+            with distributed.sync_context(self.model, final=final):
+                with autocast(self.precision, self.device):
+                    loss, count = self.workload.loss(self.model, batch)
+                loss_sum, items = summed_loss(loss, count, size)
+                if final and self.ctx.distributed:
+                    # The last backward all-reduces gradients; ranks agree first that none ran out
+                    # of memory, so no rank waits forever in an all-reduce another rank skipped.
+                    agreed = True
+                    if distributed.any_rank(False, self.ctx):
+                        return True
+                self.scaler.scale(loss_sum * scale).backward()
+            self.totals.add(loss_sum, items, counted=count is not None)
+            if measure:
+                # Reading the gradients leaves them (and so training) untouched. The grads are
+                # GradScaler scale × (world_size·n/N) × the micro-batch's per-sample mean
+                # gradient; the factor is divided out at the optimizer step, where the scale is
+                # read anyway, so no device sync happens here.
+                self.totals.add_small_batch(self._grad_sq_norm() / (scale * size) ** 2, size)
+        except Exception as exc:  # noqa: BLE001 - anything but out-of-memory is re-raised untouched
+            if not is_oom_error(exc):
+                raise
+            out_of_memory = True
+        if out_of_memory and final and self.ctx.distributed:
+            if agreed:
+                raise TrainError(
+                    "ran out of memory inside the gradient all-reduce of a window's last micro-step; "
+                    "under DDP the ranks cannot agree to redo it there. Re-plan with a smaller "
+                    "micro-batch (autotune plan --micro-batch N) or more headroom (--headroom)"
+                )
+            distributed.any_rank(True, self.ctx)
+        return out_of_memory
+
+    def _drop_window(self, saved_buffers) -> None:
+        distributed.forget_failed_window(self.model)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.totals.reset()
+        with torch.no_grad():
+            for buf, saved in zip(self._norm_buffers, saved_buffers):
+                buf.copy_(saved)
+        free_memory()
+
+    # -- the optimizer step ----------------------------------------------------------------------
+    def _optimizer_step(self, window: Window, sizes: list[int], stop_requested: bool) -> StepOutcome:
+        if self.totals.small_ranks and self.scaler.is_enabled():
+            self.totals.small_sq_norm = self.totals.small_sq_norm / self.scaler.get_scale() ** 2
+        reduced = None
+        if self.totals.token_counts:
+            # Item counts are only known now; the window's gradient becomes sum / count exactly.
+            reduced = self._reduce_totals(stop_requested)
+            scale_gradients(self.params, count_correction(window_samples=window.samples,
+                                                          window_items=reduced[1]))
+        self.scaler.unscale_(self.optimizer)  # no-op unless fp16
+        norm = self._grad_norm()
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = False
+        if self.scaler.is_enabled():
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            # GradScaler skips optimizer.step() on inf/NaN and lowers the scale: then the
+            # scheduler must not advance either.
+            skipped = self.scaler.get_scale() < before
+        else:
+            self.optimizer.step()
+        if skipped:
+            self.state.skipped_steps += 1
+        else:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if reduced is None:
+            reduced = self._reduce_totals(stop_requested)
+        loss_sum, items, stop = reduced[:3]
+        self._update_noise_scale(window, reduced, float(norm))
+        return StepOutcome(loss=loss_sum / items, lr=lr, grad_norm=float(norm), skipped=skipped,
+                           stop=stop > 0, micro_batches=sizes)
+
+    def _reduce_totals(self, stop_requested: bool) -> list[float]:
+        totals = distributed.all_reduce_sum(self.totals.as_tensor(stop_requested), self.ctx)
+        return totals.tolist()
+
+    def _update_noise_scale(self, window: Window, reduced: list[float], norm: float) -> None:
+        _, items, _, small_sq_sum, inverse_sum, ranks = reduced
+        if not ranks:
+            return
+        # The window's gradient is per-sample mean (or, with item counts, sum / C): scale it back
+        # to the per-sample mean of the summed loss, the quantity the small batch measured.
+        big = norm * (items / window.samples if self.totals.token_counts else 1.0)
+        small_batch = ranks / inverse_sum  # harmonic mean of the ranks' micro-batch sizes
+        if not small_batch < window.samples:
+            return
+        estimate = noise_scale.two_batch_estimate(small_sq_sum / ranks, big * big,
+                                                  small_batch=small_batch, big_batch=window.samples)
+        self.state.noise = noise_scale.update(self.state.noise, estimate)
+
+    def _grad_sq_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2
+
+    def _grad_norm(self) -> torch.Tensor:
+        if self.clip_grad_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.nn.utils.get_total_norm(grads)
+
+
+def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics, stop,
+              save_checkpoint, checkpoint_every: int | None) -> tuple[list[dict], bool]:
+    """Train from ``runner.state.step`` to ``total_steps``; returns (metrics records, interrupted)."""
+    state = runner.state
+    records: list[dict] = []
+    last = time.perf_counter()
+    while state.step < total_steps:
+        window = layout.window(state.step)
+        batch = next(batches)
+        outcome = runner.step(window, batch, stop_requested=stop.requested)
+        state.step += 1
+        now = time.perf_counter()
+        record = {
+            "step": state.step, "epoch": window.epoch, "loss": outcome.loss, "lr": outcome.lr,
+            "grad_norm": outcome.grad_norm, "samples_per_s": window.samples / max(now - last, 1e-9),
+            "peak_memory_bytes": peak_memory_bytes(runner.device), "skipped_steps": state.skipped_steps,
+            "oom_recoveries": state.split.recoveries, "micro_batch": max(outcome.micro_batches),
+            "accumulation_steps": len(outcome.micro_batches),
+            "noise_scale": noise_scale.noise_scale(state.noise),
+            "noise_grad_sq_ema": state.noise.grad_sq, "noise_trace_ema": state.noise.trace,
+        }
+        records.append(record)
+        metrics.write(record)
+        due = checkpoint_every is not None and state.step % checkpoint_every == 0
+        if outcome.stop or due or state.step == total_steps:
+            save_checkpoint()
+        last = time.perf_counter()
+        if outcome.stop:
+            metrics.note(f"stopped by {stop.signal_name or 'a signal on another rank'} after step "
+                         f"{state.step}; resume with --resume")
+            return records, True
+    return records, False

@@ -1,0 +1,439 @@
+"""The throughput search: an Optuna study over configurations that keep the effective batch exact.
+
+The space is precision × checkpointing × accumulation steps k, and k stands for the fewest-steps
+split of the per-device share into micro-batches of at most ``ceil(share / k)`` (all of them sum
+exactly to the share). k is an integer on a log scale, so TPE can learn "more steps is slower";
+two k with the same split are one configuration, measured once. The distributions depend only
+on the share, so a study kept in ``--storage`` stays compatible from run to run even when the
+memory budget changes. A configuration predicted not to fit (the
+probe's memory model against the budget minus the headroom) is pruned before any step runs; one
+that runs out of memory is pruned at its first OOM. Both are Optuna PRUNED trials, never FAIL.
+
+The sampler is a seeded TPESampler. The largest fitting micro-batch of each setting (what a memory
+plan would train) is queued first, so the search can only improve on it; a small space (at most
+``GRID_LIMIT`` fitting configurations) is queued whole, largest micro-batches first, which is a
+grid search in a useful order. (Optuna's GridSampler visits its grid in random order and, in
+Optuna 5.0, fails in ``after_trial`` when combined with queued trials.) A rerun of the same study
+reuses what was measured: a configuration with a result is not measured again.
+
+The exploration ends at 70% of the budget; in the rest the fastest few are timed side by side
+(windows interleaved on one model) and that comparison, not the single measurements taken at
+different moments, names the winner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import optuna
+
+from ..errors import ConfigError
+from ..planning.types import ConfigurationMeasured, SettingTried
+from ..planning.policy import predicted_peak, split_pinned, split_share
+from .measure import Configuration, Measurement
+from ..units import format_bytes
+
+DEFAULT_BUDGET_S = 60.0
+GRID_LIMIT = 16
+"""Spaces with at most this many fitting configurations are queued whole (searched exhaustively)."""
+
+CONFIRM_TOP = 4
+"""The fastest few configurations (and the memory plan of each of their settings) are timed
+again side by side before the winner is named."""
+
+CONFIRM_SHARE = 0.3
+"""Of the budget, kept for that comparison when the exploration would use it all."""
+
+STALE_LIMIT = 30
+"""Stop after this many trials in a row proposed nothing new (TPE keeps circling what it knows)."""
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|sec|m|min|h)?\s*$", re.IGNORECASE)
+_SECONDS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
+
+
+def parse_duration(value, *, option: str = "--budget") -> float:
+    """Seconds from "60s", "2m", "1h" or plain seconds ("90", 90)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if match is None:
+            raise ConfigError(f"{option} {value!r} is not a duration; write e.g. 60s, 2m or 90 (seconds)")
+        seconds = float(match.group(1)) * _SECONDS[match.group(2) and match.group(2).lower()]
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{option} {value!r} must be more than 0 seconds; write e.g. 60s or 2m")
+    return seconds
+
+
+def split_choices(share: int) -> list[int]:
+    """The largest micro-batch of every fewest-steps split of ``share`` (ascending)."""
+    return sorted({math.ceil(share / k) for k in range(1, share + 1)})
+
+
+def build_candidates(settings: list[SettingTried], *, share: int, usable: int, extra_bytes: int = 0,
+                     pinned_micro_batch: int | None = None) -> list[Candidate]:
+    """Every probed setting × every split up to one past the largest that any setting fits.
+
+    A split fits a setting when its largest micro-batch is within what the planner allows there
+    (measured or predicted peak, with DDP buckets, within the budget minus the headroom).
+    """
+    if pinned_micro_batch is not None:
+        splits = [tuple(split_pinned(share, pinned_micro_batch))]
+    else:
+        choices = split_choices(share)
+        largest = max((s.allowed_micro_batch for s in settings), default=0)
+        fitting = [m for m in choices if m <= largest]
+        beyond = [m for m in choices if m > largest][:1]  # shown pruned: where memory ends
+        splits = [tuple(split_share(share, m)) for m in fitting + beyond]
+    found = []
+    for setting in settings:
+        for split in splits:
+            config = Configuration(precision=setting.precision, checkpointing=setting.checkpointing,
+                                   micro_batches=split)
+            found.append(_candidate(setting, config, usable, extra_bytes))
+    return found
+
+
+def _candidate(setting: SettingTried, config: Configuration, usable: int, extra: int) -> Candidate:
+    if setting.probe is None:
+        return Candidate(config=config, predicted_peak_bytes=None, predicted_fits=False,
+                         why_not=f"the probe found nothing that fits: {setting.error}")
+    peak = int(predicted_peak(setting.probe, config.micro_batch, extra))
+    if config.micro_batch <= setting.allowed_micro_batch:
+        return Candidate(config=config, predicted_peak_bytes=peak, predicted_fits=True)
+    return Candidate(config=config, predicted_peak_bytes=peak, predicted_fits=False,
+                     why_not=f"predicted {format_bytes(peak)} > {format_bytes(usable)} usable "
+                             f"(probe max {setting.raw_max_micro_batch}); not run")
+
+
+def study_name(*, workload_key: str, target_batch: int, world_size: int, device: str,
+               pinned_micro_batch: int | None = None) -> str:
+    """Stable per workload file, target, world size and device, so a rerun finds its study."""
+    digest = hashlib.sha256(workload_key.encode()).hexdigest()[:12]
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    pinned = f"-mb{pinned_micro_batch}" if pinned_micro_batch else ""
+    return f"autotune-{digest}-b{target_batch}-w{world_size}-{slug}{pinned}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A configuration and what the memory model says about it."""
+
+    config: Configuration
+    predicted_peak_bytes: int | None
+    predicted_fits: bool
+    why_not: str = ""
+    """For a configuration predicted not to fit: why."""
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    records: list[ConfigurationMeasured]
+    """One per configuration with a result (this run or reused), fastest first."""
+    winner: ConfigurationMeasured | None
+    measured: int
+    """Configurations measured with real steps by this run."""
+    reused: int
+    sampler: str
+    seconds: float
+    budget_s: float
+    study_name: str
+
+
+def search_throughput(candidates: list[Candidate], measure: Callable[[Configuration], Measurement],
+                      compare: Callable[[list[Configuration], float], list[Measurement]], *,
+                      budget_s: float, usable_bytes: int, study_name: str, storage: str | None = None,
+                      seed: int = 0, verbose: bool = False, confirm_top: int = CONFIRM_TOP,
+                      clock: Callable[[], float] = time.perf_counter) -> SearchResult:
+    """Measure candidates under ``budget_s`` seconds and return every result and the fastest.
+
+    ``measure(config)`` measures one configuration (its peak and samples/s); ``compare(configs,
+    seconds)`` times several side by side (``throughput.compare_configurations``). The search
+    explores with ``measure``; then the ``confirm_top`` fastest, and the memory plan (largest
+    micro-batch) of each of their settings, are compared window by window in what is left of the
+    budget, and the fastest of that comparison wins. Measured one after the other,
+    configurations meet different moments of a machine whose speed drifts, and one pass crowns
+    whichever was luckiest (the winner's curse); side by side they meet the same.
+    ``clock`` reads seconds (tests pass a fake one).
+    """
+    if not candidates:
+        raise ConfigError("the throughput search has no configuration to try")
+    started = clock()
+    share = candidates[0].config.share
+    by_key = {_key(c.config): c for c in candidates}
+    with _quiet(verbose):
+        study = _open_study(study_name, storage,
+                            sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=5))
+        known = _known_results(study, by_key, usable_bytes)
+        for candidate in _to_enqueue(candidates, known, _tried_before(study)):
+            study.enqueue_trial(_params(candidate.config))
+        explore_s = budget_s * (1 - CONFIRM_SHARE) if confirm_top > 1 else budget_s
+        run = _Run(by_key=by_key, known=known, measure=measure, compare=compare, usable=usable_bytes,
+                   share=share, budget_s=explore_s, clock=clock)
+        if not run.done():
+            study.optimize(run.objective, timeout=explore_s, callbacks=[run.stop_when_done],
+                           catch=())
+    run.confirm(confirm_top, deadline=started + budget_s)
+    records = sorted(run.results.values(), key=_speed, reverse=True)
+    fitting = [r for r in records if r.fits and r.samples_per_s is not None]
+    return SearchResult(records=records, winner=fitting[0] if fitting else None,
+                        measured=run.measured, reused=sum(r.reused for r in records),
+                        sampler=type(study.sampler).__name__, seconds=clock() - started,
+                        budget_s=budget_s, study_name=study_name)
+
+
+# --- the objective ---------------------------------------------------------------------------------
+
+class _Run:
+    def __init__(self, *, by_key, known, measure, compare, usable, share, budget_s, clock):
+        self.clock = clock
+        self.by_key = by_key
+        self.measure = measure
+        self.compare = compare
+        self.usable = usable
+        self.share = share
+        self.results: dict[tuple, ConfigurationMeasured] = dict(known)
+        self.measured = 0
+        self.measuring_s = 0.0
+        self.stale = 0
+        self.deadline = clock() + budget_s
+
+    def done(self) -> bool:
+        return all(key in self.results for key in self.by_key)
+
+    def stop_when_done(self, study, _trial) -> None:
+        # Optuna's timeout only stops *starting* trials after the budget; stopping when a typical
+        # measurement would not finish in time keeps the search within the budget.
+        typical = self.measuring_s / self.measured if self.measured else 0.0
+        if (self.done() or self.stale >= STALE_LIMIT
+                or self.clock() + typical > self.deadline):
+            study.stop()
+
+    def objective(self, trial: optuna.Trial) -> float:
+        precision = trial.suggest_categorical("precision", list(PRECISIONS))
+        checkpointing = trial.suggest_categorical("checkpointing", [False, True])
+        steps = trial.suggest_int("accumulation_steps", 1, self.share, log=True)
+        key = (precision, checkpointing, max(split_share(self.share, math.ceil(self.share / steps))))
+        candidate = self.by_key.get(key)
+        self.stale += 1
+        if candidate is None:
+            trial.set_user_attr("note", "outside this run's space (precision, checkpointing or "
+                                        "micro-batch not searched)")
+            raise optuna.TrialPruned()
+        known = self.results.get(key)
+        if known is not None and known.status == "measured":
+            # Sampled again (TPE may repeat itself): the result stands, nothing is re-run.
+            return known.samples_per_s
+        self.stale = 0
+        record = self._evaluate(candidate)
+        self.results[key] = record
+        for name, value in record.to_dict().items():
+            trial.set_user_attr(name, value)
+        trial.set_user_attr("usable_bytes", self.usable)
+        if record.status == "pruned":
+            if candidate.predicted_fits:
+                self._queue_next_memory_plan(trial.study, candidate)
+            raise optuna.TrialPruned(record.note)
+        return record.samples_per_s
+
+    def _queue_next_memory_plan(self, study: optuna.Study, failed: Candidate) -> None:
+        """A setting's memory plan (its largest micro-batch predicted to fit) that ran past the
+        budget when measured gives way to the next smaller split, queued next: the search must
+        not end without the plan it is meant to improve on."""
+        setting = (failed.config.precision, failed.config.checkpointing)
+        fitting = [r for r in self.results.values()
+                   if (r.precision, r.checkpointing) == setting and r.fits and r.status == "measured"]
+        smaller = [c for key, c in self.by_key.items()
+                   if key[:2] == setting and c.predicted_fits and key not in self.results
+                   and c.config.micro_batch < failed.config.micro_batch]
+        if not smaller:
+            return
+        following = max(smaller, key=lambda c: c.config.micro_batch)
+        if all(r.micro_batch < following.config.micro_batch for r in fitting):
+            study.enqueue_trial(_params(following.config))
+
+    def confirm(self, top: int, *, deadline: float) -> None:
+        """Time the ``top`` fastest side by side in what is left of the budget. Only when this
+        run measured one of them: a rerun that reuses every result of a stored study measures
+        nothing. A set-up and a warm-up round cost about one measurement; with less left than
+        two measurements, the single measurements stand."""
+        measured = [r for r in sorted(self.results.values(), key=_speed, reverse=True)
+                    if r.fits and r.status == "measured"]
+        contenders = measured[:top]
+        # With them, the memory plan of each of their settings (its largest micro-batch), the plan
+        # the search must not lose to, even when its own measurement met a slow moment.
+        for setting in dict.fromkeys((r.precision, r.checkpointing) for r in contenders):
+            largest = max((r for r in measured if (r.precision, r.checkpointing) == setting),
+                          key=lambda r: r.micro_batch)
+            if largest not in contenders:
+                contenders.append(largest)
+        if len(contenders) < 2 or all(r.reused for r in contenders):
+            return
+        typical = self.measuring_s / self.measured if self.measured else 0.0
+        seconds = deadline - self.clock() - typical
+        if seconds < typical:
+            return
+        configs = [self.by_key[(r.precision, r.checkpointing, r.micro_batch)].config for r in contenders]
+        for record, result in zip(contenders, self.compare(configs, seconds)):
+            record.compared = True
+            if result.out_of_memory or result.samples_per_s is None:
+                # Possible on CUDA (fragmentation): a plan that fails now and then is no winner.
+                record.fits, record.status = False, "pruned"
+                record.note = "out of memory when timed again beside the other fastest"
+            else:
+                record.samples_per_s = result.samples_per_s
+
+    def _evaluate(self, candidate: Candidate) -> ConfigurationMeasured:
+        config = candidate.config
+        record = ConfigurationMeasured(precision=config.precision, checkpointing=config.checkpointing,
+                                       micro_batches=list(config.micro_batches),
+                                       predicted_peak_bytes=candidate.predicted_peak_bytes)
+        if not candidate.predicted_fits:
+            record.fits, record.status, record.note = False, "pruned", candidate.why_not
+            return record
+        started = self.clock()
+        result = self.measure(config)
+        self.measured += 1
+        self.measuring_s += self.clock() - started
+        record.peak_bytes = result.peak_bytes
+        record.samples_per_s = result.samples_per_s
+        if result.out_of_memory or result.samples_per_s is None:
+            record.fits, record.status = False, "pruned"
+            record.note = f"out of memory at the first window (predicted {format_bytes(candidate.predicted_peak_bytes)})"
+        elif not result.within_budget or (result.peak_bytes or 0) > self.usable:
+            record.fits, record.status = False, "pruned"
+            record.note = (f"measured peak {format_bytes(result.peak_bytes)} > "
+                           f"{format_bytes(self.usable)} usable")
+        return record
+
+
+def _speed(record: ConfigurationMeasured) -> tuple:
+    # Compared side by side, the contenders rank above single measurements taken at other moments.
+    return (record.fits, record.compared, record.samples_per_s or 0.0)
+
+
+# --- the study -------------------------------------------------------------------------------------
+
+def _key(config: Configuration) -> tuple:
+    return (config.precision, config.checkpointing, config.micro_batch)
+
+
+def _params(config: Configuration) -> dict:
+    return {"precision": config.precision, "checkpointing": config.checkpointing,
+            "accumulation_steps": config.accumulation_steps}
+
+
+def _open_study(name: str, storage: str | None, *, sampler) -> optuna.Study:
+    try:
+        return optuna.create_study(study_name=name, storage=storage, sampler=sampler,
+                                   direction="maximize", load_if_exists=True)
+    except (ValueError, ImportError, optuna.exceptions.StorageInternalError) as exc:
+        # Optuna reports a malformed URL or a missing database driver this way.
+        raise ConfigError(f"--storage {storage!r} cannot be opened ({exc}); use e.g. "
+                          f"sqlite:///autotune.db") from exc
+
+
+def _known_results(study: optuna.Study, by_key: dict, usable: int) -> dict:
+    """Results an earlier run stored that still hold: measured configurations whose peak fits
+    this budget, and out-of-memory prunes made with no more memory than this run has."""
+    known: dict[tuple, ConfigurationMeasured] = {}
+    for trial in study.get_trials(deepcopy=False):
+        attrs = trial.user_attrs
+        if "micro_batches" not in attrs or "status" not in attrs:
+            continue
+        key = (trial.params.get("precision"), trial.params.get("checkpointing"), max(attrs["micro_batches"]))
+        if key not in by_key:
+            continue
+        record = ConfigurationMeasured.from_dict({k: attrs[k] for k in _RECORD_FIELDS if k in attrs})
+        record.reused = True
+        if trial.state == optuna.trial.TrialState.COMPLETE:
+            if (record.peak_bytes or 0) > usable:
+                continue  # measured on a larger budget: re-check here
+            known[key] = record
+        elif (trial.state == optuna.trial.TrialState.PRUNED and record.note.startswith("out of memory")
+              and attrs.get("usable_bytes", 0) >= usable and key not in known):
+            known[key] = record
+    return known
+
+
+_RECORD_FIELDS = tuple(ConfigurationMeasured.__dataclass_fields__)
+
+
+def _tried_before(study: optuna.Study) -> set[tuple]:
+    return {(t.params.get("precision"), t.params.get("checkpointing"), max(t.user_attrs["micro_batches"]))
+            for t in study.get_trials(deepcopy=False)
+            if t.state.is_finished() and "micro_batches" in t.user_attrs}
+
+
+def _to_enqueue(candidates: list[Candidate], known: dict, tried: set) -> list[Candidate]:
+    """The memory plans first; then what an earlier run tried but whose result no longer holds
+    (a sampler treats a tried point as visited and would not come back to it)."""
+    fitting = [c for c in candidates if c.predicted_fits]
+    if len(fitting) <= GRID_LIMIT:
+        rest = sorted(candidates, key=lambda c: (not c.predicted_fits, -c.config.micro_batch,
+                                                 c.config.checkpointing))
+    else:
+        rest = [c for c in candidates if _key(c.config) in tried]
+    queue = []
+    for candidate in _first_to_try(candidates) + rest:
+        if _key(candidate.config) not in known and candidate not in queue:
+            queue.append(candidate)
+    return queue
+
+
+def _first_to_try(candidates: list[Candidate]) -> list[Candidate]:
+    """Per setting, the largest micro-batch predicted to fit (what a memory plan would train)."""
+    best: dict[tuple, Candidate] = {}
+    for candidate in candidates:
+        setting = (candidate.config.precision, candidate.config.checkpointing)
+        if candidate.predicted_fits and (setting not in best or
+                                         candidate.config.micro_batch > best[setting].config.micro_batch):
+            best[setting] = candidate
+    return sorted(best.values(), key=lambda c: c.config.checkpointing)
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool):
+    """Optuna logs every trial at INFO; autotune prints its own table instead."""
+    previous = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.INFO if verbose else optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(previous)
+
+
+def why_fastest(result: SearchResult) -> str:
+    """Why the winner won, in one line for the plan's reasons."""
+    winner = result.winner
+    measured = [r for r in result.records if r.status == "measured" and r.fits]
+    pruned = [r for r in result.records if r.status == "pruned"]
+    text = (f"fastest measured: {_label(winner)} at {winner.samples_per_s:.1f} samples/s over full "
+            f"windows")
+    compared = [r for r in result.records if r.compared and r.fits]
+    if winner.compared:
+        text += f" (timed side by side with {len(compared) - 1} other(s), window by window)"
+    runner_up = next((r for r in measured if r is not winner), None)
+    if runner_up is not None:
+        ratio = winner.samples_per_s / runner_up.samples_per_s
+        text += f", {ratio:.2f}x the runner-up ({_label(runner_up)}, {runner_up.samples_per_s:.1f}/s)"
+        if ratio < 1.03:
+            text += " (within timing noise: either is as good)"
+    text += (f"; {len(measured)} configuration(s) fit and were measured ({result.reused} reused from "
+             f"the study), {len(pruned)} pruned for memory; {result.sampler}, {result.seconds:.0f}s "
+             f"of a {result.budget_s:.0f}s budget, study {result.study_name}")
+    return text
+
+
+def _label(record: ConfigurationMeasured) -> str:
+    steps = record.accumulation_steps
+    split = (f"{record.micro_batch} x {steps}" if len(set(record.micro_batches)) == 1
+             else f"{record.micro_batch} x {steps} (uneven)")
+    return f"{record.precision}, checkpointing {'on' if record.checkpointing else 'off'}, {split}"

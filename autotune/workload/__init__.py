@@ -1,0 +1,9 @@
+"""The workload: the model file's contract and what autotune does to a user's model.
+
+- ``contract``: ``Workload``, ``load_workload`` and the model file's functions.
+- ``activation_checkpointing``: wrap the repeated blocks of a model.
+"""
+
+from .contract import Workload, load_workload, move_batch
+
+__all__ = ["Workload", "load_workload", "move_batch"]

@@ -1,0 +1,246 @@
+"""The model-file contract: load a user's ``model.py`` (or objects) into a checked ``Workload``.
+
+A model file defines ``build_model()`` and ``make_batch(batch_size)``; optionally ``loss_fn(model,
+batch)``, ``build_optimizer(params)``, ``build_dataset()``, ``build_scheduler(optimizer, plan)``
+and the constants ``BASE_LR`` / ``BASE_BATCH``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import WorkloadError
+
+REQUIRED = ("build_model", "make_batch")
+OPTIONAL = ("loss_fn", "build_optimizer", "build_dataset", "build_scheduler")
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """Everything autotune needs to run a training step of the user's model.
+
+    ``model`` is either a factory returning a fresh ``nn.Module`` (what a model file's
+    ``build_model`` is) or a module instance; an instance is probed in place and restored.
+    """
+
+    model: Callable[[], torch.nn.Module] | torch.nn.Module
+    make_batch: Callable[[int], Any]
+    loss_fn: Callable[[torch.nn.Module, Any], Any] | None = None
+    build_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    build_dataset: Callable[[], Any] | None = None
+    build_scheduler: Callable[..., Any] | None = None
+    base_lr: float | None = None
+    base_batch: int | None = None
+    source: str = "<python objects>"
+    file_sha256: str | None = None
+    namespace: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if not (isinstance(self.model, torch.nn.Module) or callable(self.model)):
+            raise WorkloadError(
+                f"{self.source}: model must be an nn.Module or a build_model() callable, "
+                f"got {type(self.model).__name__}"
+            )
+        for name in ("make_batch",) + OPTIONAL:
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise WorkloadError(f"{self.source}: {name} must be callable, got {type(value).__name__}")
+
+    @property
+    def model_is_instance(self) -> bool:
+        return isinstance(self.model, torch.nn.Module)
+
+    def new_model(self) -> torch.nn.Module:
+        """A model to train: the instance itself, or a fresh one from the factory."""
+        if self.model_is_instance:
+            return self.model
+        model = self.model()
+        if not isinstance(model, torch.nn.Module):
+            raise WorkloadError(
+                f"{self.source}: build_model() must return a torch.nn.Module, got {type(model).__name__}"
+            )
+        return model
+
+    def new_optimizer(self, params) -> torch.optim.Optimizer:
+        params = list(params)
+        if self.build_optimizer is None:
+            return torch.optim.AdamW(params)
+        optimizer = self.build_optimizer(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise WorkloadError(
+                f"{self.source}: build_optimizer(params) must return a torch.optim.Optimizer, "
+                f"got {type(optimizer).__name__}"
+            )
+        return optimizer
+
+    def batch(self, batch_size: int):
+        """``make_batch(batch_size)``, checked to hold exactly ``batch_size`` samples."""
+        batch = self.make_batch(batch_size)
+        found = count_samples(batch, source=self.source)
+        if found != batch_size:
+            raise WorkloadError(
+                f"{self.source}: make_batch({batch_size}) returned {found} samples; it must return "
+                f"exactly batch_size samples (the first dimension of every tensor)"
+            )
+        return batch
+
+    def loss(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor | int | None]:
+        """The loss to differentiate and, for ``(loss_sum, item_count)`` losses, the item count.
+
+        Returns ``(loss, count)``: ``count`` is None for a mean loss; for a ``(loss_sum, count)``
+        loss, ``loss`` is the *sum* and callers normalise it.
+        """
+        if self.loss_fn is not None:
+            out = self.loss_fn(model, batch)
+        else:
+            out = _loss_from_output(call_model(model, batch), self.source)
+        if isinstance(out, (tuple, list)):
+            if len(out) != 2 or not isinstance(out[0], torch.Tensor):
+                raise WorkloadError(
+                    f"{self.source}: loss_fn must return a scalar tensor or (loss_sum, item_count), "
+                    f"got a {type(out).__name__} of length {len(out)}"
+                )
+            loss, count = out
+        else:
+            loss, count = out, None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise WorkloadError(f"{self.source}: the loss must be a scalar tensor, got {shape}")
+        return loss.reshape(()), count
+
+
+def call_model(model, batch):
+    """Call the model the way a batch's structure suggests: tensor, *tuple or **dict."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _loss_from_output(out, source):
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return out
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    kind = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+    raise WorkloadError(
+        f"{source}: the model returned {kind}, not a scalar loss or an object with .loss; "
+        f"define loss_fn(model, batch) -> scalar tensor in the model file"
+    )
+
+
+def count_samples(batch, *, source="<batch>") -> int:
+    """The number of samples in a batch: the shared first dimension of its tensors."""
+    tensors = [t for t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not tensors:
+        raise WorkloadError(
+            f"{source}: make_batch must return a tensor, a tuple/list or a dict of tensors "
+            f"with the batch as the first dimension, got {type(batch).__name__}"
+        )
+    sizes = {int(t.shape[0]) for t in tensors}
+    if len(sizes) != 1:
+        raise WorkloadError(
+            f"{source}: make_batch returned tensors with different first dimensions {sorted(sizes)}; "
+            f"every tensor must have the batch as its first dimension"
+        )
+    return sizes.pop()
+
+
+def _leaves(batch):
+    if isinstance(batch, dict):
+        for value in batch.values():
+            yield from _leaves(value)
+    elif isinstance(batch, (tuple, list)):
+        for value in batch:
+            yield from _leaves(value)
+    else:
+        yield batch
+
+
+def move_batch(batch, device):
+    """The batch with every tensor moved to ``device`` (structure kept)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: move_batch(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(move_batch(v, device) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move_batch(v, device) for v in batch)
+    return batch
+
+
+def load_workload(spec) -> Workload:
+    """A ``Workload`` from a path to a model file, or the ``Workload`` itself."""
+    if isinstance(spec, Workload):
+        return spec
+    if isinstance(spec, (str, Path)):
+        return _load_file(Path(spec))
+    raise WorkloadError(
+        f"workload must be a path to a model file or an autotune.Workload, got {type(spec).__name__}"
+    )
+
+
+def _load_file(path: Path) -> Workload:
+    source = str(path)
+    if not path.is_file():
+        raise WorkloadError(f"model file {source} does not exist (or is not a file)")
+    data = path.read_bytes()
+    module_name = f"autotune_user_model_{uuid.uuid4().hex}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise WorkloadError(f"model file {source} cannot be imported as Python (expected a .py file)")
+    module = importlib.util.module_from_spec(spec)
+    # The file may import helpers that sit beside it, as it would when run directly.
+    with _prepended_sys_path(str(path.resolve().parent)):
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise WorkloadError(f"model file {source} failed to import: {type(exc).__name__}: {exc}") from exc
+    names = vars(module)
+    missing = [name for name in REQUIRED if not callable(names.get(name))]
+    if missing:
+        raise WorkloadError(
+            f"model file {source} must define {' and '.join(f'{m}()' for m in missing)}; "
+            f"see the model-file contract in the README (build_model() -> nn.Module, "
+            f"make_batch(batch_size) -> batch)"
+        )
+    base_lr = names.get("BASE_LR")
+    base_batch = names.get("BASE_BATCH")
+    if base_lr is not None and not isinstance(base_lr, (int, float)):
+        raise WorkloadError(f"model file {source}: BASE_LR must be a number, got {base_lr!r}")
+    if base_batch is not None and (not isinstance(base_batch, int) or base_batch <= 0):
+        raise WorkloadError(f"model file {source}: BASE_BATCH must be a positive int, got {base_batch!r}")
+    return Workload(
+        model=names["build_model"],
+        make_batch=names["make_batch"],
+        **{name: names.get(name) for name in OPTIONAL},
+        base_lr=float(base_lr) if base_lr is not None else None,
+        base_batch=base_batch,
+        source=source,
+        file_sha256=hashlib.sha256(data).hexdigest(),
+        namespace=names,
+    )
+
+
+@contextlib.contextmanager
+def _prepended_sys_path(entry: str):
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(entry)
