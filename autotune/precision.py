@@ -15,6 +15,11 @@ class Precision(str, enum.Enum):
     BF16 = "bf16"
     FP16 = "fp16"
 
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
     @classmethod
     def parse(cls, value, *, option="--precision") -> "Precision":
         if isinstance(value, cls):

@@ -107,6 +107,28 @@ def test_unknown_schema_version(saved):
     assert "schema_version 99" in str(info.value)
 
 
+def test_a_version_1_file_loads_as_a_replicated_plan(saved):
+    def as_version_1(data):
+        data["schema_version"] = 1
+        del data["sharding"], data["shard_group"]
+
+    _rewrite(saved, as_version_1)
+    loaded = load_plan(saved)
+    assert loaded.sharding == "ddp" and loaded.sharding.sharded is False and loaded.shard_group is None
+
+
+def test_sharding_round_trips_and_bad_sharding_is_named(plan, tmp_path):
+    import dataclasses
+
+    sharded = dataclasses.replace(plan, sharding="fsdp", shard_group=plan.world_size)
+    loaded = load_plan(save_plan(sharded, tmp_path / "sharded.json"))
+    assert loaded.sharding == "fsdp" and loaded.shard_group == plan.world_size
+    assert json.loads((tmp_path / "sharded.json").read_text())["sharding"] == "fsdp"
+    _rewrite(tmp_path / "sharded.json", lambda d: d.__setitem__("sharding", "zero9"))
+    with pytest.raises(PlanFileError, match="sharding"):
+        load_plan(tmp_path / "sharded.json")
+
+
 def test_split_that_does_not_add_up(saved):
     _rewrite(saved, lambda d: d.__setitem__("target_batch", 128))
     with pytest.raises(PlanFileError) as info:

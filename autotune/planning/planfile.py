@@ -18,7 +18,7 @@ from pathlib import Path
 from ..atomicfile import write_atomic
 from ..errors import PlanFileError
 from ..memory.base import DeviceInfo
-from .types import SCHEMA_VERSION, Plan
+from .types import READABLE_SCHEMA_VERSIONS, Plan
 from ..workload.contract import Workload, load_workload
 
 
@@ -53,9 +53,9 @@ def plan_from_dict(data, *, source: str = "<plan>") -> Plan:
         raise PlanFileError(f"plan file {source} is missing the field schema_version; "
                             f"is it an autotune plan? Re-create it with autotune plan")
     version = data["schema_version"]
-    if version != SCHEMA_VERSION:
+    if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
         raise PlanFileError(f"plan file {source} has schema_version {version!r}, but this autotune "
-                            f"reads schema_version {SCHEMA_VERSION}; re-create it with autotune plan "
+                            f"reads schema_version {' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}; re-create it with autotune plan "
                             f"(or use the autotune version that wrote it)")
     problem = first_schema_error(data, plan_schema())
     if problem is not None:

@@ -12,9 +12,13 @@ from dataclasses import asdict, dataclass, field
 
 from ..memory.base import DeviceInfo
 from ..probing.result import ProbeResult
+from ..sharding.settings import Sharding
 
-SCHEMA_VERSION = 1
-"""Version of the plan file layout; bump it when a field changes meaning or is removed."""
+SCHEMA_VERSION = 2
+"""Version of the plan file layout; bump it when a field changes meaning or is removed.
+Version 1 files (no sharding fields) still load: they were all replicated (DDP) plans."""
+
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
 @dataclass(kw_only=True)
@@ -171,6 +175,14 @@ class Plan(SplitArithmetic):
     estimated: bool = False
     """Memory estimated on fake tensors for a GPU profile (``--gpu``), not measured on the device;
     ``autotune verify`` checks it there."""
+    sharding: Sharding = Sharding.DDP
+    """How each rank holds the model: a DDP replica, or FSDP2 shards (``autotune.sharding``)."""
+    shard_group: int | None = None
+    """Ranks that share one sharded copy (hybrid sharding replicates across groups); None for DDP
+    plans, the world size for plain FSDP."""
+
+    def __post_init__(self):
+        self.sharding = Sharding.parse(self.sharding, option="sharding")
 
     @property
     def effective_batch(self) -> int:
