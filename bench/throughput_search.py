@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         mark = " ".join(x for x, hit in (("best", key == best_key), ("chosen", key == chosen_key)) if hit)
         speed = f"{m.samples_per_s:.1f}" if m.samples_per_s is not None else "OOM"
         fits = "yes" if key in fitting else "no"
-        rows.append([config.label, speed, format_bytes(m.peak_bytes), fits, mark])
+        rows.append([config.label(), speed, format_bytes(m.peak_bytes), fits, mark])
     print(f"{args.model_file}, target batch {args.target_batch}, CPU budget {args.memory_limit} "
           f"(usable {format_bytes(usable)}), probing {probing:.1f}s\n")
     print(table(["config", "samples/s", "peak", "fits", ""], rows, align="lrrll"))

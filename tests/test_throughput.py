@@ -264,10 +264,12 @@ def test_real_measurement_and_a_real_out_of_memory():
     longer = measure_configuration(_tiny_workload(), backend,
                                    Configuration(precision="fp32", checkpointing=False, micro_batches=(8, 8)),
                                    windows=2, min_seconds=0.05)
-    # Windows of a few milliseconds: timed until they add up to the minimum (or the window cap).
+    # Windows are timed until they add up to the minimum (or the window cap), and no further.
     from autotune.tuning.measure import MAX_TIMED_WINDOWS
-    assert len(longer.window_seconds) > 2
-    assert sum(longer.window_seconds) >= 0.05 or len(longer.window_seconds) == MAX_TIMED_WINDOWS
+    times = longer.window_seconds
+    assert 2 <= len(times) <= MAX_TIMED_WINDOWS
+    assert sum(times) >= 0.05 or len(times) == MAX_TIMED_WINDOWS
+    assert len(times) == 2 or sum(times[:-1]) < 0.05
     assert 0 < fits.peak_bytes < 2 * MiB
     big = measure_configuration(_tiny_workload(), backend,
                                 Configuration(precision="fp32", checkpointing=False, micro_batches=(2048,)),
@@ -329,7 +331,9 @@ def test_cli_optimize_throughput_end_to_end(examples_dir, tmp_path):
     plan = autotune.load_plan(out)
     measured = [c for c in plan.throughput if c.fits and c.samples_per_s is not None]
     assert measured and plan.effective_batch == 16
-    best = max(measured, key=lambda c: c.samples_per_s)
+    # The winner is the fastest of those timed again side by side (when any were): they rank
+    # above single measurements taken at other moments.
+    best = max(measured, key=lambda c: (c.compared, c.samples_per_s))
     assert (best.precision, best.checkpointing, best.micro_batches) == \
         (plan.precision, plan.checkpointing, plan.micro_batches)
     shown = runner.invoke(cli, ["show", str(out)])

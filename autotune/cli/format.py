@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..probing.result import setting_label
 from ..units import format_bytes
 
 
@@ -24,7 +25,7 @@ def format_probe(result, source: str = "") -> str:
         f"model:      {source}",
         f"device:     {info.name}",
         f"budget:     {format_bytes(info.budget_bytes)} ({info.budget_source})",
-        f"setting:    {result.precision}, checkpointing {'on' if result.checkpointing else 'off'}",
+        f"setting:    {setting_label(result.precision, result.checkpointing)}",
         "",
         table(["trial", "micro-batch", "fits", "peak", "seconds"], rows),
         "",
@@ -138,3 +139,40 @@ def _split_text(plan) -> str:
     else:
         per_rank = f"({' + '.join(map(str, plan.micro_batches))}) over {steps} accumulation steps"
     return f"{per_rank} × {plan.world_size} rank{'s' if plan.world_size > 1 else ''} = {plan.effective_batch}"
+
+
+def format_verify(result) -> str:
+    """The report of ``autotune verify`` (a ``VerifyResult``)."""
+    plan, info = result.plan, result.device
+    lines = [f"device:     {info.name} (budget {format_bytes(info.budget_bytes)}, {info.budget_source})",
+             f"checked:    micro-batch {plan.micro_batch}, "
+             f"{setting_label(plan.precision, plan.checkpointing)}, {result.steps} real steps",
+             f"limit:      {format_bytes(result.usable_bytes)} = {format_bytes(result.budget_bytes)} "
+             f"budget less {plan.headroom:.0%} headroom"]
+    predicted = format_bytes(plan.predicted_peak_bytes)
+    kind = "estimated" if plan.estimated else "predicted"
+    if result.measured_peak_bytes is None:
+        lines.append(f"peak:       out of memory (the plan {kind} {predicted})")
+    else:
+        off = ""
+        if result.error_bytes is not None:
+            off = (f"; the plan {kind} {predicted}, off by {_signed_bytes(result.error_bytes)} "
+                   f"({result.error_fraction:+.1%})")
+        lines.append(f"peak:       {format_bytes(result.measured_peak_bytes)} measured{off}")
+    if result.confirmed:
+        lines.append("confirmed:  the plan fits on this device")
+    else:
+        lines.append("NOT confirmed: the plan's micro-batch does not fit within the limit here")
+        new = result.new_plan
+        if new is not None:
+            lines.append(f"re-planned: micro-batch {new.micro_batch} × {new.accumulation_steps} "
+                         f"accumulation steps × {new.world_size} rank(s) = {new.effective_batch} "
+                         f"(was {plan.micro_batch} × {plan.accumulation_steps}); "
+                         f"{setting_label(new.precision, new.checkpointing)}")
+        if result.replan_error is not None:
+            lines.append(f"re-plan failed: {result.replan_error}")
+    return "\n".join(lines)
+
+
+def _signed_bytes(n: int) -> str:
+    return ("+" if n >= 0 else "-") + format_bytes(abs(n))

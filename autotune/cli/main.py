@@ -302,7 +302,8 @@ def profiles(profile, as_json):
 def verify(plan_file, model_file, device, memory_limit, steps, output):
     """Run a plan's micro-batch for a few real steps here: exit 0 when it fits, 1 when re-planned."""
     from ..planning.planfile import save_plan
-    from ..planning.verify import format_verify, verify_plan
+    from ..planning.verify import verify_plan
+    from .format import format_verify
 
     result = verify_plan(plan_file, workload=model_file, device=device, memory_limit=memory_limit,
                          steps=steps)

@@ -50,14 +50,6 @@ class ProfileTarget:
                 f"instead: autotune plan {workload.source} --target-batch N on a machine with the "
                 f"{self.profile.name} (then autotune verify checks the plan there)") from exc
 
-    def mark(self, plan):
-        """Record on the plan that its memory was estimated for the profile, not measured."""
-        plan.estimated = True
-        plan.reasons["memory"] = (plan.reasons.get("memory", "") + f"; peaks estimated on fake "
-                                  f"tensors for the {self.profile.name} (nothing allocated)")
-        plan.warnings.append(f"estimated for the {self.profile.name} without the device: check it "
-                             f"there with autotune verify PLAN.json before a long run")
-        return plan
 
 
 def profile_target(gpu, *, device=None, memory_limit=None,

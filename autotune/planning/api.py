@@ -18,7 +18,7 @@ from ..workload.activation_checkpointing import repeated_blocks
 from ..version import __version__
 from ..errors import ConfigError, PlanError, ProbeError
 from ..memory import backend_for
-from .types import Plan, SettingTried, WorkloadFingerprint
+from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
                       ddp_bucket_bytes, evaluate_setting, usable_bytes)
 from ..precision import Precision, supports_bf16
@@ -121,13 +121,14 @@ def plan(
             if checkpointing_worth_probing(settings[-1], request, fingerprint):
                 settings.append(try_setting(True, candidate))
         return _fastest_plan(workload, backend, request, fingerprint, settings, info, usable=usable,
-                             extra=extra, budget_s=budget_s, storage=storage, created_at=created_at)
+                             extra=extra, budget_s=budget_s, storage=storage, created_at=created_at,
+                             estimated_for=target.profile.name if target else None)
     settings = [try_setting(checkpointing == "on")]
     if checkpointing_worth_probing(settings[0], request, fingerprint):
         settings.append(try_setting(True))
-    result = build_plan(request, workload=fingerprint, settings=settings, device=info,
-                        versions=current_versions(), created_at=created_at)
-    return target.mark(result) if target else result
+    return build_plan(request, workload=fingerprint, settings=settings, device=info,
+                      versions=current_versions(), created_at=created_at,
+                      estimated_for=target.profile.name if target else None)
 
 
 def _supported_precisions(device) -> list[str]:
@@ -141,7 +142,7 @@ def _supported_precisions(device) -> list[str]:
 
 
 def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, usable, extra, budget_s,
-                  storage, created_at) -> Plan:
+                  storage, created_at, estimated_for) -> Plan:
     """Measure the configurations and plan the fastest (the planner still makes the split)."""
     candidates = build_candidates(settings, share=request.share, usable=usable, extra_bytes=extra,
                                   pinned_micro_batch=request.micro_batch)
@@ -153,8 +154,7 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
         lambda configs, seconds: compare_configurations(workload, backend, configs, seconds=seconds),
         budget_s=budget_s, usable_bytes=usable, study_name=name, storage=storage)
     if result.winner is None:
-        notes = "; ".join(f"{r.precision}/{'on' if r.checkpointing else 'off'}/{r.micro_batch}: {r.note}"
-                          for r in result.records[:6])
+        notes = "; ".join(f"{r.label()}: {r.note}" for r in result.records[:6])
         raise PlanError(f"--optimize throughput: no configuration fits and ran within the budget "
                         f"({notes}); lower --headroom, give it more memory or use --optimize memory")
     winner = result.winner
@@ -167,15 +167,10 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
     request = dataclasses.replace(
         request, precision=winner.precision, checkpointing="on" if winner.checkpointing else "off",
         precision_reason=f"{winner.precision}: the fastest measured (see throughput)")
-    plan = build_plan(request, workload=fingerprint, settings=[setting], device=info,
-                      versions=current_versions(), created_at=created_at)
-    plan.settings = settings
-    plan.optimize = "throughput"
-    plan.throughput = result.records
-    plan.reasons["checkpointing"] = (f"{'on' if winner.checkpointing else 'off'}: the fastest "
-                                     f"measured (see throughput)")
-    plan.reasons["throughput"] = why_fastest(result)
-    return plan
+    return build_plan(request, workload=fingerprint, settings=[setting], device=info,
+                      versions=current_versions(), created_at=created_at, considered=settings,
+                      throughput=ThroughputOutcome(records=result.records, reason=why_fastest(result)),
+                      estimated_for=estimated_for)
 
 
 def _probe_setting(workload, backend, precision: str, checkpoint: bool, upper: int) -> SettingTried:

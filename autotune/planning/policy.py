@@ -16,8 +16,8 @@ from typing import Callable
 from ..errors import ConfigError, PlanError
 from .lr import decide_lr, lr_warnings
 from ..memory.base import DeviceInfo
-from .types import Plan, SettingTried, WorkloadFingerprint
-from ..probing.result import ProbeResult
+from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
+from ..probing.result import ProbeResult, setting_label
 from ..units import format_bytes
 
 BATCHNORM_MIN_MICRO_BATCH = 16
@@ -220,7 +220,7 @@ def _why_single(setting, request, workload, on) -> str:
 def _nothing_fits_message(settings: list[SettingTried], request: PlanRequest) -> str:
     parts = []
     for s in settings:
-        label = f"{s.precision}, checkpointing {'on' if s.checkpointing else 'off'}"
+        label = setting_label(s.precision, s.checkpointing)
         if s.probe is None:
             parts.append(f"{label}: {s.error}")
         elif request.micro_batch is not None and s.allowed_micro_batch < request.micro_batch:
@@ -280,11 +280,23 @@ def build_plan(
     device: DeviceInfo,
     versions: dict | None = None,
     created_at: str = "",
+    considered: list[SettingTried] | None = None,
+    throughput: ThroughputOutcome | None = None,
+    estimated_for: str | None = None,
 ) -> Plan:
-    """The plan, from settings whose ``allowed_micro_batch`` ``evaluate_setting`` filled in."""
+    """The plan, from settings whose ``allowed_micro_batch`` ``evaluate_setting`` filled in.
+
+    This is the one place a ``Plan`` is made. ``considered``: every setting probed, recorded in
+    the plan when ``settings`` is only the one the throughput search chose. ``throughput``: the
+    search's records and reason (the plan is then "optimize: throughput"). ``estimated_for``: the
+    GPU profile whose memory was estimated on fake tensors rather than measured.
+    """
     if not settings:
         raise PlanError("no setting was probed; nothing to plan from")
     setting, split, checkpoint_reason = _choose_setting(settings, request, workload)
+    if throughput is not None:
+        checkpoint_reason = (f"{'on' if setting.checkpointing else 'off'}: the fastest measured "
+                             f"(see throughput)")
     extra = ddp_bucket_bytes(request.world_size, workload.param_bytes)
     lr = decide_lr(rule=request.lr_rule, target_batch=request.target_batch, base_lr=request.base_lr,
                    base_batch=request.base_batch, optimizer=workload.optimizer,
@@ -296,19 +308,29 @@ def build_plan(
         "memory": _memory_reason(setting, device, request.headroom, extra),
         "lr": lr.note,
     }
+    if estimated_for is not None:
+        reasons["memory"] += f"; peaks estimated on fake tensors for the {estimated_for} (nothing allocated)"
+    if throughput is not None:
+        reasons["throughput"] = throughput.reason
     plan = Plan(
         target_batch=request.target_batch, world_size=request.world_size, micro_batches=split,
         precision=setting.precision, checkpointing=setting.checkpointing, lr=lr, workload=workload,
         versions=dict(versions or {}), device=device, headroom=request.headroom,
         ddp_bucket_bytes=extra,
         predicted_peak_bytes=int(predicted_peak(setting.probe, max(split), extra)),
-        settings=list(settings), reasons=reasons, distributed=request.distributed,
-        created_at=created_at,
+        settings=list(considered if considered is not None else settings), reasons=reasons,
+        distributed=request.distributed, created_at=created_at,
+        optimize="throughput" if throughput is not None else "memory",
+        throughput=list(throughput.records) if throughput is not None else [],
+        estimated=estimated_for is not None,
     )
     if plan.effective_batch != request.target_batch:  # a bug here would silently change training
         raise PlanError(f"internal error: planned {split} × {request.world_size} = "
                         f"{plan.effective_batch}, not --target-batch {request.target_batch}")
     plan.warnings = plan_warnings(plan, request)
+    if estimated_for is not None:
+        plan.warnings.append(f"estimated for the {estimated_for} without the device: check it there "
+                             f"with autotune verify PLAN.json before a long run")
     return plan
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..memory.base import DeviceInfo
-from ..probing.result import ProbeResult
+from ..probing.result import ProbeResult, setting_label
 from ..sharding.settings import Sharding
 
 SCHEMA_VERSION = 2
@@ -82,7 +82,8 @@ class SettingTried:
 
 
 class SplitArithmetic:
-    """Numbers derived from a split; the class that mixes this in defines ``micro_batches``."""
+    """Numbers derived from a split, and the one name of a configuration; the class that mixes
+    this in defines ``micro_batches``, ``precision`` and ``checkpointing``."""
 
     micro_batches: "list[int] | tuple[int, ...]"
 
@@ -102,6 +103,13 @@ class SplitArithmetic:
     def is_even(self) -> bool:
         """Whether every accumulation step has the same micro-batch (what most runners need)."""
         return len(set(self.micro_batches)) == 1
+
+    def label(self) -> str:
+        """"bf16, checkpointing on, 32 x 4" (uneven splits say so, with the per-device share)."""
+        split = f"{self.micro_batch} x {self.accumulation_steps}"
+        if not self.is_even:
+            split += f" (uneven, {self.per_device_batch})"
+        return f"{setting_label(self.precision, self.checkpointing)}, {split}"
 
 
 @dataclass(kw_only=True)
@@ -137,6 +145,16 @@ class ConfigurationMeasured(SplitArithmetic):
     @classmethod
     def from_dict(cls, data: dict) -> "ConfigurationMeasured":
         return cls(**data)
+
+
+@dataclass(kw_only=True)
+class ThroughputOutcome:
+    """What the throughput search contributes to a plan (``build_plan(throughput=...)``)."""
+
+    records: list[ConfigurationMeasured]
+    """Every configuration considered, fastest first."""
+    reason: str
+    """Why the winner won (``tuning.search.why_fastest``)."""
 
 
 @dataclass(kw_only=True)

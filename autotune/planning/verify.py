@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from ..errors import PlanError
 from ..memory import backend_for
 from ..memory.base import DeviceInfo
+from .api import plan as make_plan
 from .types import Plan
 from .planfile import check_workload, load_plan
 from .policy import usable_bytes
 from ..precision import Precision
 from ..probing.trial import SetupOutOfMemory, TrialSession
-from ..units import format_bytes
 from ..workload.contract import load_workload
 
 DEFAULT_STEPS = 3
@@ -93,8 +93,6 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
 
 
 def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
-    from .api import plan as make_plan  # planning imports the probe; verify is a leaf
-
     lr = plan.lr
     return make_plan(
         workload, target_batch=plan.target_batch, world_size=plan.world_size, device=device,
@@ -106,40 +104,4 @@ def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
     )
 
 
-def format_verify(result: VerifyResult) -> str:
-    plan, info = result.plan, result.device
-    lines = [f"device:     {info.name} (budget {format_bytes(info.budget_bytes)}, {info.budget_source})",
-             f"checked:    micro-batch {plan.micro_batch}, {plan.precision}, checkpointing "
-             f"{'on' if plan.checkpointing else 'off'}, {result.steps} real steps",
-             f"limit:      {format_bytes(result.usable_bytes)} = {format_bytes(result.budget_bytes)} "
-             f"budget less {plan.headroom:.0%} headroom"]
-    predicted = format_bytes(plan.predicted_peak_bytes)
-    kind = "estimated" if plan.estimated else "predicted"
-    if result.measured_peak_bytes is None:
-        lines.append(f"peak:       out of memory (the plan {kind} {predicted})")
-    else:
-        off = ""
-        if result.error_bytes is not None:
-            off = (f"; the plan {kind} {predicted}, off by {_signed_bytes(result.error_bytes)} "
-                   f"({result.error_fraction:+.1%})")
-        lines.append(f"peak:       {format_bytes(result.measured_peak_bytes)} measured{off}")
-    if result.confirmed:
-        lines.append("confirmed:  the plan fits on this device")
-    else:
-        lines.append("NOT confirmed: the plan's micro-batch does not fit within the limit here")
-        new = result.new_plan
-        if new is not None:
-            lines.append(f"re-planned: micro-batch {new.micro_batch} × {new.accumulation_steps} "
-                         f"accumulation steps × {new.world_size} rank(s) = {new.effective_batch} "
-                         f"(was {plan.micro_batch} × {plan.accumulation_steps}); "
-                         f"{new.precision}, checkpointing {'on' if new.checkpointing else 'off'}")
-        if result.replan_error is not None:
-            lines.append(f"re-plan failed: {result.replan_error}")
-    return "\n".join(lines)
-
-
-def _signed_bytes(n: int) -> str:
-    return ("+" if n >= 0 else "-") + format_bytes(abs(n))
-
-
-__all__ = ["DEFAULT_STEPS", "VerifyResult", "format_verify", "verify_plan"]
+__all__ = ["DEFAULT_STEPS", "VerifyResult", "verify_plan"]

@@ -11,7 +11,7 @@ from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_ten
 from ..precision import Precision
 from ..units import format_bytes
 from ..workload.contract import load_workload
-from .result import MemoryModel, ProbeResult, Trial
+from .result import MemoryModel, ProbeResult, Trial, setting_label
 from .search import fit_memory_model, search_largest_fitting
 from .seed import estimate_seed
 from .trial import SetupOutOfMemory, TrialSession
@@ -126,8 +126,7 @@ def _does_not_fit_message(workload, info, precision, checkpointing, trial: Trial
         helps.append("--checkpointing on")
     helps += ["a device with more memory (or a larger --memory-limit)",
               "sharding parameters and optimizer state with FSDP or DeepSpeed ZeRO"]
-    return (f"{workload.source} does not fit on {info.name} ({precision.value}, checkpointing "
-            f"{'on' if checkpointing else 'off'}): {need}. What would help: {'; '.join(helps)}.")
+    return (f"{workload.source} does not fit on {info.name} ({setting_label(precision, checkpointing)}): {need}. What would help: {'; '.join(helps)}.")
 
 
 __all__ = ["MemoryModel", "ProbeResult", "Trial", "fit_memory_model", "probe", "search_largest_fitting"]

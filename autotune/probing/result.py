@@ -8,6 +8,11 @@ from dataclasses import asdict, dataclass, field
 from ..memory.base import DeviceInfo
 
 
+def setting_label(precision, checkpointing) -> str:
+    """How every report names a setting: "bf16, checkpointing on"."""
+    return f"{precision}, checkpointing {'on' if checkpointing else 'off'}"
+
+
 @dataclass(kw_only=True)
 class Trial:
     """One steady-state training step at ``micro_batch`` samples."""

@@ -54,12 +54,6 @@ class Configuration(SplitArithmetic):
     def share(self) -> int:
         return self.per_device_batch
 
-    @property
-    def label(self) -> str:
-        split = f"{self.micro_batch}x{self.accumulation_steps}"
-        if not self.is_even:
-            split += f" (uneven, {self.share})"
-        return f"{self.precision}, checkpointing {'on' if self.checkpointing else 'off'}, {split}"
 
 
 @dataclass(kw_only=True)

@@ -415,7 +415,7 @@ def why_fastest(result: SearchResult) -> str:
     winner = result.winner
     measured = [r for r in result.records if r.status == "measured" and r.fits]
     pruned = [r for r in result.records if r.status == "pruned"]
-    text = (f"fastest measured: {_label(winner)} at {winner.samples_per_s:.1f} samples/s over full "
+    text = (f"fastest measured: {winner.label()} at {winner.samples_per_s:.1f} samples/s over full "
             f"windows")
     compared = [r for r in result.records if r.compared and r.fits]
     if winner.compared:
@@ -423,17 +423,10 @@ def why_fastest(result: SearchResult) -> str:
     runner_up = next((r for r in measured if r is not winner), None)
     if runner_up is not None:
         ratio = winner.samples_per_s / runner_up.samples_per_s
-        text += f", {ratio:.2f}x the runner-up ({_label(runner_up)}, {runner_up.samples_per_s:.1f}/s)"
+        text += f", {ratio:.2f}x the runner-up ({runner_up.label()}, {runner_up.samples_per_s:.1f}/s)"
         if ratio < 1.03:
             text += " (within timing noise: either is as good)"
     text += (f"; {len(measured)} configuration(s) fit and were measured ({result.reused} reused from "
              f"the study), {len(pruned)} pruned for memory; {result.sampler}, {result.seconds:.0f}s "
              f"of a {result.budget_s:.0f}s budget, study {result.study_name}")
     return text
-
-
-def _label(record: ConfigurationMeasured) -> str:
-    steps = record.accumulation_steps
-    split = (f"{record.micro_batch} x {steps}" if len(set(record.micro_batches)) == 1
-             else f"{record.micro_batch} x {steps} (uneven)")
-    return f"{record.precision}, checkpointing {'on' if record.checkpointing else 'off'}, {split}"
