@@ -18,6 +18,8 @@ class Precision(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    # Equal to its value as a string, so it must hash like one (dict keys, sets, Optuna params).
+    __hash__ = str.__hash__
     __format__ = str.__format__
 
     @classmethod

@@ -107,6 +107,18 @@ def test_unknown_schema_version(saved):
     assert "schema_version 99" in str(info.value)
 
 
+def test_precision_is_the_enum_end_to_end(plan, saved):
+    from autotune import Precision
+
+    loaded = load_plan(saved)
+    for p in (plan, loaded):
+        assert type(p.precision) is Precision
+        assert all(type(s.precision) is Precision for s in p.settings)
+        assert all(type(s.probe.precision) is Precision for s in p.settings if s.probe is not None)
+    assert json.loads(saved.read_text())["precision"] == str(plan.precision)
+    assert {Precision.BF16: 1}["bf16"] == 1  # equal to its value, and hashed like it
+
+
 def test_a_version_1_file_loads_as_a_replicated_plan(saved):
     def as_version_1(data):
         data["schema_version"] = 1

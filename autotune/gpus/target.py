@@ -24,7 +24,7 @@ class ProfileTarget:
     profile: GPUProfile
     backend: EstimateMemoryBackend
 
-    def choose_precision(self, requested: str) -> tuple[str, str]:
+    def choose_precision(self, requested: str) -> tuple[Precision, str]:
         """Resolve "auto" from the profile (bf16, else fp16 with GradScaler, else fp32); refuse a
         precision the GPU does not support."""
         p = self.profile
@@ -33,12 +33,12 @@ class ProfileTarget:
                 usable = ", ".join(x.value for x in Precision if p.supports(x))
                 raise ConfigError(f"--precision {requested}: the {p.name} (--gpu {p.id}) does not "
                                   f"support {requested}; use auto or one of {usable}")
-            return requested, f"{requested} as requested"
+            return Precision.parse(requested), f"{requested} as requested"
         if p.bf16:
-            return "bf16", f"auto: the {p.name} profile supports bf16 (no loss scaling needed)"
+            return Precision.BF16, f"auto: the {p.name} profile supports bf16 (no loss scaling needed)"
         if p.fp16:
-            return "fp16", f"auto: the {p.name} profile lacks bf16, so fp16 autocast with a GradScaler"
-        return "fp32", f"auto: the {p.name} profile supports neither bf16 nor fp16"
+            return Precision.FP16, f"auto: the {p.name} profile lacks bf16, so fp16 autocast with a GradScaler"
+        return Precision.FP32, f"auto: the {p.name} profile supports neither bf16 nor fp16"
 
     def check_estimable(self, workload, precision: str) -> None:
         """One step on fake tensors, so a model they cannot run fails here, with the way out."""

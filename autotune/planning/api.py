@@ -131,13 +131,13 @@ def plan(
                       estimated_for=target.profile.name if target else None)
 
 
-def _supported_precisions(device) -> list[str]:
+def _supported_precisions(device) -> list[Precision]:
     # fp16 autocast on the CPU is slow and rarely what anyone trains with; CUDA has it everywhere.
-    found = [Precision.FP32.value]
+    found = [Precision.FP32]
     if supports_bf16(device):
-        found.append(Precision.BF16.value)
+        found.append(Precision.BF16)
     if device.type == "cuda":
-        found.append(Precision.FP16.value)
+        found.append(Precision.FP16)
     return found
 
 

@@ -16,6 +16,7 @@ from typing import Callable
 from ..errors import ConfigError, PlanError
 from .lr import decide_lr, lr_warnings
 from ..memory.base import DeviceInfo
+from ..precision import Precision
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from ..probing.result import ProbeResult, setting_label
 from ..units import format_bytes
@@ -33,7 +34,7 @@ class PlanRequest:
 
     target_batch: int
     world_size: int = 1
-    precision: str = "fp32"
+    precision: Precision = Precision.FP32
     precision_reason: str = ""
     checkpointing: str = "auto"
     """"auto", "on" or "off"."""
@@ -48,6 +49,7 @@ class PlanRequest:
     """Planned under torchrun with every rank probing."""
 
     def __post_init__(self):
+        self.precision = Precision.parse(self.precision)
         _check_positive_int(self.target_batch, "--target-batch")
         _check_positive_int(self.world_size, "--world-size")
         if self.micro_batch is not None:
@@ -150,15 +152,16 @@ def ddp_bucket_bytes(world_size: int, param_bytes: int) -> int:
 
 # --- decisions -------------------------------------------------------------------------------------
 
-def choose_precision(requested: str, *, device_kind: str, bf16_supported: bool) -> tuple[str, str]:
+def choose_precision(requested: str, *, device_kind: str, bf16_supported: bool) -> tuple[Precision, str]:
     """Resolve "auto": bf16 where supported, fp16 with GradScaler on CUDA without bf16, else fp32."""
     if requested != "auto":
-        return requested, f"{requested} as requested"
+        chosen = Precision.parse(requested)
+        return chosen, f"{chosen} as requested"
     if bf16_supported:
-        return "bf16", f"auto: the {device_kind} device supports bf16 (no loss scaling needed)"
+        return Precision.BF16, f"auto: the {device_kind} device supports bf16 (no loss scaling needed)"
     if device_kind == "cuda":
-        return "fp16", "auto: this CUDA device lacks bf16, so fp16 autocast with a GradScaler"
-    return "fp32", f"auto: the {device_kind} device supports neither bf16 nor fp16 training well"
+        return Precision.FP16, "auto: this CUDA device lacks bf16, so fp16 autocast with a GradScaler"
+    return Precision.FP32, f"auto: the {device_kind} device supports neither bf16 nor fp16 training well"
 
 
 def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..memory.base import DeviceInfo
 from ..probing.result import ProbeResult, setting_label
+from ..precision import Precision
 from ..sharding.settings import Sharding
 
 SCHEMA_VERSION = 2
@@ -55,7 +56,7 @@ class WorkloadFingerprint:
 class SettingTried:
     """One precision/checkpointing setting the planner probed, and what it allowed."""
 
-    precision: str
+    precision: Precision
     checkpointing: bool
     probe: ProbeResult | None = None
     """None when nothing fitted (see ``error``)."""
@@ -63,6 +64,9 @@ class SettingTried:
     """Why the probe found no micro-batch (the ProbeError message)."""
     allowed_micro_batch: int = 0
     """Largest micro-batch whose predicted peak stays within the budget minus the headroom."""
+
+    def __post_init__(self):
+        self.precision = Precision.parse(self.precision, option="precision")
 
     @property
     def raw_max_micro_batch(self) -> int:
@@ -116,7 +120,7 @@ class SplitArithmetic:
 class ConfigurationMeasured(SplitArithmetic):
     """One configuration the throughput search considered: measured, or pruned for memory."""
 
-    precision: str
+    precision: Precision
     checkpointing: bool
     micro_batches: list[int]
     """Samples per accumulation step on each rank (they sum to the per-device share)."""
@@ -136,6 +140,9 @@ class ConfigurationMeasured(SplitArithmetic):
     compared: bool = False
     """Among the fastest, timed again side by side with the others (window by window); samples_per_s
     is then from that comparison, and the winner is the fastest of those compared."""
+
+    def __post_init__(self):
+        self.precision = Precision.parse(self.precision, option="precision")
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -163,7 +170,7 @@ class Plan(SplitArithmetic):
     world_size: int
     micro_batches: list[int]
     """Samples per accumulation step on each rank; sum(micro_batches) * world_size == target_batch."""
-    precision: str
+    precision: Precision
     checkpointing: bool
     lr: LRDecision
     workload: WorkloadFingerprint
@@ -200,6 +207,7 @@ class Plan(SplitArithmetic):
     plans, the world size for plain FSDP."""
 
     def __post_init__(self):
+        self.precision = Precision.parse(self.precision, option="precision")
         self.sharding = Sharding.parse(self.sharding, option="sharding")
 
     @property

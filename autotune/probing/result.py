@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..memory.base import DeviceInfo
+from ..precision import Precision
 
 
 def setting_label(precision, checkpointing) -> str:
@@ -98,7 +99,7 @@ class ProbeResult:
     trials: list[Trial]
     memory_model: MemoryModel
     device: DeviceInfo
-    precision: str
+    precision: Precision
     checkpointing: bool
     seconds: float
     oom_count: int = 0
@@ -108,6 +109,9 @@ class ProbeResult:
     except on the estimate backend itself, where ``notes`` says every trial was estimated)."""
     estimated_max_micro_batch: int | None = None
     """What the estimate said the answer was (None: the probe did not use one)."""
+
+    def __post_init__(self):
+        self.precision = Precision.parse(self.precision, option="precision")
 
     @property
     def budget_bytes(self) -> int:

@@ -24,6 +24,7 @@ class Sharding(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    __hash__ = str.__hash__
     __format__ = str.__format__
 
     @classmethod

@@ -46,9 +46,12 @@ MAX_TIMED_WINDOWS = 30
 class Configuration(SplitArithmetic):
     """What the search varies: everything else about training stays as planned."""
 
-    precision: str
+    precision: Precision
     checkpointing: bool
     micro_batches: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "precision", Precision.parse(self.precision, option="precision"))
 
     @property
     def share(self) -> int:

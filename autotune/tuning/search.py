@@ -34,6 +34,7 @@ from typing import Callable
 import optuna
 
 from ..errors import ConfigError
+from ..precision import Precision
 from ..planning.types import ConfigurationMeasured, SettingTried
 from ..planning.policy import predicted_peak, split_pinned, split_share
 from .measure import Configuration, Measurement
@@ -53,7 +54,8 @@ CONFIRM_SHARE = 0.3
 STALE_LIMIT = 30
 """Stop after this many trials in a row proposed nothing new (TPE keeps circling what it knows)."""
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+# Optuna stores categorical choices as plain strings: the enum's values.
+PRECISIONS = tuple(p.value for p in Precision)
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|sec|m|min|h)?\s*$", re.IGNORECASE)
 _SECONDS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
 
@@ -326,7 +328,7 @@ def _key(config: Configuration) -> tuple:
 
 
 def _params(config: Configuration) -> dict:
-    return {"precision": config.precision, "checkpointing": config.checkpointing,
+    return {"precision": config.precision.value, "checkpointing": config.checkpointing,
             "accumulation_steps": config.accumulation_steps}
 
 
