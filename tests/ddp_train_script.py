@@ -13,8 +13,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from autotune.training import distributed, train
-from test_train_oom import _OOMOnce
-from train_helpers import build_mlp, make_plan, mlp_workload, params_of, token_workload
+from train_helpers import OOMOnce, build_mlp, make_plan, mlp_workload, params_of, token_workload
 
 out = Path(sys.argv[1])
 dist.init_process_group("gloo")
@@ -40,7 +39,7 @@ runs = {
     "tokens": (token_workload(25), [1, 4]),
     # rank 1 runs out of memory in a non-final micro-step (step 1) and in the final forward of
     # step 2: both ranks must agree and redo, without deadlock.
-    "oom": (mlp_workload(25, model=lambda: _OOMOnce(build_mlp(), fail_at={1, 7} if rank == 1 else ())),
+    "oom": (mlp_workload(25, model=lambda: OOMOnce(build_mlp(), fail_at={1, 7} if rank == 1 else ())),
             [2, 3]),
 }
 report = {}

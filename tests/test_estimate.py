@@ -29,14 +29,7 @@ def measured(workload, precision, checkpointing):
         return {n: session.run(n).peak_bytes for n in SIZES}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny CPU ops run far slower with several OpenMP threads on a busy machine; the measured
-    # bytes do not depend on the thread count.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def has_blocks(path) -> bool:

@@ -4,26 +4,11 @@ import pytest
 import torch
 
 from autotune.training import TrainError, train
-from train_helpers import build_mlp, make_plan, mlp_workload, params_of
-
-
-class _OOMOnce(torch.nn.Module):
-    """Wraps a model; raises torch.OutOfMemoryError from forward at the chosen calls."""
-
-    def __init__(self, inner, *, fail_at=(), fail_above=None):
-        super().__init__()
-        self.inner = inner
-        self.fail_at, self.fail_above, self.calls = set(fail_at), fail_above, 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.calls in self.fail_at or (self.fail_above is not None and x.shape[0] > self.fail_above):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return self.inner(x)
+from train_helpers import OOMOnce, build_mlp, make_plan, mlp_workload, params_of
 
 
 def _workload(**oom):
-    return mlp_workload(64, model=lambda: _OOMOnce(build_mlp(), **oom))
+    return mlp_workload(64, model=lambda: OOMOnce(build_mlp(), **oom))
 
 
 def test_injected_oom_is_recovered_with_the_same_parameters(capsys):

@@ -96,3 +96,18 @@ def initial_params(workload, seed=0):
 
 def relative_error(a, b):
     return float((a - b).norm() / b.norm())
+
+
+class OOMOnce(torch.nn.Module):
+    """Wraps a model; raises torch.OutOfMemoryError from forward at the chosen calls."""
+
+    def __init__(self, inner, *, fail_at=(), fail_above=None):
+        super().__init__()
+        self.inner = inner
+        self.fail_at, self.fail_above, self.calls = set(fail_at), fail_above, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls in self.fail_at or (self.fail_above is not None and x.shape[0] > self.fail_above):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return self.inner(x)
