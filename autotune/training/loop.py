@@ -13,6 +13,7 @@ import torch
 
 from ..oom import free_memory, is_oom_error
 from ..precision import Precision, autocast
+from ..sharding import wrap as sharding
 from ..workload.contract import Workload, move_batch
 from . import distributed, noise_scale
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
@@ -20,6 +21,14 @@ from .data import Window, slice_batch, split_micro_batches
 from .errors import TrainError
 from .metrics import peak_memory_bytes
 from .recovery import SplitPolicy
+
+_SHARDED_OOM = (
+    "ran out of memory in a micro-step of an FSDP2 (sharded) plan on this rank; the other ranks "
+    "are waiting in that micro-step's all-gather or reduce-scatter, which this rank can no longer "
+    "join, so the window cannot be redone (see docs/sharded-training.md). Re-plan with a smaller "
+    "micro-batch (autotune plan --micro-batch N), more headroom (--headroom) or --sharding "
+    "fsdp-offload"
+)
 
 
 @dataclass
@@ -59,6 +68,7 @@ class StepRunner:
         self.notify = notify
         self.measure_noise = measure_noise
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sharded = sharding.is_sharded(model)
         self.totals = WindowTotals(self.device)
         # BatchNorm updates its running statistics in forward; a window redone after an OOM must
         # start from the statistics it started with, or the redo would count its samples twice.
@@ -142,6 +152,8 @@ class StepRunner:
         except Exception as exc:  # noqa: BLE001 - anything but out-of-memory is re-raised untouched
             if not is_oom_error(exc):
                 raise
+            if self.sharded and self.ctx.distributed:
+                raise TrainError(_SHARDED_OOM) from exc
             out_of_memory = True
         if out_of_memory and final and self.ctx.distributed:
             if agreed:
@@ -216,18 +228,26 @@ class StepRunner:
         self.state.noise = noise_scale.update(self.state.noise, estimate)
 
     def _grad_sq_norm(self) -> torch.Tensor:
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = distributed.local_grads(self.model, self.params)
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2
 
     def _grad_norm(self) -> torch.Tensor:
+        """The global gradient norm (clipping to it when asked); over FSDP2's DTensor shards the
+        norm is reduced across ranks, and every rank gets the full value."""
         if self.clip_grad_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
+            return _full(torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm))
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        return torch.nn.utils.get_total_norm(grads)
+        return _full(torch.nn.utils.get_total_norm(grads))
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics, stop,
