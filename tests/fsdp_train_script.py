@@ -9,23 +9,26 @@ Stages:
 - ``reference``: the checkpointed model-file run, uninterrupted, saved to OUT/reference.pt.
 - ``sigterm``: the same run, slowed down; rank 1 writes its pid to OUT/pid and OUT/started once
   training is under way, so the test can send it SIGTERM (the stop reaches every rank).
-- ``kill``: checkpoint every step; rank 1 stalls in the middle of writing the third checkpoint
-  (after touching OUT/writing) until the test kills every process with SIGKILL.
+- ``kill``: checkpoint every step; every rank writes its pid to OUT/kill-pid-RANK, and rank 1
+  stalls in the middle of writing the third checkpoint (after touching OUT/writing) until the
+  test kills every rank with SIGKILL.
 """
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
 from autotune.training import train
 from autotune.workload.contract import load_workload
-from train_helpers import make_plan, mlp_workload, token_workload
+from train_helpers import make_plan, mean_loss, mlp_workload, token_workload
 
 OUT = Path(sys.argv[1]) if __name__ == "__main__" else None
 STAGES = sys.argv[2:]
@@ -41,9 +44,9 @@ def cases(world_size):
     half = per_rank // 2
     even, uneven, tokens = [half, per_rank - half], [half - 1, per_rank - half + 1], [1, per_rank - 1]
 
-    def plan(micro, sharding="fsdp", **extra):
-        return dataclasses.replace(make_plan(micro, world_size=world_size, lr=0.1, clip=extra.pop("clip", None)),
-                                   sharding=sharding, **extra)
+    def plan(micro, sharding="fsdp", precision="fp32", **extra):
+        made = make_plan(micro, world_size=world_size, lr=0.1, clip=extra.pop("clip", None), precision=precision)
+        return dataclasses.replace(made, sharding=sharding, **extra)
 
     found = {
         "even": (lambda: mlp_workload(SAMPLES), plan(even)),
@@ -51,9 +54,24 @@ def cases(world_size):
         "tokens": (lambda: token_workload(SAMPLES), plan(tokens)),
         "ddp": (lambda: mlp_workload(SAMPLES), plan(even, sharding="ddp")),
     }
+    if world_size == 2:
+        # fp16: rank 1's loss is inf in step 2's second micro-step; both ranks skip that step.
+        found["fp16"] = (lambda: _inf_once_workload(), plan(even, precision="fp16"))
+        found["fp16-ddp"] = (lambda: _inf_once_workload(), plan(even, precision="fp16", sharding="ddp"))
     if world_size == 4:
         found["hybrid"] = (lambda: mlp_workload(SAMPLES), plan(uneven, clip=0.5, shard_group=2))
     return found
+
+
+def _inf_once_workload():
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(1)
+        loss = mean_loss(model, batch)
+        return loss * math.inf if dist.get_rank() == 1 and len(calls) == 4 else loss
+
+    return mlp_workload(SAMPLES, dtype=torch.float32, loss_fn=loss_fn)
 
 
 def model_file_plan(world_size):
@@ -80,7 +98,8 @@ def run_equal(rank, world_size):
         result = train(plan, workload(), steps=3, progress=False, save_path=OUT / f"{name}.pt")
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, {
-            "reduce_scatters": len(counted),
+            "reduce_scatters": len(counted), "skipped": result.skipped_steps,
+            "scale": result.scaler.get_scale() if result.scaler.is_enabled() else None,
             "noise": [(m["noise_grad_sq_ema"], m["noise_trace_ema"]) for m in result.metrics]})
         report[name] = {"loss": [m["loss"] for m in result.metrics],
                         "grad_norm": [m["grad_norm"] for m in result.metrics],
@@ -129,6 +148,7 @@ def run_kill(rank, world_size):
         return real(self, plan, planner)
 
     dcp_filesystem.FileSystemWriter.write_data = stalling_write
+    (OUT / f"kill-pid-{rank}").write_text(str(os.getpid()))
     train(cases(world_size)["even"][1], mlp_workload(SAMPLES), steps=3, progress=False,
           checkpoint_dir=OUT / "kill-ckpt", checkpoint_every=1)
 

@@ -6,6 +6,7 @@ in the middle of a checkpoint write), 4 ranks (the equality cases, hybrid shardi
 uninterrupted checkpointed run, then the same run stopped by SIGTERM), and the CLI resuming it.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from autotune.planning.planfile import save_plan
-from autotune.training import train
+from autotune.training import TrainError, train
 from autotune.workload.contract import load_workload
 from fsdp_train_script import EFFECTIVE, SAMPLES, STEPS, model_file_plan
 from train_helpers import build_mlp, make_plan, mlp_workload, params_of, relative_error, token_workload
@@ -69,11 +70,15 @@ def two_ranks(tmp_path_factory):
     child, log = _start(2, out, "kill", SCRIPT, out, "equal", "kill")
     try:
         _wait_for(out / "writing", child, log)
+    finally:
+        # torchrun starts each rank in a session of its own: kill the ranks by pid, then torchrun.
+        for rank in range(2):
+            pid = out / f"kill-pid-{rank}"
+            if pid.exists():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid.read_text()), signal.SIGKILL)
         os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=60)
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
         log.close()
     return out
 
@@ -107,9 +112,9 @@ def _single(name, steps=3):
     return train(make_plan([EFFECTIVE], lr=0.1, clip=clip), workload, steps=steps, progress=False)
 
 
-def _saved_mlp(path):
+def _saved_mlp(path, dtype=torch.float64):
     """``--save``'s file holds a full state dict: it loads into a plain model, no process group."""
-    model = build_mlp()
+    model = build_mlp(dtype=dtype)
     model.load_state_dict(torch.load(path, weights_only=True)["model"])
     return params_of(model)
 
@@ -148,6 +153,17 @@ def test_noise_scale_under_fsdp_is_that_of_ddp(request, fixture):
     assert all(value is not None for pair in fsdp[0]["noise"] for value in pair)
     flat = [value for pair in fsdp[0]["noise"] for value in pair]
     assert flat == pytest.approx([value for pair in ddp[0]["noise"] for value in pair], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_fp16_grad_scaler_under_fsdp_skips_the_inf_step_on_every_rank(two_ranks):
+    report = json.loads((two_ranks / "report-equal.json").read_text())
+    fsdp, ddp = report["fp16"], report["fp16-ddp"]
+    for run in (fsdp, ddp):
+        assert [(r["skipped"], r["scale"]) for r in run["ranks"]] == [(1, 2.0 ** 15)] * 2
+    assert relative_error(_saved_mlp(two_ranks / "fp16.pt", torch.float32),
+                          _saved_mlp(two_ranks / "fp16-ddp.pt", torch.float32)) <= 1e-6
+    assert fsdp["loss"][0] == pytest.approx(ddp["loss"][0], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -191,3 +207,12 @@ def test_one_process_fsdp_plan_trains_checkpoints_and_resumes(tmp_path):
           save_path=tmp_path / "resumed.pt")
     assert torch.equal(_saved_mlp(tmp_path / "resumed.pt"), _saved_mlp(tmp_path / "whole.pt"))
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["checkpoint.json", "step-00000004"]
+
+
+def test_out_of_memory_under_fsdp_is_a_clear_error():
+    from test_train_oom import _OOMOnce
+
+    plan = dataclasses.replace(make_plan([4, 4]), sharding="fsdp")
+    workload = mlp_workload(SAMPLES, model=lambda: _OOMOnce(build_mlp(), fail_at={2}))
+    with pytest.raises(TrainError, match="FSDP2 all-gathers and reduce-scatters inside every forward"):
+        train(plan, workload, steps=2, progress=False)

@@ -23,11 +23,11 @@ from .metrics import peak_memory_bytes
 from .recovery import SplitPolicy
 
 _SHARDED_OOM = (
-    "ran out of memory in a micro-step of an FSDP2 (sharded) plan on this rank; the other ranks "
-    "are waiting in that micro-step's all-gather or reduce-scatter, which this rank can no longer "
-    "join, so the window cannot be redone (see docs/sharded-training.md). Re-plan with a smaller "
-    "micro-batch (autotune plan --micro-batch N), more headroom (--headroom) or --sharding "
-    "fsdp-offload"
+    "ran out of memory in a micro-step of an FSDP2 (sharded) plan; FSDP2 all-gathers and "
+    "reduce-scatters inside every forward and backward, so the other ranks wait in a collective "
+    "this rank can no longer join, and FSDP2's own state cannot be rewound: the window is not "
+    "redone (see docs/sharded-training.md). Re-plan with a smaller micro-batch (autotune plan "
+    "--micro-batch N), more headroom (--headroom) or the fsdp-offload sharding"
 )
 
 
@@ -152,7 +152,7 @@ class StepRunner:
         except Exception as exc:  # noqa: BLE001 - anything but out-of-memory is re-raised untouched
             if not is_oom_error(exc):
                 raise
-            if self.sharded and self.ctx.distributed:
+            if self.sharded:
                 raise TrainError(_SHARDED_OOM) from exc
             out_of_memory = True
         if out_of_memory and final and self.ctx.distributed:
