@@ -194,12 +194,13 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one(two_ranks, tmp_p
     assert relative_error(params_of(model), params_of(_single("even", steps=2).model)) <= 1e-5
 
 
-def test_one_process_fsdp_plan_trains_checkpoints_and_resumes(tmp_path):
+def test_one_process_fsdp_plan_trains_checkpoints_and_resumes(tmp_path, capsys):
     """A sharded plan on one process (e.g. fsdp-offload on one GPU) gets an in-process group;
     its sharded checkpoint resumes to the uninterrupted run's parameters exactly."""
     plan = dataclasses.replace(make_plan([5, 7], lr=0.1, clip=0.5), sharding="fsdp")
     plain = train(make_plan([5, 7], lr=0.1, clip=0.5), mlp_workload(SAMPLES), steps=4, progress=False)
-    whole = train(plan, mlp_workload(SAMPLES), steps=4, progress=False, save_path=tmp_path / "whole.pt")
+    train(plan, mlp_workload(SAMPLES), steps=4, save_path=tmp_path / "whole.pt")
+    assert "; fsdp over 1 rank(s); data:" in capsys.readouterr().err
     assert relative_error(_saved_mlp(tmp_path / "whole.pt"), params_of(plain.model)) <= 1e-12
     first = train(plan, mlp_workload(SAMPLES), steps=2, progress=False, checkpoint_dir=tmp_path / "c")
     assert first.steps == 2 and (tmp_path / "c" / "step-00000002").is_dir()
@@ -216,3 +217,19 @@ def test_out_of_memory_under_fsdp_is_a_clear_error():
     workload = mlp_workload(SAMPLES, model=lambda: _OOMOnce(build_mlp(), fail_at={2}))
     with pytest.raises(TrainError, match="FSDP2 all-gathers and reduce-scatters inside every forward"):
         train(plan, workload, steps=2, progress=False)
+
+
+@pytest.mark.parametrize("sharding, precision", [("fsdp", "bf16"), ("fsdp-offload", "fp32"),
+                                                 ("fsdp-offload", "bf16")])
+def test_one_process_sharded_plan_matches_the_plain_run(tmp_path, sharding, precision):
+    """bf16 (FSDP2's mixed-precision policy: gradients accumulated apart, in fp32) and CPU offload
+    train as the unsharded loop does, the noise scale's small batch included."""
+    plan = make_plan([5, 7], lr=0.1, precision=precision)
+    plain = train(plan, mlp_workload(SAMPLES, dtype=torch.float32), steps=3, progress=False)
+    sharded = train(dataclasses.replace(plan, sharding=sharding), mlp_workload(SAMPLES, dtype=torch.float32),
+                    steps=3, progress=False, save_path=tmp_path / "model.pt")
+    assert relative_error(_saved_mlp(tmp_path / "model.pt", torch.float32), params_of(plain.model)) <= 1e-6
+    noise = [m[key] for m in sharded.metrics for key in ("noise_grad_sq_ema", "noise_trace_ema")]
+    assert None not in noise
+    assert noise == pytest.approx([m[key] for m in plain.metrics
+                                   for key in ("noise_grad_sq_ema", "noise_trace_ema")], rel=1e-6)

@@ -32,7 +32,8 @@ def fsdp_policies(sharding: Sharding, precision: Precision) -> dict:
     if precision is Precision.BF16:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if sharding.offload:
-        options["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs a CUDA driver; without one the shards live in plain CPU memory.
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     return options
 
 

@@ -95,8 +95,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
         shard_group = resolve_shard_group(plan.shard_group, ctx.world_size, option="plan shard_group")
         checks.check_precision(precision, ctx.device)
         session = _Session(plan=plan, workload=workload, ctx=ctx, precision=precision, clip=clip,
-                           sharding=sharding, shard_group=shard_group, seed=seed, dataset=dataset, dataset_size=size, total_steps=total,
-                           checkpoint_dir=checkpoint_dir)
+                           sharding=sharding, shard_group=shard_group, seed=seed, dataset=dataset,
+                           dataset_size=size, total_steps=total, checkpoint_dir=checkpoint_dir)
         result = session.run(resume=resume, checkpoint_every=checkpoint_every,
                              metrics_path=metrics_path, num_workers=num_workers, progress=progress,
                              measure_noise=measure_noise_scale)
@@ -114,7 +114,7 @@ class _Session:
                  dataset_size, total_steps, checkpoint_dir):
         self.plan, self.workload, self.ctx, self.precision = plan, workload, ctx, precision
         self.clip, self.seed, self.dataset, self.dataset_size = clip, seed, dataset, dataset_size
-        self.total_steps, self.sharding = total_steps, sharding
+        self.total_steps, self.sharding, self.shard_group = total_steps, sharding, shard_group
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self.path = None
         if checkpoint_dir is not None:
@@ -206,7 +206,15 @@ class _Session:
         return (f"{self.total_steps} optimizer steps from step {self.state.step}: micro-batches "
                 f"{plan.micro_batches} x {plan.world_size} rank(s) = effective batch "
                 f"{plan.effective_batch}; {self.precision.value}; lr {lr:g} (warmup "
-                f"{plan.lr.warmup_steps} steps); clip {self.clip}; data: {data}")
+                f"{plan.lr.warmup_steps} steps); clip {self.clip}; {self._describe_sharding()}; "
+                f"data: {data}")
+
+    def _describe_sharding(self) -> str:
+        if not self.sharding.sharded:
+            return "ddp" if self.ctx.distributed else "one process"
+        hybrid = (f", hybrid: shard groups of {self.shard_group}"
+                  if self.shard_group < self.ctx.world_size else "")
+        return f"{self.sharding} over {self.ctx.world_size} rank(s){hybrid}"
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _save(self) -> None:
