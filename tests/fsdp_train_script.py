@@ -15,6 +15,7 @@ Stages:
 """
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -35,6 +36,9 @@ STAGES = sys.argv[2:]
 TESTS = Path(__file__).resolve().parent
 EFFECTIVE = 24  # 60 samples: windows of 24, 24 and a partial 12
 SAMPLES = 60
+REAL_MODELS = {"gpt_varlen": TESTS.parent / "examples" / "gpt_varlen.py"}
+if importlib.util.find_spec("transformers") is not None:
+    REAL_MODELS["hf_gpt2"] = TESTS / "hf_gpt2_model.py"
 STEPS = 7  # the model-file run: 40 samples, windows of 8 (an epoch boundary at step 5)
 
 
@@ -44,8 +48,9 @@ def cases(world_size):
     half = per_rank // 2
     even, uneven, tokens = [half, per_rank - half], [half - 1, per_rank - half + 1], [1, per_rank - 1]
 
-    def plan(micro, sharding="fsdp", precision="fp32", **extra):
-        made = make_plan(micro, world_size=world_size, lr=0.1, clip=extra.pop("clip", None), precision=precision)
+    def plan(micro, sharding="fsdp", precision="fp32", lr=0.1, **extra):
+        made = make_plan(micro, world_size=world_size, lr=lr, clip=extra.pop("clip", None),
+                         precision=precision)
         return dataclasses.replace(made, sharding=sharding, **extra)
 
     found = {
@@ -58,6 +63,9 @@ def cases(world_size):
         # fp16: rank 1's loss is inf in step 2's second micro-step; both ranks skip that step.
         found["fp16"] = (lambda: _inf_once_workload(), plan(even, precision="fp16"))
         found["fp16-ddp"] = (lambda: _inf_once_workload(), plan(even, precision="fp16", sharding="ddp"))
+        for name in REAL_MODELS:  # transformer blocks sharded one by one; GPT-2's tied embeddings
+            found[name] = (lambda name=name: load_workload(REAL_MODELS[name]),
+                           plan(uneven, lr=1e-3, clip=1.0))
     if world_size == 4:
         found["hybrid"] = (lambda: mlp_workload(SAMPLES), plan(uneven, clip=0.5, shard_group=2))
     return found

@@ -22,8 +22,9 @@ import torch
 from autotune.planning.planfile import save_plan
 from autotune.training import TrainError, train
 from autotune.workload.contract import load_workload
-from fsdp_train_script import EFFECTIVE, SAMPLES, STEPS, model_file_plan
-from train_helpers import build_mlp, make_plan, mlp_workload, params_of, relative_error, token_workload
+from fsdp_train_script import EFFECTIVE, REAL_MODELS, SAMPLES, STEPS, model_file_plan
+from train_helpers import (build_mlp, initial_params, make_plan, mlp_workload, params_of, relative_error,
+                           token_workload)
 
 TESTS = Path(__file__).resolve().parent
 SCRIPT = TESTS / "fsdp_train_script.py"
@@ -133,6 +134,23 @@ def test_fsdp_matches_one_process(request, world_size, name):
     assert report["loss"] == pytest.approx([m["loss"] for m in single.metrics], rel=1e-9)
     # The norm (clipped to, in "uneven" and "hybrid") is over all shards, not this rank's.
     assert report["grad_norm"] == pytest.approx([m["grad_norm"] for m in single.metrics], rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt_varlen", "hf_gpt2"])
+def test_fsdp_trains_real_models_as_one_process(two_ranks, name):
+    if name not in REAL_MODELS:
+        pytest.skip("transformers is not installed")
+    report = json.loads((two_ranks / "report-equal.json").read_text())[name]
+    workload = load_workload(REAL_MODELS[name])
+    single = train(make_plan([EFFECTIVE], lr=1e-3, clip=1.0), workload, steps=3, progress=False)
+    model = workload.new_model()
+    model.load_state_dict(torch.load(two_ranks / f"{name}.pt", weights_only=True)["model"])
+    assert relative_error(params_of(model), params_of(single.model)) <= 1e-5
+    start = initial_params(workload)
+    # The update itself, not only the parameters (which 3 small AdamW steps barely move).
+    assert relative_error(params_of(model) - start, params_of(single.model) - start) <= 1e-4
+    assert report["loss"] == pytest.approx([m["loss"] for m in single.metrics], rel=1e-5)
 
 
 @pytest.mark.slow
