@@ -251,3 +251,19 @@ def test_one_process_sharded_plan_matches_the_plain_run(tmp_path, sharding, prec
     assert None not in noise
     assert noise == pytest.approx([m[key] for m in plain.metrics
                                    for key in ("noise_grad_sq_ema", "noise_trace_ema")], rel=1e-6)
+
+
+def test_resume_needs_a_sharded_checkpoint_of_the_same_world_size(tmp_path):
+    plan = make_plan([5, 7], lr=0.1)
+    train(plan, mlp_workload(SAMPLES), steps=1, progress=False, checkpoint_dir=tmp_path / "ddp")
+    sharded = dataclasses.replace(plan, sharding="fsdp")
+    with pytest.raises(TrainError, match="no sharded checkpoint at .*ddp"):
+        train(sharded, mlp_workload(SAMPLES), steps=2, progress=False, checkpoint_dir=tmp_path / "ddp",
+              resume=True)
+    train(sharded, mlp_workload(SAMPLES), steps=1, progress=False, checkpoint_dir=tmp_path / "fsdp")
+    pointer = tmp_path / "fsdp" / "checkpoint.json"
+    pointer.write_text(json.dumps(dict(json.loads(pointer.read_text()), world_size=4)))  # as 4 ranks write it
+    with pytest.raises(TrainError, match="written by 4 ranks but this run has 1; resume with torchrun "
+                                         "--nproc_per_node 4"):
+        train(sharded, mlp_workload(SAMPLES), steps=2, progress=False, checkpoint_dir=tmp_path / "fsdp",
+              resume=True)
