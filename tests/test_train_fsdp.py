@@ -137,6 +137,15 @@ def test_fsdp_matches_one_process(request, world_size, name):
 
 
 @pytest.mark.slow
+def test_ranks_with_an_empty_micro_step_still_join_the_collectives(four_ranks):
+    report = json.loads((four_ranks / "report-equal.json").read_text())["padded"]
+    single = train(make_plan([8], lr=0.1), mlp_workload(13), steps=3, progress=False)
+    assert report["accumulation"] == [2, 2, 2]
+    assert relative_error(_saved_mlp(four_ranks / "padded.pt"), params_of(single.model)) <= 1e-5
+    assert report["loss"] == pytest.approx([m["loss"] for m in single.metrics], rel=1e-9)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_varlen", "hf_gpt2"])
 def test_fsdp_trains_real_models_as_one_process(two_ranks, name):
     if name not in REAL_MODELS:

@@ -123,11 +123,17 @@ class StepRunner:
                     distributed.any_rank(True, self.ctx)  # every rank joins the agreement once
                 continue
             if size == 0:  # an empty piece of a split (never the last one: sizes are sorted)
+                if self.sharded:
+                    # FSDP2 all-gathers in every forward and backward, so this rank must run the
+                    # micro-step the others run: one sample whose loss counts zero times.
+                    failed = self._micro_step(slice_batch(batch, 0, 1), 1, 0.0, final, measure=False,
+                                              padding=True)
                 continue
             failed = self._micro_step(part, size, scale, final, measure=index == measure_at < last)
         return failed
 
-    def _micro_step(self, part, size: int, scale: float, final: bool, *, measure: bool) -> bool:
+    def _micro_step(self, part, size: int, scale: float, final: bool, *, measure: bool,
+                    padding: bool = False) -> bool:
         out_of_memory = agreed = False
         try:
             batch = move_batch(part, self.device)
@@ -142,7 +148,8 @@ class StepRunner:
                     if distributed.any_rank(False, self.ctx):
                         return True
                 self.scaler.scale(loss_sum * scale).backward()
-            self.totals.add(loss_sum, items, counted=count is not None)
+            if not padding:
+                self.totals.add(loss_sum, items, counted=count is not None)
             if measure:
                 # Reading the gradients leaves them (and so training) untouched. The grads are
                 # GradScaler scale × (world_size·n/N) × the micro-batch's per-sample mean
