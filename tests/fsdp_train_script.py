@@ -61,6 +61,7 @@ def cases(world_size):
     }
     if world_size == 2:
         # fp16: rank 1's loss is inf in step 2's second micro-step; both ranks skip that step.
+        found["every"] = (lambda: mlp_workload(SAMPLES), plan(uneven, reduce_every_micro_step=True))
         found["fp16"] = (lambda: _inf_once_workload(), plan(even, precision="fp16"))
         found["fp16-ddp"] = (lambda: _inf_once_workload(), plan(even, precision="fp16", sharding="ddp"))
         for name in REAL_MODELS:  # transformer blocks sharded one by one; GPT-2's tied embeddings

@@ -172,6 +172,14 @@ def test_gradients_are_reduced_once_per_window(request, fixture):
 
 
 @pytest.mark.slow
+def test_plan_can_reduce_scatter_every_micro_step(two_ranks):
+    report = json.loads((two_ranks / "report-equal.json").read_text())["every"]
+    assert relative_error(_saved_mlp(two_ranks / "every.pt"), params_of(_single("even").model)) <= 1e-5
+    assert {r["reduce_scatters"] for r in report["ranks"]} == {LINEAR_LAYERS * 5}  # 5 micro-steps
+    assert all(value is None for r in report["ranks"] for pair in r["noise"] for value in pair)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["two_ranks", "four_ranks"])
 def test_noise_scale_under_fsdp_is_that_of_ddp(request, fixture):
     report = json.loads((request.getfixturevalue(fixture) / "report-equal.json").read_text())
@@ -276,3 +284,14 @@ def test_resume_needs_a_sharded_checkpoint_of_the_same_world_size(tmp_path):
                                          "--nproc_per_node 4"):
         train(sharded, mlp_workload(SAMPLES), steps=2, progress=False, checkpoint_dir=tmp_path / "fsdp",
               resume=True)
+
+
+def test_plan_file_keeps_reduce_every_micro_step(tmp_path):
+    from autotune.planning.planfile import load_plan
+
+    plan = dataclasses.replace(make_plan([5, 7]), sharding="fsdp", reduce_every_micro_step=True)
+    assert load_plan(save_plan(plan, tmp_path / "plan.json")).reduce_every_micro_step is True
+    data = json.loads((tmp_path / "plan.json").read_text())
+    del data["reduce_every_micro_step"]  # files written before the field existed
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_plan(tmp_path / "old.json").reduce_every_micro_step is False

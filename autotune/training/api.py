@@ -150,7 +150,8 @@ class _Session:
                                 optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                 precision=self.precision, workload=self.workload, ctx=self.ctx,
                                 clip_grad_norm=self.clip, state=self.state, notify=metrics.note,
-                                measure_noise=measure_noise)
+                                measure_noise=measure_noise,
+                                reduce_every_micro_step=self.plan.reduce_every_micro_step)
             batches = self._batches(num_workers)
             if rng is not None:
                 set_rng_state(rng)  # last, so nothing before the first step draws from it
@@ -177,6 +178,10 @@ class _Session:
         """(B_noise, why it is None, warnings) at the end of the run."""
         if not measured:
             return None, "the gradient noise scale was not measured (measure_noise_scale=False)", []
+        if self.sharding.sharded and self.plan.reduce_every_micro_step:
+            return None, ("the gradient noise scale is not measured when the plan reduces gradients "
+                          "every micro-step (reduce_every_micro_step): no rank holds a micro-batch's "
+                          "gradient alone"), []
         value = noise_scale(self.state.noise)
         if value is not None:
             advice = batch_advice(value, self.plan.effective_batch)

@@ -54,7 +54,8 @@ class TrainState:
 class StepRunner:
     def __init__(self, *, model, optimizer, scheduler, scaler, precision: Precision, workload: Workload,
                  ctx: distributed.DistContext, clip_grad_norm: float | None, state: TrainState,
-                 notify=lambda message: None, measure_noise: bool = True):
+                 notify=lambda message: None, measure_noise: bool = True,
+                 reduce_every_micro_step: bool = False):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -66,9 +67,11 @@ class StepRunner:
         self.clip_grad_norm = clip_grad_norm
         self.state = state
         self.notify = notify
-        self.measure_noise = measure_noise
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sharded = sharding.is_sharded(model)
+        # FSDP2 only: then no rank ever holds a micro-step's gradient alone (no noise scale).
+        self.reduce_every_micro_step = reduce_every_micro_step and self.sharded
+        self.measure_noise = measure_noise and not self.reduce_every_micro_step
         self.totals = WindowTotals(self.device)
         # BatchNorm updates its running statistics in forward; a window redone after an OOM must
         # start from the statistics it started with, or the redo would count its samples twice.
@@ -137,7 +140,7 @@ class StepRunner:
         out_of_memory = agreed = False
         try:
             batch = move_batch(part, self.device)
-            with distributed.sync_context(self.model, final=final):
+            with distributed.sync_context(self.model, final=final or self.reduce_every_micro_step):
                 with autocast(self.precision, self.device):
                     loss, count = self.workload.loss(self.model, batch)
                 loss_sum, items = summed_loss(loss, count, size)
