@@ -23,11 +23,11 @@ def write_atomic(path, write: Callable[[BinaryIO], None]) -> Path:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
     return path
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     # Makes the rename itself durable; not every platform can open a directory for this.
     try:
         fd = os.open(directory, os.O_RDONLY)

@@ -14,12 +14,22 @@ included), and the optimizer step alone, the loop's ``StepRunner.step`` against 
 step on the same batch, alternating every step (the most precise comparison on a busy machine).
 
     python bench/train_overhead.py --rounds 8 --steps 8 --threads 1
+
+``--fsdp`` prints the FSDP2 row instead: the script relaunches itself under torchrun (2 gloo
+ranks on the CPU) and alternates, every step, the loop's ``StepRunner.step`` on a model sharded
+as a plan says against a hand-written FSDP2 step (``set_requires_gradient_sync(False)`` on all
+micro-steps but the last, the loss divided by the accumulation steps, global-norm clipping over
+the DTensors, one all-reduce of the loss), each on its own sharded copy of the model.
+
+    python bench/train_overhead.py --fsdp --rounds 8 --steps 8 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +48,7 @@ from autotune.training.loop import StepRunner, TrainState  # noqa: E402
 from autotune.training.schedule import build_scheduler  # noqa: E402
 from autotune.precision import grad_scaler  # noqa: E402
 from autotune.workload.contract import load_workload  # noqa: E402
+from autotune.sharding.wrap import build_mesh, shard_model  # noqa: E402
 
 CASES = [  # (model file, micro-batch, accumulation steps, precision)
     ("examples/cnn_bn.py", 32, 4, "fp32"),
@@ -165,14 +176,116 @@ def interleaved_steps(workload, micro, accum, precision, steps):
     return ([t * 1e3 for t in times[ours][WARMUP:]], [t * 1e3 for t in times[hand][WARMUP:]])
 
 
+FSDP_CASE = ("examples/mlp.py", 64, 4, "fp32")
+FSDP_RANKS = 2
+
+
+def _hand_fsdp_step(workload, model, optimizer, micro_batches, accum):
+    """The hand-written FSDP2 optimizer step for an even split (a careful user's version)."""
+    import torch.distributed as dist
+
+    total = torch.zeros(())
+    for index, batch in enumerate(micro_batches):
+        model.set_requires_gradient_sync(index == accum - 1)
+        loss = workload.loss_fn(model, batch)
+        (loss / accum).backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(total)
+    _ = (total / (accum * dist.get_world_size())).item()
+
+
+def fsdp_interleaved_steps(workload, micro, accum, steps):
+    """CPU ms per step on this rank: StepRunner.step on a sharded model, then the hand FSDP2 step."""
+    import torch.distributed as dist
+
+    precision, device = Precision.FP32, torch.device("cpu")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dataset = workload.build_dataset()
+    batch = dataset[torch.arange(rank * micro * accum, (rank + 1) * micro * accum)]
+    mesh = build_mesh("cpu", world_size, world_size)
+
+    def fresh():
+        torch.manual_seed(0)
+        model = shard_model(workload.new_model(), mesh=mesh, sharding="fsdp", precision="fp32")
+        model.train()
+        return model, workload.new_optimizer(model.parameters())
+
+    ours_model, ours_opt = fresh()
+    plan = _plan(micro, accum, precision.value)
+    ctx = distributed.DistContext(world_size=world_size, rank=rank, device=device)
+    runner = StepRunner(model=ours_model, optimizer=ours_opt,
+                        scheduler=build_scheduler(workload, ours_opt, plan),
+                        scaler=grad_scaler(precision, device), precision=precision,
+                        workload=workload, ctx=ctx, clip_grad_norm=CLIP, state=TrainState())
+    samples = micro * accum * world_size
+    window = Window(step=0, epoch=0, index=0, samples=samples, start=0, stop=samples,
+                    micro_batches=(micro,) * accum)
+    hand_model, hand_opt = fresh()
+
+    def ours():
+        runner.step(window, batch, stop_requested=False)
+
+    def hand():
+        parts = (tuple(t[i * micro:(i + 1) * micro] for t in batch) for i in range(accum))
+        _hand_fsdp_step(workload, hand_model, hand_opt, parts, accum)
+
+    times = {ours: [], hand: []}
+    for i in range(steps):
+        for run in ((ours, hand) if i % 2 else (hand, ours)):
+            dist.barrier()  # neither loop's time includes waiting for the other rank to finish
+            start = time.process_time()
+            run()
+            times[run].append(time.process_time() - start)
+    return ([t * 1e3 for t in times[ours][WARMUP:]], [t * 1e3 for t in times[hand][WARMUP:]])
+
+
+def fsdp_main(args) -> None:
+    """Under torchrun: every rank measures; rank 0 prints the row (medians over all ranks' steps)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    path, micro, accum, _ = FSDP_CASE
+    ours, hand = fsdp_interleaved_steps(load_workload(ROOT / path), micro, accum, args.rounds * args.steps)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (ours, hand))
+    if dist.get_rank() == 0:
+        ours = [t for pair in gathered for t in pair[0]]
+        hand = [t for pair in gathered for t in pair[1]]
+        ours_ms, hand_ms = statistics.median(ours), statistics.median(hand)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) per rank, "
+              f"{dist.get_world_size()} gloo ranks; FSDP2 optimizer step alone, alternating every "
+              f"step ({args.rounds * args.steps} steps each per rank), median CPU ms over all ranks")
+        print(f"{'workload':<30} {'hand cpu':>9} {'ours cpu':>9} {'ratio':>6}")
+        print(f"{Path(path).name + f' {micro}x{accum} fp32 fsdp':<30} {hand_ms:>9.2f} "
+              f"{ours_ms:>9.2f} {ours_ms / hand_ms:>6.3f}")
+    dist.destroy_process_group()
+
+
+def _launch_fsdp(argv) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(FSDP_RANKS),
+               "--standalone", __file__, *argv]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    raise SystemExit(subprocess.run(command, env=env).returncode)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6, help="alternating blocks per loop")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per block")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--fsdp", action="store_true",
+                        help=f"the FSDP2 row instead ({FSDP_RANKS} gloo ranks under torchrun)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.fsdp:
+        if "WORLD_SIZE" not in os.environ:
+            _launch_fsdp(sys.argv[1:] if argv is None else argv)
+        fsdp_main(args)
+        return
     rows = []
     for path, micro, accum, precision in CASES:
         workload = load_workload(ROOT / path)

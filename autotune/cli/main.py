@@ -201,13 +201,13 @@ def export(plan_file, target, output):
 @click.option("--epochs", type=click.IntRange(min=1), default=None,
               help="Epochs over build_dataset() (default: 1 when there is a dataset).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
-              help="Folder for checkpoint.pt (written at the end, every --checkpoint-every steps "
-                   "and on SIGINT/SIGTERM).")
+              help="Folder for checkpoints (written at the end, every --checkpoint-every steps "
+                   "and on SIGINT/SIGTERM): checkpoint.pt, or one shard per rank for FSDP plans.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
               help="Checkpoint every K optimizer steps.")
 @click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir's checkpoint.")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the trained model's state_dict here (torch.save).")
+              help="Write the trained model's full (unsharded) state_dict here (torch.save).")
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None,
               help="Write one JSON line of metrics per optimizer step here.")
 @click.option("--clip-grad-norm", type=click.FloatRange(min=0), default=None,
@@ -218,15 +218,13 @@ def export(plan_file, target, output):
 @_errors_to_exit_codes
 def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
                   save_path, metrics_path, clip_grad_norm, seed, device):
-    """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP)."""
-    from ..training import save_model, train
+    """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP or FSDP2)."""
+    from ..training import train
 
     clip = {} if clip_grad_norm is None else {"clip_grad_norm": clip_grad_norm or None}
     result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, metrics_path=metrics_path,
-                   seed=seed, device=device, **clip)
-    if save_path is not None:
-        save_model(result, save_path)
+                   seed=seed, device=device, save_path=save_path, **clip)
     if result.rank != 0:
         return
     last = result.metrics[-1]["loss"] if result.metrics else float("nan")

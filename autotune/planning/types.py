@@ -205,6 +205,10 @@ class Plan(SplitArithmetic):
     shard_group: int | None = None
     """Ranks that share one sharded copy (hybrid sharding replicates across groups); None for DDP
     plans, the world size for plain FSDP."""
+    reduce_every_micro_step: bool = False
+    """FSDP2 only: reduce-scatter the gradients after every micro-step (they then accumulate
+    sharded) instead of holding this rank's unsharded gradients until a window's last micro-step;
+    for plans whose unsharded gradients would not fit. One reduce-scatter per micro-step."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")

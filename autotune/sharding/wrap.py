@@ -32,7 +32,8 @@ def fsdp_policies(sharding: Sharding, precision: Precision) -> dict:
     if precision is Precision.BF16:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if sharding.offload:
-        options["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs a CUDA driver; without one the shards live in plain CPU memory.
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     return options
 
 
@@ -52,4 +53,53 @@ def shard_model(model: torch.nn.Module, *, mesh, sharding, precision="fp32") -> 
     return model
 
 
-__all__ = ["build_mesh", "fsdp_policies", "shard_model"]
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """FSDP2's ``no_sync``: with sync off, backward accumulates this rank's unsharded gradients
+    and reduce-scatters nothing; the next backward with sync on reduce-scatters the sum."""
+    model.set_requires_gradient_sync(enabled)
+
+
+def local_unsharded_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's accumulated, not yet reduced gradients of a sharded ``model`` (after a backward
+    with gradient sync off): what ``p.grad`` is under DDP's ``no_sync``.
+
+    FSDP2 keeps them on its private ``FSDPParam`` objects (``unsharded_accumulated_grad`` when
+    the reduce dtype differs from the compute dtype, else the unsharded parameter's ``.grad``);
+    no public accessor exists, so a torch that moved them raises instead of returning nothing.
+    """
+    grads = []
+    for module in model.modules():
+        if not is_sharded(module):
+            continue
+        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
+        if groups is None:
+            raise AttributeError("this torch's FSDP2 state has no _fsdp_param_groups")
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                grad = fsdp_param.unsharded_accumulated_grad
+                if grad is None:
+                    grad = fsdp_param._unsharded_param.grad
+                if grad is not None:
+                    grads.append(grad)
+    return grads
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The unsharded state dict of a sharded ``model`` on CPU, on rank 0 (empty elsewhere).
+
+    Every rank must call it (it all-gathers shard by shard); keys are the original module's, so
+    the result loads into a freshly built model without torch.distributed.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+__all__ = ["build_mesh", "fsdp_policies", "full_state_dict", "is_sharded", "local_unsharded_grads",
+           "set_gradient_sync", "shard_model"]

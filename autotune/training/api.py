@@ -10,8 +10,11 @@ import torch
 from ..workload.activation_checkpointing import enable_checkpointing
 from ..planning.planfile import check_workload
 from ..precision import Precision, grad_scaler
+from ..sharding import Sharding
+from ..sharding.settings import resolve_shard_group
+from ..sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
 from ..workload.contract import load_workload
-from . import checks, distributed
+from . import checks, distributed, sharded_checkpoint
 from .checkpoint import FORMAT_VERSION, checkpoint_path, load, rng_state, save_atomic, set_rng_state
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
@@ -28,7 +31,8 @@ _FROM_PLAN = object()
 @dataclass
 class TrainResult:
     model: torch.nn.Module
-    """The trained model (unwrapped from DDP)."""
+    """The trained model (unwrapped from DDP; still sharded under FSDP2: its parameters are
+    DTensors, ``autotune.sharding.wrap.full_state_dict`` gathers them)."""
     optimizer: torch.optim.Optimizer
     scheduler: object
     scaler: torch.amp.GradScaler
@@ -56,7 +60,8 @@ class TrainResult:
 def train(plan, workload, *, steps: int | None = None, epochs: int | None = None,
           checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
           metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0, device=None,
-          num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True) -> TrainResult:
+          num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True,
+          save_path=None) -> TrainResult:
     """Train ``workload`` as ``plan`` says: its micro-batches, accumulation, world size,
     precision, checkpointing, LR and warmup, with the gradient of each window exactly that of the
     whole window as one batch.
@@ -65,6 +70,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     ``clip_grad_norm`` defaults to the plan's (None: no clipping). Under torchrun each process
     calls this; rank 0 alone writes metrics and checkpoints. ``measure_noise_scale`` estimates
     the gradient noise scale from gradient norms the loop has anyway (it never changes training).
+    ``save_path`` writes the trained model's full state dict there (``save_model``) while the
+    process group is still up, which a sharded model needs to be gathered.
     """
     plan_source = plan if isinstance(plan, (str, Path)) else "the plan"
     plan = checks.load_plan(plan)
@@ -81,16 +88,21 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     total = checks.total_steps(steps=steps, epochs=epochs, source=workload.source,
                                windows_per_epoch=windows_per_epoch(size, plan.effective_batch,
                                                                    plan.world_size))
-    ctx = distributed.setup(device)
+    sharding = Sharding.parse(plan.sharding, option="plan sharding")
+    ctx = distributed.setup(device, sharded=sharding.sharded)
     try:
         checks.check_world_size(plan, ctx.world_size)
+        shard_group = resolve_shard_group(plan.shard_group, ctx.world_size, option="plan shard_group")
         checks.check_precision(precision, ctx.device)
         session = _Session(plan=plan, workload=workload, ctx=ctx, precision=precision, clip=clip,
-                           seed=seed, dataset=dataset, dataset_size=size, total_steps=total,
-                           checkpoint_dir=checkpoint_dir)
-        return session.run(resume=resume, checkpoint_every=checkpoint_every,
-                           metrics_path=metrics_path, num_workers=num_workers, progress=progress,
-                           measure_noise=measure_noise_scale)
+                           sharding=sharding, shard_group=shard_group, seed=seed, dataset=dataset,
+                           dataset_size=size, total_steps=total, checkpoint_dir=checkpoint_dir)
+        result = session.run(resume=resume, checkpoint_every=checkpoint_every,
+                             metrics_path=metrics_path, num_workers=num_workers, progress=progress,
+                             measure_noise=measure_noise_scale)
+        if save_path is not None:
+            save_model(result, save_path)
+        return result
     finally:
         distributed.teardown(ctx)
 
@@ -98,12 +110,16 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
 class _Session:
     """The objects of one run, and how they are checkpointed and restored."""
 
-    def __init__(self, *, plan, workload, ctx, precision, clip, seed, dataset, dataset_size,
-                 total_steps, checkpoint_dir):
+    def __init__(self, *, plan, workload, ctx, precision, clip, sharding, shard_group, seed, dataset,
+                 dataset_size, total_steps, checkpoint_dir):
         self.plan, self.workload, self.ctx, self.precision = plan, workload, ctx, precision
         self.clip, self.seed, self.dataset, self.dataset_size = clip, seed, dataset, dataset_size
-        self.total_steps = total_steps
-        self.path = None if checkpoint_dir is None else checkpoint_path(checkpoint_dir)
+        self.total_steps, self.sharding, self.shard_group = total_steps, sharding, shard_group
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self.path = None
+        if checkpoint_dir is not None:
+            self.path = (sharded_checkpoint.pointer_path(checkpoint_dir) if sharding.sharded
+                         else checkpoint_path(checkpoint_dir))
         self.layout = WindowLayout(effective_batch=plan.effective_batch, micro_batches=plan.micro_batches,
                                    world_size=ctx.world_size, rank=ctx.rank, dataset_size=dataset_size)
         torch.manual_seed(seed)  # the same initial weights on every rank and in every run
@@ -111,6 +127,10 @@ class _Session:
         model.train()
         if plan.checkpointing:
             enable_checkpointing(model, source=workload.source)
+        if sharding.sharded:
+            # Before the optimizer is built: fully_shard replaces the parameters with DTensors.
+            shard_model(model, mesh=build_mesh(ctx.device.type, ctx.world_size, shard_group),
+                        sharding=sharding, precision=precision)
         self.model = model
         self.optimizer = workload.new_optimizer(p for p in model.parameters() if p.requires_grad)
         apply_plan_lr(self.optimizer, plan)
@@ -130,7 +150,8 @@ class _Session:
                                 optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                 precision=self.precision, workload=self.workload, ctx=self.ctx,
                                 clip_grad_norm=self.clip, state=self.state, notify=metrics.note,
-                                measure_noise=measure_noise)
+                                measure_noise=measure_noise,
+                                reduce_every_micro_step=self.plan.reduce_every_micro_step)
             batches = self._batches(num_workers)
             if rng is not None:
                 set_rng_state(rng)  # last, so nothing before the first step draws from it
@@ -157,6 +178,10 @@ class _Session:
         """(B_noise, why it is None, warnings) at the end of the run."""
         if not measured:
             return None, "the gradient noise scale was not measured (measure_noise_scale=False)", []
+        if self.sharding.sharded and self.plan.reduce_every_micro_step:
+            return None, ("the gradient noise scale is not measured when the plan reduces gradients "
+                          "every micro-step (reduce_every_micro_step): no rank holds a micro-batch's "
+                          "gradient alone"), []
         value = noise_scale(self.state.noise)
         if value is not None:
             advice = batch_advice(value, self.plan.effective_batch)
@@ -186,19 +211,35 @@ class _Session:
         return (f"{self.total_steps} optimizer steps from step {self.state.step}: micro-batches "
                 f"{plan.micro_batches} x {plan.world_size} rank(s) = effective batch "
                 f"{plan.effective_batch}; {self.precision.value}; lr {lr:g} (warmup "
-                f"{plan.lr.warmup_steps} steps); clip {self.clip}; data: {data}")
+                f"{plan.lr.warmup_steps} steps); clip {self.clip}; {self._describe_sharding()}; "
+                f"data: {data}")
+
+    def _describe_sharding(self) -> str:
+        if not self.sharding.sharded:
+            return "ddp" if self.ctx.distributed else "one process"
+        hybrid = (f", hybrid: shard groups of {self.shard_group}"
+                  if self.shard_group < self.ctx.world_size else "")
+        return f"{self.sharding} over {self.ctx.world_size} rank(s){hybrid}"
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _save(self) -> None:
         if self.path is None:
             return
         rng = distributed.gather_objects(rng_state(), self.ctx)  # every rank takes part
+        if self.sharding.sharded:
+            sharded_checkpoint.save(self.checkpoint_dir, step=self.state.step,
+                                    world_size=self.ctx.world_size, model=self.model,
+                                    optimizer=self.optimizer, train_state=self._train_state(rng),
+                                    is_main=self.ctx.is_main)
+            return
         if not self.ctx.is_main:
             return
-        save_atomic({
-            "format": FORMAT_VERSION,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+        save_atomic({"format": FORMAT_VERSION, "model": self.model.state_dict(),
+                     "optimizer": self.optimizer.state_dict(), **self._train_state(rng)}, self.path)
+
+    def _train_state(self, rng: list) -> dict:
+        """Everything of a checkpoint but the model and the optimizer."""
+        return {
             "scaler": self.scaler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng,
@@ -208,7 +249,7 @@ class _Session:
             "noise_scale": self.state.noise.to_dict(),
             "data": self._data_position(),
             "plan": self.plan.to_dict(),
-        }, self.path)
+        }
 
     def _data_position(self) -> dict:
         position = {"seed": self.seed, "effective_batch": self.plan.effective_batch,
@@ -219,7 +260,13 @@ class _Session:
         return position
 
     def _restore(self):
-        saved = load(self.path)
+        if self.sharding.sharded:
+            saved = sharded_checkpoint.load(self.checkpoint_dir, world_size=self.ctx.world_size,
+                                            model=self.model, optimizer=self.optimizer)
+        else:
+            saved = load(self.path)
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
         data = saved["data"]
         for option, name, value in (("--seed", "seed", self.seed),
                                     ("the plan's effective batch", "effective_batch", self.plan.effective_batch),
@@ -229,8 +276,6 @@ class _Session:
                     f"--resume: {option} is {value} but the checkpoint {self.path} was trained with "
                     f"{data[name]}; resume with the same setting (or start a new --checkpoint-dir)"
                 )
-        self.model.load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
         self.scaler.load_state_dict(saved["scaler"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state.step = saved["step"]
@@ -247,7 +292,13 @@ def _current_split(plan, state) -> list[int]:
 
 
 def save_model(result: TrainResult, path) -> None:
-    """``--save``: ``{"model": state_dict, "steps": n}`` with ``torch.save`` (rank 0 only)."""
+    """``--save``: ``{"model": state_dict, "steps": n}`` with ``torch.save``, written by rank 0.
+
+    Every rank calls it: a sharded model is gathered into a full, unsharded state dict (plain
+    CPU tensors that load into the model file's ``build_model()`` without torch.distributed),
+    which needs the process group ``train`` tore down: pass ``save_path`` to ``train`` instead.
+    """
+    state = full_state_dict(result.model) if is_sharded(result.model) else result.model.state_dict()
     if result.rank != 0:
         return
-    save_atomic({"model": result.model.state_dict(), "steps": result.steps}, Path(path))
+    save_atomic({"model": state, "steps": result.steps}, Path(path))

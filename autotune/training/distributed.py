@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..memory import resolve_device
+from ..sharding import wrap as sharding
 from .errors import TrainError
 
 
@@ -34,10 +35,20 @@ class DistContext:
         return self.rank == 0
 
 
-def setup(device=None) -> DistContext:
+def setup(device=None, *, sharded: bool = False) -> DistContext:
+    """Join the process group (torchrun), or run alone.
+
+    A sharded plan on one process still needs a process group (FSDP2 shards over a device mesh,
+    even of one rank, e.g. to offload to the CPU): one is made in-process with a ``HashStore``.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1 and not (dist.is_available() and dist.is_initialized()):
-        return DistContext(world_size=1, rank=0, device=resolve_device(device))
+        resolved = resolve_device(device)
+        if not sharded:
+            return DistContext(world_size=1, rank=0, device=resolved)
+        dist.init_process_group(backend="nccl" if resolved.type == "cuda" else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1)
+        return DistContext(world_size=1, rank=0, device=resolved, initialized_here=True)
     resolved = resolve_device(device)
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -58,14 +69,19 @@ def teardown(ctx: DistContext) -> None:
 
 
 def wrap_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
-    if not ctx.distributed:
+    """DDP around ``model`` on several ranks; a sharded (FSDP2) model is already distributed."""
+    if not ctx.distributed or sharding.is_sharded(model):
         return model
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
 def sync_context(model: torch.nn.Module, *, final: bool):
-    """``no_sync()`` on every micro-step of a window but the last (DDP only)."""
+    """Gradients reduced on the last micro-step of a window only: DDP's ``no_sync()`` on the
+    others, FSDP2's gradient sync switched off for them."""
+    if sharding.is_sharded(model):
+        sharding.set_gradient_sync(model, final)
+        return contextlib.nullcontext()
     if final or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext()
     return model.no_sync()
@@ -87,6 +103,13 @@ def forget_failed_window(model: torch.nn.Module) -> None:
                            "out-of-memory recovery under DDP needs torch >= 2.4")
     model._has_rebuilt_buckets = False
     reset()
+
+
+def local_grads(model: torch.nn.Module, params) -> list[torch.Tensor]:
+    """This rank's own accumulated gradients before the window's reduction (noise scale)."""
+    if sharding.is_sharded(model):
+        return sharding.local_unsharded_grads(model)
+    return [p.grad for p in params if p.grad is not None]
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

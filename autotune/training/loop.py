@@ -13,6 +13,7 @@ import torch
 
 from ..oom import free_memory, is_oom_error
 from ..precision import Precision, autocast
+from ..sharding import wrap as sharding
 from ..workload.contract import Workload, move_batch
 from . import distributed, noise_scale
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
@@ -20,6 +21,14 @@ from .data import Window, slice_batch, split_micro_batches
 from .errors import TrainError
 from .metrics import peak_memory_bytes
 from .recovery import SplitPolicy
+
+_SHARDED_OOM = (
+    "ran out of memory in a micro-step of an FSDP2 (sharded) plan; FSDP2 all-gathers and "
+    "reduce-scatters inside every forward and backward, so the other ranks wait in a collective "
+    "this rank can no longer join, and FSDP2's own state cannot be rewound: the window is not "
+    "redone (see docs/sharded-training.md). Re-plan with a smaller micro-batch (autotune plan "
+    "--micro-batch N), more headroom (--headroom) or the fsdp-offload sharding"
+)
 
 
 @dataclass
@@ -45,7 +54,8 @@ class TrainState:
 class StepRunner:
     def __init__(self, *, model, optimizer, scheduler, scaler, precision: Precision, workload: Workload,
                  ctx: distributed.DistContext, clip_grad_norm: float | None, state: TrainState,
-                 notify=lambda message: None, measure_noise: bool = True):
+                 notify=lambda message: None, measure_noise: bool = True,
+                 reduce_every_micro_step: bool = False):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -57,8 +67,11 @@ class StepRunner:
         self.clip_grad_norm = clip_grad_norm
         self.state = state
         self.notify = notify
-        self.measure_noise = measure_noise
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sharded = sharding.is_sharded(model)
+        # FSDP2 only: then no rank ever holds a micro-step's gradient alone (no noise scale).
+        self.reduce_every_micro_step = reduce_every_micro_step and self.sharded
+        self.measure_noise = measure_noise and not self.reduce_every_micro_step
         self.totals = WindowTotals(self.device)
         # BatchNorm updates its running statistics in forward; a window redone after an OOM must
         # start from the statistics it started with, or the redo would count its samples twice.
@@ -113,15 +126,21 @@ class StepRunner:
                     distributed.any_rank(True, self.ctx)  # every rank joins the agreement once
                 continue
             if size == 0:  # an empty piece of a split (never the last one: sizes are sorted)
+                if self.sharded:
+                    # FSDP2 all-gathers in every forward and backward, so this rank must run the
+                    # micro-step the others run: one sample whose loss counts zero times.
+                    failed = self._micro_step(slice_batch(batch, 0, 1), 1, 0.0, final, measure=False,
+                                              padding=True)
                 continue
             failed = self._micro_step(part, size, scale, final, measure=index == measure_at < last)
         return failed
 
-    def _micro_step(self, part, size: int, scale: float, final: bool, *, measure: bool) -> bool:
+    def _micro_step(self, part, size: int, scale: float, final: bool, *, measure: bool,
+                    padding: bool = False) -> bool:
         out_of_memory = agreed = False
         try:
             batch = move_batch(part, self.device)
-            with distributed.sync_context(self.model, final=final):
+            with distributed.sync_context(self.model, final=final or self.reduce_every_micro_step):
                 with autocast(self.precision, self.device):
                     loss, count = self.workload.loss(self.model, batch)
                 loss_sum, items = summed_loss(loss, count, size)
@@ -132,7 +151,8 @@ class StepRunner:
                     if distributed.any_rank(False, self.ctx):
                         return True
                 self.scaler.scale(loss_sum * scale).backward()
-            self.totals.add(loss_sum, items, counted=count is not None)
+            if not padding:
+                self.totals.add(loss_sum, items, counted=count is not None)
             if measure:
                 # Reading the gradients leaves them (and so training) untouched. The grads are
                 # GradScaler scale × (world_size·n/N) × the micro-batch's per-sample mean
@@ -142,6 +162,8 @@ class StepRunner:
         except Exception as exc:  # noqa: BLE001 - anything but out-of-memory is re-raised untouched
             if not is_oom_error(exc):
                 raise
+            if self.sharded:
+                raise TrainError(_SHARDED_OOM) from exc
             out_of_memory = True
         if out_of_memory and final and self.ctx.distributed:
             if agreed:
@@ -216,18 +238,26 @@ class StepRunner:
         self.state.noise = noise_scale.update(self.state.noise, estimate)
 
     def _grad_sq_norm(self) -> torch.Tensor:
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = distributed.local_grads(self.model, self.params)
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2
 
     def _grad_norm(self) -> torch.Tensor:
+        """The global gradient norm (clipping to it when asked); over FSDP2's DTensor shards the
+        norm is reduced across ranks, and every rank gets the full value."""
         if self.clip_grad_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
+            return _full(torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm))
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        return torch.nn.utils.get_total_norm(grads)
+        return _full(torch.nn.utils.get_total_norm(grads))
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics, stop,
