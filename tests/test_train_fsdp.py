@@ -246,10 +246,10 @@ def test_one_process_fsdp_plan_trains_checkpoints_and_resumes(tmp_path, capsys):
 
 
 def test_out_of_memory_under_fsdp_is_a_clear_error():
-    from test_train_oom import _OOMOnce
+    from train_helpers import OOMOnce
 
     plan = dataclasses.replace(make_plan([4, 4]), sharding="fsdp")
-    workload = mlp_workload(SAMPLES, model=lambda: _OOMOnce(build_mlp(), fail_at={2}))
+    workload = mlp_workload(SAMPLES, model=lambda: OOMOnce(build_mlp(), fail_at={2}))
     with pytest.raises(TrainError, match="FSDP2 all-gathers and reduce-scatters inside every forward"):
         train(plan, workload, steps=2, progress=False)
 
