@@ -47,6 +47,20 @@ def _errors_to_exit_codes(command):
     return wrapper
 
 
+def _quiet_option(command):
+    """--quiet: no progress bars (they show only where stderr is a terminal, on rank 0)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, quiet, **kwargs):
+        from ..progress import quiet as no_progress
+
+        with no_progress(quiet):
+            return command(*args, **kwargs)
+
+    return click.option("-q", "--quiet", is_flag=True,
+                        help="No progress bars on stderr (drawn only when it is a terminal).")(wrapper)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="autotune")
 def cli():
@@ -69,6 +83,7 @@ def _model_file(function):
 @click.option("--max-micro-batch", type=click.IntRange(min=1), default=None,
               help="Largest micro-batch worth finding (default: the true maximum).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_quiet_option
 @_errors_to_exit_codes
 def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_batch, as_json):
     """Find the exact largest micro-batch whose full training step fits."""
@@ -136,6 +151,7 @@ def devices(memory_limit, as_json):
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
+@_quiet_option
 @_errors_to_exit_codes
 def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
@@ -215,16 +231,18 @@ def export(plan_file, target, output):
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seeds the initial weights and the data order.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress (bar or log lines) on stderr; warnings are still printed.")
 @_errors_to_exit_codes
 def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
-                  save_path, metrics_path, clip_grad_norm, seed, device):
+                  save_path, metrics_path, clip_grad_norm, seed, device, quiet):
     """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP)."""
     from ..training import save_model, train
 
     clip = {} if clip_grad_norm is None else {"clip_grad_norm": clip_grad_norm or None}
     result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, metrics_path=metrics_path,
-                   seed=seed, device=device, **clip)
+                   seed=seed, device=device, progress=not quiet, **clip)
     if save_path is not None:
         save_model(result, save_path)
     if result.rank != 0:
@@ -298,6 +316,7 @@ def profiles(profile, as_json):
               help="Real training steps to run at the plan's micro-batch.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Write the re-planned plan here when the plan is not confirmed.")
+@_quiet_option
 @_errors_to_exit_codes
 def verify(plan_file, model_file, device, memory_limit, steps, output):
     """Run a plan's micro-batch for a few real steps here: exit 0 when it fits, 1 when re-planned."""

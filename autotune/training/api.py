@@ -122,7 +122,8 @@ class _Session:
             measure_noise=True) -> TrainResult:
         rng = self._restore() if resume else None
         metrics = MetricsLog(metrics_path, enabled=self.ctx.is_main, total_steps=self.total_steps,
-                             progress=progress, resume_step=self.state.step)
+                             progress=progress, resume_step=self.state.step,
+                             predicted_peak_bytes=self.plan.predicted_peak_bytes)
         try:
             if progress:
                 metrics.note(self._describe())
