@@ -138,3 +138,14 @@ def _split_text(plan) -> str:
     else:
         per_rank = f"({' + '.join(map(str, plan.micro_batches))}) over {steps} accumulation steps"
     return f"{per_rank} × {plan.world_size} rank{'s' if plan.world_size > 1 else ''} = {plan.effective_batch}"
+
+
+def format_metrics(runs: dict[str, list[dict]]) -> str:
+    """One row per metrics file: steps, first and last loss, the last peak."""
+    rows = []
+    for name, records in runs.items():
+        first, last = records[0], records[-1]
+        peak = f"{format_bytes(last.get('peak_memory_bytes'))} {last.get('peak_memory_kind') or ''}"
+        rows.append([name, f"{first['step']}-{last['step']}", f"{first['loss']:.4f}",
+                     f"{last['loss']:.4f}", peak.strip()])
+    return table(["metrics", "steps", "first loss", "last loss", "last peak"], rows, align="lrrrr")

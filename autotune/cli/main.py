@@ -175,16 +175,48 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
 
 
 @cli.command()
-@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Draw it to this .svg/.png/.pdf: a plan's memory picture (and throughput), or "
+                   "the loss, LR and gradient norm of one or more metrics files on one plot. "
+                   "Needs matplotlib: pip install 'autotune[plot]'.")
 @_errors_to_exit_codes
-def show(plan_file, as_json):
-    """Print the summary of a saved plan."""
+def show(files, as_json, plot_path):
+    """Print the summary of a saved plan, or plot it or metrics files (autotune train --metrics)."""
     from ..planning.planfile import load_plan, plan_to_json
-    from .format import format_plan
+    from ..report.plots import load_metrics, plot_metrics, plot_plan
+    from .format import format_metrics, format_plan
 
-    result = load_plan(plan_file)
+    if all(f.endswith(".jsonl") for f in files):
+        if plot_path is not None:
+            plot_metrics(files, plot_path)
+            click.echo(f"plot written to {plot_path}", err=True)
+        else:
+            click.echo(format_metrics({f: load_metrics(f) for f in files}))
+        return
+    if len(files) > 1:
+        raise click.UsageError("show takes one plan file, or one or more metrics files (.jsonl)")
+    result = load_plan(files[0])
+    if plot_path is not None:
+        plot_plan(result, plot_path)
+        click.echo(f"plot written to {plot_path}", err=True)
     click.echo(plan_to_json(result) if as_json else format_plan(result), nl=not as_json)
+
+
+@cli.command()
+@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="report.html",
+              show_default=True, help="Where to write the page.")
+@_errors_to_exit_codes
+def report(plan_file, output):
+    """Write a self-contained HTML page of a plan: summary, settings, memory plot, throughput,
+    warnings (inline SVG; opens without a network)."""
+    from ..planning.planfile import load_plan
+    from ..report.html import write_report
+
+    write_report(load_plan(plan_file), output)
+    click.echo(f"report written to {output}", err=True)
 
 
 @cli.command()

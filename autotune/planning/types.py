@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from ..memory.base import DeviceInfo
 from ..probing.result import ProbeResult
 from ..sharding.settings import Sharding
+from ..units import format_bytes
 
 SCHEMA_VERSION = 2
 """Version of the plan file layout; bump it when a field changes meaning or is removed.
@@ -183,6 +184,19 @@ class Plan(SplitArithmetic):
 
     def __post_init__(self):
         self.sharding = Sharding.parse(self.sharding, option="sharding")
+
+    def __repr__(self) -> str:
+        split = " + ".join(map(str, self.micro_batches))
+        peak = (f", peak {format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)}"
+                if self.predicted_peak_bytes is not None and self.device is not None else "")
+        lr = f", lr {self.lr.lr:.4g}" if self.lr.lr is not None else ""
+        return (f"Plan({split} × {self.world_size} rank(s) = {self.effective_batch}, {self.precision}, "
+                f"checkpointing {'on' if self.checkpointing else 'off'}{peak}{lr})")
+
+    def _repr_html_(self) -> str:
+        from ..report.html import plan_html  # the view sits above the plan: imported when drawn
+
+        return plan_html(self)
 
     @property
     def effective_batch(self) -> int:

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..memory.base import DeviceInfo
+from ..units import format_bytes
 
 
 @dataclass(kw_only=True)
@@ -107,6 +108,17 @@ class ProbeResult:
     @property
     def budget_bytes(self) -> int:
         return self.device.budget_bytes
+
+    def __repr__(self) -> str:
+        capped = ", capped" if self.capped else ""
+        return (f"ProbeResult(max_micro_batch={self.max_micro_batch}{capped}, {self.precision}, "
+                f"checkpointing {'on' if self.checkpointing else 'off'}, {self.steps} trials, "
+                f"budget {format_bytes(self.budget_bytes)})")
+
+    def _repr_html_(self) -> str:
+        from ..report.html import probe_html  # the view sits above the result: imported when drawn
+
+        return probe_html(self)
 
     @property
     def steps(self) -> int:

@@ -52,6 +52,17 @@ class TrainResult:
     warnings: list[str] = field(default_factory=list)
     """Advice printed once at the end of the run (the effective batch far beyond B_noise)."""
 
+    def __repr__(self) -> str:
+        loss = f", last loss {self.metrics[-1]['loss']:.4g}" if self.metrics else ""
+        return (f"TrainResult(steps={self.steps}{loss}, micro-batches {self.micro_batches}, "
+                f"skipped {self.skipped_steps}, out-of-memory recoveries {self.oom_recoveries}"
+                f"{', interrupted' if self.interrupted else ''})")
+
+    def _repr_html_(self) -> str:
+        from ..report.html import train_html  # the view sits above training: imported when drawn
+
+        return train_html(self)
+
 
 def train(plan, workload, *, steps: int | None = None, epochs: int | None = None,
           checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
