@@ -269,6 +269,34 @@ def plan_warnings(plan: Plan, request: PlanRequest) -> list[str]:
                      f"assumed to match this device and its free memory; run the plan under torchrun "
                      f"to probe each rank")
     found += lr_warnings(plan.lr, plan.target_batch)
+    found += allocator_warnings(plan.chosen_setting)
+    return found
+
+
+RESERVED_OVER_ALLOCATED = 1.25
+"""CUDA: a reserved peak this many times the allocated peak is a fragmented cache."""
+
+
+def allocator_warnings(setting: SettingTried | None) -> list[str]:
+    """CUDA's caching allocator reserving well above what tensors use, or retrying cudaMalloc, in
+    the probe of the planned setting: a step that fits by its tensors can still fail there."""
+    if setting is None or setting.probe is None:
+        return []
+    found = []
+    fitting = [t for t in setting.probe.trials if t.fits and t.reserved_peak_bytes is not None]
+    worst = max(fitting, key=lambda t: t.reserved_peak_bytes / max(t.peak_bytes, 1), default=None)
+    if worst is not None and worst.reserved_peak_bytes > RESERVED_OVER_ALLOCATED * worst.peak_bytes:
+        found.append(
+            f"at micro-batch {worst.micro_batch} torch reserved {format_bytes(worst.reserved_peak_bytes)} "
+            f"for {format_bytes(worst.peak_bytes)} of tensors ({worst.reserved_peak_bytes / max(worst.peak_bytes, 1):.2f}x): "
+            f"the caching allocator is fragmented and may fail where the tensors would fit; set "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or plan with more --headroom")
+    retries = sum(t.alloc_retries or 0 for t in setting.probe.trials)
+    if retries:
+        found.append(
+            f"the allocator retried cudaMalloc {retries} time(s) during the probe (it freed its cache "
+            f"to find room, which is slow and a sign of fragmentation); set "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or plan with more --headroom")
     return found
 
 
@@ -326,6 +354,6 @@ def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, e
 __all__ = [
     "BATCHNORM_MIN_MICRO_BATCH", "MAX_QUIET_ACCUMULATION", "PlanRequest", "allowed_micro_batch",
     "build_plan", "checkpointing_worth_probing", "choose_precision", "ddp_bucket_bytes",
-    "evaluate_setting", "per_device_share", "plan_warnings", "predicted_peak", "split_pinned",
+    "allocator_warnings", "evaluate_setting", "per_device_share", "plan_warnings", "predicted_peak", "split_pinned",
     "split_share", "usable_bytes",
 ]

@@ -26,6 +26,13 @@ class Trial:
     """Live before the step: parameters, buffers, optimizer state."""
     gradient_bytes: int | None = None
     """Bytes of the trainable parameters' gradients (all live at the end of backward)."""
+    reserved_peak_bytes: int | None = None
+    """CUDA: the caching allocator's reserved peak (``peak_bytes`` is what tensors held)."""
+    alloc_retries: int | None = None
+    """CUDA: cudaMalloc retries after freeing the cache during the trial (fragmentation)."""
+    nvml_used_bytes: int | None = None
+    """CUDA: the device's used memory as NVML sees it after the trial (context and other
+    processes included)."""
 
     @classmethod
     def from_dict(cls, data: dict) -> "Trial":
