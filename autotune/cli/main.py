@@ -61,6 +61,30 @@ def _quiet_option(command):
                         help="No progress bars on stderr (drawn only when it is a terminal).")(wrapper)
 
 
+def _scaler_options(command):
+    """The fp16 GradScaler's knobs, gathered into ``grad_scaler`` (only those given)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, init_scale, growth_factor, backoff_factor, growth_interval, **kwargs):
+        given = {"init_scale": init_scale, "growth_factor": growth_factor,
+                 "backoff_factor": backoff_factor, "growth_interval": growth_interval}
+        return command(*args, grad_scaler={k: v for k, v in given.items() if v is not None}, **kwargs)
+
+    options = [
+        click.option("--init-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="fp16 GradScaler: the loss scale to start from (torch: 65536)."),
+        click.option("--growth-factor", type=click.FloatRange(min=1, min_open=True), default=None,
+                     help="fp16 GradScaler: scale growth after growth-interval clean steps (torch: 2)."),
+        click.option("--backoff-factor", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
+                     default=None, help="fp16 GradScaler: scale factor on inf/NaN (torch: 0.5)."),
+        click.option("--growth-interval", type=click.IntRange(min=1), default=None,
+                     help="fp16 GradScaler: clean steps before the scale grows (torch: 2000)."),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="autotune")
 def cli():
@@ -151,11 +175,12 @@ def devices(memory_limit, as_json):
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
+@_scaler_options
 @_quiet_option
 @_errors_to_exit_codes
 def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
-                 gpu, output, as_json):
+                 gpu, output, as_json, grad_scaler):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
     from ..planning.planfile import plan_to_json, save_plan
     from ..planning.api import plan as make_plan
@@ -165,7 +190,8 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                        precision=precision.lower(), checkpointing=checkpointing,
                        memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
                        base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
-                       optimize=optimize, budget=budget, storage=storage, gpu=gpu)
+                       optimize=optimize, budget=budget, storage=storage, gpu=gpu,
+                       grad_scaler=grad_scaler)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)
@@ -265,16 +291,17 @@ def export(plan_file, target, output):
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
 @click.option("-q", "--quiet", is_flag=True,
               help="No progress (bar or log lines) on stderr; warnings are still printed.")
+@_scaler_options
 @_errors_to_exit_codes
 def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
-                  save_path, metrics_path, clip_grad_norm, seed, device, quiet):
+                  save_path, metrics_path, clip_grad_norm, seed, device, quiet, grad_scaler):
     """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP)."""
     from ..training import save_model, train
 
     clip = {} if clip_grad_norm is None else {"clip_grad_norm": clip_grad_norm or None}
     result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, metrics_path=metrics_path,
-                   seed=seed, device=device, progress=not quiet, **clip)
+                   seed=seed, device=device, progress=not quiet, grad_scaler=grad_scaler, **clip)
     if save_path is not None:
         save_model(result, save_path)
     if result.rank != 0:

@@ -10,12 +10,13 @@ always sum exactly to the share: 127 with at most 50 per step is 43 + 42 + 42.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import ConfigError, PlanError
 from .lr import decide_lr, lr_warnings
 from ..memory.base import DeviceInfo
+from ..precision import GradScalerSettings
 from .types import Plan, SettingTried, WorkloadFingerprint
 from ..probing.result import ProbeResult
 from ..units import format_bytes
@@ -46,6 +47,8 @@ class PlanRequest:
     dataset_size: int | None = None
     distributed: bool = False
     """Planned under torchrun with every rank probing."""
+    grad_scaler: GradScalerSettings = field(default_factory=GradScalerSettings)
+    """The fp16 GradScaler's knobs, recorded in the plan."""
 
     def __post_init__(self):
         _check_positive_int(self.target_batch, "--target-batch")
@@ -331,7 +334,7 @@ def build_plan(
         ddp_bucket_bytes=extra,
         predicted_peak_bytes=int(predicted_peak(setting.probe, max(split), extra)),
         settings=list(settings), reasons=reasons, distributed=request.distributed,
-        created_at=created_at,
+        created_at=created_at, grad_scaler=request.grad_scaler,
     )
     if plan.effective_batch != request.target_batch:  # a bug here would silently change training
         raise PlanError(f"internal error: planned {split} × {request.world_size} = "

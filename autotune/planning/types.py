@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..memory.base import DeviceInfo
+from ..precision import GradScalerSettings
 from ..probing.result import ProbeResult
 from ..sharding.settings import Sharding
 from ..units import format_bytes
@@ -181,6 +182,10 @@ class Plan(SplitArithmetic):
     shard_group: int | None = None
     """Ranks that share one sharded copy (hybrid sharding replicates across groups); None for DDP
     plans, the world size for plain FSDP."""
+    grad_scaler: GradScalerSettings = field(default_factory=GradScalerSettings)
+    """The fp16 GradScaler's knobs (init_scale, growth_factor, backoff_factor, growth_interval);
+    recorded for every plan, used where the precision is fp16. Absent in older files: torch's
+    defaults."""
 
     def __post_init__(self):
         self.sharding = Sharding.parse(self.sharding, option="sharding")
@@ -234,6 +239,7 @@ class Plan(SplitArithmetic):
         data["warnings"] = list(self.warnings)
         data["versions"] = dict(self.versions)
         data["reasons"] = dict(self.reasons)
+        data["grad_scaler"] = self.grad_scaler.to_dict()
         # Derived numbers, written for readers and other tools; ignored when read back.
         data["derived"] = {"accumulation_steps": self.accumulation_steps,
                            "micro_batch": self.micro_batch, "effective_batch": self.effective_batch,
@@ -249,4 +255,6 @@ class Plan(SplitArithmetic):
             data["device"] = DeviceInfo.from_dict(data["device"])
         data["settings"] = [SettingTried.from_dict(s) for s in data.get("settings", [])]
         data["throughput"] = [ConfigurationMeasured.from_dict(c) for c in data.get("throughput", [])]
+        if data.get("grad_scaler") is not None:
+            data["grad_scaler"] = GradScalerSettings.from_dict(data["grad_scaler"])
         return cls(**data)

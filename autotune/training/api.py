@@ -9,7 +9,7 @@ import torch
 
 from ..workload.activation_checkpointing import enable_checkpointing
 from ..planning.planfile import check_workload
-from ..precision import Precision, grad_scaler
+from ..precision import Precision, grad_scaler, scaler_settings
 from ..workload.contract import load_workload
 from . import checks, distributed
 from .checkpoint import FORMAT_VERSION, checkpoint_path, load, rng_state, save_atomic, set_rng_state
@@ -67,7 +67,8 @@ class TrainResult:
 def train(plan, workload, *, steps: int | None = None, epochs: int | None = None,
           checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
           metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0, device=None,
-          num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True) -> TrainResult:
+          num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True,
+          grad_scaler=None) -> TrainResult:
     """Train ``workload`` as ``plan`` says: its micro-batches, accumulation, world size,
     precision, checkpointing, LR and warmup, with the gradient of each window exactly that of the
     whole window as one batch.
@@ -76,6 +77,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     ``clip_grad_norm`` defaults to the plan's (None: no clipping). Under torchrun each process
     calls this; rank 0 alone writes metrics and checkpoints. ``measure_noise_scale`` estimates
     the gradient noise scale from gradient norms the loop has anyway (it never changes training).
+    ``grad_scaler`` (a dict of some of init_scale, growth_factor, backoff_factor, growth_interval,
+    or a ``GradScalerSettings``) overrides the plan's fp16 GradScaler knobs.
     """
     plan_source = plan if isinstance(plan, (str, Path)) else "the plan"
     plan = checks.load_plan(plan)
@@ -85,6 +88,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          resume=resume, clip_grad_norm=clip, num_workers=num_workers)
     precision = Precision.parse(plan.precision, option="plan precision")
+    scaler = scaler_settings(grad_scaler, plan.grad_scaler)
     dataset = workload.build_dataset() if workload.build_dataset is not None else None
     size = None if dataset is None else dataset_size(dataset, source=workload.source)
     if size is not None:
@@ -98,7 +102,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
         checks.check_precision(precision, ctx.device)
         session = _Session(plan=plan, workload=workload, ctx=ctx, precision=precision, clip=clip,
                            seed=seed, dataset=dataset, dataset_size=size, total_steps=total,
-                           checkpoint_dir=checkpoint_dir)
+                           checkpoint_dir=checkpoint_dir, scaler=scaler)
         return session.run(resume=resume, checkpoint_every=checkpoint_every,
                            metrics_path=metrics_path, num_workers=num_workers, progress=progress,
                            measure_noise=measure_noise_scale)
@@ -110,7 +114,7 @@ class _Session:
     """The objects of one run, and how they are checkpointed and restored."""
 
     def __init__(self, *, plan, workload, ctx, precision, clip, seed, dataset, dataset_size,
-                 total_steps, checkpoint_dir):
+                 total_steps, checkpoint_dir, scaler):
         self.plan, self.workload, self.ctx, self.precision = plan, workload, ctx, precision
         self.clip, self.seed, self.dataset, self.dataset_size = clip, seed, dataset, dataset_size
         self.total_steps = total_steps
@@ -126,7 +130,7 @@ class _Session:
         self.optimizer = workload.new_optimizer(p for p in model.parameters() if p.requires_grad)
         apply_plan_lr(self.optimizer, plan)
         self.scheduler = build_scheduler(workload, self.optimizer, plan)
-        self.scaler = grad_scaler(precision, ctx.device)
+        self.scaler = grad_scaler(precision, ctx.device, scaler)
         self.state = TrainState()
 
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
