@@ -50,7 +50,7 @@ def _memory_axes(ax, *, settings, budget, headroom_bytes, planned, predicted, ex
             label += " (planned)"
         fits = [t for t in probe.trials if t.fits]
         failed = [t for t in probe.trials if not t.fits]
-        xs = [x * xmax / 200 for x in range(1, 201)]
+        xs = [x * xmax / 60 for x in range(61)]
         model = probe.memory_model
         if model.points:
             ax.plot(xs, [(model.predict(x) + extra_bytes) / MiB for x in xs], color=color, lw=1.2,
@@ -70,11 +70,15 @@ def _memory_axes(ax, *, settings, budget, headroom_bytes, planned, predicted, ex
         if predicted is not None:
             ax.plot([planned], [predicted / MiB], "*", color="crimson", ms=12, gid="planned-peak")
     ax.set_xlim(0, xmax)
-    ax.set_ylim(bottom=0)
+    # The fitted lines run on past the budget; the picture that matters is at and below it.
+    peaks = [t.peak_bytes for _, probe in settings for t in probe.trials]
+    top = max([budget or 0, *peaks, predicted or 0], default=0)
+    ax.set_ylim(0, top * 1.25 / MiB if top else None)
+    ax.locator_params(nbins=6)
     ax.set_xlabel("micro-batch (samples per step)")
     ax.set_ylabel("peak memory of one training step (MiB)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small", loc="best")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
 def _throughput_axes(ax, plan):
@@ -101,7 +105,7 @@ def plan_figure(plan):
     """The memory picture of a plan (and, for throughput plans, samples/s of each configuration)."""
     _, Figure = _matplotlib()
     panels = 2 if plan.throughput else 1
-    fig = Figure(figsize=(7.5, 4.8 * panels), layout="constrained")
+    fig = Figure(figsize=(10, 4.8 * panels), layout="constrained")
     axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
     settings = [((s.precision, s.checkpointing), s.probe) for s in plan.settings if s.probe is not None]
     _memory_axes(axes[0], settings=settings, budget=plan.budget_bytes,
@@ -117,14 +121,14 @@ def plan_figure(plan):
 
 def probe_figure(probe):
     _, Figure = _matplotlib()
-    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+    fig = Figure(figsize=(10, 4.8), layout="constrained")
     ax = fig.subplots()
     _memory_axes(ax, settings=[((probe.precision, probe.checkpointing), probe)],
                  budget=probe.budget_bytes, headroom_bytes=0, planned=None, predicted=None,
                  extra_bytes=0, chosen=None)
     ax.axvline(probe.max_micro_batch, color="crimson", lw=1,
                label=f"largest that fits: {probe.max_micro_batch}", gid="largest")
-    ax.legend(fontsize="small", loc="best")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
 
