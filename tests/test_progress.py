@@ -85,3 +85,61 @@ def test_training_peak_is_the_tracked_peak_the_plan_predicted(tmp_path, examples
     assert steady["rss_peak_bytes"] > steady["peak_memory_bytes"]  # RSS holds far more than tensors
     line = format_progress(steady, 3, predicted)
     assert "tensors (plan " in line and "process RSS" in line
+
+
+def _stderr_through_a_terminal(argv) -> str:
+    """Run ``argv`` with stderr on a pseudo-terminal (80 columns); what it drew there."""
+    pty = pytest.importorskip("pty")
+    import fcntl
+    import os
+    import struct
+    import subprocess
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    assert child.wait() == 0
+    return drawn.decode(errors="replace")
+
+
+def test_a_real_terminal_gets_bars_and_a_pipe_does_not(examples_dir):
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "autotune", "probe", str(examples_dir / "mlp.py"), "--device", "cpu",
+            "--memory-limit", "96MiB", "--max-micro-batch", "8"]
+    drawn = _stderr_through_a_terminal(argv)
+    assert "probe fp32, checkpointing off" in drawn and "trial" in drawn and "\r" in drawn
+    piped = subprocess.run(argv, capture_output=True, text=True)
+    assert piped.returncode == 0 and "probe fp32" not in piped.stderr and "\r" not in piped.stderr
+
+
+def test_throughput_search_bar_counts_seconds_and_shows_the_best(terminal):
+    from autotune.tuning.measure import Configuration, Measurement
+    from autotune.tuning.search import Candidate, search_throughput
+
+    speeds = {8: 100.0, 16: 180.0}
+    candidates = [Candidate(config=Configuration(precision="fp32", checkpointing=False,
+                                                 micro_batches=(m,) * (32 // m)),
+                            predicted_peak_bytes=m << 20, predicted_fits=True) for m in speeds]
+    seconds = iter(range(0, 10_000))
+    result = search_throughput(
+        candidates, lambda c: Measurement(samples_per_s=speeds[c.micro_batch], peak_bytes=1),
+        lambda configs, s: [Measurement(samples_per_s=speeds[c.micro_batch], peak_bytes=1) for c in configs],
+        budget_s=60, usable_bytes=1 << 30, study_name="progress", clock=lambda: float(next(seconds)))
+    assert result.winner.micro_batch == 16
+    drawn = terminal()
+    assert "throughput search" in drawn and "/60" in drawn
+    assert "2 measured" in drawn and "best so far 180.0" in drawn

@@ -60,7 +60,7 @@ def probe(
 
     setting = f"{precision.value}, checkpointing {'on' if checkpointing else 'off'}"
     try:
-        with limits(), session, progress.bar(f"probe {setting}", unit="trial") as shown:
+        with limits(), session, progress.bar(f"probe {setting}", unit=" trial") as shown:
             run = progress.watch_trials(session.run, shown, fake=estimating)
             best, trials, model = search_largest_fitting(
                 run, budget=info.budget_bytes, upper=max_micro_batch,

@@ -80,7 +80,7 @@ def estimate_seed(workload, backend: MemoryBackend, *, precision: Precision, che
     try:
         setting = f"{precision.value}, checkpointing {'on' if checkpointing else 'off'}"
         with (fake_tensor_limits(workload), session,
-              progress.bar(f"estimate {setting}", unit="step") as shown):
+              progress.bar(f"estimate {setting}", unit=" step") as shown):
             run = progress.watch_trials(session.run, shown, fake=True)
             best, trials, model = search_largest_fitting(run, budget=budget, upper=upper)
     except SetupOutOfMemory:

@@ -88,7 +88,7 @@ class MetricsLog:
         self.every = max(1, total_steps // 20)
         self._bar = None
         if self.progress and progress_bars.shown():
-            self._bar = progress_bars.bar("train", total=total_steps, unit="step")
+            self._bar = progress_bars.bar("train", total=total_steps, unit=" step")
             self._bar.update(resume_step)
         self._file = None
         if enabled and path is not None:
