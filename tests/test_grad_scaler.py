@@ -109,3 +109,13 @@ def test_deepspeed_fp16_block_carries_the_knobs():
     assert "2^10" in notes and "growth_factor 3" in notes
     plan.precision = "bf16"
     assert export_plan(plan, "deepspeed").config["fp16"] == {"enabled": False, "loss_scale": 0}
+
+
+def test_other_exports_say_where_the_knobs_go():
+    plan = make_plan(64, 64)
+    plan.precision = "fp16"
+    assert not any("GradScaler" in n for n in export_plan(plan, "hf").notes)  # torch's defaults
+    plan.grad_scaler = GradScalerSettings(init_scale=1024.0)
+    for target in ("hf", "lightning", "accelerate"):
+        assert any("torch.amp.GradScaler(**{'init_scale': 1024.0" in n
+                   for n in export_plan(plan, target).notes), target

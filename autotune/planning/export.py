@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass, field, fields
 
 from ..errors import ConfigError
+from ..precision import GradScalerSettings
 from .types import Plan
 
 TARGETS = ("hf", "deepspeed", "lightning", "accelerate", "torchrun")
@@ -233,4 +234,9 @@ def export_plan(plan: Plan, target: str, *, plan_path: str = "plan.json") -> Exp
                  "accelerate": to_accelerate}
     if target not in exporters:
         raise ConfigError(f"--to {target!r} is not an export target; use one of {', '.join(TARGETS)}")
-    return exporters[target](plan)
+    exported = exporters[target](plan)
+    if target != "deepspeed" and plan.precision == "fp16" and plan.grad_scaler != GradScalerSettings():
+        exported.notes.append(f"{target}'s configuration has no GradScaler settings: create "
+                              f"torch.amp.GradScaler(**{plan.grad_scaler.to_dict()}) in code and hand "
+                              f"it to the runner (autotune train uses the plan's)")
+    return exported
