@@ -12,6 +12,8 @@ Public API::
     train(plan, workload, *, steps=None, epochs=None, ...) -> TrainResult   the built-in loop
     verify_plan(plan, *, device=None, memory_limit=None, steps=3) -> VerifyResult
                                  run a plan's micro-batch here: confirmed, or re-planned
+    plot_plan(plan, path), plot_metrics(paths, path), write_report(plan, path)
+                                 the memory picture, training curves and an HTML page (plot extra)
     Workload, load_workload      the model-file contract
     ProbeResult, Trial, MemoryModel, DeviceInfo, Plan, LRDecision, Precision
     is_oom_error                 what counts as out-of-memory
@@ -19,7 +21,8 @@ Public API::
 """
 
 from .errors import (
-    AutotuneError, ConfigError, EstimateUnavailable, PlanError, PlanFileError, ProbeError, WorkloadError,
+    AutotuneError, ConfigError, EstimateUnavailable, PlanError, PlanFileError, ProbeError, ReportError,
+    WorkloadError,
 )
 from .planning.export import export_plan
 from .memory import DeviceInfo
@@ -30,6 +33,7 @@ from .planning.planfile import load_plan, save_plan
 from .planning.api import plan
 from .precision import Precision
 from .probing.api import MemoryModel, ProbeResult, Trial, probe
+from .report import plot_metrics, plot_plan, write_report
 from .training import TrainError, TrainResult, train
 from .planning.verify import VerifyResult, verify_plan
 from .version import __version__
@@ -38,8 +42,12 @@ from .workload import Workload, load_workload
 
 __all__ = [
     "AutotuneError", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
-    "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError", "ProbeResult", "TrainError",
+    "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError", "ProbeResult", "ReportError", "TrainError",
     "TrainResult", "Trial", "VerifyResult", "Workload", "WorkloadError", "__version__",
-    "estimate_peak", "export_plan", "is_oom_error", "load_plan", "load_workload", "plan", "probe",
-    "save_plan", "train", "verify_plan",
+    "estimate_peak", "export_plan", "is_oom_error", "load_plan", "load_workload", "plan",
+    "plot_metrics", "plot_plan", "probe", "save_plan", "train", "verify_plan", "write_report",
 ]
+
+from .report.notebook import register_display as _register_display  # noqa: E402
+
+_register_display()  # Plan, ProbeResult and TrainResult show as HTML in Jupyter

@@ -32,3 +32,7 @@ class ConfigError(AutotuneError):
 class EstimateUnavailable(AutotuneError):
     """The model cannot run under fake tensors (data-dependent shapes, custom kernels, reading
     tensor values in Python): its memory can only be measured with real trials."""
+
+
+class ReportError(AutotuneError):
+    """A plot or report cannot be made (matplotlib missing, an unreadable metrics file)."""

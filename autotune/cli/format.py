@@ -21,13 +21,19 @@ def format_probe(result, source: str = "") -> str:
     info = result.device
     rows = [[i + 1, t.micro_batch, "yes" if t.fits else "OOM", format_bytes(t.peak_bytes),
              f"{t.seconds:.2f}"] for i, t in enumerate(result.trials)]
+    headers = ["trial", "micro-batch", "fits", "peak", "seconds"]
+    if any(t.reserved_peak_bytes is not None for t in result.trials):
+        # CUDA: what tensors held (peak), what the cache held, retries, and the device as NVML sees it.
+        headers = [*headers[:4], "reserved", "retries", "NVML used", "seconds"]
+        rows = [[*row[:4], format_bytes(t.reserved_peak_bytes), t.alloc_retries if t.alloc_retries is not None else "-",
+                 format_bytes(t.nvml_used_bytes), row[4]] for row, t in zip(rows, result.trials)]
     head = [
         f"model:      {source}",
         f"device:     {info.name}",
         f"budget:     {format_bytes(info.budget_bytes)} ({info.budget_source})",
         f"setting:    {setting_label(result.precision, result.checkpointing)}",
         "",
-        table(["trial", "micro-batch", "fits", "peak", "seconds"], rows),
+        table(headers, rows),
         "",
     ]
     model = result.memory_model
@@ -52,8 +58,16 @@ def format_devices(cuda: list[dict], cpu) -> str:
     lines = []
     if cuda:
         rows = [[f"cuda:{d['index']}", d["name"], format_bytes(d["total_bytes"]), format_bytes(d["free_bytes"]),
-                 {True: "yes", False: "no", None: "?"}[d.get("bf16")]] for d in cuda]
-        lines.append(table(["device", "name", "total", "free", "bf16"], rows, align="llrrl"))
+                 format_bytes(d.get("used_bytes_nvml")),
+                 f"{format_bytes(d.get('allocated_bytes'))} / {format_bytes(d.get('allocated_peak_bytes'))}",
+                 f"{format_bytes(d.get('reserved_bytes'))} / {format_bytes(d.get('reserved_peak_bytes'))}",
+                 d.get("alloc_retries", "-"), {True: "yes", False: "no", None: "?"}[d.get("bf16")]]
+                for d in cuda]
+        lines.append(table(["device", "name", "total", "free", "NVML used", "allocated now/peak",
+                            "reserved now/peak", "retries", "bf16"], rows, align="llrrrrrrl"))
+        lines.append("NVML used counts every process and CUDA context on the device; allocated and "
+                     "reserved are this process's tensors and torch's cache (the probe counts "
+                     "allocated; reserved well above it, or retries, mean fragmentation)")
     else:
         lines.append("no CUDA device visible to torch")
     lines.append("")
@@ -176,3 +190,14 @@ def format_verify(result) -> str:
 
 def _signed_bytes(n: int) -> str:
     return ("+" if n >= 0 else "-") + format_bytes(abs(n))
+
+
+def format_metrics(runs: dict[str, list[dict]]) -> str:
+    """One row per metrics file: steps, first and last loss, the last peak."""
+    rows = []
+    for name, records in runs.items():
+        first, last = records[0], records[-1]
+        peak = f"{format_bytes(last.get('peak_memory_bytes'))} {last.get('peak_memory_kind') or ''}"
+        rows.append([name, f"{first['step']}-{last['step']}", f"{first['loss']:.4f}",
+                     f"{last['loss']:.4f}", peak.strip()])
+    return table(["metrics", "steps", "first loss", "last loss", "last peak"], rows, align="lrrrr")

@@ -47,6 +47,44 @@ def _errors_to_exit_codes(command):
     return wrapper
 
 
+def _quiet_option(command):
+    """--quiet: no progress bars (they show only where stderr is a terminal, on rank 0)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, quiet, **kwargs):
+        from ..progress import quiet as no_progress
+
+        with no_progress(quiet):
+            return command(*args, **kwargs)
+
+    return click.option("-q", "--quiet", is_flag=True,
+                        help="No progress bars on stderr (drawn only when it is a terminal).")(wrapper)
+
+
+def _scaler_options(command):
+    """The fp16 GradScaler's knobs, gathered into ``grad_scaler`` (only those given)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, init_scale, growth_factor, backoff_factor, growth_interval, **kwargs):
+        given = {"init_scale": init_scale, "growth_factor": growth_factor,
+                 "backoff_factor": backoff_factor, "growth_interval": growth_interval}
+        return command(*args, grad_scaler={k: v for k, v in given.items() if v is not None}, **kwargs)
+
+    options = [
+        click.option("--init-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="fp16 GradScaler: the loss scale to start from (torch: 65536)."),
+        click.option("--growth-factor", type=click.FloatRange(min=1, min_open=True), default=None,
+                     help="fp16 GradScaler: scale growth after growth-interval clean steps (torch: 2)."),
+        click.option("--backoff-factor", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
+                     default=None, help="fp16 GradScaler: scale factor on inf/NaN (torch: 0.5)."),
+        click.option("--growth-interval", type=click.IntRange(min=1), default=None,
+                     help="fp16 GradScaler: clean steps before the scale grows (torch: 2000)."),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="autotune")
 def cli():
@@ -69,6 +107,7 @@ def _model_file(function):
 @click.option("--max-micro-batch", type=click.IntRange(min=1), default=None,
               help="Largest micro-batch worth finding (default: the true maximum).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_quiet_option
 @_errors_to_exit_codes
 def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_batch, as_json):
     """Find the exact largest micro-batch whose full training step fits."""
@@ -136,10 +175,12 @@ def devices(memory_limit, as_json):
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
+@_scaler_options
+@_quiet_option
 @_errors_to_exit_codes
 def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
-                 gpu, output, as_json):
+                 gpu, output, as_json, grad_scaler):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
     from ..planning.planfile import plan_to_json, save_plan
     from ..planning.api import plan as make_plan
@@ -149,7 +190,8 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                        precision=precision.lower(), checkpointing=checkpointing,
                        memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
                        base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
-                       optimize=optimize, budget=budget, storage=storage, gpu=gpu)
+                       optimize=optimize, budget=budget, storage=storage, gpu=gpu,
+                       grad_scaler=grad_scaler)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)
@@ -159,16 +201,48 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
 
 
 @cli.command()
-@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Draw it to this .svg/.png/.pdf: a plan's memory picture (and throughput), or "
+                   "the loss, LR and gradient norm of one or more metrics files on one plot. "
+                   "Needs matplotlib: pip install 'autotune[plot]'.")
 @_errors_to_exit_codes
-def show(plan_file, as_json):
-    """Print the summary of a saved plan."""
+def show(files, as_json, plot_path):
+    """Print the summary of a saved plan, or plot it or metrics files (autotune train --metrics)."""
     from ..planning.planfile import load_plan, plan_to_json
-    from .format import format_plan
+    from ..report.plots import load_metrics, plot_metrics, plot_plan
+    from .format import format_metrics, format_plan
 
-    result = load_plan(plan_file)
+    if all(f.endswith(".jsonl") for f in files):
+        if plot_path is not None:
+            plot_metrics(files, plot_path)
+            click.echo(f"plot written to {plot_path}", err=True)
+        else:
+            click.echo(format_metrics({f: load_metrics(f) for f in files}))
+        return
+    if len(files) > 1:
+        raise click.UsageError("show takes one plan file, or one or more metrics files (.jsonl)")
+    result = load_plan(files[0])
+    if plot_path is not None:
+        plot_plan(result, plot_path)
+        click.echo(f"plot written to {plot_path}", err=True)
     click.echo(plan_to_json(result) if as_json else format_plan(result), nl=not as_json)
+
+
+@cli.command()
+@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="report.html",
+              show_default=True, help="Where to write the page.")
+@_errors_to_exit_codes
+def report(plan_file, output):
+    """Write a self-contained HTML page of a plan: summary, settings, memory plot, throughput,
+    warnings (inline SVG; opens without a network)."""
+    from ..planning.planfile import load_plan
+    from ..report.html import write_report
+
+    write_report(load_plan(plan_file), output)
+    click.echo(f"report written to {output}", err=True)
 
 
 @cli.command()
@@ -215,16 +289,20 @@ def export(plan_file, target, output):
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seeds the initial weights and the data order.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress (bar or log lines) on stderr; warnings are still printed.")
+@_scaler_options
 @_errors_to_exit_codes
 def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
-                  save_path, metrics_path, clip_grad_norm, seed, device):
+                  save_path, metrics_path, clip_grad_norm, seed, device, quiet, grad_scaler):
     """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP or FSDP2)."""
     from ..training import train
 
     clip = {} if clip_grad_norm is None else {"clip_grad_norm": clip_grad_norm or None}
     result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, metrics_path=metrics_path,
-                   seed=seed, device=device, save_path=save_path, **clip)
+                   seed=seed, device=device, save_path=save_path, progress=not quiet,
+                   grad_scaler=grad_scaler, **clip)
     if result.rank != 0:
         return
     last = result.metrics[-1]["loss"] if result.metrics else float("nan")
@@ -296,6 +374,7 @@ def profiles(profile, as_json):
               help="Real training steps to run at the plan's micro-batch.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Write the re-planned plan here when the plan is not confirmed.")
+@_quiet_option
 @_errors_to_exit_codes
 def verify(plan_file, model_file, device, memory_limit, steps, output):
     """Run a plan's micro-batch for a few real steps here: exit 0 when it fits, 1 when re-planned."""

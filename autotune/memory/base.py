@@ -74,3 +74,11 @@ class MemoryBackend(abc.ABC):
 
     def release(self) -> None:
         """Give cached memory back after a trial."""
+
+    def begin_trial(self) -> None:
+        """Start the counters ``memory_picture`` reports for one trial."""
+
+    def memory_picture(self) -> dict:
+        """What the device saw beyond the tracked peak since ``begin_trial``: on CUDA the
+        reserved peak, the allocator's retries and NVML's used memory (empty elsewhere)."""
+        return {}

@@ -113,6 +113,13 @@ class _TrackingMode(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def counting(tracker: StorageTracker):
+    """Count every tensor created inside the block on ``tracker``."""
+    with _TrackingMode(tracker):
+        yield
+
+
 class CPUMemoryBackend(MemoryBackend):
     kind = "cpu"
 

@@ -30,6 +30,8 @@ class CUDAMemoryBackend(MemoryBackend):
         self.device = torch.device("cuda", index)
         self.index = index
         self._limit = parse_bytes(memory_limit) if memory_limit is not None else None
+        self._reserved_peak = 0
+        self._retries_at_start = 0
         # Read once: the budget must not move while the probe's own allocations change "free".
         self._info = self._read_info()
 
@@ -73,6 +75,8 @@ class CUDAMemoryBackend(MemoryBackend):
 
     def reset_peak(self) -> None:
         torch.cuda.synchronize(self.device)
+        # Resetting clears the reserved peak too; a trial's reserved peak spans its phases.
+        self._reserved_peak = max(self._reserved_peak, self.peak_reserved_bytes())
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak_bytes(self) -> int:
@@ -91,6 +95,17 @@ class CUDAMemoryBackend(MemoryBackend):
 
     def release(self) -> None:
         torch.cuda.empty_cache()
+
+    def begin_trial(self) -> None:
+        self._reserved_peak = 0
+        self._retries_at_start = self.alloc_retries()
+
+    def memory_picture(self) -> dict:
+        """Reserved peak and allocator retries of the trial, and NVML's used memory now (which
+        includes the CUDA context and other processes, unlike torch's counters)."""
+        return {"reserved_peak_bytes": max(self._reserved_peak, self.peak_reserved_bytes()),
+                "alloc_retries": self.alloc_retries() - self._retries_at_start,
+                "nvml_used_bytes": nvml_device(self.index).get("used")}
 
 
 def cuda_available() -> bool:
@@ -124,19 +139,29 @@ def nvml_device(index: int) -> dict:
 
 
 def describe_cuda_devices() -> list[dict]:
-    """Every CUDA device with name, total, free and torch's reserved bytes (empty without CUDA)."""
+    """Every CUDA device: name, total, free, NVML's used (all processes and contexts) and this
+    process's allocated and reserved bytes (now and peak) and allocator retries (empty without
+    CUDA)."""
     if not cuda_available():
         return []
     devices = []
     for index in range(torch.cuda.device_count()):
         free, total = torch.cuda.mem_get_info(index)
         nvml = nvml_device(index)
+        stats = torch.cuda.memory_stats(index)
         devices.append({
             "index": index,
             "name": nvml.get("name") or torch.cuda.get_device_name(index),
             "total_bytes": int(total),
             "free_bytes": int(free),
             "used_bytes_nvml": nvml.get("used"),
+            # This process's allocator: what tensors hold, what the cache holds, and retries
+            # (cudaMalloc failed, the cache was freed and the call retried: fragmentation).
+            "allocated_bytes": int(stats.get("allocated_bytes.all.current", 0)),
+            "allocated_peak_bytes": int(stats.get("allocated_bytes.all.peak", 0)),
+            "reserved_bytes": int(stats.get("reserved_bytes.all.current", 0)),
+            "reserved_peak_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
+            "alloc_retries": int(stats.get("num_alloc_retries", 0)),
             "bf16": bool(torch.cuda.is_bf16_supported()) if index == torch.cuda.current_device() else None,
         })
     return devices

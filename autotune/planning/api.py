@@ -21,7 +21,7 @@ from ..memory import backend_for
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
                       ddp_bucket_bytes, evaluate_setting, usable_bytes)
-from ..precision import Precision, supports_bf16
+from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
 from ..probing.api import probe
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, parse_duration,
@@ -52,6 +52,7 @@ def plan(
     budget=DEFAULT_BUDGET_S,
     storage: str | None = None,
     gpu=None,
+    grad_scaler=None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -70,6 +71,10 @@ def plan(
     ``gpu`` (a bundled GPU profile name such as "a100-40gb", or a profile .toml path) plans for
     that GPU without it: budget and precision support from the profile, memory estimated on fake
     tensors; the plan is marked ``estimated`` (check it on the device with ``autotune verify``).
+
+    ``grad_scaler`` (a ``GradScalerSettings`` or a dict of some of init_scale, growth_factor,
+    backoff_factor, growth_interval; the rest are torch's defaults) records the fp16 GradScaler's
+    knobs in the plan, for ``train`` and the DeepSpeed export.
     """
     workload = load_workload(workload)
     if precision not in PRECISION_CHOICES:
@@ -100,6 +105,7 @@ def plan(
         base_lr=base_lr if base_lr is not None else workload.base_lr,
         base_batch=base_batch if base_batch is not None else workload.base_batch,
         dataset_size=_dataset_size(workload), distributed=distributed,
+        grad_scaler=scaler_settings(grad_scaler),
     )
     if checkpointing == "on" and not fingerprint.checkpointable:
         raise PlanError(f"--checkpointing on: {workload.source} has no repeated blocks (an "

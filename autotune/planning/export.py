@@ -8,10 +8,12 @@ nearest even plan with the same effective batch, and the export says so in its n
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from dataclasses import dataclass, field, fields
 
 from ..errors import ConfigError
+from ..precision import GradScalerSettings
 from .types import Plan
 
 TARGETS = ("hf", "deepspeed", "lightning", "accelerate", "torchrun")
@@ -133,10 +135,28 @@ def to_deepspeed(plan: Plan) -> Export:
     if plan.clip_grad_norm is not None:
         config["gradient_clipping"] = plan.clip_grad_norm
     notes = _common_notes(plan, "DeepSpeed")
+    if plan.precision == "fp16":
+        notes += _deepspeed_loss_scale(plan.grad_scaler, config["fp16"])
     if plan.checkpointing:
         notes.append("the plan uses activation checkpointing: enable it in the model "
                      "(deepspeed.checkpointing or torch.utils.checkpoint); the config cannot")
     return Export(target="deepspeed", config=config, notes=notes)
+
+
+def _deepspeed_loss_scale(knobs, fp16: dict) -> list[str]:
+    """The GradScaler's knobs in DeepSpeed's dynamic loss scaler terms; notes for what it cannot take."""
+    notes = []
+    power = math.log2(knobs.init_scale)
+    fp16["initial_scale_power"] = round(power)
+    fp16["loss_scale_window"] = knobs.growth_interval
+    if power != round(power):
+        notes.append(f"DeepSpeed starts from a power of two: init_scale {knobs.init_scale:g} is "
+                     f"exported as 2^{round(power)} = {2.0 ** round(power):g}")
+    if (knobs.growth_factor, knobs.backoff_factor) != (2.0, 0.5):
+        notes.append(f"DeepSpeed's dynamic loss scaler always grows by 2 and backs off by 0.5; the "
+                     f"plan's growth_factor {knobs.growth_factor:g} and backoff_factor "
+                     f"{knobs.backoff_factor:g} are not exported")
+    return notes
 
 
 _LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -214,4 +234,9 @@ def export_plan(plan: Plan, target: str, *, plan_path: str = "plan.json") -> Exp
                  "accelerate": to_accelerate}
     if target not in exporters:
         raise ConfigError(f"--to {target!r} is not an export target; use one of {', '.join(TARGETS)}")
-    return exporters[target](plan)
+    exported = exporters[target](plan)
+    if target != "deepspeed" and plan.precision == "fp16" and plan.grad_scaler != GradScalerSettings():
+        exported.notes.append(f"{target}'s configuration has no GradScaler settings: create "
+                              f"torch.amp.GradScaler(**{plan.grad_scaler.to_dict()}) in code and hand "
+                              f"it to the runner (autotune train uses the plan's)")
+    return exported

@@ -163,6 +163,8 @@ def first_schema_error(value, schema: dict, *, root: dict | None = None, where: 
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if "minimum" in schema and value < schema["minimum"]:
             return f"field {name} must be at least {schema['minimum']}, got {value!r}"
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            return f"field {name} must be more than {schema['exclusiveMinimum']}, got {value!r}"
         if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
             return f"field {name} must be less than {schema['exclusiveMaximum']}, got {value!r}"
     if isinstance(value, dict):

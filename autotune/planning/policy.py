@@ -10,13 +10,13 @@ always sum exactly to the share: 127 with at most 50 per step is 43 + 42 + 42.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import ConfigError, PlanError
 from .lr import decide_lr, lr_warnings
 from ..memory.base import DeviceInfo
-from ..precision import Precision
+from ..precision import GradScalerSettings, Precision
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from ..probing.result import ProbeResult, setting_label
 from ..units import format_bytes
@@ -47,6 +47,8 @@ class PlanRequest:
     dataset_size: int | None = None
     distributed: bool = False
     """Planned under torchrun with every rank probing."""
+    grad_scaler: GradScalerSettings = field(default_factory=GradScalerSettings)
+    """The fp16 GradScaler's knobs, recorded in the plan."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision)
@@ -272,6 +274,34 @@ def plan_warnings(plan: Plan, request: PlanRequest) -> list[str]:
                      f"assumed to match this device and its free memory; run the plan under torchrun "
                      f"to probe each rank")
     found += lr_warnings(plan.lr, plan.target_batch)
+    found += allocator_warnings(plan.chosen_setting)
+    return found
+
+
+RESERVED_OVER_ALLOCATED = 1.25
+"""CUDA: a reserved peak this many times the allocated peak is a fragmented cache."""
+
+
+def allocator_warnings(setting: SettingTried | None) -> list[str]:
+    """CUDA's caching allocator reserving well above what tensors use, or retrying cudaMalloc, in
+    the probe of the planned setting: a step that fits by its tensors can still fail there."""
+    if setting is None or setting.probe is None:
+        return []
+    found = []
+    fitting = [t for t in setting.probe.trials if t.fits and t.reserved_peak_bytes is not None]
+    worst = max(fitting, key=lambda t: t.reserved_peak_bytes / max(t.peak_bytes, 1), default=None)
+    if worst is not None and worst.reserved_peak_bytes > RESERVED_OVER_ALLOCATED * worst.peak_bytes:
+        found.append(
+            f"at micro-batch {worst.micro_batch} torch reserved {format_bytes(worst.reserved_peak_bytes)} "
+            f"for {format_bytes(worst.peak_bytes)} of tensors ({worst.reserved_peak_bytes / max(worst.peak_bytes, 1):.2f}x): "
+            f"the caching allocator is fragmented and may fail where the tensors would fit; set "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or plan with more --headroom")
+    retries = sum(t.alloc_retries or 0 for t in setting.probe.trials)
+    if retries:
+        found.append(
+            f"the allocator retried cudaMalloc {retries} time(s) during the probe (it freed its cache "
+            f"to find room, which is slow and a sign of fragmentation); set "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or plan with more --headroom")
     return found
 
 
@@ -326,6 +356,7 @@ def build_plan(
         optimize="throughput" if throughput is not None else "memory",
         throughput=list(throughput.records) if throughput is not None else [],
         estimated=estimated_for is not None,
+        grad_scaler=request.grad_scaler,
     )
     if plan.effective_batch != request.target_batch:  # a bug here would silently change training
         raise PlanError(f"internal error: planned {split} × {request.world_size} = "
@@ -351,6 +382,6 @@ def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, e
 __all__ = [
     "BATCHNORM_MIN_MICRO_BATCH", "MAX_QUIET_ACCUMULATION", "PlanRequest", "allowed_micro_batch",
     "build_plan", "checkpointing_worth_probing", "choose_precision", "ddp_bucket_bytes",
-    "evaluate_setting", "per_device_share", "plan_warnings", "predicted_peak", "split_pinned",
+    "allocator_warnings", "evaluate_setting", "per_device_share", "plan_warnings", "predicted_peak", "split_pinned",
     "split_share", "usable_bytes",
 ]

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..memory.base import DeviceInfo
+from ..precision import GradScalerSettings, Precision
 from ..probing.result import ProbeResult, setting_label
-from ..precision import Precision
 from ..sharding.settings import Sharding
+from ..units import format_bytes
 
 SCHEMA_VERSION = 2
 """Version of the plan file layout; bump it when a field changes meaning or is removed.
@@ -209,10 +210,22 @@ class Plan(SplitArithmetic):
     """FSDP2 only: reduce-scatter the gradients after every micro-step (they then accumulate
     sharded) instead of holding this rank's unsharded gradients until a window's last micro-step;
     for plans whose unsharded gradients would not fit. One reduce-scatter per micro-step."""
+    grad_scaler: GradScalerSettings = field(default_factory=GradScalerSettings)
+    """The fp16 GradScaler's knobs (init_scale, growth_factor, backoff_factor, growth_interval);
+    recorded for every plan, used where the precision is fp16. Absent in older files: torch's
+    defaults."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
         self.sharding = Sharding.parse(self.sharding, option="sharding")
+
+    def __repr__(self) -> str:
+        split = " + ".join(map(str, self.micro_batches))
+        peak = (f", peak {format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)}"
+                if self.predicted_peak_bytes is not None and self.device is not None else "")
+        lr = f", lr {self.lr.lr:.4g}" if self.lr.lr is not None else ""
+        return (f"Plan({split} × {self.world_size} rank(s) = {self.effective_batch}, "
+                f"{setting_label(self.precision, self.checkpointing)}{peak}{lr})")
 
     @property
     def effective_batch(self) -> int:
@@ -250,6 +263,7 @@ class Plan(SplitArithmetic):
         data["warnings"] = list(self.warnings)
         data["versions"] = dict(self.versions)
         data["reasons"] = dict(self.reasons)
+        data["grad_scaler"] = self.grad_scaler.to_dict()
         # Derived numbers, written for readers and other tools; ignored when read back.
         data["derived"] = {"accumulation_steps": self.accumulation_steps,
                            "micro_batch": self.micro_batch, "effective_batch": self.effective_batch,
@@ -265,4 +279,6 @@ class Plan(SplitArithmetic):
             data["device"] = DeviceInfo.from_dict(data["device"])
         data["settings"] = [SettingTried.from_dict(s) for s in data.get("settings", [])]
         data["throughput"] = [ConfigurationMeasured.from_dict(c) for c in data.get("throughput", [])]
+        if data.get("grad_scaler") is not None:
+            data["grad_scaler"] = GradScalerSettings.from_dict(data["grad_scaler"])
         return cls(**data)

@@ -9,6 +9,7 @@ from ..errors import ProbeError
 from ..memory import MemoryBackend, backend_for
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
+from .. import progress
 from ..units import format_bytes
 from ..workload.contract import load_workload
 from .result import MemoryModel, ProbeResult, Trial, setting_label
@@ -57,10 +58,12 @@ def probe(
     def limits():
         return fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
 
+    setting = setting_label(precision, checkpointing)
     try:
-        with limits(), session:
+        with limits(), session, progress.bar(f"probe {setting}", unit=" trial") as shown:
+            run = progress.watch_trials(session.run, shown, fake=estimating)
             best, trials, model = search_largest_fitting(
-                session.run, budget=info.budget_bytes, upper=max_micro_batch,
+                run, budget=info.budget_bytes, upper=max_micro_batch,
                 hint=seed.hint if seed is not None else None,
             )
     except SetupOutOfMemory as exc:

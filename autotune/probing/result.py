@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..memory.base import DeviceInfo
 from ..precision import Precision
+from ..units import format_bytes
 
 
 def setting_label(precision, checkpointing) -> str:
@@ -31,6 +32,13 @@ class Trial:
     """Live before the step: parameters, buffers, optimizer state."""
     gradient_bytes: int | None = None
     """Bytes of the trainable parameters' gradients (all live at the end of backward)."""
+    reserved_peak_bytes: int | None = None
+    """CUDA: the caching allocator's reserved peak (``peak_bytes`` is what tensors held)."""
+    alloc_retries: int | None = None
+    """CUDA: cudaMalloc retries after freeing the cache during the trial (fragmentation)."""
+    nvml_used_bytes: int | None = None
+    """CUDA: the device's used memory as NVML sees it after the trial (context and other
+    processes included)."""
 
     @classmethod
     def from_dict(cls, data: dict) -> "Trial":
@@ -116,6 +124,12 @@ class ProbeResult:
     @property
     def budget_bytes(self) -> int:
         return self.device.budget_bytes
+
+    def __repr__(self) -> str:
+        capped = ", capped" if self.capped else ""
+        return (f"ProbeResult(max_micro_batch={self.max_micro_batch}{capped}, "
+                f"{setting_label(self.precision, self.checkpointing)}, {self.steps} trials, "
+                f"budget {format_bytes(self.budget_bytes)})")
 
     @property
     def steps(self) -> int:

@@ -16,7 +16,8 @@ from ..errors import EstimateUnavailable
 from ..memory.base import MemoryBackend
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
-from .result import MemoryModel, Trial
+from .. import progress
+from .result import MemoryModel, Trial, setting_label
 from .search import search_largest_fitting
 from .trial import SetupOutOfMemory, TrialSession
 
@@ -77,8 +78,11 @@ def estimate_seed(workload, backend: MemoryBackend, *, precision: Precision, che
                            precision=precision, checkpointing=checkpointing)
     started = time.perf_counter()
     try:
-        with fake_tensor_limits(workload), session:
-            best, trials, model = search_largest_fitting(session.run, budget=budget, upper=upper)
+        setting = setting_label(precision, checkpointing)
+        with (fake_tensor_limits(workload), session,
+              progress.bar(f"estimate {setting}", unit=" step") as shown):
+            run = progress.watch_trials(session.run, shown, fake=True)
+            best, trials, model = search_largest_fitting(run, budget=budget, upper=upper)
     except SetupOutOfMemory:
         best, trials, model = 0, [], None
     except EstimateUnavailable as exc:

@@ -94,6 +94,7 @@ class TrialSession:
     def run(self, n: int) -> Trial:
         self.backend.release()
         baseline = self.backend.current_bytes()
+        self.backend.begin_trial()
         self.backend.reset_peak()
         start = time.perf_counter()
         out_of_memory = False
@@ -107,9 +108,10 @@ class TrialSession:
         if out_of_memory:
             # Outside the except block: the traceback no longer pins the failed step's tensors.
             peak = self.backend.peak_bytes()
+            picture = self.backend.memory_picture()
             self._recover()
             return Trial(micro_batch=n, fits=False, peak_bytes=peak, seconds=seconds,
-                         baseline_bytes=baseline, gradient_bytes=self.gradient_bytes)
+                         baseline_bytes=baseline, gradient_bytes=self.gradient_bytes, **picture)
         return Trial(
             micro_batch=n,
             fits=self.backend.within_budget(),
@@ -119,6 +121,7 @@ class TrialSession:
             step_peak_bytes=step_peak,
             baseline_bytes=baseline,
             gradient_bytes=self.gradient_bytes,
+            **self.backend.memory_picture(),
         )
 
     def _step(self, n: int) -> tuple[int, int]:

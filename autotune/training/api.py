@@ -9,7 +9,7 @@ import torch
 
 from ..workload.activation_checkpointing import enable_checkpointing
 from ..planning.planfile import check_workload
-from ..precision import Precision, grad_scaler
+from ..precision import Precision, grad_scaler, scaler_settings
 from ..sharding import Sharding
 from ..sharding.settings import resolve_shard_group
 from ..sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
@@ -56,12 +56,18 @@ class TrainResult:
     warnings: list[str] = field(default_factory=list)
     """Advice printed once at the end of the run (the effective batch far beyond B_noise)."""
 
+    def __repr__(self) -> str:
+        loss = f", last loss {self.metrics[-1]['loss']:.4g}" if self.metrics else ""
+        return (f"TrainResult(steps={self.steps}{loss}, micro-batches {self.micro_batches}, "
+                f"skipped {self.skipped_steps}, out-of-memory recoveries {self.oom_recoveries}"
+                f"{', interrupted' if self.interrupted else ''})")
+
 
 def train(plan, workload, *, steps: int | None = None, epochs: int | None = None,
           checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
           metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0, device=None,
           num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True,
-          save_path=None) -> TrainResult:
+          save_path=None, grad_scaler=None) -> TrainResult:
     """Train ``workload`` as ``plan`` says: its micro-batches, accumulation, world size,
     precision, checkpointing, LR and warmup, with the gradient of each window exactly that of the
     whole window as one batch.
@@ -72,6 +78,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     the gradient noise scale from gradient norms the loop has anyway (it never changes training).
     ``save_path`` writes the trained model's full state dict there (``save_model``) while the
     process group is still up, which a sharded model needs to be gathered.
+    ``grad_scaler`` (a dict of some of init_scale, growth_factor, backoff_factor, growth_interval,
+    or a ``GradScalerSettings``) overrides the plan's fp16 GradScaler knobs.
     """
     plan_source = plan if isinstance(plan, (str, Path)) else "the plan"
     plan = checks.load_plan(plan)
@@ -81,6 +89,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          resume=resume, clip_grad_norm=clip, num_workers=num_workers)
     precision = Precision.parse(plan.precision, option="plan precision")
+    scaler = scaler_settings(grad_scaler, plan.grad_scaler)
     dataset = workload.build_dataset() if workload.build_dataset is not None else None
     size = None if dataset is None else dataset_size(dataset, source=workload.source)
     if size is not None:
@@ -96,7 +105,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
         checks.check_precision(precision, ctx.device)
         session = _Session(plan=plan, workload=workload, ctx=ctx, precision=precision, clip=clip,
                            sharding=sharding, shard_group=shard_group, seed=seed, dataset=dataset,
-                           dataset_size=size, total_steps=total, checkpoint_dir=checkpoint_dir)
+                           dataset_size=size, total_steps=total, checkpoint_dir=checkpoint_dir,
+                           scaler=scaler)
         result = session.run(resume=resume, checkpoint_every=checkpoint_every,
                              metrics_path=metrics_path, num_workers=num_workers, progress=progress,
                              measure_noise=measure_noise_scale)
@@ -111,7 +121,7 @@ class _Session:
     """The objects of one run, and how they are checkpointed and restored."""
 
     def __init__(self, *, plan, workload, ctx, precision, clip, sharding, shard_group, seed, dataset,
-                 dataset_size, total_steps, checkpoint_dir):
+                 dataset_size, total_steps, checkpoint_dir, scaler):
         self.plan, self.workload, self.ctx, self.precision = plan, workload, ctx, precision
         self.clip, self.seed, self.dataset, self.dataset_size = clip, seed, dataset, dataset_size
         self.total_steps, self.sharding, self.shard_group = total_steps, sharding, shard_group
@@ -135,14 +145,15 @@ class _Session:
         self.optimizer = workload.new_optimizer(p for p in model.parameters() if p.requires_grad)
         apply_plan_lr(self.optimizer, plan)
         self.scheduler = build_scheduler(workload, self.optimizer, plan)
-        self.scaler = grad_scaler(precision, ctx.device)
+        self.scaler = grad_scaler(precision, ctx.device, scaler)
         self.state = TrainState()
 
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
             measure_noise=True) -> TrainResult:
         rng = self._restore() if resume else None
         metrics = MetricsLog(metrics_path, enabled=self.ctx.is_main, total_steps=self.total_steps,
-                             progress=progress, resume_step=self.state.step)
+                             progress=progress, resume_step=self.state.step,
+                             predicted_peak_bytes=self.plan.predicted_peak_bytes)
         try:
             if progress:
                 metrics.note(self._describe())

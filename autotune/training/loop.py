@@ -19,7 +19,7 @@ from . import distributed, noise_scale
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
 from .data import Window, slice_batch, split_micro_batches
 from .errors import TrainError
-from .metrics import peak_memory_bytes
+from .metrics import PeakMeter
 from .recovery import SplitPolicy
 
 _SHARDED_OOM = (
@@ -78,6 +78,14 @@ class StepRunner:
         self._norm_buffers = [buf for module in model.modules()
                               if isinstance(module, torch.nn.modules.batchnorm._NormBase)
                               for buf in module.buffers()]
+
+    def live_tensors(self):
+        """What is allocated before a step: parameters, buffers and optimizer state. Not the
+        window's batch: it holds every micro-step's samples, and the probe counted one."""
+        yield from self.model.parameters()
+        yield from self.model.buffers()
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     # -- one window ------------------------------------------------------------------------------
     def step(self, window: Window, batch, *, stop_requested: bool) -> StepOutcome:
@@ -265,17 +273,19 @@ def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics,
     """Train from ``runner.state.step`` to ``total_steps``; returns (metrics records, interrupted)."""
     state = runner.state
     records: list[dict] = []
+    meter = PeakMeter(runner.device)
     last = time.perf_counter()
     while state.step < total_steps:
         window = layout.window(state.step)
         batch = next(batches)
-        outcome = runner.step(window, batch, stop_requested=stop.requested)
+        with meter.step(runner.live_tensors()):
+            outcome = runner.step(window, batch, stop_requested=stop.requested)
         state.step += 1
         now = time.perf_counter()
         record = {
             "step": state.step, "epoch": window.epoch, "loss": outcome.loss, "lr": outcome.lr,
             "grad_norm": outcome.grad_norm, "samples_per_s": window.samples / max(now - last, 1e-9),
-            "peak_memory_bytes": peak_memory_bytes(runner.device), "skipped_steps": state.skipped_steps,
+            **meter.fields(), "skipped_steps": state.skipped_steps,
             "oom_recoveries": state.split.recoveries, "micro_batch": max(outcome.micro_batches),
             "accumulation_steps": len(outcome.micro_batches),
             "noise_scale": noise_scale.noise_scale(state.noise),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -10,22 +11,59 @@ from pathlib import Path
 
 import torch
 
+from .. import progress as progress_bars
+from ..memory.cpu import StorageTracker, counting
 from ..units import format_bytes
 
-FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "peak_memory_bytes",
+FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s",
+          # The step's peak in the memory the plan predicted (peak_memory_kind: "allocated" by
+          # torch on CUDA, "tensors" counted on the CPU); reserved on CUDA, RSS on the CPU.
+          "peak_memory_bytes", "peak_memory_kind", "reserved_peak_bytes", "rss_peak_bytes",
           "skipped_steps", "oom_recoveries", "micro_batch", "accumulation_steps",
           # The gradient noise scale (samples; None until known) and the moving averages of the
           # per-sample |G|² and tr(Σ) it is the ratio of: see autotune.training.noise_scale.
           "noise_scale", "noise_grad_sq_ema", "noise_trace_ema")
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: the step's peak allocation (the peak is reset after reading); CPU: the process's
-    peak resident set size so far (the operating system keeps no per-step peak)."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return int(peak)
+class PeakMeter:
+    """The peak of each optimizer step, in the memory the plan predicted.
+
+    CUDA: torch's allocated bytes (reserved beside it). CPU: the bytes of live tensor storages,
+    counted by the CPU backend's tracker as the probe counted them; the process's resident set
+    (RSS) also holds the interpreter, libraries and the allocator's caches, so it is recorded
+    beside it, never in its place.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kind = "allocated" if device.type == "cuda" else "tensors"
+        self.peak = 0
+        self.reserved = None
+
+    @contextlib.contextmanager
+    def step(self, live_tensors):
+        """Measure the block; ``live_tensors`` were allocated before it (parameters, state, batch)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+            self.reserved = int(torch.cuda.max_memory_reserved(self.device))
+            return
+        tracker = StorageTracker()
+        for tensor in live_tensors:
+            tracker.add(tensor)
+        with counting(tracker):
+            yield
+        self.peak = tracker.peak
+
+    def fields(self) -> dict:
+        return {"peak_memory_bytes": self.peak, "peak_memory_kind": self.kind,
+                "reserved_peak_bytes": self.reserved,
+                "rss_peak_bytes": rss_peak_bytes() if self.device.type == "cpu" else None}
+
+
+def rss_peak_bytes() -> int:
+    """The process's peak resident set size so far (the operating system keeps no per-step peak)."""
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
 
@@ -38,13 +76,20 @@ def _finite_or_none(value):
 
 
 class MetricsLog:
-    """JSONL file (one object per optimizer step) and a progress line on stderr."""
+    """JSONL file (one object per optimizer step) and progress on stderr: a tqdm bar where stderr
+    is a terminal, else a log line every twentieth of the run."""
 
-    def __init__(self, path, *, enabled: bool, total_steps: int, progress: bool, resume_step: int):
+    def __init__(self, path, *, enabled: bool, total_steps: int, progress: bool, resume_step: int,
+                 predicted_peak_bytes: int | None = None):
         self.enabled = enabled
         self.total_steps = total_steps
         self.progress = progress and enabled
+        self.predicted_peak_bytes = predicted_peak_bytes
         self.every = max(1, total_steps // 20)
+        self._bar = None
+        if self.progress and progress_bars.shown():
+            self._bar = progress_bars.bar("train", total=total_steps, unit=" step")
+            self._bar.update(resume_step)
         self._file = None
         if enabled and path is not None:
             path = Path(path)
@@ -59,21 +104,47 @@ class MetricsLog:
             clean = {key: _finite_or_none(value) for key, value in record.items()}
             self._file.write(json.dumps(clean) + "\n")
             self._file.flush()
+        if self._bar is not None:
+            self._bar.set_postfix_str(format_postfix(record, self.predicted_peak_bytes), refresh=False)
+            self._bar.update(1)
+            return
         step = record["step"]
         if self.progress and (step % self.every == 0 or step == self.total_steps):
-            print(format_progress(record, self.total_steps), file=sys.stderr, flush=True)
+            print(format_progress(record, self.total_steps, self.predicted_peak_bytes),
+                  file=sys.stderr, flush=True)
 
     def note(self, message: str) -> None:
         if self.enabled:
-            print(f"autotune train: {message}", file=sys.stderr, flush=True)
+            progress_bars.write(f"autotune train: {message}")
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
-def format_progress(record: dict, total_steps: int) -> str:
+def format_peak(record: dict, predicted: int | None = None) -> str:
+    """The step's peak, named for what it counts, next to the plan's prediction of the same."""
+    kind = record.get("peak_memory_kind") or "allocated"
+    text = f"peak {format_bytes(record['peak_memory_bytes'])} {kind}"
+    if predicted is not None:
+        text += f" (plan {format_bytes(predicted)})"
+    if record.get("reserved_peak_bytes") is not None:
+        text += f", reserved {format_bytes(record['reserved_peak_bytes'])}"
+    if record.get("rss_peak_bytes") is not None:
+        text += f", process RSS {format_bytes(record['rss_peak_bytes'])}"
+    return text
+
+
+def format_postfix(record: dict, predicted: int | None = None) -> str:
+    return (f"loss {record['loss']:.4f}, {record['samples_per_s']:.0f} samples/s, "
+            f"{format_peak(record, predicted)}")
+
+
+def format_progress(record: dict, total_steps: int, predicted: int | None = None) -> str:
     norm = record["grad_norm"]
     norm_text = f"{norm:.3g}" if norm is not None and math.isfinite(norm) else "inf"
     extra = ""
@@ -86,7 +157,7 @@ def format_progress(record: dict, total_steps: int) -> str:
     return (
         f"step {record['step']}/{total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.3g}  "
         f"|g| {norm_text}  {record['samples_per_s']:.0f} samples/s  "
-        f"peak {format_bytes(record['peak_memory_bytes'])}{extra}"
+        f"{format_peak(record, predicted)}{extra}"
     )
 
 

@@ -39,6 +39,7 @@ from ..planning.types import ConfigurationMeasured, SettingTried
 from ..planning.policy import predicted_peak, split_pinned, split_share
 from .measure import Configuration, Measurement
 from ..units import format_bytes
+from .. import progress
 
 DEFAULT_BUDGET_S = 60.0
 GRID_LIMIT = 16
@@ -179,10 +180,12 @@ def search_throughput(candidates: list[Candidate], measure: Callable[[Configurat
         explore_s = budget_s * (1 - CONFIRM_SHARE) if confirm_top > 1 else budget_s
         run = _Run(by_key=by_key, known=known, measure=measure, compare=compare, usable=usable_bytes,
                    share=share, budget_s=explore_s, clock=clock)
-        if not run.done():
-            study.optimize(run.objective, timeout=explore_s, callbacks=[run.stop_when_done],
-                           catch=())
-    run.confirm(confirm_top, deadline=started + budget_s)
+        with progress.bar("throughput search", total=round(budget_s), unit="s") as run.progress:
+            if not run.done():
+                study.optimize(run.objective, timeout=explore_s, callbacks=[run.stop_when_done],
+                               catch=())
+            run.progress.set_postfix_str("timing the fastest side by side", refresh=True)
+            run.confirm(confirm_top, deadline=started + budget_s)
     records = sorted(run.results.values(), key=_speed, reverse=True)
     fitting = [r for r in records if r.fits and r.samples_per_s is not None]
     return SearchResult(records=records, winner=fitting[0] if fitting else None,
@@ -205,7 +208,9 @@ class _Run:
         self.measured = 0
         self.measuring_s = 0.0
         self.stale = 0
-        self.deadline = clock() + budget_s
+        self.started = clock()
+        self.deadline = self.started + budget_s
+        self.progress = None
 
     def done(self) -> bool:
         return all(key in self.results for key in self.by_key)
@@ -306,6 +311,7 @@ class _Run:
         self.measuring_s += self.clock() - started
         record.peak_bytes = result.peak_bytes
         record.samples_per_s = result.samples_per_s
+        self._show(record)
         if result.out_of_memory or result.samples_per_s is None:
             record.fits, record.status = False, "pruned"
             record.note = f"out of memory at the first window (predicted {format_bytes(candidate.predicted_peak_bytes)})"
@@ -314,6 +320,19 @@ class _Run:
             record.note = (f"measured peak {format_bytes(result.peak_bytes)} > "
                            f"{format_bytes(self.usable)} usable")
         return record
+
+
+    def _show(self, record: ConfigurationMeasured) -> None:
+        if self.progress is None:
+            return
+        best = max((r.samples_per_s for r in [*self.results.values(), record]
+                    if r.fits and r.samples_per_s is not None), default=None)
+        speed = f"{record.samples_per_s:.1f}" if record.samples_per_s is not None else "-"
+        self.progress.n = min(round(self.clock() - self.started), self.progress.total or 0)
+        self.progress.set_postfix_str(
+            f"{self.measured} measured; {record.precision} checkpointing "
+            f"{'on' if record.checkpointing else 'off'} micro-batch {record.micro_batch}: "
+            f"{speed} samples/s" + (f"; best so far {best:.1f}" if best else ""), refresh=True)
 
 
 def _speed(record: ConfigurationMeasured) -> tuple:
