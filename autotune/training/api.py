@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..workload.activation_checkpointing import enable_checkpointing
-from ..planning.planfile import check_workload
+from ..planning.planfile import check_workload, plan_to_json
 from ..precision import Precision, grad_scaler
 from ..workload.contract import load_workload
 from . import checks, distributed
@@ -207,7 +208,7 @@ class _Session:
             "split": self.state.split.state_dict(),
             "noise_scale": self.state.noise.to_dict(),
             "data": self._data_position(),
-            "plan": self.plan.to_dict(),
+            "plan": json.loads(plan_to_json(self.plan)),  # plain types: loadable with weights_only
         }, self.path)
 
     def _data_position(self) -> dict:

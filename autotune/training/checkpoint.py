@@ -7,6 +7,7 @@ checkpoint or the new one, never half a file.
 
 from __future__ import annotations
 
+import pickle
 import random
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from ..atomicfile import write_atomic
 from .errors import TrainError
 
 CHECKPOINT_NAME = "checkpoint.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: tensors and plain types only (loaded with ``weights_only=True``); 1 held pickled RNG
+objects and is refused."""
 
 
 def checkpoint_path(directory) -> Path:
@@ -35,9 +38,14 @@ def load(path: Path) -> dict:
             f"(or drop --resume to start from scratch)"
         )
     try:
-        # weights_only=False: the file holds Python and NumPy RNG states. It is a file this loop
-        # wrote itself; never resume from a checkpoint you did not make.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # weights_only=True: a checkpoint is data. Unpickling arbitrary objects would run whatever
+        # code a crafted file names; everything saved here is tensors and plain types.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise TrainError(
+            f"--resume: checkpoint {path} holds objects other than tensors and plain Python types "
+            f"(an older autotune's format 1, another program's file, or a tampered one); it was not loaded, so "
+            f"none of its code ran. Start a new --checkpoint-dir") from None
     except Exception as exc:
         raise TrainError(f"--resume: checkpoint {path} cannot be read ({type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
@@ -48,23 +56,31 @@ def load(path: Path) -> dict:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """The random-number states as tensors and plain types (what ``weights_only`` loads)."""
+    version, words, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "words": list(words), "gauss": gauss}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy
     except ImportError:
         return state
-    state["numpy"] = numpy.random.get_state()
+    name, keys, pos, has_gauss, cached = numpy.random.get_state()
+    state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype(numpy.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["words"]), python["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        saved = state["numpy"]
+        numpy.random.set_state((saved["name"], saved["keys"].numpy().astype(numpy.uint32), saved["pos"],
+                                saved["has_gauss"], saved["cached_gaussian"]))
