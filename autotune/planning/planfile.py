@@ -92,19 +92,35 @@ def load_plan(path, *, workload=None, device: DeviceInfo | None = None) -> Plan:
         raise PlanFileError(f"plan file {path} cannot be read: {exc}") from None
     plan = plan_from_json(text, source=str(path))
     if workload is not None:
-        check_workload(plan, load_workload(workload), source=str(path))
+        load_planned_workload(plan, workload, source=str(path))
     if device is not None:
         check_device(plan, device, source=str(path))
     return plan
 
 
+def load_planned_workload(plan: Plan, workload, *, source: str = "<plan>") -> Workload:
+    """``load_workload(workload)`` for ``plan``: a model file whose sha256 differs from the plan's
+    is refused before any of it is imported (a plan names the file to run; it must not choose the
+    code)."""
+    def check(model_source: str, sha256: str) -> None:
+        _check_sha256(plan, sha256, model_source, source)
+
+    loaded = load_workload(workload, check_sha256=check)
+    check_workload(plan, loaded, source=source)
+    return loaded
+
+
 def check_workload(plan: Plan, workload: Workload, *, source: str = "<plan>") -> None:
-    planned, current = plan.workload.file_sha256, workload.file_sha256
+    _check_sha256(plan, workload.file_sha256, workload.source, source)
+
+
+def _check_sha256(plan: Plan, current: str | None, model_source: str, source: str) -> None:
+    planned = plan.workload.file_sha256
     if planned is not None and current is not None and planned != current:
         raise PlanFileError(
             f"plan file {source} was made for another version of the model: its workload.file_sha256 "
-            f"is {planned[:12]}…, {workload.source} hashes to {current[:12]}…; re-plan with "
-            f"autotune plan {workload.source} --target-batch {plan.target_batch}")
+            f"is {planned[:12]}…, {model_source} hashes to {current[:12]}…; it was not imported. "
+            f"Re-plan with autotune plan {model_source} --target-batch {plan.target_batch}")
 
 
 def check_device(plan: Plan, device: DeviceInfo, *, source: str = "<plan>") -> None:

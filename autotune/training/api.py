@@ -9,9 +9,8 @@ from pathlib import Path
 import torch
 
 from ..workload.activation_checkpointing import enable_checkpointing
-from ..planning.planfile import check_workload, plan_to_json
+from ..planning.planfile import load_planned_workload, plan_to_json
 from ..precision import Precision, grad_scaler
-from ..workload.contract import load_workload
 from . import checks, distributed
 from .checkpoint import FORMAT_VERSION, checkpoint_path, load, rng_state, save_atomic, set_rng_state
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
@@ -69,8 +68,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     """
     plan_source = plan if isinstance(plan, (str, Path)) else "the plan"
     plan = checks.load_plan(plan)
-    workload = load_workload(workload)
-    check_workload(plan, workload, source=str(plan_source))
+    workload = load_planned_workload(plan, workload, source=str(plan_source))
     clip = plan.clip_grad_norm if clip_grad_norm is _FROM_PLAN else clip_grad_norm
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          resume=resume, clip_grad_norm=clip, num_workers=num_workers)

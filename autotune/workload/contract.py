@@ -183,22 +183,29 @@ def move_batch(batch, device):
     return batch
 
 
-def load_workload(spec) -> Workload:
-    """A ``Workload`` from a path to a model file, or the ``Workload`` itself."""
+def load_workload(spec, *, check_sha256: Callable[[str, str], None] | None = None) -> Workload:
+    """A ``Workload`` from a path to a model file, or the ``Workload`` itself.
+
+    ``check_sha256(source, sha256)`` is called with the file's hash before any of it runs (it
+    raises to refuse the file); the bytes hashed are the bytes executed.
+    """
     if isinstance(spec, Workload):
         return spec
     if isinstance(spec, (str, Path)):
-        return _load_file(Path(spec))
+        return _load_file(Path(spec), check_sha256)
     raise WorkloadError(
         f"workload must be a path to a model file or an autotune.Workload, got {type(spec).__name__}"
     )
 
 
-def _load_file(path: Path) -> Workload:
+def _load_file(path: Path, check_sha256=None) -> Workload:
     source = str(path)
     if not path.is_file():
         raise WorkloadError(f"model file {source} does not exist (or is not a file)")
     data = path.read_bytes()
+    sha256 = hashlib.sha256(data).hexdigest()
+    if check_sha256 is not None:
+        check_sha256(source, sha256)
     module_name = f"autotune_user_model_{uuid.uuid4().hex}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
@@ -207,7 +214,8 @@ def _load_file(path: Path) -> Workload:
     # The file may import helpers that sit beside it, as it would when run directly.
     with _prepended_sys_path(str(path.resolve().parent)):
         try:
-            spec.loader.exec_module(module)
+            # The bytes hashed above, not a second read: the file could change in between.
+            exec(compile(data, str(path), "exec"), module.__dict__)
         except Exception as exc:
             raise WorkloadError(f"model file {source} failed to import: {type(exc).__name__}: {exc}") from exc
     names = vars(module)
@@ -231,7 +239,7 @@ def _load_file(path: Path) -> Workload:
         base_lr=float(base_lr) if base_lr is not None else None,
         base_batch=base_batch,
         source=source,
-        file_sha256=hashlib.sha256(data).hexdigest(),
+        file_sha256=sha256,
         namespace=names,
     )
 
