@@ -119,8 +119,8 @@ def _check_sha256(plan: Plan, current: str | None, model_source: str, source: st
     if planned is not None and current is not None and planned != current:
         raise PlanFileError(
             f"plan file {source} was made for another version of the model: its workload.file_sha256 "
-            f"is {planned[:12]}…, {model_source} hashes to {current[:12]}…; it was not imported. "
-            f"Re-plan with autotune plan {model_source} --target-batch {plan.target_batch}")
+            f"is {planned[:12]}…, {model_source} hashes to {current[:12]}… (it was not imported); "
+            f"re-plan with autotune plan {model_source} --target-batch {plan.target_batch}")
 
 
 def check_device(plan: Plan, device: DeviceInfo, *, source: str = "<plan>") -> None:
