@@ -32,3 +32,9 @@ class ConfigError(AutotuneError):
 class EstimateUnavailable(AutotuneError):
     """The model cannot run under fake tensors (data-dependent shapes, custom kernels, reading
     tensor values in Python): its memory can only be measured with real trials."""
+
+
+class OutputError(AutotuneError, OSError):
+    """An output path cannot or must not be written (a missing or read-only folder, a symlink, a
+    folder, one of the command's own inputs, a full disk). An ``OSError`` too, so code that
+    caught the file system's own error still catches it."""

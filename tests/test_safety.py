@@ -4,13 +4,16 @@ no training on garbage passes quietly. docs/testing.md lists every case tried an
 from __future__ import annotations
 
 import os
-import pickle
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 
+from autotune.errors import OutputError
+from autotune.planning.planfile import save_plan
 from autotune.training import TrainError, train
+from test_train_errors import MODEL_FILE, _plan_file
 from train_helpers import make_plan, mlp_workload
 
 
@@ -62,3 +65,105 @@ def test_verify_checks_the_model_files_hash_before_importing_it(tmp_path, exampl
     assert result.exit_code == 1
     assert "was not imported" in result.output and "another version of the model" in result.output
     assert not marker.exists()
+
+
+# -- 1. outputs never destroy what is at the path -------------------------------------------------
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(MODEL_FILE)
+    return path
+
+
+def _null_device(path):
+    """A character device node like /dev/null, made in a temporary folder (needs root)."""
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except (PermissionError, OSError) as exc:
+        pytest.skip(f"cannot make a device node here: {exc}")
+    return path
+
+
+def test_outputs_write_through_a_device_node_never_replace_it(tmp_path, model_file):
+    plan = _plan_file(tmp_path, model_file)
+    device = _null_device(tmp_path / "null")
+    assert _cli("export", plan, "--to", "hf", "-o", device).exit_code == 0
+    save_plan(make_plan([4]), device)
+    result = _cli("train", model_file, "--plan", plan, "--steps", "1", "--save", device,
+                  "--metrics", device)
+    assert result.exit_code == 0, result.output
+    assert stat.S_ISCHR(os.lstat(device).st_mode)
+
+
+def test_a_symlink_output_is_refused_and_neither_link_nor_target_changes(tmp_path, model_file):
+    plan = _plan_file(tmp_path, model_file)
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    for args in (("export", plan, "--to", "hf", "-o", link),
+                 ("plan", model_file, "--target-batch", "8", "-o", link),
+                 ("train", model_file, "--plan", plan, "--steps", "1", "--save", link),
+                 ("train", model_file, "--plan", plan, "--steps", "1", "--metrics", link)):
+        result = _cli(*args)
+        assert result.exit_code == 1 and "is a symlink to" in result.output, (args, result.output)
+    assert link.is_symlink() and target.read_text() == "keep me"
+
+
+def test_no_output_replaces_an_input_of_the_same_command(tmp_path, model_file):
+    plan = _plan_file(tmp_path, model_file)
+    model_text, plan_text = model_file.read_text(), plan.read_text()
+    for args, name in ((("plan", model_file, "--target-batch", "8", "-o", model_file), "MODEL_FILE"),
+                       (("train", model_file, "--plan", plan, "--steps", "1", "--save", model_file),
+                        "MODEL_FILE"),
+                       (("train", model_file, "--plan", plan, "--steps", "1", "--metrics", plan),
+                        "--plan"),
+                       (("export", plan, "--to", "hf", "-o", plan), "PLAN_FILE"),
+                       (("verify", plan, "--device", "cpu", "-o", plan), "PLAN_FILE")):
+        result = _cli(*args)
+        assert result.exit_code == 1, (args, result.output)
+        assert f"this command's own {name}" in result.output, result.output
+    assert model_file.read_text() == model_text and plan.read_text() == plan_text
+
+
+def test_a_checkpoint_dir_with_a_checkpoint_needs_resume_or_overwrite(tmp_path, model_file):
+    plan = _plan_file(tmp_path, model_file)
+    folder = tmp_path / "ckpt"
+    train_args = ("train", model_file, "--plan", plan, "--checkpoint-dir", folder)
+    assert _cli(*train_args, "--steps", "3").exit_code == 0
+    result = _cli(*train_args, "--steps", "1")
+    assert result.exit_code == 1 and "--resume" in result.output and "--overwrite" in result.output
+    assert torch.load(folder / "checkpoint.pt", weights_only=True)["step"] == 3  # kept
+    assert _cli(*train_args, "--steps", "1", "--overwrite").exit_code == 0
+    assert torch.load(folder / "checkpoint.pt", weights_only=True)["step"] == 1
+
+
+def test_a_replaced_file_keeps_its_mode_and_a_new_one_gets_the_umask_default(tmp_path):
+    existing = tmp_path / "plan.json"
+    existing.write_text("{}")
+    existing.chmod(0o640)
+    save_plan(make_plan([4]), existing)
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o640
+    umask = os.umask(0o027)
+    try:
+        save_plan(make_plan([4]), tmp_path / "new.json")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o640
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    host = socket.gethostname().replace(".", "_")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f".plan.json.{host}-{dead}.x1y2.tmp"
+    live = tmp_path / f".plan.json.{host}-{os.getpid()}.a1b2.tmp"  # a writer still at work
+    other = tmp_path / ".other.json.tmp"
+    for path in (stale, live, other):
+        path.write_bytes(b"half")
+    save_plan(make_plan([4]), tmp_path / "plan.json")
+    assert not stale.exists() and live.exists() and other.exists()

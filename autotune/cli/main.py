@@ -141,10 +141,12 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
                  gpu, output, as_json):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
+    from ..outputs import check_output
     from ..planning.planfile import plan_to_json, save_plan
     from ..planning.api import plan as make_plan
     from .format import format_plan
 
+    check_output(output, option="-o", inputs={"MODEL_FILE": model_file})
     result = make_plan(model_file, target_batch=target_batch, world_size=world_size, device=device,
                        precision=precision.lower(), checkpointing=checkpointing,
                        memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
@@ -180,17 +182,20 @@ def show(plan_file, as_json):
 @_errors_to_exit_codes
 def export(plan_file, target, output):
     """Export a plan as another runner's configuration (or the torchrun command line)."""
+    from ..atomicfile import write_atomic
+    from ..outputs import check_output
     from ..planning.export import export_plan
     from ..planning.planfile import load_plan
 
+    check_output(output, option="-o", inputs={"PLAN_FILE": plan_file})
     exported = export_plan(load_plan(plan_file), target, plan_path=plan_file)
     for note in exported.notes:
         click.echo(f"note: {note}", err=True)
     if output is None:
         click.echo(exported.render(), nl=False)
     else:
-        with open(output, "w", encoding="utf-8") as handle:
-            handle.write(exported.render())
+        text = exported.render().encode("utf-8")
+        write_atomic(output, lambda handle: handle.write(text))
         click.echo(f"{target} export written to {output}", err=True)
 
 @cli.command("train")
@@ -206,6 +211,8 @@ def export(plan_file, target, output):
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
               help="Checkpoint every K optimizer steps.")
 @click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir's checkpoint.")
+@click.option("--overwrite", is_flag=True,
+              help="Start over in a --checkpoint-dir that already holds a checkpoint (replacing it).")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
               help="Write the trained model's state_dict here (torch.save).")
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None,
@@ -217,14 +224,17 @@ def export(plan_file, target, output):
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
 @_errors_to_exit_codes
 def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
-                  save_path, metrics_path, clip_grad_norm, seed, device):
+                  overwrite, save_path, metrics_path, clip_grad_norm, seed, device):
     """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP)."""
+    from ..outputs import check_output
     from ..training import save_model, train
 
+    check_output(save_path, option="--save", create_folder=True,
+                 inputs={"MODEL_FILE": model_file, "--plan": plan_file})
     clip = {} if clip_grad_norm is None else {"clip_grad_norm": clip_grad_norm or None}
     result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
-                   checkpoint_every=checkpoint_every, resume=resume, metrics_path=metrics_path,
-                   seed=seed, device=device, **clip)
+                   checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,
+                   metrics_path=metrics_path, seed=seed, device=device, **clip)
     if save_path is not None:
         save_model(result, save_path)
     if result.rank != 0:
@@ -301,9 +311,11 @@ def profiles(profile, as_json):
 @_errors_to_exit_codes
 def verify(plan_file, model_file, device, memory_limit, steps, output):
     """Run a plan's micro-batch for a few real steps here: exit 0 when it fits, 1 when re-planned."""
+    from ..outputs import check_output
     from ..planning.planfile import save_plan
     from ..planning.verify import format_verify, verify_plan
 
+    check_output(output, option="-o", inputs={"PLAN_FILE": plan_file, "--model": model_file})
     result = verify_plan(plan_file, workload=model_file, device=device, memory_limit=memory_limit,
                          steps=steps)
     click.echo(format_verify(result))

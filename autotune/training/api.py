@@ -15,6 +15,7 @@ from . import checks, distributed
 from .checkpoint import FORMAT_VERSION, checkpoint_path, load, rng_state, save_atomic, set_rng_state
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
+from ..errors import OutputError
 from .errors import TrainError
 from .loop import StepRunner, TrainState, run_steps
 from .metrics import MetricsLog
@@ -55,13 +56,15 @@ class TrainResult:
 
 def train(plan, workload, *, steps: int | None = None, epochs: int | None = None,
           checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
-          metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0, device=None,
+          overwrite: bool = False, metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0, device=None,
           num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True) -> TrainResult:
     """Train ``workload`` as ``plan`` says: its micro-batches, accumulation, world size,
     precision, checkpointing, LR and warmup, with the gradient of each window exactly that of the
     whole window as one batch.
 
     ``plan`` is a ``Plan`` or a plan-file path; ``workload`` a model-file path or ``Workload``.
+    A ``checkpoint_dir`` that already holds a checkpoint is continued with ``resume=True`` or
+    started over with ``overwrite=True``; without either it is refused (never replaced quietly).
     ``clip_grad_norm`` defaults to the plan's (None: no clipping). Under torchrun each process
     calls this; rank 0 alone writes metrics and checkpoints. ``measure_noise_scale`` estimates
     the gradient noise scale from gradient norms the loop has anyway (it never changes training).
@@ -72,6 +75,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     clip = plan.clip_grad_norm if clip_grad_norm is _FROM_PLAN else clip_grad_norm
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          resume=resume, clip_grad_norm=clip, num_workers=num_workers)
+    checks.check_outputs(checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
+                         metrics_path=metrics_path, inputs=_inputs(plan_source, workload))
     precision = Precision.parse(plan.precision, option="plan precision")
     dataset = workload.build_dataset() if workload.build_dataset is not None else None
     size = None if dataset is None else dataset_size(dataset, source=workload.source)
@@ -241,6 +246,14 @@ class _Session:
         return ranks[self.ctx.rank] if self.ctx.rank < len(ranks) else None
 
 
+def _inputs(plan_source, workload) -> dict:
+    """The files this run reads, which no output of it may replace."""
+    inputs = {"model file": workload.source if workload.file_sha256 is not None else None}
+    if isinstance(plan_source, (str, Path)):
+        inputs["--plan"] = plan_source
+    return inputs
+
+
 def _current_split(plan, state) -> list[int]:
     return [n for n in split_micro_batches(plan.micro_batches, state.split.level) if n]
 
@@ -249,4 +262,10 @@ def save_model(result: TrainResult, path) -> None:
     """``--save``: ``{"model": state_dict, "steps": n}`` with ``torch.save`` (rank 0 only)."""
     if result.rank != 0:
         return
-    save_atomic({"model": result.model.state_dict(), "steps": result.steps}, Path(path))
+    try:
+        save_atomic({"model": result.model.state_dict(), "steps": result.steps}, Path(path))
+    except OutputError as exc:
+        kept = (f"the trained model is in the last checkpoint, {result.checkpoint}"
+                if result.checkpoint is not None and result.checkpoint.is_file()
+                else "the trained model was not kept (no --checkpoint-dir)")
+        raise OutputError(f"--save {exc}; {kept}") from None

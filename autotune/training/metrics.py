@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomicfile import write_atomic
 from ..units import format_bytes
 
 FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "peak_memory_bytes",
@@ -49,8 +50,11 @@ class MetricsLog:
         if enabled and path is not None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _keep_steps_before(path, resume_step)
-            self._file = path.open("a", encoding="utf-8")
+            if resume_step:
+                _keep_steps_before(path, resume_step)
+            # "w" empties a file in place (its permissions and links kept) and writes through to a
+            # device or pipe; it never deletes what is at the path.
+            self._file = path.open("a" if resume_step else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -92,10 +96,7 @@ def format_progress(record: dict, total_steps: int) -> str:
 
 def _keep_steps_before(path: Path, resume_step: int) -> None:
     """On resume, drop lines for steps after the checkpoint: they will be trained again."""
-    if not path.exists():
-        return
-    if resume_step == 0:
-        path.unlink()
+    if not path.is_file():
         return
     kept = []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -105,4 +106,5 @@ def _keep_steps_before(path: Path, resume_step: int) -> None:
             continue
         if isinstance(step, int) and step <= resume_step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    text = "".join(line + "\n" for line in kept).encode("utf-8")
+    write_atomic(path, lambda handle: handle.write(text))
