@@ -167,3 +167,78 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
         path.write_bytes(b"half")
     save_plan(make_plan([4]), tmp_path / "plan.json")
     assert not stale.exists() and live.exists() and other.exists()
+
+
+# -- 5. no training on garbage ---------------------------------------------------------------------
+def _poisoned_from(call, value):
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        from train_helpers import mean_loss
+
+        calls["n"] += 1
+        loss = mean_loss(model, batch)
+        return loss * value if calls["n"] >= call else loss
+    return loss_fn
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path, value):
+    # micro-batches [4]: one forward per step, so call 3 is step 3.
+    workload = mlp_workload(32, loss_fn=_poisoned_from(3, value))
+    with pytest.raises(TrainError, match=r"step 3: the (loss|gradient norm) is (nan|inf).*"
+                                         r"last good checkpoint.*\(step 2\)"):
+        train(make_plan([4]), workload, steps=6, checkpoint_dir=tmp_path, checkpoint_every=1,
+              progress=False)
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert saved["step"] == 2
+    assert all(torch.isfinite(t).all() for t in saved["model"].values())
+
+
+def test_cli_non_finite_loss_is_exit_1(tmp_path, model_file):
+    poisoned = tmp_path / "nan_model.py"
+    poisoned.write_text(MODEL_FILE + "\nBASE = loss_fn\ndef loss_fn(model, batch):\n"
+                                     "    return BASE(model, batch) * float('nan')\n")
+    plan = _plan_file(tmp_path, poisoned)
+    result = _cli("train", poisoned, "--plan", plan, "--steps", "3")
+    assert result.exit_code == 1 and "step 1: the loss is nan" in result.output, result.output
+
+
+@pytest.mark.parametrize("count, message", [
+    (0, "sum to 0 over the window"),
+    (torch.tensor(-3), "sum to -3 over the window"),
+    (-2, "item_count -2"),
+    ("12", "item_count a str"),
+])
+def test_bad_item_counts_get_the_model_file_contracts_error(count, message):
+    from autotune.errors import WorkloadError
+    from train_helpers import mean_loss
+
+    workload = mlp_workload(16, loss_fn=lambda model, batch: (mean_loss(model, batch), count))
+    with pytest.raises(WorkloadError, match=message):
+        train(make_plan([4]), workload, steps=1, progress=False)
+
+
+def test_a_detached_loss_is_named_as_the_loss_fns_fault():
+    from autotune.errors import WorkloadError
+    from train_helpers import mean_loss
+
+    workload = mlp_workload(16, loss_fn=lambda model, batch: mean_loss(model, batch).detach())
+    with pytest.raises(WorkloadError, match="loss from loss_fn does not require grad"):
+        train(make_plan([4]), workload, steps=1, progress=False)
+
+
+def test_divergence_is_warned_once(capsys):
+    workload = mlp_workload(32, loss_fn=_poisoned_from(3, 50.0))  # the loss jumps 50x at step 3
+    result = train(make_plan([4]), workload, steps=5)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "divergent" in line]
+    assert len(warnings) == 1 and "at step 3" in warnings[0] and result.steps == 5
+
+
+def test_fp16_skips_a_non_finite_step_but_stops_when_every_step_is_skipped(monkeypatch):
+    from autotune.training import loop
+
+    monkeypatch.setattr(loop, "MAX_SKIPS_IN_A_ROW", 3)
+    workload = mlp_workload(64, dtype=torch.float32, loss_fn=_poisoned_from(3, float("nan")))
+    with pytest.raises(TrainError, match="step 5: fp16's GradScaler skipped 3 steps in a row"):
+        train(make_plan([4], precision="fp16"), workload, steps=8, device="cpu", progress=False)

@@ -16,7 +16,7 @@ from .checkpoint import FORMAT_VERSION, checkpoint_path, load, rng_state, save_a
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
 from ..errors import OutputError
-from .errors import TrainError
+from .errors import NonFiniteError, TrainError
 from .loop import StepRunner, TrainState, run_steps
 from .metrics import MetricsLog
 from .noise_scale import NoiseScaleEMA, batch_advice, noise_scale, unavailable_reason
@@ -121,6 +121,8 @@ class _Session:
         self.scheduler = build_scheduler(workload, self.optimizer, plan)
         self.scaler = grad_scaler(precision, ctx.device)
         self.state = TrainState()
+        self.saved_step = None
+        """The step of the last checkpoint written or resumed from (None: none yet)."""
 
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
             measure_noise=True) -> TrainResult:
@@ -139,9 +141,12 @@ class _Session:
             if rng is not None:
                 set_rng_state(rng)  # last, so nothing before the first step draws from it
             with StopRequest() as stop:
-                records, interrupted = run_steps(
-                    runner, self.layout, batches, total_steps=self.total_steps, metrics=metrics,
-                    stop=stop, save_checkpoint=self._save, checkpoint_every=checkpoint_every)
+                try:
+                    records, interrupted = run_steps(
+                        runner, self.layout, batches, total_steps=self.total_steps, metrics=metrics,
+                        stop=stop, save_checkpoint=self._save, checkpoint_every=checkpoint_every)
+                except NonFiniteError as exc:
+                    raise NonFiniteError(f"{exc}; {self._last_good()}", step=exc.step) from None
             noise, note, warnings = self._noise_advice(measure_noise)
             for warning in warnings:
                 metrics.note(f"warning: {warning}")
@@ -213,6 +218,14 @@ class _Session:
             "data": self._data_position(),
             "plan": json.loads(plan_to_json(self.plan)),  # plain types: loadable with weights_only
         }, self.path)
+        self.saved_step = self.state.step
+
+    def _last_good(self) -> str:
+        if self.path is None:
+            return "no checkpoint was kept (train with --checkpoint-dir to keep one)"
+        if self.saved_step is None:
+            return f"no checkpoint was written to {self.path.parent} before it"
+        return f"the last good checkpoint, {self.path} (step {self.saved_step}), is kept"
 
     def _data_position(self) -> dict:
         position = {"seed": self.seed, "effective_batch": self.plan.effective_batch,
@@ -237,7 +250,7 @@ class _Session:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scaler.load_state_dict(saved["scaler"])
         self.scheduler.load_state_dict(saved["scheduler"])
-        self.state.step = saved["step"]
+        self.state.step = self.saved_step = saved["step"]
         self.state.skipped_steps = saved["skipped_steps"]
         self.state.split.load_state_dict(saved["split"])
         if "noise_scale" in saved:  # absent from checkpoints written before it was measured

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import math
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -110,12 +111,36 @@ class Workload:
                     f"got a {type(out).__name__} of length {len(out)}"
                 )
             loss, count = out
+            _check_count(count, self.source)
         else:
             loss, count = out, None
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise WorkloadError(f"{self.source}: the loss must be a scalar tensor, got {shape}")
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise WorkloadError(
+                f"{self.source}: the loss{' from loss_fn' if self.loss_fn is not None else ''} does "
+                f"not require grad (it was detached, computed under torch.no_grad(), or the model "
+                f"has no trainable parameters); return the loss the parameters produced")
         return loss.reshape(()), count
+
+
+def _check_count(count, source: str) -> None:
+    """A ``(loss_sum, item_count)`` count: a non-negative int or a one-element real tensor.
+    (A tensor's sign is checked per window, where its value is read anyway.)"""
+    if isinstance(count, torch.Tensor):
+        if count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool:
+            return
+        problem = f"a {count.dtype} tensor of shape {tuple(count.shape)}"
+    elif isinstance(count, (int, float)) and not isinstance(count, bool):
+        if math.isfinite(count) and count >= 0:
+            return
+        problem = f"{count}"
+    else:
+        problem = f"a {type(count).__name__} ({count!r:.40})"
+    raise WorkloadError(
+        f"{source}: loss_fn returned (loss_sum, item_count) with item_count {problem}; the count "
+        f"must be a non-negative number or a one-element tensor (the tokens or samples summed)")
 
 
 def call_model(model, batch):
