@@ -242,3 +242,120 @@ def test_fp16_skips_a_non_finite_step_but_stops_when_every_step_is_skipped(monke
     workload = mlp_workload(64, dtype=torch.float32, loss_fn=_poisoned_from(3, float("nan")))
     with pytest.raises(TrainError, match="step 5: fp16's GradScaler skipped 3 steps in a row"):
         train(make_plan([4], precision="fp16"), workload, steps=8, device="cpu", progress=False)
+
+
+# -- 4. numbers are checked where they enter -------------------------------------------------------
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_cli_base_lr_must_be_finite(tmp_path, examples_dir, value):
+    out = tmp_path / "plan.json"
+    result = _cli("plan", examples_dir / "mlp.py", "--target-batch", "8", "--device", "cpu",
+                  "--memory-limit", "64MiB", f"--base-lr={value}", "--base-batch", "8", "-o", out)
+    assert result.exit_code == 2 and "--base-lr" in result.output, result.output
+    assert not out.exists()
+
+
+def test_a_model_files_nan_base_lr_is_refused(tmp_path):
+    from autotune.errors import WorkloadError
+    from autotune.workload.contract import load_workload
+
+    path = tmp_path / "model.py"
+    path.write_text(MODEL_FILE + "\nBASE_LR = float('nan')\nBASE_BATCH = 8\n")
+    with pytest.raises(WorkloadError, match="BASE_LR must be a finite number"):
+        load_workload(path)
+
+
+def test_a_plan_never_holds_nan_as_json():
+    from autotune.planning.planfile import plan_to_json
+
+    plan = make_plan([4], lr=float("nan"))  # only a hand-built Plan can hold it
+    with pytest.raises(ValueError):
+        plan_to_json(plan)
+
+
+_EDITS = {
+    "negative lr": (lambda d: d["lr"].__setitem__("lr", -5), "lr.lr must be more than 0"),
+    "huge micro-batch": (lambda d: d.update(micro_batches=[10**9], target_batch=10**9),
+                         "must be at most 16777216"),
+    "NaN headroom": (lambda d: d.update(headroom="__NaN__"), "holds NaN"),
+    "Infinity lr": (lambda d: d["lr"].__setitem__("lr", "__Infinity__"), "holds Infinity"),
+    "boolean schema_version": (lambda d: d.update(schema_version=True), "schema_version True"),
+    "null sha of a file": (lambda d: d["workload"].update(file_sha256=None, source="model.py"),
+                           "file_sha256 is null"),
+    "not a sha": (lambda d: d["workload"].update(file_sha256="abc"), "must match"),
+    "negative clip": (lambda d: d.update(clip_grad_norm=-1), "clip_grad_norm must be more than 0"),
+    "counts longer than the batch": (lambda d: d.update(micro_batches={"sizes": [1], "counts": [10**12]}),
+                                     "accumulation steps, more than target_batch"),
+}
+
+
+@pytest.mark.parametrize("edit", list(_EDITS), ids=list(_EDITS))
+def test_a_hand_edited_plan_with_garbage_numbers_is_refused(tmp_path, edit):
+    import json
+
+    from autotune.errors import PlanFileError
+    from autotune.planning.planfile import load_plan
+
+    path = tmp_path / "plan.json"
+    save_plan(make_plan([4, 4], lr=0.1, clip=1.0, sha="0" * 64), path)
+    data = json.loads(path.read_text())
+    change, message = _EDITS[edit]
+    change(data)
+    path.write_text(json.dumps(data).replace('"__NaN__"', "NaN").replace('"__Infinity__"', "Infinity"))
+    with pytest.raises(PlanFileError, match=message):
+        load_plan(path)
+    shown = _cli("show", path)
+    assert shown.exit_code == 1 and message.split()[0] in shown.output
+
+
+def test_long_uneven_splits_are_stored_as_sizes_with_counts_and_older_lists_still_load(tmp_path):
+    import json
+
+    from autotune.planning.planfile import load_plan
+
+    split = [13] * 400 + [12]
+    plan = make_plan(split)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    data = json.loads(path.read_text())
+    assert data["micro_batches"] == {"sizes": [13, 12], "counts": [400, 1]}
+    assert path.stat().st_size < 4000
+    assert load_plan(path).micro_batches == split
+    data["micro_batches"] = split  # as older files (and short splits) hold it
+    path.write_text(json.dumps(data))
+    assert load_plan(path).micro_batches == split
+    assert "13 × 400 + 12" in _cli("show", path).output
+
+
+def test_a_target_batch_past_the_bound_is_a_usage_error(tmp_path, examples_dir):
+    result = _cli("plan", examples_dir / "mlp.py", "--target-batch", str(10**12), "--device", "cpu",
+                  "--memory-limit", "64MiB", "-o", tmp_path / "plan.json")
+    assert result.exit_code == 2 and "more than 16777216" in result.output, result.output
+
+
+@pytest.mark.parametrize("limit, message", [("1e30", "more than this machine's"),
+                                            ("inf", "not a size"), ("nan", "not a size")])
+def test_a_cpu_budget_must_be_finite_and_within_physical_memory(examples_dir, limit, message):
+    result = _cli("probe", examples_dir / "mlp.py", "--device", "cpu", "--memory-limit", limit)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e400])
+def test_a_non_finite_size_from_python_is_a_config_error(value):
+    from autotune.errors import ConfigError
+    from autotune.units import parse_bytes
+
+    with pytest.raises(ConfigError, match="not a finite size"):
+        parse_bytes(value)
+
+
+def test_a_gpu_profile_with_absurd_memory_is_refused(tmp_path):
+    from autotune.errors import ConfigError
+    from autotune.gpus.catalog import bundled_profiles_dir, load_profile
+
+    text = (bundled_profiles_dir() / "a100-40gb.toml").read_text()
+    import re
+
+    path = tmp_path / "huge.toml"
+    path.write_text(re.sub(r"(?m)^memory_bytes\s*=.*$", f"memory_bytes = {10**27}", text))
+    with pytest.raises(ConfigError, match="memory_bytes .* is invalid"):
+        load_profile(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 
 import torch
@@ -201,7 +202,8 @@ def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
         param_count=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * p.element_size() for p in trainable),
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
-        optimizer_lr=float(lr) if isinstance(lr, (int, float)) else None,
+        # A NaN or infinite LR is no LR to keep (and JSON cannot hold it).
+        optimizer_lr=float(lr) if isinstance(lr, (int, float)) and math.isfinite(lr) else None,
         batchnorm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         checkpointable=any(any(True for _ in b.parameters()) for b in repeated_blocks(model)),
     )

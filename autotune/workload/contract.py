@@ -253,8 +253,10 @@ def _load_file(path: Path, check_sha256=None) -> Workload:
         )
     base_lr = names.get("BASE_LR")
     base_batch = names.get("BASE_BATCH")
-    if base_lr is not None and not isinstance(base_lr, (int, float)):
-        raise WorkloadError(f"model file {source}: BASE_LR must be a number, got {base_lr!r}")
+    if base_lr is not None and (isinstance(base_lr, bool) or not isinstance(base_lr, (int, float))
+                                or not math.isfinite(base_lr) or base_lr <= 0):
+        raise WorkloadError(f"model file {source}: BASE_LR must be a finite number more than 0, "
+                            f"got {base_lr!r}")
     if base_batch is not None and (not isinstance(base_batch, int) or base_batch <= 0):
         raise WorkloadError(f"model file {source}: BASE_BATCH must be a positive int, got {base_batch!r}")
     return Workload(
