@@ -359,3 +359,44 @@ def test_a_gpu_profile_with_absurd_memory_is_refused(tmp_path):
     path.write_text(re.sub(r"(?m)^memory_bytes\s*=.*$", f"memory_bytes = {10**27}", text))
     with pytest.raises(ConfigError, match="memory_bytes .* is invalid"):
         load_profile(path)
+
+
+# -- 6. resume checks the checkpoint against the plan and the model --------------------------------
+def test_resume_under_a_plan_with_another_lr_is_refused(tmp_path):
+    train(make_plan([4], lr=0.1), mlp_workload(16), steps=1, checkpoint_dir=tmp_path, progress=False)
+    with pytest.raises(TrainError, match="the LR was 0.1 when checkpoint .* is 0.2 now"):
+        train(make_plan([4], lr=0.2), mlp_workload(16), steps=2, checkpoint_dir=tmp_path,
+              resume=True, progress=False)
+
+
+def test_resume_after_the_model_file_changed_names_it(tmp_path, model_file):
+    first = _plan_file(tmp_path, model_file)
+    folder = tmp_path / "ckpt"
+    assert _cli("train", model_file, "--plan", first, "--steps", "1",
+                "--checkpoint-dir", folder).exit_code == 0
+    model_file.write_text(MODEL_FILE.replace("nn.Linear(4, 2)", "nn.Linear(4, 3)"))
+    second = _plan_file(tmp_path, model_file)  # re-planned for the edited model
+    result = _cli("train", model_file, "--plan", second, "--steps", "2", "--checkpoint-dir", folder,
+                  "--resume")
+    assert result.exit_code == 1 and "the model file's sha256 was" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_resume_into_a_model_of_other_shapes_is_a_train_error(tmp_path):
+    import torch.nn as nn
+
+    train(make_plan([4]), mlp_workload(16), steps=1, checkpoint_dir=tmp_path, progress=False)
+    other = mlp_workload(16, model=lambda: nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Dropout(0.0),
+                                                         nn.Linear(5, 3)).double())
+    with pytest.raises(TrainError, match="holds another model's weights"):
+        train(make_plan([4]), other, steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)
+
+
+def test_a_checkpoint_missing_keys_is_a_train_error(tmp_path):
+    first = train(make_plan([4]), mlp_workload(16), steps=1, checkpoint_dir=tmp_path, progress=False)
+    state = torch.load(first.checkpoint, weights_only=True)
+    del state["split"]
+    torch.save(state, first.checkpoint)
+    with pytest.raises(TrainError, match="lacks split"):
+        train(make_plan([4]), mlp_workload(16), steps=2, checkpoint_dir=tmp_path, resume=True,
+              progress=False)

@@ -12,7 +12,8 @@ from ..workload.activation_checkpointing import enable_checkpointing
 from ..planning.planfile import load_planned_workload, plan_to_json
 from ..precision import Precision, grad_scaler
 from . import checks, distributed
-from .checkpoint import FORMAT_VERSION, checkpoint_path, load, rng_state, save_atomic, set_rng_state
+from .checkpoint import (FORMAT_VERSION, check_resumable, checkpoint_path, load, rng_state, save_atomic,
+                         set_rng_state)
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
 from ..errors import OutputError
@@ -237,6 +238,7 @@ class _Session:
 
     def _restore(self):
         saved = load(self.path)
+        check_resumable(saved, self.plan, self.workload, path=self.path)
         data = saved["data"]
         for option, name, value in (("--seed", "seed", self.seed),
                                     ("the plan's effective batch", "effective_batch", self.plan.effective_batch),
@@ -246,7 +248,12 @@ class _Session:
                     f"--resume: {option} is {value} but the checkpoint {self.path} was trained with "
                     f"{data[name]}; resume with the same setting (or start a new --checkpoint-dir)"
                 )
-        self.model.load_state_dict(saved["model"])
+        try:
+            self.model.load_state_dict(saved["model"])
+        except RuntimeError as exc:  # shapes or names: the model changed in a way the hash missed
+            raise TrainError(f"--resume: the checkpoint {self.path} holds another model's weights "
+                             f"({str(exc).splitlines()[0]} ...); resume with the model it was "
+                             f"trained with, or start a new --checkpoint-dir") from None
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scaler.load_state_dict(saved["scaler"])
         self.scheduler.load_state_dict(saved["scheduler"])

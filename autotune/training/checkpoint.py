@@ -7,6 +7,7 @@ checkpoint or the new one, never half a file.
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..atomicfile import write_atomic
+from ..planning.planfile import plan_to_json
 from .errors import TrainError
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -53,6 +55,45 @@ def load(path: Path) -> dict:
             f"--resume: {path} is not an autotune training checkpoint of format {FORMAT_VERSION}"
         )
     return state
+
+
+REQUIRED_KEYS = ("model", "optimizer", "scaler", "scheduler", "rng", "step", "skipped_steps", "split",
+                 "data", "plan")
+
+# What a resumed run must share with the run that wrote the checkpoint: (label, path in the plan).
+_RESUME_FIELDS = (("the model file's sha256", ("workload", "file_sha256")),
+                  ("the target batch", ("target_batch",)), ("the world size", ("world_size",)),
+                  ("the micro-batches", ("micro_batches",)), ("the precision", ("precision",)),
+                  ("activation checkpointing", ("checkpointing",)), ("the LR", ("lr", "lr")),
+                  ("the LR rule", ("lr", "rule")), ("the warmup", ("lr", "warmup_steps")),
+                  ("the gradient clipping", ("clip_grad_norm",)), ("the sharding", ("sharding",)))
+
+
+def check_resumable(saved: dict, plan, workload, *, path: Path) -> None:
+    """Refuse a checkpoint written under another plan or for another model file, naming what
+    differs (resuming would silently train on with the old schedule, or fail on a shape)."""
+    missing = [key for key in REQUIRED_KEYS if key not in saved]
+    if missing:
+        raise TrainError(f"--resume: checkpoint {path} lacks {', '.join(missing)}; it is damaged or "
+                         f"not an autotune training checkpoint. Start a new --checkpoint-dir")
+    now = json.loads(plan_to_json(plan))
+    if workload.file_sha256 is not None:
+        now["workload"]["file_sha256"] = workload.file_sha256
+    for label, keys in _RESUME_FIELDS:
+        was, is_now = _get(saved["plan"], keys), _get(now, keys)
+        if was != is_now and not (keys == ("sharding",) and was is None):
+            if keys[-1] == "file_sha256":
+                was, is_now = str(was)[:12] + "…", str(is_now)[:12] + "…"
+            raise TrainError(
+                f"--resume: {label} was {was} when checkpoint {path} was written and is {is_now} "
+                f"now; resume with the plan and model file it was trained with, or start a new "
+                f"--checkpoint-dir (or --overwrite) to train under the new ones")
+
+
+def _get(data, keys):
+    for key in keys:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
 
 
 def rng_state() -> dict:
