@@ -77,7 +77,7 @@ def refuse_unsafe_target(path: Path, existing: os.stat_result | None = None) -> 
 def _existing(path: Path) -> os.stat_result | None:
     try:
         return os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 

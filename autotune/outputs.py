@@ -30,6 +30,8 @@ def check_output(path, *, option: str, inputs: dict | None = None, create_folder
             raise OutputError(f"{option} {path} is this command's own {name}; writing it would "
                               f"replace the input. Choose another path")
     folder = _nearest_existing(path.parent) if create_folder else path.parent
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"{option} {path}: {folder} is a file, not a folder; choose another path")
     if not folder.is_dir():
         raise OutputError(f"{option} {path}: the folder {path.parent} does not exist; create it "
                           f"first or choose another path")

@@ -400,3 +400,59 @@ def test_a_checkpoint_missing_keys_is_a_train_error(tmp_path):
     with pytest.raises(TrainError, match="lacks split"):
         train(make_plan([4]), mlp_workload(16), steps=2, checkpoint_dir=tmp_path, resume=True,
               progress=False)
+
+
+# -- 8. output locations are checked before the work -----------------------------------------------
+def test_outputs_in_missing_or_impossible_folders_fail_before_any_work(tmp_path, model_file, monkeypatch):
+    import autotune.planning.api as planning_api
+
+    def no_probing(*args, **kwargs):
+        raise AssertionError("planned although the output cannot be written")
+
+    monkeypatch.setattr(planning_api, "plan", no_probing)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    # Training would write "trained" beside the model; nothing may run that far.
+    marker = tmp_path / "trained"
+    model_file.write_text(MODEL_FILE.replace(
+        "def loss_fn(model, batch):",
+        f"def loss_fn(model, batch):\n    open({str(marker)!r}, 'w').close()"))
+    plan = _plan_file(tmp_path, model_file)
+    for args, option in ((("plan", model_file, "--target-batch", "8", "-o", tmp_path / "missing" / "p.json"), "-o"),
+                         (("export", plan, "--to", "hf", "-o", tmp_path / "missing" / "hf.json"), "-o"),
+                         (("train", model_file, "--plan", plan, "--steps", "1", "--save", a_file / "m.pt"), "--save"),
+                         (("train", model_file, "--plan", plan, "--steps", "1", "--metrics", a_file / "m.jsonl"), "--metrics"),
+                         (("train", model_file, "--plan", plan, "--steps", "1", "--checkpoint-dir", a_file / "c"), "--checkpoint-dir")):
+        result = _cli(*args)
+        assert result.exit_code == 1 and result.output.startswith(f"Error: {option} "), (args, result.output)
+        assert "does not exist" in result.output or "is a file, not a folder" in result.output
+    assert not marker.exists()
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_save_that_fails_after_training_says_where_the_model_is(tmp_path):
+    from autotune.training import save_model
+
+    result = train(make_plan([4]), mlp_workload(16), steps=2, checkpoint_dir=tmp_path / "ckpt",
+                   progress=False)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(OutputError, match=r"--save .*; the trained model is in the last checkpoint, .*checkpoint.pt"):
+        save_model(result, blocker / "model.pt")
+
+
+def test_a_full_disk_is_one_line_and_the_old_file_stays(tmp_path):
+    import errno
+
+    from autotune.atomicfile import write_atomic
+
+    path = tmp_path / "plan.json"
+    path.write_text("old")
+
+    def fill(handle):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OutputError, match="could not be written \\(No space left on device\\)") as caught:
+        write_atomic(path, fill)
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["plan.json"]

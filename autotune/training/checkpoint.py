@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..atomicfile import write_atomic
+from ..errors import OutputError
 from ..planning.planfile import plan_to_json
 from .errors import TrainError
 
@@ -29,7 +30,10 @@ def checkpoint_path(directory) -> Path:
 
 
 def save_atomic(state: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{path} cannot be written: its folder cannot be made ({exc.strerror or exc})") from None
     write_atomic(path, lambda handle: torch.save(state, handle))
 
 
