@@ -456,3 +456,78 @@ def test_a_full_disk_is_one_line_and_the_old_file_stays(tmp_path):
         write_atomic(path, fill)
     assert caught.value.__cause__ is None and caught.value.__suppress_context__
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+# -- 9. messages where tracebacks were --------------------------------------------------------------
+def _train_args(tmp_path, model_file):
+    return ("train", model_file, "--plan", _plan_file(tmp_path, model_file), "--steps", "1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_train_on_cuda_without_cuda_is_a_usage_error(tmp_path, model_file):
+    result = _cli(*_train_args(tmp_path, model_file), "--device", "cuda")
+    assert result.exit_code == 2 and "sees no CUDA device" in result.output, result.output
+
+
+@pytest.mark.parametrize("seed", [str(2**70), "-1"])
+def test_an_overflowing_seed_is_a_usage_error(tmp_path, model_file, seed):
+    result = _cli(*_train_args(tmp_path, model_file), f"--seed={seed}")
+    assert result.exit_code == 2 and "--seed" in result.output, result.output
+
+
+def test_a_bad_world_size_variable_is_a_usage_error(tmp_path, model_file):
+    result = _cli(*_train_args(tmp_path, model_file), env={"WORLD_SIZE": "abc"})
+    assert result.exit_code == 2 and "WORLD_SIZE='abc'" in result.output, result.output
+
+
+@pytest.mark.parametrize("storage", ["bogus", "http://example.invalid/x", "sqlite:///missing/dir/x.db"])
+def test_a_bad_storage_url_is_a_usage_error_before_any_probing(tmp_path, examples_dir, storage, monkeypatch):
+    import autotune.planning.api as planning_api
+
+    def no_probing(*args, **kwargs):
+        raise AssertionError("probed before opening the storage")
+
+    monkeypatch.setattr(planning_api, "_probe_setting", no_probing)
+    monkeypatch.chdir(tmp_path)
+    result = _cli("plan", examples_dir / "mlp.py", "--target-batch", "8", "--device", "cpu",
+                  "--memory-limit", "64MiB", "--optimize", "throughput", "--storage", storage)
+    assert result.exit_code == 2 and "--storage" in result.output and "cannot be opened" in result.output
+
+
+@pytest.mark.parametrize("option", [("--budget", "10s"), ("--storage", "sqlite:///x.db")])
+def test_throughput_options_without_optimize_throughput_are_usage_errors(tmp_path, examples_dir, option):
+    result = _cli("plan", examples_dir / "mlp.py", "--target-batch", "8", *option, "-o", tmp_path / "p.json")
+    assert result.exit_code == 2 and "--optimize throughput" in result.output
+
+
+def test_a_model_file_that_calls_sys_exit_is_named(tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text("import sys\nsys.exit(3)\n")
+    result = _cli("probe", path)
+    assert result.exit_code == 1 and "called sys.exit(3)" in result.output
+
+
+def test_prints_from_the_model_file_do_not_break_json(tmp_path, examples_dir):
+    import json
+
+    path = tmp_path / "chatty.py"
+    path.write_text("print('hello from the model file')\n" + (examples_dir / "mlp.py").read_text()
+                    .replace("def make_batch(", "def make_batch(*a, **k):\n    print('batch!')\n"
+                                                "    return _make_batch(*a, **k)\n\n\ndef _make_batch("))
+    result = _cli("estimate", path, "--micro-batch", "4", "--json")
+    assert result.exit_code == 0, result.output
+    assert list(json.loads(result.stdout)) == ["4"]
+    assert "hello from the model file" in result.stderr
+
+
+def test_a_shape_bug_is_not_preceded_by_torchs_fake_tensor_log(tmp_path, capfd):
+    from autotune.probing.estimate import estimate_peak
+
+    path = tmp_path / "shapes.py"
+    path.write_text("import torch\nfrom torch import nn\n\ndef build_model():\n"
+                    "    return nn.Sequential(nn.Linear(8, 16), nn.Linear(17, 2))\n\n"
+                    "def make_batch(n):\n    return torch.randn(n, 8)\n\n"
+                    "def loss_fn(model, batch):\n    return model(batch).sum()\n")
+    with pytest.raises(RuntimeError, match="same reduction dim"):
+        estimate_peak(str(path), 4)
+    assert "failed while attempting to run meta" not in capfd.readouterr().err

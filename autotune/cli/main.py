@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -47,6 +48,11 @@ def _errors_to_exit_codes(command):
     return wrapper
 
 
+def _stdout_to_stderr(active: bool):
+    """While the model file is imported and run, its prints go to stderr: stdout carries --json."""
+    return contextlib.redirect_stdout(sys.stderr) if active else contextlib.nullcontext()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="autotune")
 def cli():
@@ -75,9 +81,10 @@ def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_
     from ..probing.api import probe as run_probe
     from .format import format_probe
 
-    result = run_probe(model_file, device=device, precision=precision,
-                       checkpointing=checkpointing == "on", memory_limit=memory_limit,
-                       max_micro_batch=max_micro_batch)
+    with _stdout_to_stderr(as_json):
+        result = run_probe(model_file, device=device, precision=precision,
+                           checkpointing=checkpointing == "on", memory_limit=memory_limit,
+                           max_micro_batch=max_micro_batch)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_probe(result, model_file))
 
 
@@ -125,8 +132,8 @@ def devices(memory_limit, as_json):
 @click.option("--optimize", type=click.Choice(PLAN_GOALS), default="memory", show_default=True,
               help="memory: the largest micro-batch that fits; throughput: the fastest measured "
                    "configuration (precision, checkpointing, split).")
-@click.option("--budget", default="60s", show_default=True,
-              help="Time for --optimize throughput's measurements, e.g. 60s, 2m or seconds.")
+@click.option("--budget", default=None,
+              help="Time for --optimize throughput's measurements, e.g. 60s (the default), 2m or seconds.")
 @click.option("--storage", default=None,
               help="Optuna storage URL that keeps the throughput study, e.g. sqlite:///autotune.db "
                    "(a rerun resumes; optuna-dashboard can read it).")
@@ -146,12 +153,17 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
     from ..planning.api import plan as make_plan
     from .format import format_plan
 
+    for option, value in (("--budget", budget), ("--storage", storage)):
+        if value is not None and optimize != "throughput":
+            raise click.UsageError(f"{option} applies to --optimize throughput only; add "
+                                   f"--optimize throughput or drop {option}")
     check_output(output, option="-o", inputs={"MODEL_FILE": model_file})
-    result = make_plan(model_file, target_batch=target_batch, world_size=world_size, device=device,
-                       precision=precision.lower(), checkpointing=checkpointing,
-                       memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
-                       base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
-                       optimize=optimize, budget=budget, storage=storage, gpu=gpu)
+    with _stdout_to_stderr(as_json):
+        result = make_plan(model_file, target_batch=target_batch, world_size=world_size, device=device,
+                           precision=precision.lower(), checkpointing=checkpointing,
+                           memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
+                           base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule, optimize=optimize,
+                           **({} if budget is None else {"budget": budget}), storage=storage, gpu=gpu)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)
@@ -262,8 +274,9 @@ def estimate(model_file, micro_batches, precision, checkpointing, as_json):
     """Estimate the peak memory of one training step without allocating it (fake tensors)."""
     from ..probing.estimate import estimate_peaks
 
-    peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
-                           checkpointing=checkpointing == "on")
+    with _stdout_to_stderr(as_json):
+        peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
+                               checkpointing=checkpointing == "on")
     if as_json:
         click.echo(json.dumps({str(n): peak for n, peak in peaks.items()}, indent=2))
         return

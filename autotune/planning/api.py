@@ -25,7 +25,7 @@ from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choos
 from ..precision import Precision, supports_bf16
 from ..gpus.target import profile_target
 from ..probing.api import probe
-from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, parse_duration,
+from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, check_storage, parse_duration,
                                 search_throughput, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
 from ..workload.contract import Workload, load_workload
@@ -79,6 +79,8 @@ def plan(
     if optimize not in OPTIMIZE_CHOICES:
         raise ConfigError(f"--optimize {optimize!r} is not a goal; use one of {', '.join(OPTIMIZE_CHOICES)}")
     budget_s = parse_duration(budget) if optimize == "throughput" else None
+    if optimize == "throughput":
+        check_storage(storage)
     distributed = _distributed()
     if distributed and optimize == "throughput":
         raise ConfigError("--optimize throughput measures in one process; run autotune plan without "

@@ -75,7 +75,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     workload = load_planned_workload(plan, workload, source=str(plan_source))
     clip = plan.clip_grad_norm if clip_grad_norm is _FROM_PLAN else clip_grad_norm
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                         resume=resume, clip_grad_norm=clip, num_workers=num_workers)
+                         resume=resume, clip_grad_norm=clip, num_workers=num_workers, seed=seed)
     checks.check_outputs(checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
                          metrics_path=metrics_path, inputs=_inputs(plan_source, workload))
     precision = Precision.parse(plan.precision, option="plan precision")

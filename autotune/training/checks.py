@@ -83,7 +83,8 @@ def check_dataset_size(size: int, plan: Plan, *, source: str) -> None:
         )
 
 
-def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, num_workers) -> None:
+def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, num_workers,
+                  seed: int = 0) -> None:
     if checkpoint_every is not None:
         if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every must be a positive integer, got {checkpoint_every!r}")
@@ -95,6 +96,8 @@ def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, n
         raise ConfigError(f"--clip-grad-norm must be positive, got {clip_grad_norm!r}")
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"num_workers must be a non-negative integer, got {num_workers!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ConfigError(f"--seed {seed!r} must be an integer from 0 to 2**63 - 1")
 
 
 def check_outputs(*, checkpoint_dir, resume: bool, overwrite: bool, metrics_path, inputs: dict) -> None:

@@ -243,6 +243,10 @@ def _load_file(path: Path, check_sha256=None) -> Workload:
             exec(compile(data, str(path), "exec"), module.__dict__)
         except Exception as exc:
             raise WorkloadError(f"model file {source} failed to import: {type(exc).__name__}: {exc}") from exc
+        except SystemExit as exc:  # would end autotune silently with the file's exit code
+            raise WorkloadError(f"model file {source} called sys.exit({exc.code!r}) while being "
+                                f"imported; a model file must only define build_model, make_batch, "
+                                f"... (guard script code with if __name__ == '__main__':)") from None
     names = vars(module)
     missing = [name for name in REQUIRED if not callable(names.get(name))]
     if missing:
