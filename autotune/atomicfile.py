@@ -1,30 +1,129 @@
-"""Atomic file writes: a crash leaves the old file or the new one, never half of one."""
+"""Atomic file writes: a crash leaves the old file or the new one, never half of one.
+
+What is already at the path is respected: a character device or a FIFO (``/dev/null``, a pipe)
+is written through, never replaced by a regular file; a symlink is refused (replacing it would
+silently cut the link, following it would silently replace another file); a regular file keeps its
+permissions. Temporary files carry the writer's host and pid, so the ones a killed writer left
+behind are recognised and removed by the next write.
+"""
 
 from __future__ import annotations
 
 import os
+import socket
+import stat
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+from .errors import OutputError
 
 
 def write_atomic(path, write: Callable[[BinaryIO], None]) -> Path:
     """Call ``write(handle)`` on a temporary file beside ``path``, fsync it, then rename it over
     ``path`` (os.replace is atomic within one file system, hence the same directory)."""
     path = Path(path)
+    existing = _existing(path)
+    if existing is not None and (stat.S_ISCHR(existing.st_mode) or stat.S_ISFIFO(existing.st_mode)):
+        try:
+            with open(path, "wb") as handle:  # a device or pipe: what it does with the bytes is its job
+                write(handle)
+        except OSError as exc:
+            raise OutputError(f"{path} could not be written ({exc.strerror or exc})") from None
+        return path
+    refuse_unsafe_target(path, existing)
     directory = path.parent
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    _remove_stale_temporaries(path)
     try:
+        fd, temporary = tempfile.mkstemp(prefix=f"{_temporary_prefix(path)}{_owner()}.", suffix=".tmp",
+                                         dir=directory)
+    except OSError as exc:
+        raise OutputError(f"{path} cannot be written: {exc.strerror or exc} in {directory}") from None
+    try:
+        os.fchmod(fd, stat.S_IMODE(existing.st_mode) if existing is not None else _default_mode())
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+    except OSError as exc:  # a full disk, a quota, a vanished folder: one line, not a chain
+        Path(temporary).unlink(missing_ok=True)
+        raise OutputError(f"{path} could not be written ({exc.strerror or exc}); what was there "
+                          f"before is unchanged") from None
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
     fsync_directory(directory)
     return path
+
+
+def refuse_unsafe_target(path: Path, existing: os.stat_result | None = None) -> None:
+    """Raise ``OutputError`` for a path that must not be replaced: a symlink, a folder, a block
+    device or a socket (character devices and FIFOs are written through instead)."""
+    if path.is_symlink():
+        raise OutputError(
+            f"{path} is a symlink to {os.readlink(path)}; autotune does not replace links or write "
+            f"through them. Give the target's own path, or remove the link first")
+    existing = existing if existing is not None else _existing(path)
+    if existing is None or stat.S_ISREG(existing.st_mode):
+        return
+    if stat.S_ISDIR(existing.st_mode):
+        raise OutputError(f"{path} is a folder; give a file path inside it")
+    if not (stat.S_ISCHR(existing.st_mode) or stat.S_ISFIFO(existing.st_mode)):
+        raise OutputError(f"{path} is a block device or socket; autotune will not write to it. "
+                          f"Give a regular file path")
+
+
+def _existing(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _default_mode() -> int:
+    # What open() would have given a new file: 0666 less the umask (mkstemp's own is 0600).
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _temporary_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _owner() -> str:
+    return f"{socket.gethostname().replace('.', '_')}-{os.getpid()}"
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporaries of ``path`` whose writer (on this host) is no longer running."""
+    prefix = _temporary_prefix(path)
+    host = socket.gethostname().replace(".", "_")
+    try:
+        candidates = [p for p in path.parent.iterdir()
+                      if p.name.startswith(prefix) and p.name.endswith(".tmp")]
+    except OSError:
+        return
+    for candidate in candidates:
+        owner = candidate.name[len(prefix):].split(".", 1)[0]
+        name, _, pid = owner.rpartition("-")
+        if name != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            candidate.unlink()
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def fsync_directory(directory: Path) -> None:

@@ -36,3 +36,9 @@ class EstimateUnavailable(AutotuneError):
 
 class ReportError(AutotuneError):
     """A plot or report cannot be made (matplotlib missing, an unreadable metrics file)."""
+
+
+class OutputError(AutotuneError, OSError):
+    """An output path cannot or must not be written (a missing or read-only folder, a symlink, a
+    folder, one of the command's own inputs, a full disk). An ``OSError`` too, so code that
+    caught the file system's own error still catches it."""

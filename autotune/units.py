@@ -1,5 +1,6 @@
 """Byte quantities as users write them ("8GiB", "512MiB", "1.5GB", "1000000") and as we print them."""
 
+import math
 import re
 
 from .errors import ConfigError
@@ -27,6 +28,8 @@ def parse_bytes(value, *, option="--memory-limit") -> int:
                 f"{option} {value!r} is not a size; write e.g. 8GiB, 512MiB, 1.5GB or 1000000 (bytes)"
             )
         number, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(number * _UNITS[unit]):
+        raise ConfigError(f"{option} {value!r} is not a finite size; write e.g. 8GiB or 512MiB")
     result = int(number * _UNITS[unit])
     if result <= 0:
         raise ConfigError(f"{option} {value!r} must be more than 0 bytes; write e.g. 512MiB")

@@ -151,7 +151,7 @@ def _split_text(plan) -> str:
     if plan.is_even:
         per_rank = f"{plan.micro_batch} × {steps} accumulation step{'s' if steps > 1 else ''}"
     else:
-        per_rank = f"({' + '.join(map(str, plan.micro_batches))}) over {steps} accumulation steps"
+        per_rank = f"({plan.split_text}) over {steps} accumulation steps"
     return f"{per_rank} × {plan.world_size} rank{'s' if plan.world_size > 1 else ''} = {plan.effective_batch}"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -85,6 +86,11 @@ def _scaler_options(command):
     return wrapper
 
 
+def _stdout_to_stderr(active: bool):
+    """While the model file is imported and run, its prints go to stderr: stdout carries --json."""
+    return contextlib.redirect_stdout(sys.stderr) if active else contextlib.nullcontext()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="autotune")
 def cli():
@@ -114,9 +120,10 @@ def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_
     from ..probing.api import probe as run_probe
     from .format import format_probe
 
-    result = run_probe(model_file, device=device, precision=precision,
-                       checkpointing=checkpointing == "on", memory_limit=memory_limit,
-                       max_micro_batch=max_micro_batch)
+    with _stdout_to_stderr(as_json):
+        result = run_probe(model_file, device=device, precision=precision,
+                           checkpointing=checkpointing == "on", memory_limit=memory_limit,
+                           max_micro_batch=max_micro_batch)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_probe(result, model_file))
 
 
@@ -164,8 +171,8 @@ def devices(memory_limit, as_json):
 @click.option("--optimize", type=click.Choice(PLAN_GOALS), default="memory", show_default=True,
               help="memory: the largest micro-batch that fits; throughput: the fastest measured "
                    "configuration (precision, checkpointing, split).")
-@click.option("--budget", default="60s", show_default=True,
-              help="Time for --optimize throughput's measurements, e.g. 60s, 2m or seconds.")
+@click.option("--budget", default=None,
+              help="Time for --optimize throughput's measurements, e.g. 60s (the default), 2m or seconds.")
 @click.option("--storage", default=None,
               help="Optuna storage URL that keeps the throughput study, e.g. sqlite:///autotune.db "
                    "(a rerun resumes; optuna-dashboard can read it).")
@@ -182,16 +189,23 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
                  gpu, output, as_json, grad_scaler):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
+    from ..outputs import check_output
     from ..planning.planfile import plan_to_json, save_plan
     from ..planning.api import plan as make_plan
     from .format import format_plan
 
-    result = make_plan(model_file, target_batch=target_batch, world_size=world_size, device=device,
-                       precision=precision.lower(), checkpointing=checkpointing,
-                       memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
-                       base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
-                       optimize=optimize, budget=budget, storage=storage, gpu=gpu,
-                       grad_scaler=grad_scaler)
+    for option, value in (("--budget", budget), ("--storage", storage)):
+        if value is not None and optimize != "throughput":
+            raise click.UsageError(f"{option} applies to --optimize throughput only; add "
+                                   f"--optimize throughput or drop {option}")
+    check_output(output, option="-o", inputs={"MODEL_FILE": model_file})
+    with _stdout_to_stderr(as_json):
+        result = make_plan(model_file, target_batch=target_batch, world_size=world_size, device=device,
+                           precision=precision.lower(), checkpointing=checkpointing,
+                           memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
+                           base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule, optimize=optimize,
+                           **({} if budget is None else {"budget": budget}), storage=storage, gpu=gpu,
+                           grad_scaler=grad_scaler)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)
@@ -254,17 +268,20 @@ def report(plan_file, output):
 @_errors_to_exit_codes
 def export(plan_file, target, output):
     """Export a plan as another runner's configuration (or the torchrun command line)."""
+    from ..atomicfile import write_atomic
+    from ..outputs import check_output
     from ..planning.export import export_plan
     from ..planning.planfile import load_plan
 
+    check_output(output, option="-o", inputs={"PLAN_FILE": plan_file})
     exported = export_plan(load_plan(plan_file), target, plan_path=plan_file)
     for note in exported.notes:
         click.echo(f"note: {note}", err=True)
     if output is None:
         click.echo(exported.render(), nl=False)
     else:
-        with open(output, "w", encoding="utf-8") as handle:
-            handle.write(exported.render())
+        text = exported.render().encode("utf-8")
+        write_atomic(output, lambda handle: handle.write(text))
         click.echo(f"{target} export written to {output}", err=True)
 
 @cli.command("train")
@@ -280,6 +297,8 @@ def export(plan_file, target, output):
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
               help="Checkpoint every K optimizer steps.")
 @click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir's checkpoint.")
+@click.option("--overwrite", is_flag=True,
+              help="Start over in a --checkpoint-dir that already holds a checkpoint (replacing it).")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
               help="Write the trained model's full (unsharded) state_dict here (torch.save).")
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None,
@@ -294,15 +313,18 @@ def export(plan_file, target, output):
 @_scaler_options
 @_errors_to_exit_codes
 def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
-                  save_path, metrics_path, clip_grad_norm, seed, device, quiet, grad_scaler):
+                  overwrite, save_path, metrics_path, clip_grad_norm, seed, device, quiet, grad_scaler):
     """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP or FSDP2)."""
+    from ..outputs import check_output
     from ..training import train
 
+    check_output(save_path, option="--save", create_folder=True,
+                 inputs={"MODEL_FILE": model_file, "--plan": plan_file})
     clip = {} if clip_grad_norm is None else {"clip_grad_norm": clip_grad_norm or None}
     result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
-                   checkpoint_every=checkpoint_every, resume=resume, metrics_path=metrics_path,
-                   seed=seed, device=device, save_path=save_path, progress=not quiet,
-                   grad_scaler=grad_scaler, **clip)
+                   checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,
+                   metrics_path=metrics_path, seed=seed, device=device, save_path=save_path,
+                   progress=not quiet, grad_scaler=grad_scaler, **clip)
     if result.rank != 0:
         return
     last = result.metrics[-1]["loss"] if result.metrics else float("nan")
@@ -328,8 +350,9 @@ def estimate(model_file, micro_batches, precision, checkpointing, as_json):
     """Estimate the peak memory of one training step without allocating it (fake tensors)."""
     from ..probing.estimate import estimate_peaks
 
-    peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
-                           checkpointing=checkpointing == "on")
+    with _stdout_to_stderr(as_json):
+        peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
+                               checkpointing=checkpointing == "on")
     if as_json:
         click.echo(json.dumps({str(n): peak for n, peak in peaks.items()}, indent=2))
         return
@@ -378,10 +401,12 @@ def profiles(profile, as_json):
 @_errors_to_exit_codes
 def verify(plan_file, model_file, device, memory_limit, steps, output):
     """Run a plan's micro-batch for a few real steps here: exit 0 when it fits, 1 when re-planned."""
+    from ..outputs import check_output
     from ..planning.planfile import save_plan
     from ..planning.verify import verify_plan
     from .format import format_verify
 
+    check_output(output, option="-o", inputs={"PLAN_FILE": plan_file, "--model": model_file})
     result = verify_plan(plan_file, workload=model_file, device=device, memory_limit=memory_limit,
                          steps=steps)
     click.echo(format_verify(result))

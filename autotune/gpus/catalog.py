@@ -62,6 +62,9 @@ class GPUProfile:
         return {**asdict(self), "budget_bytes": self.budget_bytes}
 
 
+MAX_DEVICE_BYTES = 2**50
+"""1 PiB: a bound far above any accelerator's memory, so a typo'd exponent is caught."""
+
 # field -> (kind, required); kinds are checked by _check_field.
 _FIELDS = {
     "name": ("text", True),
@@ -149,10 +152,13 @@ def _check_field(where: str, name: str, kind: str, value) -> None:
         "text": (isinstance(value, str) and (name != "name" or bool(value.strip())),
                  "a non-empty string"),
         "bool": (isinstance(value, bool), "true or false"),
-        "bytes": (is_int and value > 0, "a positive integer number of bytes"),
-        "reserve": (is_int and value >= 0, "an integer number of bytes, 0 or more"),
-        "tflops": (is_number and math.isfinite(value) and value >= 0, "a number of TFLOP/s, 0 or more"),
-        "positive": (is_number and math.isfinite(value) and value > 0, "a positive number"),
+        "bytes": (is_int and 0 < value <= MAX_DEVICE_BYTES,
+                  f"a positive integer number of bytes, at most {MAX_DEVICE_BYTES} (1 PiB)"),
+        "reserve": (is_int and 0 <= value <= MAX_DEVICE_BYTES,
+                    f"an integer number of bytes, 0 to {MAX_DEVICE_BYTES} (1 PiB)"),
+        "tflops": (is_number and math.isfinite(value) and 0 <= value <= 1e9,
+                   "a number of TFLOP/s, 0 to 1e9"),
+        "positive": (is_number and math.isfinite(value) and 0 < value <= 1e12, "a positive number up to 1e12"),
     }
     ok, want = checks[kind]
     if not ok:

@@ -20,6 +20,13 @@ def resolve_device(device=None) -> torch.device:
         raise ConfigError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from exc
     if resolved.type not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device!r} is not supported; use cpu, cuda or cuda:N")
+    if resolved.type == "cuda" and not cuda_available():
+        raise ConfigError(f"--device {device}: this torch sees no CUDA device "
+                          f"(torch.cuda.is_available() is False, torch {torch.__version__}); "
+                          f"use --device cpu, or run where a GPU is visible")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: there are {torch.cuda.device_count()} CUDA device(s); "
+                          f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return resolved
 
 

@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..errors import ConfigError
 from ..units import format_bytes, parse_bytes
 from .base import DeviceInfo, MemoryBackend
 
@@ -128,6 +129,12 @@ class CPUMemoryBackend(MemoryBackend):
         vm = psutil.virtual_memory()
         if memory_limit is not None:
             budget, source = parse_bytes(memory_limit), "--memory-limit"
+            if budget > vm.total:
+                # The CPU budget is only counted, not enforced by the OS: past physical memory the
+                # probe would allocate until the system refuses (or swaps for hours).
+                raise ConfigError(
+                    f"--memory-limit {format_bytes(budget)} is more than this machine's "
+                    f"{format_bytes(vm.total)} of physical memory; give {format_bytes(vm.total)} or less")
         else:
             budget = int(vm.available * DEFAULT_RAM_FRACTION)
             source = f"{DEFAULT_RAM_FRACTION:.0%} of available RAM (psutil)"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import weakref
 
 import torch
@@ -117,12 +118,19 @@ class _CountingFakeTensorMode(fake_tensor.FakeTensorMode):
 def fake_tensor_limits(workload):
     """Turns "this model cannot run on fake tensors" into ``EstimateUnavailable``; any other
     failure (a bug in the model fails the same way on real tensors) propagates untouched."""
+    # torch logs every failed meta kernel at ERROR (19 lines of its own traceback) before raising;
+    # the exception itself is what the user needs, once.
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - re-raised untouched unless it is a fake-tensor limit
         if not _is_fake_tensor_limit(exc):
             raise
         raise EstimateUnavailable(_unavailable_message(workload, exc)) from exc
+    finally:
+        logger.setLevel(level)
 
 
 def checked_micro_batch(n) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 
 import torch
@@ -24,7 +25,7 @@ from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choos
 from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
 from ..probing.api import probe
-from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, parse_duration,
+from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, check_storage, parse_duration,
                                 search_throughput, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
 from ..workload.contract import Workload, load_workload
@@ -83,6 +84,8 @@ def plan(
     if optimize not in OPTIMIZE_CHOICES:
         raise ConfigError(f"--optimize {optimize!r} is not a goal; use one of {', '.join(OPTIMIZE_CHOICES)}")
     budget_s = parse_duration(budget) if optimize == "throughput" else None
+    if optimize == "throughput":
+        check_storage(storage)
     distributed = _distributed()
     if distributed and optimize == "throughput":
         raise ConfigError("--optimize throughput measures in one process; run autotune plan without "
@@ -202,7 +205,8 @@ def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
         param_count=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * p.element_size() for p in trainable),
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
-        optimizer_lr=float(lr) if isinstance(lr, (int, float)) else None,
+        # A NaN or infinite LR is no LR to keep (and JSON cannot hold it).
+        optimizer_lr=float(lr) if isinstance(lr, (int, float)) and math.isfinite(lr) else None,
         batchnorm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         checkpointable=any(any(True for _ in b.parameters()) for b in repeated_blocks(model)),
     )

@@ -60,7 +60,7 @@ def _even_notes(plan: Plan, target: str) -> list[str]:
     nearby = plan.micro_batch * plan.accumulation_steps * plan.world_size
     lower = (plan.micro_batch - 1) * plan.accumulation_steps * plan.world_size
     return [
-        f"the plan is uneven ({' + '.join(map(str, plan.micro_batches))} per rank) and {target} "
+        f"the plan is uneven ({plan.split_text} per rank) and {target} "
         f"takes one micro-batch size, so this export uses the nearest even plan with the same "
         f"effective batch: {even.micro_batch} × {even.accumulation_steps} accumulation steps × "
         f"{even.world_size} = {even.effective_batch}",

@@ -71,8 +71,9 @@ def decide_lr(
             f"LR left as the optimizer's own{own}: no base LR was given, so there is nothing to "
             f"rescale; pass --base-lr and --base-batch (or define BASE_LR and BASE_BATCH in the "
             f"model file) to rescale it for batch {target_batch}"))
-    if base_lr <= 0:
-        raise ConfigError(f"--base-lr {base_lr!r} must be more than 0, e.g. --base-lr 3e-4")
+    if not (isinstance(base_lr, (int, float)) and math.isfinite(base_lr) and base_lr > 0):
+        raise ConfigError(f"--base-lr {base_lr!r} must be a finite number more than 0 (--base-lr or "
+                          f"BASE_LR in the model file), e.g. --base-lr 3e-4")
     if base_batch is None:
         raise ConfigError(f"--base-lr {base_lr:g} needs --base-batch (the batch that LR was tuned "
                           f"for), e.g. --base-batch 32; or define BASE_BATCH in the model file")
@@ -80,6 +81,8 @@ def decide_lr(
         raise ConfigError(f"--base-batch {base_batch!r} must be a positive int, e.g. --base-batch 32")
     scale = scale_factor(rule, target_batch / base_batch)
     lr = base_lr * scale
+    if not math.isfinite(lr):
+        raise ConfigError(f"--base-lr {base_lr:g} × {scale:.4g} overflows to {lr}; give a sane --base-lr")
     notes = [why] if why else []
     notes.append(f"lr = {base_lr:g} × {rule}({target_batch}/{base_batch}) = {base_lr:g} × "
                  f"{scale:.4g} = {lr:.4g}")

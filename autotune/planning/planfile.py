@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -34,12 +35,17 @@ def plan_schema() -> dict:
 
 
 def plan_to_json(plan: Plan) -> str:
-    return json.dumps(plan.to_dict(), indent=2) + "\n"
+    # allow_nan=False: NaN and Infinity are not JSON; a plan never holds them (numbers are checked
+    # where they enter), and if one slipped through, failing here beats writing a broken file.
+    return json.dumps(plan.to_dict(), indent=2, allow_nan=False) + "\n"
 
 
 def plan_from_json(text: str, *, source: str = "<plan>") -> Plan:
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except _NonFiniteNumber as exc:
+        raise PlanFileError(f"plan file {source} holds {exc}, which is not a JSON number; "
+                            f"re-create it with autotune plan") from None
     except json.JSONDecodeError as exc:
         raise PlanFileError(f"plan file {source} is not valid JSON (line {exc.lineno}, column "
                             f"{exc.colno}: {exc.msg}); re-create it with autotune plan") from None
@@ -57,7 +63,7 @@ def plan_from_dict(data, *, source: str = "<plan>") -> Plan:
         raise PlanFileError(f"plan file {source} has schema_version {version!r}, but this autotune "
                             f"reads schema_version {' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}; re-create it with autotune plan "
                             f"(or use the autotune version that wrote it)")
-    problem = first_schema_error(data, plan_schema())
+    problem = first_schema_error(data, plan_schema()) or _semantic_error(data)
     if problem is not None:
         raise PlanFileError(f"plan file {source}: {problem}; re-create it with autotune plan")
     plan = Plan.from_dict(data)
@@ -66,6 +72,30 @@ def plan_from_dict(data, *, source: str = "<plan>") -> Plan:
             f"plan file {source}: micro_batches {plan.micro_batches} × world_size {plan.world_size} = "
             f"{plan.effective_batch}, not target_batch {plan.target_batch}; re-create it with autotune plan")
     return plan
+
+
+class _NonFiniteNumber(ValueError):
+    pass
+
+
+def _refuse_constant(name: str):
+    raise _NonFiniteNumber(name)
+
+
+def _semantic_error(data: dict) -> str | None:
+    """What the schema cannot say: a compact split's lengths and size, and a model file's hash."""
+    split = data["micro_batches"]
+    if isinstance(split, dict):
+        if len(split["sizes"]) != len(split["counts"]):
+            return "field micro_batches has sizes and counts of different lengths"
+        if sum(split["counts"]) > data["target_batch"]:
+            return (f"field micro_batches has {sum(split['counts'])} accumulation steps, more than "
+                    f"target_batch {data['target_batch']}")
+    workload = data["workload"]
+    if workload["file_sha256"] is None and workload["source"].endswith(".py"):
+        return (f"field workload.file_sha256 is null for the model file {workload['source']}; "
+                f"without it the plan cannot be checked against the file")
+    return None
 
 
 def save_plan(plan: Plan, path) -> Path:
@@ -92,19 +122,35 @@ def load_plan(path, *, workload=None, device: DeviceInfo | None = None) -> Plan:
         raise PlanFileError(f"plan file {path} cannot be read: {exc}") from None
     plan = plan_from_json(text, source=str(path))
     if workload is not None:
-        check_workload(plan, load_workload(workload), source=str(path))
+        load_planned_workload(plan, workload, source=str(path))
     if device is not None:
         check_device(plan, device, source=str(path))
     return plan
 
 
+def load_planned_workload(plan: Plan, workload, *, source: str = "<plan>") -> Workload:
+    """``load_workload(workload)`` for ``plan``: a model file whose sha256 differs from the plan's
+    is refused before any of it is imported (a plan names the file to run; it must not choose the
+    code)."""
+    def check(model_source: str, sha256: str) -> None:
+        _check_sha256(plan, sha256, model_source, source)
+
+    loaded = load_workload(workload, check_sha256=check)
+    check_workload(plan, loaded, source=source)
+    return loaded
+
+
 def check_workload(plan: Plan, workload: Workload, *, source: str = "<plan>") -> None:
-    planned, current = plan.workload.file_sha256, workload.file_sha256
+    _check_sha256(plan, workload.file_sha256, workload.source, source)
+
+
+def _check_sha256(plan: Plan, current: str | None, model_source: str, source: str) -> None:
+    planned = plan.workload.file_sha256
     if planned is not None and current is not None and planned != current:
         raise PlanFileError(
             f"plan file {source} was made for another version of the model: its workload.file_sha256 "
-            f"is {planned[:12]}…, {workload.source} hashes to {current[:12]}…; re-plan with "
-            f"autotune plan {workload.source} --target-batch {plan.target_batch}")
+            f"is {planned[:12]}…, {model_source} hashes to {current[:12]}… (it was not imported); "
+            f"re-plan with autotune plan {model_source} --target-batch {plan.target_batch}")
 
 
 def check_device(plan: Plan, device: DeviceInfo, *, source: str = "<plan>") -> None:
@@ -165,8 +211,12 @@ def first_schema_error(value, schema: dict, *, root: dict | None = None, where: 
             return f"field {name} must be at least {schema['minimum']}, got {value!r}"
         if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
             return f"field {name} must be more than {schema['exclusiveMinimum']}, got {value!r}"
+        if "maximum" in schema and value > schema["maximum"]:
+            return f"field {name} must be at most {schema['maximum']}, got {value!r}"
         if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
             return f"field {name} must be less than {schema['exclusiveMaximum']}, got {value!r}"
+    if isinstance(value, str) and "pattern" in schema and not re.fullmatch(schema["pattern"], value):
+        return f"field {name} must match {schema['pattern']}, got {value[:80]!r}"
     if isinstance(value, dict):
         return _object_error(value, schema, root, where)
     if isinstance(value, list):

@@ -24,6 +24,12 @@ from ..units import format_bytes
 BATCHNORM_MIN_MICRO_BATCH = 16
 """Below this, BatchNorm statistics over one micro-batch are noisy enough to hurt training."""
 
+MAX_BATCH = 2**24
+"""Largest target batch (samples per optimizer step) accepted: 16.7 million, far past any batch
+a training recipe uses; a larger number is a typo, and would only make huge plans."""
+
+MAX_WORLD_SIZE = 2**20
+
 MAX_QUIET_ACCUMULATION = 32
 """More accumulation steps than this are worth a warning (slow, and often a sign of a misfit)."""
 
@@ -52,12 +58,16 @@ class PlanRequest:
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision)
-        _check_positive_int(self.target_batch, "--target-batch")
-        _check_positive_int(self.world_size, "--world-size")
+        _check_positive_int(self.target_batch, "--target-batch", MAX_BATCH)
+        _check_positive_int(self.world_size, "--world-size", MAX_WORLD_SIZE)
         if self.micro_batch is not None:
             _check_positive_int(self.micro_batch, "--micro-batch")
-        if not 0 <= self.headroom < 1:
+        if not (isinstance(self.headroom, (int, float)) and 0 <= self.headroom < 1):
             raise ConfigError(f"--headroom {self.headroom!r} must be a fraction in [0, 1), e.g. 0.1 for 10%")
+        if self.base_lr is not None and not (isinstance(self.base_lr, (int, float))
+                                             and math.isfinite(self.base_lr) and self.base_lr > 0):
+            raise ConfigError(f"--base-lr {self.base_lr!r} must be a finite number more than 0, "
+                              f"e.g. --base-lr 3e-4")
         if self.checkpointing not in ("auto", "on", "off"):
             raise ConfigError(f"--checkpointing {self.checkpointing!r} must be auto, on or off")
         if self.micro_batch is not None:
@@ -73,9 +83,12 @@ class PlanRequest:
         return self.micro_batch if self.micro_batch is not None else self.share
 
 
-def _check_positive_int(value, option: str) -> None:
+def _check_positive_int(value, option: str, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{option} must be a positive int, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{option} {value} is more than {maximum}, the largest autotune plans for; "
+                          f"check the number")
 
 
 # --- the split -----------------------------------------------------------------------------------

@@ -22,6 +22,35 @@ Version 1 files (no sharding fields) still load: they were all replicated (DDP) 
 
 READABLE_SCHEMA_VERSIONS = (1, 2)
 
+LISTED_STEPS = 64
+"""Splits of up to this many accumulation steps are written as a list of sizes; longer ones as
+``{"sizes": [...], "counts": [...]}`` (runs of equal sizes), so a plan file stays small."""
+
+
+def split_runs(sizes) -> list[tuple[int, int]]:
+    """``[13, 13, 13, 12]`` as ``[(13, 3), (12, 1)]``: consecutive equal sizes and their counts."""
+    runs: list[list[int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return [(size, count) for size, count in runs]
+
+
+def encode_split(sizes) -> list[int] | dict:
+    sizes = list(sizes)
+    if len(sizes) <= LISTED_STEPS:
+        return sizes
+    runs = split_runs(sizes)
+    return {"sizes": [s for s, _ in runs], "counts": [c for _, c in runs]}
+
+
+def decode_split(value) -> list[int]:
+    if isinstance(value, dict):
+        return [size for size, count in zip(value["sizes"], value["counts"]) for _ in range(count)]
+    return list(value)
+
 
 @dataclass(kw_only=True)
 class LRDecision:
@@ -115,6 +144,14 @@ class SplitArithmetic:
         if not self.is_even:
             split += f" (uneven, {self.per_device_batch})"
         return f"{setting_label(self.precision, self.checkpointing)}, {split}"
+    @property
+    def split_text(self) -> str:
+        """The per-rank split for people: "13 + 13 + 12", or runs ("13 × 400 + 12") past
+        ``LISTED_STEPS`` steps (never millions of numbers)."""
+        if len(self.micro_batches) <= LISTED_STEPS:
+            return " + ".join(map(str, self.micro_batches))
+        return " + ".join(f"{size} × {count}" if count > 1 else str(size)
+                          for size, count in split_runs(self.micro_batches))
 
 
 @dataclass(kw_only=True)
@@ -259,7 +296,7 @@ class Plan(SplitArithmetic):
         data["device"] = self.device.to_dict() if self.device is not None else None
         data["settings"] = [s.to_dict() for s in self.settings]
         data["throughput"] = [c.to_dict() for c in self.throughput]
-        data["micro_batches"] = list(self.micro_batches)
+        data["micro_batches"] = encode_split(self.micro_batches)
         data["warnings"] = list(self.warnings)
         data["versions"] = dict(self.versions)
         data["reasons"] = dict(self.reasons)
@@ -273,6 +310,7 @@ class Plan(SplitArithmetic):
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
         data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        data["micro_batches"] = decode_split(data["micro_batches"])
         data["lr"] = LRDecision(**data["lr"])
         data["workload"] = WorkloadFingerprint(**data["workload"])
         if data.get("device") is not None:

@@ -16,11 +16,10 @@ from ..memory import backend_for
 from ..memory.base import DeviceInfo
 from .api import plan as make_plan
 from .types import Plan
-from .planfile import check_workload, load_plan
+from .planfile import load_plan, load_planned_workload
 from .policy import usable_bytes
 from ..precision import Precision
 from ..probing.trial import SetupOutOfMemory, TrialSession
-from ..workload.contract import load_workload
 
 DEFAULT_STEPS = 3
 
@@ -68,8 +67,7 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
     ``PlanFileError``). ``replan=False`` only reports.
     """
     plan = load_plan(plan) if not isinstance(plan, Plan) else plan
-    workload = load_workload(workload if workload is not None else plan.workload.source)
-    check_workload(plan, workload)
+    workload = load_planned_workload(plan, workload if workload is not None else plan.workload.source)
     backend = backend_for(device, memory_limit)
     info = backend.info()
     budget = min(info.budget_bytes, plan.budget_bytes or info.budget_bytes)

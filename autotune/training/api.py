@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..workload.activation_checkpointing import enable_checkpointing
-from ..planning.planfile import check_workload
+from ..planning.planfile import load_planned_workload, plan_to_json
 from ..precision import Precision, grad_scaler, scaler_settings
 from ..sharding import Sharding
 from ..sharding.settings import resolve_shard_group
 from ..sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
-from ..workload.contract import load_workload
 from . import checks, distributed, sharded_checkpoint
-from .checkpoint import FORMAT_VERSION, checkpoint_path, load, rng_state, save_atomic, set_rng_state
+from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_resumable, checkpoint_path,
+                         load, rng_state, save_atomic, set_rng_state)
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
-from .errors import TrainError
+from ..errors import OutputError
+from .errors import NonFiniteError, TrainError
 from .loop import StepRunner, TrainState, run_steps
 from .metrics import MetricsLog
 from .noise_scale import NoiseScaleEMA, batch_advice, noise_scale, unavailable_reason
@@ -65,14 +67,16 @@ class TrainResult:
 
 def train(plan, workload, *, steps: int | None = None, epochs: int | None = None,
           checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
-          metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0, device=None,
-          num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True,
+          overwrite: bool = False, metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0,
+          device=None, num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True,
           save_path=None, grad_scaler=None) -> TrainResult:
     """Train ``workload`` as ``plan`` says: its micro-batches, accumulation, world size,
     precision, checkpointing, LR and warmup, with the gradient of each window exactly that of the
     whole window as one batch.
 
     ``plan`` is a ``Plan`` or a plan-file path; ``workload`` a model-file path or ``Workload``.
+    A ``checkpoint_dir`` that already holds a checkpoint is continued with ``resume=True`` or
+    started over with ``overwrite=True``; without either it is refused (never replaced quietly).
     ``clip_grad_norm`` defaults to the plan's (None: no clipping). Under torchrun each process
     calls this; rank 0 alone writes metrics and checkpoints. ``measure_noise_scale`` estimates
     the gradient noise scale from gradient norms the loop has anyway (it never changes training).
@@ -83,11 +87,12 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     """
     plan_source = plan if isinstance(plan, (str, Path)) else "the plan"
     plan = checks.load_plan(plan)
-    workload = load_workload(workload)
-    check_workload(plan, workload, source=str(plan_source))
+    workload = load_planned_workload(plan, workload, source=str(plan_source))
     clip = plan.clip_grad_norm if clip_grad_norm is _FROM_PLAN else clip_grad_norm
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                         resume=resume, clip_grad_norm=clip, num_workers=num_workers)
+                         resume=resume, clip_grad_norm=clip, num_workers=num_workers, seed=seed)
+    checks.check_outputs(checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
+                         metrics_path=metrics_path, inputs=_inputs(plan_source, workload))
     precision = Precision.parse(plan.precision, option="plan precision")
     scaler = scaler_settings(grad_scaler, plan.grad_scaler)
     dataset = workload.build_dataset() if workload.build_dataset is not None else None
@@ -147,6 +152,8 @@ class _Session:
         self.scheduler = build_scheduler(workload, self.optimizer, plan)
         self.scaler = grad_scaler(precision, ctx.device, scaler)
         self.state = TrainState()
+        self.saved_step = None
+        """The step of the last checkpoint written or resumed from (None: none yet)."""
 
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
             measure_noise=True) -> TrainResult:
@@ -167,9 +174,12 @@ class _Session:
             if rng is not None:
                 set_rng_state(rng)  # last, so nothing before the first step draws from it
             with StopRequest() as stop:
-                records, interrupted = run_steps(
-                    runner, self.layout, batches, total_steps=self.total_steps, metrics=metrics,
-                    stop=stop, save_checkpoint=self._save, checkpoint_every=checkpoint_every)
+                try:
+                    records, interrupted = run_steps(
+                        runner, self.layout, batches, total_steps=self.total_steps, metrics=metrics,
+                        stop=stop, save_checkpoint=self._save, checkpoint_every=checkpoint_every)
+                except NonFiniteError as exc:
+                    raise NonFiniteError(f"{exc}; {self._last_good()}", step=exc.step) from None
             noise, note, warnings = self._noise_advice(measure_noise)
             for warning in warnings:
                 metrics.note(f"warning: {warning}")
@@ -242,11 +252,10 @@ class _Session:
                                     world_size=self.ctx.world_size, model=self.model,
                                     optimizer=self.optimizer, train_state=self._train_state(rng),
                                     is_main=self.ctx.is_main)
-            return
-        if not self.ctx.is_main:
-            return
-        save_atomic({"format": FORMAT_VERSION, "model": self.model.state_dict(),
-                     "optimizer": self.optimizer.state_dict(), **self._train_state(rng)}, self.path)
+        elif self.ctx.is_main:
+            save_atomic({"format": FORMAT_VERSION, "model": self.model.state_dict(),
+                         "optimizer": self.optimizer.state_dict(), **self._train_state(rng)}, self.path)
+        self.saved_step = self.state.step
 
     def _train_state(self, rng: list) -> dict:
         """Everything of a checkpoint but the model and the optimizer."""
@@ -259,8 +268,15 @@ class _Session:
             "split": self.state.split.state_dict(),
             "noise_scale": self.state.noise.to_dict(),
             "data": self._data_position(),
-            "plan": self.plan.to_dict(),
+            "plan": json.loads(plan_to_json(self.plan)),  # plain types: loadable with weights_only
         }
+
+    def _last_good(self) -> str:
+        if self.path is None:
+            return "no checkpoint was kept (train with --checkpoint-dir to keep one)"
+        if self.saved_step is None:
+            return f"no checkpoint was written to {self.path.parent} before it"
+        return f"the last good checkpoint, {self.path} (step {self.saved_step}), is kept"
 
     def _data_position(self) -> dict:
         position = {"seed": self.seed, "effective_batch": self.plan.effective_batch,
@@ -276,8 +292,8 @@ class _Session:
                                             model=self.model, optimizer=self.optimizer)
         else:
             saved = load(self.path)
-            self.model.load_state_dict(saved["model"])
-            self.optimizer.load_state_dict(saved["optimizer"])
+        check_resumable(saved, self.plan, self.workload, path=self.path,
+                        required=TRAIN_STATE_KEYS if self.sharding.sharded else REQUIRED_KEYS)
         data = saved["data"]
         for option, name, value in (("--seed", "seed", self.seed),
                                     ("the plan's effective batch", "effective_batch", self.plan.effective_batch),
@@ -287,15 +303,31 @@ class _Session:
                     f"--resume: {option} is {value} but the checkpoint {self.path} was trained with "
                     f"{data[name]}; resume with the same setting (or start a new --checkpoint-dir)"
                 )
+        if not self.sharding.sharded:  # a sharded checkpoint loaded its shards in place
+            try:
+                self.model.load_state_dict(saved["model"])
+            except RuntimeError as exc:  # shapes or names: the model changed in a way the hash missed
+                raise TrainError(f"--resume: the checkpoint {self.path} holds another model's weights "
+                                 f"({str(exc).splitlines()[0]} ...); resume with the model it was "
+                                 f"trained with, or start a new --checkpoint-dir") from None
+            self.optimizer.load_state_dict(saved["optimizer"])
         self.scaler.load_state_dict(saved["scaler"])
         self.scheduler.load_state_dict(saved["scheduler"])
-        self.state.step = saved["step"]
+        self.state.step = self.saved_step = saved["step"]
         self.state.skipped_steps = saved["skipped_steps"]
         self.state.split.load_state_dict(saved["split"])
         if "noise_scale" in saved:  # absent from checkpoints written before it was measured
             self.state.noise = NoiseScaleEMA.from_dict(saved["noise_scale"])
         ranks = saved["rng"]
         return ranks[self.ctx.rank] if self.ctx.rank < len(ranks) else None
+
+
+def _inputs(plan_source, workload) -> dict:
+    """The files this run reads, which no output of it may replace."""
+    inputs = {"model file": workload.source if workload.file_sha256 is not None else None}
+    if isinstance(plan_source, (str, Path)):
+        inputs["--plan"] = plan_source
+    return inputs
 
 
 def _current_split(plan, state) -> list[int]:
@@ -312,4 +344,10 @@ def save_model(result: TrainResult, path) -> None:
     state = full_state_dict(result.model) if is_sharded(result.model) else result.model.state_dict()
     if result.rank != 0:
         return
-    save_atomic({"model": state, "steps": result.steps}, Path(path))
+    try:
+        save_atomic({"model": state, "steps": result.steps}, Path(path))
+    except OutputError as exc:
+        kept = (f"the trained model is in the last checkpoint, {result.checkpoint}"
+                if result.checkpoint is not None and result.checkpoint.is_file()
+                else "the trained model was not kept (no --checkpoint-dir)")
+        raise OutputError(f"--save {exc}; {kept}") from None

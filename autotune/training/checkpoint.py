@@ -7,16 +7,22 @@ checkpoint or the new one, never half a file.
 
 from __future__ import annotations
 
+import json
+import pickle
 import random
 from pathlib import Path
 
 import torch
 
 from ..atomicfile import write_atomic
+from ..errors import OutputError
+from ..planning.planfile import plan_to_json
 from .errors import TrainError
 
 CHECKPOINT_NAME = "checkpoint.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: tensors and plain types only (loaded with ``weights_only=True``); 1 held pickled RNG
+objects and is refused."""
 
 
 def checkpoint_path(directory) -> Path:
@@ -24,7 +30,10 @@ def checkpoint_path(directory) -> Path:
 
 
 def save_atomic(state: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{path} cannot be written: its folder cannot be made ({exc.strerror or exc})") from None
     write_atomic(path, lambda handle: torch.save(state, handle))
 
 
@@ -35,9 +44,14 @@ def load(path: Path) -> dict:
             f"(or drop --resume to start from scratch)"
         )
     try:
-        # weights_only=False: the file holds Python and NumPy RNG states. It is a file this loop
-        # wrote itself; never resume from a checkpoint you did not make.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # weights_only=True: a checkpoint is data. Unpickling arbitrary objects would run whatever
+        # code a crafted file names; everything saved here is tensors and plain types.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise TrainError(
+            f"--resume: checkpoint {path} holds objects other than tensors and plain Python types "
+            f"(an older autotune's format 1, another program's file, or a tampered one); it was not loaded, so "
+            f"none of its code ran. Start a new --checkpoint-dir") from None
     except Exception as exc:
         raise TrainError(f"--resume: checkpoint {path} cannot be read ({type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
@@ -47,24 +61,72 @@ def load(path: Path) -> dict:
     return state
 
 
+TRAIN_STATE_KEYS = ("scaler", "scheduler", "rng", "step", "skipped_steps", "split", "data", "plan")
+"""What every checkpoint holds besides the weights (a sharded one keeps the weights in its shards)."""
+REQUIRED_KEYS = ("model", "optimizer", *TRAIN_STATE_KEYS)
+
+# What a resumed run must share with the run that wrote the checkpoint: (label, path in the plan).
+_RESUME_FIELDS = (("the model file's sha256", ("workload", "file_sha256")),
+                  ("the target batch", ("target_batch",)), ("the world size", ("world_size",)),
+                  ("the micro-batches", ("micro_batches",)), ("the precision", ("precision",)),
+                  ("activation checkpointing", ("checkpointing",)), ("the LR", ("lr", "lr")),
+                  ("the LR rule", ("lr", "rule")), ("the warmup", ("lr", "warmup_steps")),
+                  ("the gradient clipping", ("clip_grad_norm",)), ("the sharding", ("sharding",)))
+
+
+def check_resumable(saved: dict, plan, workload, *, path: Path, required=REQUIRED_KEYS) -> None:
+    """Refuse a checkpoint written under another plan or for another model file, naming what
+    differs (resuming would silently train on with the old schedule, or fail on a shape)."""
+    missing = [key for key in required if key not in saved]
+    if missing:
+        raise TrainError(f"--resume: checkpoint {path} lacks {', '.join(missing)}; it is damaged or "
+                         f"not an autotune training checkpoint. Start a new --checkpoint-dir")
+    now = json.loads(plan_to_json(plan))
+    if workload.file_sha256 is not None:
+        now["workload"]["file_sha256"] = workload.file_sha256
+    for label, keys in _RESUME_FIELDS:
+        was, is_now = _get(saved["plan"], keys), _get(now, keys)
+        if was != is_now and not (keys == ("sharding",) and was is None):
+            if keys[-1] == "file_sha256":
+                was, is_now = str(was)[:12] + "…", str(is_now)[:12] + "…"
+            raise TrainError(
+                f"--resume: {label} was {was} when checkpoint {path} was written and is {is_now} "
+                f"now; resume with the plan and model file it was trained with, or start a new "
+                f"--checkpoint-dir (or --overwrite) to train under the new ones")
+
+
+def _get(data, keys):
+    for key in keys:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
+
+
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """The random-number states as tensors and plain types (what ``weights_only`` loads)."""
+    version, words, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "words": list(words), "gauss": gauss}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy
     except ImportError:
         return state
-    state["numpy"] = numpy.random.get_state()
+    name, keys, pos, has_gauss, cached = numpy.random.get_state()
+    state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype(numpy.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["words"]), python["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        saved = state["numpy"]
+        numpy.random.set_state((saved["name"], saved["keys"].numpy().astype(numpy.uint32), saved["pos"],
+                                saved["has_gauss"], saved["cached_gaussian"]))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ConfigError, PlanFileError, WorkloadError
+from ..errors import ConfigError, OutputError, PlanFileError, WorkloadError
+from ..outputs import check_output
 from ..planning.types import Plan
 from ..planning.planfile import load_plan as read_plan_file
 from ..precision import Precision, supports_bf16
+from .checkpoint import checkpoint_path
 from .errors import TrainError
 
 
@@ -81,7 +83,8 @@ def check_dataset_size(size: int, plan: Plan, *, source: str) -> None:
         )
 
 
-def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, num_workers) -> None:
+def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, num_workers,
+                  seed: int = 0) -> None:
     if checkpoint_every is not None:
         if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every must be a positive integer, got {checkpoint_every!r}")
@@ -93,3 +96,18 @@ def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, n
         raise ConfigError(f"--clip-grad-norm must be positive, got {clip_grad_norm!r}")
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"num_workers must be a non-negative integer, got {num_workers!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ConfigError(f"--seed {seed!r} must be an integer from 0 to 2**63 - 1")
+
+
+def check_outputs(*, checkpoint_dir, resume: bool, overwrite: bool, metrics_path, inputs: dict) -> None:
+    """Every place the run writes, checked before the first step (not after hours of training)."""
+    check_output(metrics_path, option="--metrics", inputs=inputs, create_folder=True)
+    if checkpoint_dir is None:
+        return
+    path = checkpoint_path(checkpoint_dir)
+    check_output(path, option="--checkpoint-dir", inputs=inputs, create_folder=True)
+    if path.exists() and not resume and not overwrite:
+        raise OutputError(
+            f"--checkpoint-dir {checkpoint_dir} already holds a checkpoint ({path}); continue it "
+            f"with --resume, start over with --overwrite, or choose another folder")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
 from ..memory import resolve_device
 from ..sharding import wrap as sharding
 from .errors import TrainError
@@ -41,7 +42,7 @@ def setup(device=None, *, sharded: bool = False) -> DistContext:
     A sharded plan on one process still needs a process group (FSDP2 shards over a device mesh,
     even of one rank, e.g. to offload to the CPU): one is made in-process with a ``HashStore``.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = _environment_int("WORLD_SIZE", "1")
     if world_size <= 1 and not (dist.is_available() and dist.is_initialized()):
         resolved = resolve_device(device)
         if not sharded:
@@ -61,6 +62,18 @@ def setup(device=None, *, sharded: bool = False) -> DistContext:
         initialized_here = True
     return DistContext(world_size=dist.get_world_size(), rank=dist.get_rank(), device=resolved,
                        initialized_here=initialized_here)
+
+
+def _environment_int(name: str, default: str) -> int:
+    text = os.environ.get(name, default)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"the environment variable {name}={text!r} is not a process count; "
+                          f"unset it, or launch with torchrun, which sets it")
+    return value
 
 
 def teardown(ctx: DistContext) -> None:

@@ -5,3 +5,12 @@ from ..errors import AutotuneError
 
 class TrainError(AutotuneError):
     """Training cannot start or continue (resume mismatch, out of memory at micro-batch 1, ...)."""
+
+
+class NonFiniteError(TrainError):
+    """A window's loss or gradient norm is NaN or infinite (outside fp16's skipped steps): training
+    stops before that step changes the weights, so the last checkpoint stays good."""
+
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step

@@ -6,6 +6,7 @@ and the checkpoints. Everything is built by ``autotune.training.api``.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,7 +19,8 @@ from ..workload.contract import Workload, move_batch
 from . import distributed, noise_scale
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
 from .data import Window, slice_batch, split_micro_batches
-from .errors import TrainError
+from ..errors import WorkloadError
+from .errors import NonFiniteError, TrainError
 from .metrics import PeakMeter
 from .recovery import SplitPolicy
 
@@ -29,6 +31,11 @@ _SHARDED_OOM = (
     "redone (see docs/sharded-training.md). Re-plan with a smaller micro-batch (autotune plan "
     "--micro-batch N), more headroom (--headroom) or the fsdp-offload sharding"
 )
+
+
+MAX_SKIPS_IN_A_ROW = 20
+"""fp16 steps skipped one after another before training stops (overflow at the start of a run
+costs a handful; a NaN in the data costs every step)."""
 
 
 @dataclass
@@ -73,6 +80,7 @@ class StepRunner:
         self.reduce_every_micro_step = reduce_every_micro_step and self.sharded
         self.measure_noise = measure_noise and not self.reduce_every_micro_step
         self.totals = WindowTotals(self.device)
+        self.skips_in_a_row = 0
         # BatchNorm updates its running statistics in forward; a window redone after an OOM must
         # start from the statistics it started with, or the redo would count its samples twice.
         self._norm_buffers = [buf for module in model.modules()
@@ -200,10 +208,15 @@ class StepRunner:
         if self.totals.token_counts:
             # Item counts are only known now; the window's gradient becomes sum / count exactly.
             reduced = self._reduce_totals(stop_requested)
+            self._check_items(window, reduced[1])
             scale_gradients(self.params, count_correction(window_samples=window.samples,
                                                           window_items=reduced[1]))
         self.scaler.unscale_(self.optimizer)  # no-op unless fp16
         norm = self._grad_norm()
+        if not self.scaler.is_enabled():
+            # fp16's GradScaler skips non-finite steps on purpose; anywhere else a NaN or infinite
+            # gradient would turn every weight into NaN, and training on would hide it.
+            self._check_finite(window, norm=float(norm), reduced=reduced)
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = False
         if self.scaler.is_enabled():
@@ -223,9 +236,49 @@ class StepRunner:
         if reduced is None:
             reduced = self._reduce_totals(stop_requested)
         loss_sum, items, stop = reduced[:3]
+        if not skipped:
+            self._check_finite(window, norm=None, reduced=reduced)
+        self._count_skips(window, skipped)
         self._update_noise_scale(window, reduced, float(norm))
         return StepOutcome(loss=loss_sum / items, lr=lr, grad_norm=float(norm), skipped=skipped,
                            stop=stop > 0, micro_batches=sizes)
+
+    def _count_skips(self, window: Window, skipped: bool) -> None:
+        # GradScaler recovers from overflow within a few halvings of its scale; skipping window
+        # after window means the loss or gradients are NaN/inf at any scale.
+        self.skips_in_a_row = self.skips_in_a_row + 1 if skipped else 0
+        if self.skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
+            raise NonFiniteError(
+                f"step {window.step + 1}: fp16's GradScaler skipped {self.skips_in_a_row} steps in a "
+                f"row (the gradients are NaN or infinite at every scale); training stopped there. "
+                f"Look for a NaN in the data or the loss_fn, or re-plan with --precision bf16 or fp32",
+                step=window.step + 1)
+
+    def _check_items(self, window: Window, items: float) -> None:
+        # A window of zero (or a negative number of) items has no mean: the model-file contract's
+        # error, not a ZeroDivisionError or a sign-flipped loss.
+        if not items > 0:
+            raise WorkloadError(
+                f"{self.workload.source}: at step {window.step + 1} loss_fn's item counts sum to "
+                f"{items:g} over the window; a (loss_sum, item_count) loss needs counts >= 0 that "
+                f"sum to more than 0 in every window (count the real tokens or samples)")
+
+    def _check_finite(self, window: Window, *, norm: float | None, reduced) -> None:
+        """Raise ``NonFiniteError`` naming the step when the loss or gradient norm is NaN/inf."""
+        if norm is not None and math.isfinite(norm) and (reduced is None or math.isfinite(reduced[0])):
+            return
+        # Only on the way to an error: read this rank's loss when the window's is not reduced yet.
+        loss = (reduced[0] / reduced[1] if reduced is not None
+                else float(self.totals.loss_sum / self.totals.items))
+        if not math.isfinite(loss):
+            what = f"the loss is {loss}"
+        elif norm is not None and not math.isfinite(norm):
+            what = f"the gradient norm is {norm} (the loss {loss:.4g})"
+        else:
+            return
+        raise NonFiniteError(
+            f"step {window.step + 1}: {what}; training stopped there (no checkpoint is written after it). "
+            f"Look for a NaN in the data or the loss_fn, or lower the learning rate", step=window.step + 1)
 
     def _reduce_totals(self, stop_requested: bool) -> list[float]:
         totals = distributed.all_reduce_sum(self.totals.as_tensor(stop_requested), self.ctx)
@@ -268,12 +321,36 @@ def _full(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+class DivergenceWatch:
+    """Warns once when the loss has grown far above the first step's: the run is likely
+    diverging long before it turns into NaN."""
+
+    FACTOR = 10.0
+
+    def __init__(self):
+        self.first: tuple[int, float] | None = None
+        self.warned = False
+
+    def check(self, step: int, loss: float) -> str | None:
+        if self.first is None:
+            self.first = (step, loss)
+            return None
+        first_step, first_loss = self.first
+        if self.warned or not first_loss > 0 or not loss > self.FACTOR * first_loss:
+            return None
+        self.warned = True
+        return (f"the loss grew from {first_loss:.4g} at step {first_step} to {loss:.4g} at step "
+                f"{step} (over {self.FACTOR:g}x): training looks divergent; lower the learning "
+                f"rate or clip gradients (--clip-grad-norm)")
+
+
 def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics, stop,
               save_checkpoint, checkpoint_every: int | None) -> tuple[list[dict], bool]:
     """Train from ``runner.state.step`` to ``total_steps``; returns (metrics records, interrupted)."""
     state = runner.state
     records: list[dict] = []
     meter = PeakMeter(runner.device)
+    divergence = DivergenceWatch()
     last = time.perf_counter()
     while state.step < total_steps:
         window = layout.window(state.step)
@@ -293,6 +370,9 @@ def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics,
         }
         records.append(record)
         metrics.write(record)
+        warning = divergence.check(state.step, outcome.loss)
+        if warning is not None:
+            metrics.note(f"warning: {warning}")
         due = checkpoint_every is not None and state.step % checkpoint_every == 0
         if outcome.stop or due or state.step == total_steps:
             save_checkpoint()

@@ -13,6 +13,7 @@ import torch
 
 from .. import progress as progress_bars
 from ..memory.cpu import StorageTracker, counting
+from ..atomicfile import write_atomic
 from ..units import format_bytes
 
 FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s",
@@ -94,8 +95,11 @@ class MetricsLog:
         if enabled and path is not None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _keep_steps_before(path, resume_step)
-            self._file = path.open("a", encoding="utf-8")
+            if resume_step:
+                _keep_steps_before(path, resume_step)
+            # "w" empties a file in place (its permissions and links kept) and writes through to a
+            # device or pipe; it never deletes what is at the path.
+            self._file = path.open("a" if resume_step else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -163,10 +167,7 @@ def format_progress(record: dict, total_steps: int, predicted: int | None = None
 
 def _keep_steps_before(path: Path, resume_step: int) -> None:
     """On resume, drop lines for steps after the checkpoint: they will be trained again."""
-    if not path.exists():
-        return
-    if resume_step == 0:
-        path.unlink()
+    if not path.is_file():
         return
     kept = []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -176,4 +177,5 @@ def _keep_steps_before(path: Path, resume_step: int) -> None:
             continue
         if isinstance(step, int) and step <= resume_step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    text = "".join(line + "\n" for line in kept).encode("utf-8")
+    write_atomic(path, lambda handle: handle.write(text))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -81,9 +82,14 @@ def load(directory, *, world_size: int, model, optimizer) -> dict:
                          f"({type(exc).__name__}: {exc})") from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
-    # weights_only=False: the file holds Python and NumPy RNG states. It is a file this loop
-    # wrote itself; never resume from a checkpoint you did not make.
-    return torch.load(folder / STATE_NAME, map_location="cpu", weights_only=False)
+    # weights_only=True: the train state is tensors and plain types (RNG states included), so a
+    # crafted file cannot run code when it is resumed.
+    try:
+        return torch.load(folder / STATE_NAME, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise TrainError(f"--resume: {folder / STATE_NAME} holds objects other than tensors and plain "
+                         f"Python types; it was not loaded, so none of its code ran. Start a new "
+                         f"--checkpoint-dir") from None
 
 
 def _checkpoint_folder(directory: Path, world_size: int) -> Path:

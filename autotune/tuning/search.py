@@ -57,6 +57,12 @@ STALE_LIMIT = 30
 
 # Optuna stores categorical choices as plain strings: the enum's values.
 PRECISIONS = tuple(p.value for p in Precision)
+try:  # optuna's relational storage; absent, no database URL can be opened anyway
+    from sqlalchemy.exc import SQLAlchemyError
+
+    _DATABASE_ERRORS: tuple = (SQLAlchemyError,)
+except ImportError:
+    _DATABASE_ERRORS = ()
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|sec|m|min|h)?\s*$", re.IGNORECASE)
 _SECONDS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
 
@@ -351,14 +357,29 @@ def _params(config: Configuration) -> dict:
             "accumulation_steps": config.accumulation_steps}
 
 
+def check_storage(storage: str | None) -> None:
+    """Open ``storage`` once, before any measuring, so a bad URL fails at once."""
+    if storage is not None:
+        with _storage_errors(storage):
+            optuna.storages.get_storage(storage)
+
+
 def _open_study(name: str, storage: str | None, *, sampler) -> optuna.Study:
-    try:
+    with _storage_errors(storage):
         return optuna.create_study(study_name=name, storage=storage, sampler=sampler,
                                    direction="maximize", load_if_exists=True)
-    except (ValueError, ImportError, optuna.exceptions.StorageInternalError) as exc:
-        # Optuna reports a malformed URL or a missing database driver this way.
-        raise ConfigError(f"--storage {storage!r} cannot be opened ({exc}); use e.g. "
-                          f"sqlite:///autotune.db") from exc
+
+
+@contextlib.contextmanager
+def _storage_errors(storage: str | None):
+    try:
+        yield
+    except (ValueError, ImportError, optuna.exceptions.StorageInternalError, *_DATABASE_ERRORS) as exc:
+        # Optuna and SQLAlchemy report a malformed URL, an unknown scheme, a missing database
+        # driver or a folder that does not exist this way.
+        reason = str(exc).splitlines()[0]
+        raise ConfigError(f"--storage {storage!r} cannot be opened ({reason}); use e.g. "
+                          f"sqlite:///autotune.db in a folder that exists") from None
 
 
 def _known_results(study: optuna.Study, by_key: dict, usable: int) -> dict:

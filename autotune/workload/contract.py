@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import math
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -110,12 +111,36 @@ class Workload:
                     f"got a {type(out).__name__} of length {len(out)}"
                 )
             loss, count = out
+            _check_count(count, self.source)
         else:
             loss, count = out, None
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise WorkloadError(f"{self.source}: the loss must be a scalar tensor, got {shape}")
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise WorkloadError(
+                f"{self.source}: the loss{' from loss_fn' if self.loss_fn is not None else ''} does "
+                f"not require grad (it was detached, computed under torch.no_grad(), or the model "
+                f"has no trainable parameters); return the loss the parameters produced")
         return loss.reshape(()), count
+
+
+def _check_count(count, source: str) -> None:
+    """A ``(loss_sum, item_count)`` count: a non-negative int or a one-element real tensor.
+    (A tensor's sign is checked per window, where its value is read anyway.)"""
+    if isinstance(count, torch.Tensor):
+        if count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool:
+            return
+        problem = f"a {count.dtype} tensor of shape {tuple(count.shape)}"
+    elif isinstance(count, (int, float)) and not isinstance(count, bool):
+        if math.isfinite(count) and count >= 0:
+            return
+        problem = f"{count}"
+    else:
+        problem = f"a {type(count).__name__} ({count!r:.40})"
+    raise WorkloadError(
+        f"{source}: loss_fn returned (loss_sum, item_count) with item_count {problem}; the count "
+        f"must be a non-negative number or a one-element tensor (the tokens or samples summed)")
 
 
 def call_model(model, batch):
@@ -183,22 +208,29 @@ def move_batch(batch, device):
     return batch
 
 
-def load_workload(spec) -> Workload:
-    """A ``Workload`` from a path to a model file, or the ``Workload`` itself."""
+def load_workload(spec, *, check_sha256: Callable[[str, str], None] | None = None) -> Workload:
+    """A ``Workload`` from a path to a model file, or the ``Workload`` itself.
+
+    ``check_sha256(source, sha256)`` is called with the file's hash before any of it runs (it
+    raises to refuse the file); the bytes hashed are the bytes executed.
+    """
     if isinstance(spec, Workload):
         return spec
     if isinstance(spec, (str, Path)):
-        return _load_file(Path(spec))
+        return _load_file(Path(spec), check_sha256)
     raise WorkloadError(
         f"workload must be a path to a model file or an autotune.Workload, got {type(spec).__name__}"
     )
 
 
-def _load_file(path: Path) -> Workload:
+def _load_file(path: Path, check_sha256=None) -> Workload:
     source = str(path)
     if not path.is_file():
         raise WorkloadError(f"model file {source} does not exist (or is not a file)")
     data = path.read_bytes()
+    sha256 = hashlib.sha256(data).hexdigest()
+    if check_sha256 is not None:
+        check_sha256(source, sha256)
     module_name = f"autotune_user_model_{uuid.uuid4().hex}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
@@ -207,9 +239,14 @@ def _load_file(path: Path) -> Workload:
     # The file may import helpers that sit beside it, as it would when run directly.
     with _prepended_sys_path(str(path.resolve().parent)):
         try:
-            spec.loader.exec_module(module)
+            # The bytes hashed above, not a second read: the file could change in between.
+            exec(compile(data, str(path), "exec"), module.__dict__)
         except Exception as exc:
             raise WorkloadError(f"model file {source} failed to import: {type(exc).__name__}: {exc}") from exc
+        except SystemExit as exc:  # would end autotune silently with the file's exit code
+            raise WorkloadError(f"model file {source} called sys.exit({exc.code!r}) while being "
+                                f"imported; a model file must only define build_model, make_batch, "
+                                f"... (guard script code with if __name__ == '__main__':)") from None
     names = vars(module)
     missing = [name for name in REQUIRED if not callable(names.get(name))]
     if missing:
@@ -220,8 +257,10 @@ def _load_file(path: Path) -> Workload:
         )
     base_lr = names.get("BASE_LR")
     base_batch = names.get("BASE_BATCH")
-    if base_lr is not None and not isinstance(base_lr, (int, float)):
-        raise WorkloadError(f"model file {source}: BASE_LR must be a number, got {base_lr!r}")
+    if base_lr is not None and (isinstance(base_lr, bool) or not isinstance(base_lr, (int, float))
+                                or not math.isfinite(base_lr) or base_lr <= 0):
+        raise WorkloadError(f"model file {source}: BASE_LR must be a finite number more than 0, "
+                            f"got {base_lr!r}")
     if base_batch is not None and (not isinstance(base_batch, int) or base_batch <= 0):
         raise WorkloadError(f"model file {source}: BASE_BATCH must be a positive int, got {base_batch!r}")
     return Workload(
@@ -231,7 +270,7 @@ def _load_file(path: Path) -> Workload:
         base_lr=float(base_lr) if base_lr is not None else None,
         base_batch=base_batch,
         source=source,
-        file_sha256=hashlib.sha256(data).hexdigest(),
+        file_sha256=sha256,
         namespace=names,
     )
 
