@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from autotune.errors import ConfigError, PlanError
 from autotune.planning.policy import (PlanRequest, allowed_micro_batch, build_plan,
-                              checkpointing_worth_probing, choose_precision, per_device_share,
+                              checkpointing_worth_probing, choose_precision, cpu_precision, per_device_share,
                               predicted_peak, split_pinned, split_share)
 from plan_helpers import MiB, device, fingerprint, linear_probe, make_plan, setting
 
@@ -165,11 +165,19 @@ def test_nothing_within_headroom_is_an_error_naming_headroom():
 # --- precision -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,bf16,expected", [("cuda", True, "bf16"), ("cuda", False, "fp16"),
-                                                 ("cpu", True, "bf16"), ("cpu", False, "fp32")])
+                                                 ("cpu", True, "fp32"), ("cpu", False, "fp32")])
 def test_auto_precision(kind, bf16, expected):
     chosen, reason = choose_precision("auto", device_kind=kind, bf16_supported=bf16)
     assert chosen == expected
     assert reason.startswith("auto")
+
+
+@pytest.mark.parametrize("fp32,bf16,expected", [(1, None, "fp32"), (4, 4, "fp32"), (4, None, "fp32"),
+                                                 (4, 2, "bf16"), (None, 3, "bf16")])
+def test_cpu_auto_precision_is_fp32_unless_bf16_buys_accumulation_steps(fp32, bf16, expected):
+    chosen, reason = cpu_precision(fp32, bf16)
+    assert chosen == expected
+    assert reason.startswith("auto") and "slower" in reason
 
 
 def test_explicit_precision_is_kept():

@@ -20,7 +20,7 @@ from ..errors import ConfigError, PlanError, ProbeError
 from ..memory import backend_for
 from .types import Plan, SettingTried, WorkloadFingerprint
 from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
-                      ddp_bucket_bytes, evaluate_setting, usable_bytes)
+                      cpu_precision, ddp_bucket_bytes, evaluate_setting, usable_bytes)
 from ..precision import Precision, supports_bf16
 from ..gpus.target import profile_target
 from ..probing.api import probe
@@ -122,12 +122,39 @@ def plan(
                 settings.append(try_setting(True, candidate))
         return _fastest_plan(workload, backend, request, fingerprint, settings, info, usable=usable,
                              extra=extra, budget_s=budget_s, storage=storage, created_at=created_at)
-    settings = [try_setting(checkpointing == "on")]
-    if checkpointing_worth_probing(settings[0], request, fingerprint):
-        settings.append(try_setting(True))
-    result = build_plan(request, workload=fingerprint, settings=settings, device=info,
-                        versions=current_versions(), created_at=created_at)
+    def plan_in(precision_: str) -> Plan:
+        request_ = dataclasses.replace(request, precision=precision_)
+        settings = [try_setting(checkpointing == "on", precision_)]
+        if checkpointing_worth_probing(settings[0], request_, fingerprint):
+            settings.append(try_setting(True, precision_))
+        return build_plan(request_, workload=fingerprint, settings=settings, device=info,
+                          versions=current_versions(), created_at=created_at)
+
+    if precision == "auto" and target is None and backend.device.type == "cpu":
+        return _cpu_auto_precision(plan_in, bf16=supports_bf16(backend.device))
+    result = plan_in(chosen)
     return target.mark(result) if target else result
+
+
+def _cpu_auto_precision(plan_in, *, bf16: bool) -> Plan:
+    """fp32, or bf16 where it plans fewer accumulation steps (see policy.cpu_precision)."""
+    try:
+        fp32 = plan_in("fp32")
+    except PlanError as exc:
+        fp32, fp32_error = None, exc
+    bf16_plan = None
+    if bf16 and (fp32 is None or fp32.accumulation_steps > 1):
+        try:
+            bf16_plan = plan_in("bf16")
+        except PlanError:
+            bf16_plan = None  # bf16 does not fit either: fp32's answer (or error) stands
+    if fp32 is None and bf16_plan is None:
+        raise fp32_error
+    chosen, reason = cpu_precision(fp32.accumulation_steps if fp32 else None,
+                                   bf16_plan.accumulation_steps if bf16_plan else None)
+    result = bf16_plan if chosen == "bf16" else fp32
+    result.reasons["precision"] = reason
+    return result
 
 
 def _supported_precisions(device) -> list[str]:
