@@ -52,6 +52,7 @@ def plan(
     budget=DEFAULT_BUDGET_S,
     storage: str | None = None,
     gpu=None,
+    even: bool = False,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -70,6 +71,10 @@ def plan(
     ``gpu`` (a bundled GPU profile name such as "a100-40gb", or a profile .toml path) plans for
     that GPU without it: budget and precision support from the profile, memory estimated on fake
     tensors; the plan is marked ``estimated`` (check it on the device with ``autotune verify``).
+
+    ``even=True`` plans equal micro-batches (the fewest that fit), for runners that take one
+    micro-batch size (HF Trainer, DeepSpeed, Lightning, Accelerate); autotune's own loop also
+    takes uneven splits (13 + 13 + 13 + 13 + 12), which need fewer accumulation steps.
     """
     workload = load_workload(workload)
     if precision not in PRECISION_CHOICES:
@@ -77,6 +82,10 @@ def plan(
                           f"{', '.join(PRECISION_CHOICES)}")
     if optimize not in OPTIMIZE_CHOICES:
         raise ConfigError(f"--optimize {optimize!r} is not a goal; use one of {', '.join(OPTIMIZE_CHOICES)}")
+    if even and optimize == "throughput":
+        raise ConfigError("--even with --optimize throughput: the throughput search measures uneven "
+                          "splits too; use --optimize memory --even, or --micro-batch N with N "
+                          "dividing the per-device share")
     budget_s = parse_duration(budget) if optimize == "throughput" else None
     distributed = _distributed()
     if distributed and optimize == "throughput":
@@ -99,7 +108,7 @@ def plan(
         micro_batch=micro_batch, lr_rule=lr_rule,
         base_lr=base_lr if base_lr is not None else workload.base_lr,
         base_batch=base_batch if base_batch is not None else workload.base_batch,
-        dataset_size=_dataset_size(workload), distributed=distributed,
+        dataset_size=_dataset_size(workload), distributed=distributed, even=even,
     )
     if checkpointing == "on" and not fingerprint.checkpointable:
         raise PlanError(f"--checkpointing on: {workload.source} has no repeated blocks (an "

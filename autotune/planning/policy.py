@@ -46,6 +46,8 @@ class PlanRequest:
     dataset_size: int | None = None
     distributed: bool = False
     """Planned under torchrun with every rank probing."""
+    even: bool = False
+    """Every micro-batch the same size, for runners that take one (HF Trainer, DeepSpeed, ...)."""
 
     def __post_init__(self):
         _check_positive_int(self.target_batch, "--target-batch")
@@ -99,6 +101,19 @@ def split_share(share: int, max_micro_batch: int) -> list[int]:
     if max_micro_batch < 1:
         raise PlanError(f"cannot split {share} samples into micro-batches of at most {max_micro_batch}")
     return even_split(share, math.ceil(share / max_micro_batch))[::-1]
+
+
+def largest_divisor_at_most(share: int, limit: int) -> int:
+    """The largest micro-batch of at most ``limit`` that divides ``share`` (1 always does)."""
+    return next(d for d in range(min(limit, share), 0, -1) if share % d == 0)
+
+
+def split_evenly(share: int, max_micro_batch: int) -> list[int]:
+    """The fewest equal micro-batches of at most ``max_micro_batch`` that sum to ``share``."""
+    if max_micro_batch < 1:
+        raise PlanError(f"cannot split {share} samples into micro-batches of at most {max_micro_batch}")
+    micro = largest_divisor_at_most(share, max_micro_batch)
+    return [micro] * (share // micro)
 
 
 def split_pinned(share: int, micro_batch: int) -> list[int]:
@@ -190,13 +205,17 @@ def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
     """Under "auto": probe with checkpointing only where it might buy what the plan needs."""
     if request.checkpointing != "auto" or not workload.checkpointable:
         return False
+    if request.even and request.micro_batch is None:
+        return largest_divisor_at_most(request.share, off.allowed_micro_batch) < request.share
     return off.allowed_micro_batch < request.wanted_micro_batch
 
 
 def _split_for(allowed: int, request: PlanRequest) -> list[int] | None:
     if request.micro_batch is not None:
         return split_pinned(request.share, request.micro_batch) if allowed >= request.micro_batch else None
-    return split_share(request.share, allowed) if allowed > 0 else None
+    if allowed < 1:
+        return None
+    return split_evenly(request.share, allowed) if request.even else split_share(request.share, allowed)
 
 
 def _choose_setting(settings: list[SettingTried], request: PlanRequest,
@@ -271,6 +290,9 @@ def _split_reason(split: list[int], request: PlanRequest, allowed: int) -> str:
                   f"{len(split)} steps of at most {max(split)})")
     if request.micro_batch is not None:
         source = f"--micro-batch {request.micro_batch} pinned; it fits (at most {allowed} would)"
+    elif request.even:
+        source = (f"--even: the fewest equal micro-batches of at most {allowed} (the fewest "
+                  f"uneven ones would be {len(split_share(share, allowed))})")
     else:
         source = f"the fewest accumulation steps whose micro-batch is at most {allowed}"
     return (f"{request.target_batch} = {request.world_size} rank(s) × {share}; {share} = {shape}; "
@@ -349,7 +371,7 @@ def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, e
 
 __all__ = [
     "BATCHNORM_MIN_MICRO_BATCH", "MAX_QUIET_ACCUMULATION", "PlanRequest", "allowed_micro_batch",
-    "build_plan", "checkpointing_worth_probing", "choose_precision", "cpu_precision", "ddp_bucket_bytes",
-    "evaluate_setting", "per_device_share", "plan_warnings", "predicted_peak", "split_pinned",
-    "split_share", "usable_bytes",
+    "build_plan", "checkpointing_worth_probing", "choose_precision", "cpu_precision",
+    "ddp_bucket_bytes", "evaluate_setting", "largest_divisor_at_most", "per_device_share",
+    "plan_warnings", "predicted_peak", "split_evenly", "split_pinned", "split_share", "usable_bytes",
 ]
