@@ -1,8 +1,10 @@
 """The model-file contract: load a user's ``model.py`` (or objects) into a checked ``Workload``.
 
 A model file defines ``build_model()`` and ``make_batch(batch_size)``; optionally ``loss_fn(model,
-batch)``, ``build_optimizer(params)``, ``build_dataset()``, ``build_scheduler(optimizer, plan)``
-and the constants ``BASE_LR`` / ``BASE_BATCH``.
+batch)``, ``build_optimizer(params)``, ``build_dataset()``, ``collate_fn(examples)`` (how a list
+of the dataset's examples becomes a batch, e.g. padding variable-length sequences; default:
+torch's default_collate), ``build_scheduler(optimizer, plan)`` and the constants ``BASE_LR`` /
+``BASE_BATCH``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from ..errors import WorkloadError
 
 REQUIRED = ("build_model", "make_batch")
-OPTIONAL = ("loss_fn", "build_optimizer", "build_dataset", "build_scheduler")
+OPTIONAL = ("loss_fn", "build_optimizer", "build_dataset", "build_scheduler", "collate_fn")
 
 
 @dataclass(kw_only=True)
@@ -38,6 +40,8 @@ class Workload:
     build_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     build_dataset: Callable[[], Any] | None = None
     build_scheduler: Callable[..., Any] | None = None
+    collate_fn: Callable[[list], Any] | None = None
+    """Turns a list of ``build_dataset()`` examples into a batch (None: default_collate)."""
     base_lr: float | None = None
     base_batch: int | None = None
     source: str = "<python objects>"
