@@ -85,3 +85,23 @@ def test_training_a_checkpointed_batchnorm_plan_tracks_each_batch_once(examples_
                    measure_noise_scale=False)
     tracked = {int(v) for k, v in result.model.state_dict().items() if k.endswith("num_batches_tracked")}
     assert tracked == {4}  # 2 steps × 2 micro-batches, each forward counted once
+
+
+def test_hf_model_inside_another_module_is_switched_with_its_own_switch():
+    # A LightningModule (or any wrapper) holding an HF model: its blocks wrapped by hand with the
+    # cache on broke GPT-2's attention shapes in recomputation.
+    workload = real_model("gpt2")
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = workload.model()
+            self.head = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+
+    wrapper = Wrapper()
+    assert enable_checkpointing(wrapper) == 2 + 2  # GPT-2's 2 layers by its switch, 2 by hand
+    assert wrapper.model.is_activation_checkpointing and wrapper.model.config.use_cache is False
+    wrapper.model(**workload.make_batch(2)).loss.backward()
+    disable_checkpointing(wrapper)
+    assert not wrapper.model.is_activation_checkpointing and wrapper.model.config.use_cache is True
+    assert not any(hasattr(m, "_autotune_checkpointed") for m in wrapper.modules())

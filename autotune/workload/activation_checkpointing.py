@@ -27,17 +27,22 @@ _HF_MARK = "_autotune_hf_checkpointing"
 """Set on a model switched with its own checkpointing switch: the use_cache it had before."""
 
 
-def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The children of the outermost ModuleList/Sequential containers with two or more children."""
+def repeated_blocks(model: torch.nn.Module, *, skip=()) -> list[torch.nn.Module]:
+    """The children of the outermost ModuleList/Sequential containers with two or more children
+    (not looking inside the modules in ``skip``)."""
     blocks: list[torch.nn.Module] = []
 
     def visit(module):
         for child in module.children():
+            if any(child is s for s in skip):
+                continue
             if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) and len(child) >= 2:
                 blocks.extend(child)
             else:
                 visit(child)
 
+    if any(model is s for s in skip):
+        return []
     if isinstance(model, (torch.nn.ModuleList, torch.nn.Sequential)) and len(model) >= 2:
         return list(model)
     visit(model)
@@ -54,12 +59,14 @@ def has_own_switch(model: torch.nn.Module) -> bool:
 def enable_checkpointing(model: torch.nn.Module, *, source: str = "model") -> int:
     """Checkpoint the model's repeated blocks; returns how many blocks are checkpointed.
 
+    Models with their own switch are switched with it, also where they sit inside the model (a
+    Hugging Face model in a LightningModule); the repeated blocks outside them are wrapped.
     Idempotent: enabling an already checkpointed model changes nothing.
     """
-    if has_own_switch(model):
-        return _enable_own_switch(model)
-    blocks = [b for b in repeated_blocks(model) if any(True for _ in b.parameters())]
-    if not blocks:
+    switched = own_switch_models(model)
+    count = sum(_enable_own_switch(m) for m in switched)
+    blocks = [b for b in repeated_blocks(model, skip=switched) if any(True for _ in b.parameters())]
+    if not blocks and not switched:
         raise WorkloadError(
             f"{source}: activation checkpointing needs repeated blocks to wrap (an nn.ModuleList or "
             f"nn.Sequential of layers with parameters), and this model has none; use checkpointing off"
@@ -70,17 +77,32 @@ def enable_checkpointing(model: torch.nn.Module, *, source: str = "model") -> in
         original = block.forward
         block.forward = functools.partial(_checkpointed_forward, original, _context_fn(block))
         setattr(block, _MARK, True)
-    return len(blocks)
+    return count + len(blocks)
 
 
 def disable_checkpointing(model: torch.nn.Module) -> None:
     """Undo ``enable_checkpointing`` (the instance attributes it set are removed)."""
-    if hasattr(model, _HF_MARK):
-        _disable_own_switch(model)
     for module in model.modules():
+        if hasattr(module, _HF_MARK):
+            _disable_own_switch(module)
         if getattr(module, _MARK, False):
             del module.forward
             delattr(module, _MARK)
+
+
+def own_switch_models(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost modules (the model itself, or modules inside it) with their own switch."""
+    found: list[torch.nn.Module] = []
+
+    def visit(module):
+        if has_own_switch(module):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
 
 
 def _checkpointed_forward(forward, context_fn, *args, **kwargs):
