@@ -18,6 +18,12 @@ Public API::
     ProbeResult, Trial, MemoryModel, DeviceInfo, Plan, LRDecision, Precision
     is_oom_error                 what counts as out-of-memory
     AutotuneError and its subclasses
+
+Integrations (each imports its library; ``import autotune`` imports neither)::
+
+    autotune.integrations.transformers   training_arguments(plan, **overrides), PlanCallback(plan)
+    autotune.integrations.lightning      AutotuneCallback(plan) (or planning at setup),
+                                         trainer_arguments(plan)
 """
 
 from .errors import (

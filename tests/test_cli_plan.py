@@ -107,6 +107,15 @@ def test_plan_summary_shows_warnings(monkeypatch, tmp_path):
     assert "warning: --world-size 4 was planned from one process" in result.output
 
 
+def test_even_flag_plans_equal_micro_batches(monkeypatch, tmp_path):
+    _fake_probe(monkeypatch, 13)
+    out = tmp_path / "p.json"
+    result = run("plan", _model_file(tmp_path), "--target-batch", 64, "--precision", "fp32",
+                 "--checkpointing", "off", "--headroom", 0, "--even", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert load_plan(out).micro_batches == [8] * 8
+
+
 @pytest.mark.parametrize("args,option", [
     (["--target-batch", "0"], "--target-batch"),
     (["--target-batch", "-4"], "--target-batch"),

@@ -235,3 +235,42 @@ def test_neighbour_runs_and_optimizers_that_step_every_parameter():
 
     assert _distinct_neighbour_runs(Custom(params, lr=0.1)) is None
     assert _distinct_neighbour_runs(torch.optim.LBFGS(params)) is None
+
+
+def test_unavailable_names_the_phase_and_the_frames(tmp_path):
+    # timm's ViT calls .item() in its constructor; the message said "the step reads a tensor's
+    # value" with no file, line or phase.
+    (tmp_path / "layers.py").write_text(
+        "import torch\n\n\ndef drop_rates(depth):\n"
+        "    return [x.item() for x in torch.linspace(0, 0.1, depth)]\n")
+    (tmp_path / "model.py").write_text(
+        "import torch\nfrom layers import drop_rates\n\n\ndef build_model():\n"
+        "    rates = drop_rates(3)\n    return torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in rates))\n\n\n"
+        "def make_batch(n):\n    return torch.randn(n, 4)\n\n\n"
+        "def loss_fn(model, batch):\n    return model(batch).pow(2).mean()\n")
+    with pytest.raises(EstimateUnavailable) as info:
+        autotune.estimate_peak(tmp_path / "model.py", 4)
+    message = str(info.value)
+    assert "while building the model" in message
+    assert f"at {tmp_path / 'model.py'}:6 (in build_model: rates = drop_rates(3))" in message
+    assert f"via {tmp_path / 'layers.py'}:5 (in <listcomp>" in message or \
+        f"via {tmp_path / 'layers.py'}:5 (in drop_rates" in message
+
+
+def test_unavailable_in_the_forward_names_that_phase():
+    with pytest.raises(EstimateUnavailable, match=r"while the forward and backward pass.*in forward: "
+                                                  r"return y.sum\(\) \* 2 if y.sum\(\).item\(\)"):
+        autotune.estimate_peak(_workload(_Item), 8)
+
+
+def test_probe_falls_back_to_real_trials_in_one_note(tmp_path):
+    (tmp_path / "model.py").write_text(
+        "import torch\n\n\ndef build_model():\n"
+        "    rates = [x.item() for x in torch.linspace(0, 0.1, 3)]\n"
+        "    return torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in rates))\n\n\n"
+        "def make_batch(n):\n    return torch.randn(n, 4)\n\n\n"
+        "def loss_fn(model, batch):\n    return model(batch).pow(2).mean()\n")
+    result = autotune.probe(tmp_path / "model.py", memory_limit="4MiB", max_micro_batch=16)
+    assert result.max_micro_batch == 16
+    notes = [n for n in result.notes if "real trials only" in n]
+    assert len(notes) == 1 and "\n" not in notes[0] and "while building the model" in notes[0]

@@ -133,28 +133,80 @@ def test_lightning_builds_a_trainer(even):
 
 
 def test_accelerate(even):
-    config = export_plan(even, "accelerate").config
-    assert config["config"]["mixed_precision"] == "no"
-    assert config["config"]["num_processes"] == 1
-    assert config["accelerator"]["gradient_accumulation_steps"] == 4
+    exported = export_plan(even, "accelerate")
+    assert exported.config["mixed_precision"] == "no"
+    assert exported.config["num_processes"] == 1
+    assert exported.script["accelerator"]["gradient_accumulation_steps"] == 4
+    assert exported.script["dataloader"]["batch_size"] == 32
+    assert any("Accelerator(gradient_accumulation_steps=4)" in n and "batch_size=32" in n
+               for n in exported.notes)
 
 
-def test_accelerate_reads_the_config(even, tmp_path):
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_accelerate_launch_loads_the_file_as_written(tmp_path, world_size):
+    # The file used to nest the launch config under "config", which `accelerate launch
+    # --config_file` refused ("A distributed_type must be specified").
     pytest.importorskip("accelerate")
     from accelerate.commands.config.config_args import load_config_from_file
 
-    exported = export_plan(even, "accelerate").config
+    plan = make_plan(128, 32, world_size=world_size)
+    plan.precision = "bf16"
     path = tmp_path / "accelerate.json"
-    path.write_text(json.dumps(exported["config"]))
+    path.write_text(export_plan(plan, "accelerate").render())
     loaded = load_config_from_file(str(path))
-    assert loaded.num_processes == 1
-    assert str(getattr(loaded.mixed_precision, "value", loaded.mixed_precision)) == "no"
+    assert loaded.num_processes == world_size and loaded.use_cpu is True
+    assert str(getattr(loaded.mixed_precision, "value", loaded.mixed_precision)) == "bf16"
+    assert str(getattr(loaded.distributed_type, "value", loaded.distributed_type)) == (
+        "NO" if world_size == 1 else "MULTI_CPU")
 
 
 def test_accelerate_builds_an_accelerator(even):
     accelerate = pytest.importorskip("accelerate")
-    accelerator = accelerate.Accelerator(**export_plan(even, "accelerate").config["accelerator"], cpu=True)
+    accelerator = accelerate.Accelerator(**export_plan(even, "accelerate").script["accelerator"], cpu=True)
     assert accelerator.gradient_accumulation_steps == 4
+
+
+def test_hf_file_of_a_bf16_cpu_plan_builds_training_arguments(tmp_path):
+    # TrainingArguments refused bf16 without use_cpu on a machine with no GPU.
+    transformers = pytest.importorskip("transformers")
+    plan = make_plan(128, 32)
+    plan.precision = "bf16"
+    path = tmp_path / "hf.json"
+    path.write_text(export_plan(plan, "hf").render())
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), **json.loads(path.read_text()))
+    assert args.bf16 and args.use_cpu and args.per_device_train_batch_size == 32
+
+
+def test_lightning_file_builds_a_trainer(tmp_path):
+    lightning = _lightning()
+    plan = make_plan(128, 32)
+    plan.precision = "bf16"
+    path = tmp_path / "lightning.json"
+    path.write_text(export_plan(plan, "lightning").render())
+    trainer = lightning.Trainer(**json.loads(path.read_text())["trainer"], logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False)
+    assert trainer.accumulate_grad_batches == 4
+
+
+def test_known_warmup_is_carried():
+    plan = make_plan(128, 32, base_lr=1e-3, base_batch=32, dataset_size=1024, lr_rule="linear")
+    assert plan.lr.warmup_steps == 40
+    assert export_plan(plan, "hf").config["warmup_steps"] == 40
+    scheduler = export_plan(plan, "deepspeed").config["scheduler"]
+    assert scheduler["type"] == "WarmupLR" and scheduler["params"]["warmup_num_steps"] == 40
+    assert scheduler["params"]["warmup_max_lr"] == pytest.approx(4e-3)
+    for target in ("lightning", "accelerate"):
+        assert any("over 40 optimizer steps" in n for n in export_plan(plan, target).notes)
+
+
+def test_unknown_warmup_is_advised_not_exported_as_zero():
+    # Without a dataset size the plan advises ~5 epochs of warmup; the export said warmup_steps: 0.
+    plan = make_plan(128, 32, base_lr=1e-3, base_batch=32)
+    assert plan.lr.scale > 1 and plan.lr.warmup_steps == 0
+    for target in ("hf", "deepspeed", "lightning", "accelerate"):
+        exported = export_plan(plan, target)
+        assert "warmup" not in json.dumps(exported.config)
+        assert any("warm it up linearly over about 5 epochs" in n for n in exported.notes)
 
 
 def test_torchrun_command(even):
@@ -172,7 +224,7 @@ def test_torchrun_takes_uneven_plans_without_a_note(uneven):
 def test_uneven_plans_export_the_nearest_even_plan_with_a_note(uneven, target):
     exported = export_plan(uneven, target)
     assert any("uneven (43 + 42 + 42" in n and "1 × 127" in n for n in exported.notes)
-    assert any("--target-batch 126" in n for n in exported.notes)
+    assert any("--target-batch 126" in n and "--even" in n for n in exported.notes)
     assert "127" in json.dumps(exported.config) or target != "deepspeed"
 
 

@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 
 from autotune.errors import ConfigError, PlanError
 from autotune.planning.policy import (PlanRequest, allowed_micro_batch, build_plan,
-                              checkpointing_worth_probing, choose_precision, per_device_share,
-                              predicted_peak, split_pinned, split_share)
+                              checkpointing_worth_probing, choose_precision, cpu_precision,
+                              per_device_share, predicted_peak, split_evenly, split_pinned, split_share)
 from plan_helpers import MiB, device, fingerprint, linear_probe, make_plan, setting
 
 
@@ -162,14 +162,48 @@ def test_nothing_within_headroom_is_an_error_naming_headroom():
     assert "--headroom 0.5" in str(info.value)
 
 
+# --- even splits ---------------------------------------------------------------------------------
+
+def test_split_evenly_is_the_fewest_equal_micro_batches():
+    assert split_evenly(64, 13) == [8] * 8
+    assert split_evenly(60, 13) == [12] * 5
+    assert split_evenly(7, 3) == [1] * 7
+
+
+def test_even_plan_is_the_best_even_split_and_says_what_it_costs():
+    uneven = make_plan(64, 13)
+    assert uneven.micro_batches == [13, 13, 13, 13, 12]
+    plan = make_plan(64, 13, even=True)
+    assert plan.micro_batches == [8] * 8 and plan.is_even
+    assert "--even" in plan.reasons["split"] and "uneven ones would be 5" in plan.reasons["split"]
+
+
+def test_even_plan_takes_checkpointing_where_it_buys_an_even_split():
+    off = setting(linear_probe(13), headroom=0.0)
+    on = setting(linear_probe(16, checkpointing=True), checkpointing=True, headroom=0.0)
+    request = PlanRequest(target_batch=64, checkpointing="auto", headroom=0.0, even=True)
+    assert checkpointing_worth_probing(off, request, fingerprint())
+    plan = build_plan(request, workload=fingerprint(), settings=[off, on], device=device())
+    assert plan.micro_batches == [16] * 4 and plan.checkpointing
+    assert "from 8 to 4" in plan.reasons["checkpointing"]
+
+
 # --- precision -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,bf16,expected", [("cuda", True, "bf16"), ("cuda", False, "fp16"),
-                                                 ("cpu", True, "bf16"), ("cpu", False, "fp32")])
+                                                 ("cpu", True, "fp32"), ("cpu", False, "fp32")])
 def test_auto_precision(kind, bf16, expected):
     chosen, reason = choose_precision("auto", device_kind=kind, bf16_supported=bf16)
     assert chosen == expected
     assert reason.startswith("auto")
+
+
+@pytest.mark.parametrize("fp32,bf16,expected", [(1, None, "fp32"), (4, 4, "fp32"), (4, None, "fp32"),
+                                                 (4, 2, "bf16"), (None, 3, "bf16")])
+def test_cpu_auto_precision_is_fp32_unless_bf16_buys_accumulation_steps(fp32, bf16, expected):
+    chosen, reason = cpu_precision(fp32, bf16)
+    assert chosen == expected
+    assert reason.startswith("auto") and "slower" in reason
 
 
 def test_explicit_precision_is_kept():

@@ -54,10 +54,28 @@ def test_pinned_micro_batch_is_the_probe_bound(probes):
     assert plan.micro_batches == [8] * 8
 
 
-def test_auto_precision_on_cpu_is_bf16(probes):
-    plan = autotune.plan(_workload(), target_batch=8, device="cpu")
-    assert plan.precision == "bf16"
-    assert probes[0][0] == "bf16"
+def test_auto_precision_on_cpu_is_fp32_when_bf16_buys_nothing(probes, monkeypatch):
+    # bf16 autocast trained T5 10x slower on a CPU that reports bf16, for no larger micro-batch.
+    monkeypatch.setattr("autotune.planning.api.supports_bf16", lambda device: True)
+    plan = autotune.plan(_workload(), target_batch=8, device="cpu", checkpointing="off")
+    assert plan.precision == "fp32" and probes == [("fp32", False, 8)]
+    assert "fp32 on the CPU" in plan.reasons["precision"]
+    plan = autotune.plan(_workload(), target_batch=40, device="cpu", checkpointing="off")
+    assert plan.precision == "fp32" and plan.micro_batches == [10] * 4
+    assert "no fewer" in plan.reasons["precision"]
+
+
+def test_auto_precision_on_cpu_is_bf16_where_it_buys_accumulation_steps(monkeypatch):
+    monkeypatch.setattr("autotune.planning.api.supports_bf16", lambda device: True)
+
+    def fake(workload, *, precision, checkpointing, max_micro_batch, backend):
+        found = min(20 if precision == "bf16" else 10, max_micro_batch)
+        return linear_probe(found, precision=precision, checkpointing=checkpointing, upper=max_micro_batch)
+
+    monkeypatch.setattr("autotune.planning.api.probe", fake)
+    plan = autotune.plan(_workload(), target_batch=40, device="cpu", checkpointing="off", headroom=0.0)
+    assert plan.precision == "bf16" and plan.micro_batches == [20, 20]
+    assert "fp32 needs 4 accumulation steps and bf16 needs 2" in plan.reasons["precision"]
 
 
 def test_fingerprint_and_base_lr_from_options(probes):

@@ -153,7 +153,8 @@ def devices(memory_limit, as_json):
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
 @click.option("--precision", type=click.Choice(PLAN_PRECISIONS, case_sensitive=False),
               default="auto", show_default=True,
-              help="auto: bf16 where supported, fp16 on CUDA without bf16, else fp32.")
+              help="auto: bf16 on CUDA where supported, fp16 on CUDA without bf16; on the CPU "
+                   "fp32 unless bf16 needs fewer accumulation steps.")
 @click.option("--checkpointing", type=click.Choice(CHECKPOINTING_CHOICES), default="auto",
               show_default=True, help="auto: on only where it buys a needed micro-batch.")
 @click.option("--base-lr", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -168,6 +169,9 @@ def devices(memory_limit, as_json):
               show_default=True, help="Fraction of the budget kept free.")
 @click.option("--micro-batch", type=click.IntRange(min=1), default=None,
               help="Pin the micro-batch; the plan checks it fits and derives the rest.")
+@click.option("--even", is_flag=True,
+              help="Equal micro-batches (the fewest that fit), for runners that take one size "
+                   "(HF Trainer, DeepSpeed, Lightning, Accelerate).")
 @click.option("--optimize", type=click.Choice(PLAN_GOALS), default="memory", show_default=True,
               help="memory: the largest micro-batch that fits; throughput: the fastest measured "
                    "configuration (precision, checkpointing, split).")
@@ -187,7 +191,7 @@ def devices(memory_limit, as_json):
 @_errors_to_exit_codes
 def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
-                 gpu, output, as_json, grad_scaler):
+                 gpu, even, output, as_json, grad_scaler):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
     from ..outputs import check_output
     from ..planning.planfile import plan_to_json, save_plan
@@ -205,7 +209,7 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                            memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
                            base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule, optimize=optimize,
                            **({} if budget is None else {"budget": budget}), storage=storage, gpu=gpu,
-                           grad_scaler=grad_scaler)
+                           grad_scaler=grad_scaler, even=even)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)

@@ -20,6 +20,8 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import os
+import traceback
 import weakref
 
 import torch
@@ -202,13 +204,49 @@ def _unavailable_message(workload, exc: BaseException) -> str:
     if isinstance(exc, fake_tensor.DynamicOutputShapeException):
         why = f"an op's output shape depends on the data ({detail}: torch.nonzero, a boolean mask, unique)"
     elif isinstance(exc, fake_tensor.DataDependentOutputException):
-        why = f"the step reads a tensor's value in Python ({detail}: .item(), .tolist(), `if tensor:`)"
+        why = f"the code reads a tensor's value in Python ({detail}: .item(), .tolist(), `if tensor:`)"
     elif isinstance(exc, fake_tensor.UnsupportedOperatorException):
         why = f"the op {detail} has no fake-tensor (meta) implementation, e.g. a custom kernel"
     else:
         why = f"{type(exc).__name__}: {detail}"
-    return (f"{workload.source}: peak memory cannot be estimated under fake tensors, because {why}. "
-            f"Measure it with real trials instead (autotune probe), which need the device.")
+    where = _where(exc, workload.source)
+    return (f"{workload.source}: peak memory cannot be estimated under fake tensors, because {why}"
+            f"{where}. Measure it with real trials instead (autotune probe), which need the device.")
+
+
+# The phase of the probe's step that a frame of autotune's own code is in (innermost wins).
+_PHASES = {
+    "new_model": "building the model",
+    "_fake_copy": "copying the model instance",
+    "_allocate_optimizer_state": "allocating the optimizer state",
+    "batch": "making the batch",
+    "_forward_backward": "the forward and backward pass",
+    "_optimizer_phase": "the optimizer step",
+}
+_AUTOTUNE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _where(exc: BaseException, source: str) -> str:
+    """", while building the model, at model.py:12 (in build_model) via timm/vit.py:40" for the
+    message: the phase, the innermost frame of the model file, and the innermost frame of other
+    code (a library the file uses), whichever are found in the traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    phase = next((_PHASES[f.name] for f in reversed(frames)
+                  if f.name in _PHASES and f.filename.startswith(_AUTOTUNE_DIR)), None)
+    user_file = os.path.abspath(source) if os.path.isfile(source) else None
+    own = next((f for f in reversed(frames) if user_file and os.path.abspath(f.filename) == user_file), None)
+    other = next((f for f in reversed(frames) if not f.filename.startswith((_AUTOTUNE_DIR, _TORCH_DIR))
+                  and f is not own and "<frozen" not in f.filename), None)
+    if own is not None and other is not None and frames.index(other) < frames.index(own):
+        other = None  # a caller of the model file (a test runner, say), not a library it calls
+    parts = [f"while {phase}"] if phase else []
+    if own is not None:
+        parts.append(f"at {own.filename}:{own.lineno} (in {own.name}: {own.line.strip()})")
+    if other is not None:
+        parts.append(f"{'via' if own is not None else 'at'} {other.filename}:{other.lineno} "
+                     f"(in {other.name}: {other.line.strip()})")
+    return (", " + " ".join(parts)) if parts else ""
 
 
 __all__ = ["EstimateMemoryBackend", "checked_micro_batch", "fake_tensor_limits", "on_fake_tensors"]

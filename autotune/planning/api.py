@@ -21,7 +21,7 @@ from ..errors import ConfigError, PlanError, ProbeError
 from ..memory import backend_for
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
-                      ddp_bucket_bytes, evaluate_setting, usable_bytes)
+                      cpu_precision, ddp_bucket_bytes, evaluate_setting, usable_bytes)
 from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
 from ..probing.api import probe
@@ -54,6 +54,7 @@ def plan(
     storage: str | None = None,
     gpu=None,
     grad_scaler=None,
+    even: bool = False,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -76,6 +77,9 @@ def plan(
     ``grad_scaler`` (a ``GradScalerSettings`` or a dict of some of init_scale, growth_factor,
     backoff_factor, growth_interval; the rest are torch's defaults) records the fp16 GradScaler's
     knobs in the plan, for ``train`` and the DeepSpeed export.
+    ``even=True`` plans equal micro-batches (the fewest that fit), for runners that take one
+    micro-batch size (HF Trainer, DeepSpeed, Lightning, Accelerate); autotune's own loop also
+    takes uneven splits (13 + 13 + 13 + 13 + 12), which need fewer accumulation steps.
     """
     workload = load_workload(workload)
     if precision not in PRECISION_CHOICES:
@@ -83,6 +87,10 @@ def plan(
                           f"{', '.join(PRECISION_CHOICES)}")
     if optimize not in OPTIMIZE_CHOICES:
         raise ConfigError(f"--optimize {optimize!r} is not a goal; use one of {', '.join(OPTIMIZE_CHOICES)}")
+    if even and optimize == "throughput":
+        raise ConfigError("--even with --optimize throughput: the throughput search measures uneven "
+                          "splits too; use --optimize memory --even, or --micro-batch N with N "
+                          "dividing the per-device share")
     budget_s = parse_duration(budget) if optimize == "throughput" else None
     if optimize == "throughput":
         check_storage(storage)
@@ -107,7 +115,7 @@ def plan(
         micro_batch=micro_batch, lr_rule=lr_rule,
         base_lr=base_lr if base_lr is not None else workload.base_lr,
         base_batch=base_batch if base_batch is not None else workload.base_batch,
-        dataset_size=_dataset_size(workload), distributed=distributed,
+        dataset_size=_dataset_size(workload), distributed=distributed, even=even,
         grad_scaler=scaler_settings(grad_scaler),
     )
     if checkpointing == "on" and not fingerprint.checkpointable:
@@ -132,12 +140,46 @@ def plan(
         return _fastest_plan(workload, backend, request, fingerprint, settings, info, usable=usable,
                              extra=extra, budget_s=budget_s, storage=storage, created_at=created_at,
                              estimated_for=target.profile.name if target else None)
-    settings = [try_setting(checkpointing == "on")]
-    if checkpointing_worth_probing(settings[0], request, fingerprint):
-        settings.append(try_setting(True))
-    return build_plan(request, workload=fingerprint, settings=settings, device=info,
-                      versions=current_versions(), created_at=created_at,
-                      estimated_for=target.profile.name if target else None)
+
+    def settings_in(precision_: Precision) -> list[SettingTried]:
+        settings = [try_setting(checkpointing == "on", precision_)]
+        if checkpointing_worth_probing(settings[0], dataclasses.replace(request, precision=precision_),
+                                       fingerprint):
+            settings.append(try_setting(True, precision_))
+        return settings
+
+    def build(precision_: Precision, settings: list[SettingTried], reason: str | None = None) -> Plan:
+        request_ = dataclasses.replace(request, precision=precision_,
+                                       precision_reason=reason or request.precision_reason)
+        return build_plan(request_, workload=fingerprint, settings=settings, device=info,
+                          versions=current_versions(), created_at=created_at,
+                          estimated_for=target.profile.name if target else None)
+
+    if precision == "auto" and target is None and backend.device.type == "cpu":
+        return _cpu_auto_precision(settings_in, build, bf16=supports_bf16(backend.device))
+    return build(chosen, settings_in(chosen))
+
+
+def _cpu_auto_precision(settings_in, build, *, bf16: bool) -> Plan:
+    """fp32, or bf16 where it plans fewer accumulation steps (see policy.cpu_precision)."""
+    tried = {Precision.FP32: settings_in(Precision.FP32)}
+    plans = {}
+    try:
+        plans[Precision.FP32] = build(Precision.FP32, tried[Precision.FP32])
+    except PlanError as exc:
+        fp32_error = exc
+    if bf16 and (Precision.FP32 not in plans or plans[Precision.FP32].accumulation_steps > 1):
+        tried[Precision.BF16] = settings_in(Precision.BF16)
+        try:
+            plans[Precision.BF16] = build(Precision.BF16, tried[Precision.BF16])
+        except PlanError:
+            pass  # bf16 does not fit either: fp32's answer (or error) stands
+    if not plans:
+        raise fp32_error
+    steps = {p: plan.accumulation_steps for p, plan in plans.items()}
+    chosen, reason = cpu_precision(steps.get(Precision.FP32), steps.get(Precision.BF16))
+    chosen = Precision.parse(chosen)
+    return build(chosen, tried[chosen], reason)
 
 
 def _supported_precisions(device) -> list[Precision]:

@@ -1,8 +1,11 @@
 """Plan -> other runners' configurations: Hugging Face, DeepSpeed, Lightning, Accelerate, torchrun.
 
-Every exporter is a pure function of the plan. Runners other than autotune's own loop take one
-micro-batch size for every accumulation step, so an uneven plan (43 + 43 + 42) is exported as the
-nearest even plan with the same effective batch, and the export says so in its notes.
+Every exporter is a pure function of the plan, and each file is one the target accepts as
+written (TrainingArguments(**file), DeepSpeed's config, Lightning's Trainer section, Accelerate's
+launch-config loader). Runners other than autotune's own loop take one micro-batch size for every
+accumulation step, so an uneven plan (43 + 43 + 42) is exported as the nearest even plan with the
+same effective batch, and the export says so in its notes (``autotune plan --even`` plans the best
+even split instead).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass, field, fields
 
 from ..errors import ConfigError
 from ..precision import GradScalerSettings
+from .lr import WARMUP_EPOCHS
+from .policy import largest_divisor_at_most
 from .types import Plan
 
 TARGETS = ("hf", "deepspeed", "lightning", "accelerate", "torchrun")
@@ -36,6 +41,9 @@ class Export:
     config: dict | str
     """The runner's configuration (a dict), or the command line (torchrun)."""
     notes: list[str] = field(default_factory=list)
+    script: dict = field(default_factory=dict)
+    """Settings the file cannot hold, for the training script (Accelerator and DataLoader
+    arguments); not written to the file, and repeated in the notes."""
 
     def render(self) -> str:
         """The text to write to a file: JSON for configurations, the command for torchrun."""
@@ -49,7 +57,7 @@ def even_split(plan: Plan) -> EvenSplit:
     """The plan itself when even; otherwise the same effective batch in even micro-batches (the
     largest divisor of the per-device share that is at most the planned micro-batch)."""
     share = plan.per_device_batch
-    micro = next(d for d in range(plan.micro_batch, 0, -1) if share % d == 0)
+    micro = largest_divisor_at_most(share, plan.micro_batch)
     return EvenSplit(micro_batch=micro, accumulation_steps=share // micro, world_size=plan.world_size)
 
 
@@ -64,17 +72,30 @@ def _even_notes(plan: Plan, target: str) -> list[str]:
         f"takes one micro-batch size, so this export uses the nearest even plan with the same "
         f"effective batch: {even.micro_batch} × {even.accumulation_steps} accumulation steps × "
         f"{even.world_size} = {even.effective_batch}",
-        f"alternatively re-plan an even target: --target-batch {lower} ({plan.micro_batch - 1} × "
-        f"{plan.accumulation_steps}) or {nearby} ({plan.micro_batch} × {plan.accumulation_steps}, "
-        f"if it fits)" if plan.micro_batch > 1 else "",
+        f"re-plan with --even (Python: even=True) for the best even split of this target batch "
+        f"(checkpointing considered), or an even target: --target-batch {lower} "
+        f"({plan.micro_batch - 1} × {plan.accumulation_steps}) or {nearby} ({plan.micro_batch} × "
+        f"{plan.accumulation_steps}, if it fits)" if plan.micro_batch > 1 else "",
     ]
 
 
-def _common_notes(plan: Plan, target: str) -> list[str]:
+def _common_notes(plan: Plan, target: str, *, carries_warmup: bool = False) -> list[str]:
     notes = [n for n in _even_notes(plan, target) if n]
     if plan.lr.lr is None:
         notes.append("no learning rate is exported: " + plan.lr.note)
+    elif plan.lr.warmup_steps and not carries_warmup:
+        notes.append(f"warm the LR up linearly over {plan.lr.warmup_steps} optimizer steps (the "
+                     f"plan's advice; {target} takes it from the script's LR scheduler)")
+    elif plan.lr.scale > 1 and not plan.lr.warmup_steps:
+        notes.append(f"the LR grows ×{plan.lr.scale:.4g}, so warm it up linearly over about "
+                     f"{WARMUP_EPOCHS} epochs of optimizer steps ({WARMUP_EPOCHS} × dataset "
+                     f"size / {plan.target_batch}); no step count is exported because the plan does "
+                     f"not know the dataset size (define build_dataset() in the model file)")
     return notes
+
+
+def _on_cpu(plan: Plan) -> bool:
+    return plan.device is None or plan.device.kind == "cpu"
 
 
 _HF_CHECKPOINTING = "activation_checkpointing"
@@ -107,11 +128,15 @@ def to_hf(plan: Plan) -> Export:
         "fp16": plan.precision == "fp16",
         checkpointing_field or _HF_CHECKPOINTING_OLD: plan.checkpointing,
         "max_grad_norm": plan.clip_grad_norm if plan.clip_grad_norm is not None else 0.0,
-        "warmup_steps": plan.lr.warmup_steps,
     }
+    if _on_cpu(plan):
+        # Without it TrainingArguments refuses bf16/fp16 on a machine with no GPU.
+        config["use_cpu"] = True
     if plan.lr.lr is not None:
         config["learning_rate"] = plan.lr.lr
-    notes = _common_notes(plan, "TrainingArguments")
+        if plan.lr.warmup_steps:
+            config["warmup_steps"] = plan.lr.warmup_steps
+    notes = _common_notes(plan, "TrainingArguments", carries_warmup=True)
     if checkpointing_field is None:
         notes.append(f"transformers could not be imported here, so the checkpointing switch is "
                      f"exported as '{_HF_CHECKPOINTING_OLD}' (the name transformers 4.x takes); "
@@ -134,7 +159,11 @@ def to_deepspeed(plan: Plan) -> Export:
     }
     if plan.clip_grad_norm is not None:
         config["gradient_clipping"] = plan.clip_grad_norm
-    notes = _common_notes(plan, "DeepSpeed")
+    if plan.lr.lr is not None and plan.lr.warmup_steps:
+        config["scheduler"] = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": plan.lr.base_lr, "warmup_max_lr": plan.lr.lr,
+            "warmup_num_steps": plan.lr.warmup_steps, "warmup_type": "linear"}}
+    notes = _common_notes(plan, "DeepSpeed", carries_warmup=True)
     if plan.precision == "fp16":
         notes += _deepspeed_loss_scale(plan.grad_scaler, config["fp16"])
     if plan.checkpointing:
@@ -186,10 +215,10 @@ _ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def to_accelerate(plan: Plan) -> Export:
-    """An Accelerate launch config (`accelerate launch --config_file`, JSON is accepted) and the
-    Accelerator arguments (gradient accumulation is set there, not in the launch config)."""
+    """An Accelerate launch config (`accelerate launch --config_file FILE.json`); the Accelerator
+    and DataLoader arguments, which that file cannot hold, go to ``script`` and the notes."""
     even = even_split(plan)
-    cpu = plan.device is None or plan.device.kind == "cpu"
+    cpu = _on_cpu(plan)
     if plan.world_size == 1:
         distributed = "NO"
     else:
@@ -207,12 +236,11 @@ def to_accelerate(plan: Plan) -> Export:
     }
     accelerator = {"gradient_accumulation_steps": even.accumulation_steps, "mixed_precision": mixed}
     notes = _common_notes(plan, "Accelerate")
-    notes.append("launch config for `accelerate launch --config_file FILE.json`; pass 'accelerator' "
-                 "to Accelerator(**...) and use 'dataloader.batch_size' for the DataLoader")
-    return Export(target="accelerate",
-                  config={"config": config, "accelerator": accelerator,
-                          "dataloader": {"batch_size": even.micro_batch}},
-                  notes=notes)
+    notes.append(f"launch config for `accelerate launch --config_file FILE.json`; in the script use "
+                 f"Accelerator(gradient_accumulation_steps={even.accumulation_steps}) with "
+                 f"accelerator.accumulate(model), and DataLoader(..., batch_size={even.micro_batch})")
+    return Export(target="accelerate", config=config, notes=notes,
+                  script={"accelerator": accelerator, "dataloader": {"batch_size": even.micro_batch}})
 
 
 def to_torchrun(plan: Plan, *, plan_path: str = "plan.json", model_file: str | None = None) -> Export:

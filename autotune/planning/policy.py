@@ -55,6 +55,8 @@ class PlanRequest:
     """Planned under torchrun with every rank probing."""
     grad_scaler: GradScalerSettings = field(default_factory=GradScalerSettings)
     """The fp16 GradScaler's knobs, recorded in the plan."""
+    even: bool = False
+    """Every micro-batch the same size, for runners that take one (HF Trainer, DeepSpeed, ...)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision)
@@ -118,6 +120,19 @@ def split_share(share: int, max_micro_batch: int) -> list[int]:
     return even_split(share, math.ceil(share / max_micro_batch))[::-1]
 
 
+def largest_divisor_at_most(share: int, limit: int) -> int:
+    """The largest micro-batch of at most ``limit`` that divides ``share`` (1 always does)."""
+    return next(d for d in range(min(limit, share), 0, -1) if share % d == 0)
+
+
+def split_evenly(share: int, max_micro_batch: int) -> list[int]:
+    """The fewest equal micro-batches of at most ``max_micro_batch`` that sum to ``share``."""
+    if max_micro_batch < 1:
+        raise PlanError(f"cannot split {share} samples into micro-batches of at most {max_micro_batch}")
+    micro = largest_divisor_at_most(share, max_micro_batch)
+    return [micro] * (share // micro)
+
+
 def split_pinned(share: int, micro_batch: int) -> list[int]:
     """Micro-batches of exactly ``micro_batch``, the last one taking the remainder."""
     if micro_batch > share:
@@ -168,10 +183,18 @@ def ddp_bucket_bytes(world_size: int, param_bytes: int) -> int:
 # --- decisions -------------------------------------------------------------------------------------
 
 def choose_precision(requested: str, *, device_kind: str, bf16_supported: bool) -> tuple[Precision, str]:
-    """Resolve "auto": bf16 where supported, fp16 with GradScaler on CUDA without bf16, else fp32."""
+    """Resolve "auto": bf16 where supported, fp16 with GradScaler on CUDA without bf16, else fp32.
+
+    On the CPU "auto" starts at fp32: bf16 autocast trained 10x slower there (T5: 11 against 123
+    samples/s) on a CPU that reports avx512_bf16; ``cpu_precision`` takes bf16 only where it buys
+    fewer accumulation steps.
+    """
     if requested != "auto":
         chosen = Precision.parse(requested)
         return chosen, f"{chosen} as requested"
+    if device_kind == "cpu":
+        return Precision.FP32, (f"auto: fp32 on the CPU, where bf16 autocast is usually much slower"
+                                f"{'' if bf16_supported else ' (and this CPU lacks bf16)'}")
     if bf16_supported:
         return Precision.BF16, f"auto: the {device_kind} device supports bf16 (no loss scaling needed)"
     if device_kind == "cuda":
@@ -179,18 +202,38 @@ def choose_precision(requested: str, *, device_kind: str, bf16_supported: bool) 
     return Precision.FP32, f"auto: the {device_kind} device supports neither bf16 nor fp16 training well"
 
 
+def cpu_precision(fp32_steps: int | None, bf16_steps: int | None) -> tuple[str, str]:
+    """Under "auto" on the CPU: fp32 unless bf16 plans fewer accumulation steps (None: the
+    precision does not fit at all), and why."""
+    slow = "bf16 autocast is usually much slower on the CPU"
+    if bf16_steps is not None and (fp32_steps is None or bf16_steps < fp32_steps):
+        fp32_text = "does not fit" if fp32_steps is None else f"needs {fp32_steps} accumulation steps"
+        return "bf16", (f"auto: bf16, although {slow}, because fp32 {fp32_text} and bf16 needs "
+                        f"{bf16_steps}; compare speeds with --optimize throughput")
+    if bf16_steps is None and fp32_steps is not None and fp32_steps > 1:
+        return "fp32", f"auto: fp32 on the CPU ({slow}, and bf16 fits no better)"
+    if bf16_steps is not None:
+        return "fp32", (f"auto: fp32 on the CPU ({slow}, and bf16 buys no fewer than fp32's "
+                        f"{fp32_steps} accumulation steps)")
+    return "fp32", f"auto: fp32 on the CPU ({slow}; fp32 needs no accumulation)"
+
+
 def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
                                 workload: WorkloadFingerprint) -> bool:
     """Under "auto": probe with checkpointing only where it might buy what the plan needs."""
     if request.checkpointing != "auto" or not workload.checkpointable:
         return False
+    if request.even and request.micro_batch is None:
+        return largest_divisor_at_most(request.share, off.allowed_micro_batch) < request.share
     return off.allowed_micro_batch < request.wanted_micro_batch
 
 
 def _split_for(allowed: int, request: PlanRequest) -> list[int] | None:
     if request.micro_batch is not None:
         return split_pinned(request.share, request.micro_batch) if allowed >= request.micro_batch else None
-    return split_share(request.share, allowed) if allowed > 0 else None
+    if allowed < 1:
+        return None
+    return split_evenly(request.share, allowed) if request.even else split_share(request.share, allowed)
 
 
 def _choose_setting(settings: list[SettingTried], request: PlanRequest,
@@ -265,6 +308,9 @@ def _split_reason(split: list[int], request: PlanRequest, allowed: int) -> str:
                   f"{len(split)} steps of at most {max(split)})")
     if request.micro_batch is not None:
         source = f"--micro-batch {request.micro_batch} pinned; it fits (at most {allowed} would)"
+    elif request.even:
+        source = (f"--even: the fewest equal micro-batches of at most {allowed} (the fewest "
+                  f"uneven ones would be {len(split_share(share, allowed))})")
     else:
         source = f"the fewest accumulation steps whose micro-batch is at most {allowed}"
     return (f"{request.target_batch} = {request.world_size} rank(s) × {share}; {share} = {shape}; "
@@ -394,7 +440,8 @@ def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, e
 
 __all__ = [
     "BATCHNORM_MIN_MICRO_BATCH", "MAX_QUIET_ACCUMULATION", "PlanRequest", "allowed_micro_batch",
-    "build_plan", "checkpointing_worth_probing", "choose_precision", "ddp_bucket_bytes",
-    "allocator_warnings", "evaluate_setting", "per_device_share", "plan_warnings", "predicted_peak", "split_pinned",
+    "allocator_warnings", "build_plan", "checkpointing_worth_probing", "choose_precision",
+    "cpu_precision", "ddp_bucket_bytes", "evaluate_setting", "largest_divisor_at_most",
+    "per_device_share", "plan_warnings", "predicted_peak", "split_evenly", "split_pinned",
     "split_share", "usable_bytes",
 ]

@@ -222,7 +222,8 @@ class _Session:
                                      start_step=start, stop_step=stop)
         return dataset_batches(self.dataset, self.layout, seed=self.seed, start_step=start,
                                stop_step=stop, num_workers=num_workers,
-                               pin_memory=self.ctx.device.type == "cuda")
+                               pin_memory=self.ctx.device.type == "cuda",
+                               collate_fn=self.workload.collate_fn)
 
     def _describe(self) -> str:
         plan = self.plan

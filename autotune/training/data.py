@@ -126,15 +126,46 @@ class _RankWindowSampler:
 
 
 def dataset_batches(dataset, layout: WindowLayout, *, seed: int, start_step: int, stop_step: int,
-                    num_workers: int = 0, pin_memory: bool = False) -> Iterator[Any]:
-    """This rank's share of each window from ``start_step``, collated into one batch."""
+                    num_workers: int = 0, pin_memory: bool = False,
+                    collate_fn: Callable[[list], Any] | None = None) -> Iterator[Any]:
+    """This rank's share of each window from ``start_step``, collated into one batch.
+
+    With the model file's ``collate_fn`` the share is a ``SampleWindow`` instead: each
+    micro-batch is collated on its own when sliced, so variable-length examples are padded to
+    the longest of their micro-batch (as the probe measured), not of the whole window.
+    """
     sampler = _RankWindowSampler(layout, seed=seed, start_step=start_step, stop_step=stop_step)
     # The loader's own generator keeps it from drawing on the global RNG (resume must find that
     # RNG exactly as an uninterrupted run left it).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         pin_memory=pin_memory,
+                                         pin_memory=pin_memory and collate_fn is None,
+                                         collate_fn=None if collate_fn is None else _WindowOf(collate_fn),
                                          generator=torch.Generator().manual_seed(seed))
     return iter(loader)
+
+
+class SampleWindow:
+    """A rank's share of a window as uncollated samples; slicing collates the slice."""
+
+    def __init__(self, samples: list, collate_fn: Callable[[list], Any]):
+        self.samples, self.collate_fn = samples, collate_fn
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def collate(self, start: int, stop: int):
+        return self.collate_fn(self.samples[start:stop])
+
+
+class _WindowOf:
+    """The DataLoader's collate_fn: keeps the samples for per-micro-batch collation (a class, not
+    a closure, so worker processes can pickle it)."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list) -> SampleWindow:
+        return SampleWindow(samples, self.collate_fn)
 
 
 def synthetic_batches(make_batch: Callable[[int], Any], layout: WindowLayout, *, seed: int,
@@ -154,6 +185,8 @@ def synthetic_batches(make_batch: Callable[[int], Any], layout: WindowLayout, *,
 
 def slice_batch(batch, start: int, stop: int):
     """Samples [start, stop) of a batch (tensor, dict, tuple/list or namedtuple of tensors)."""
+    if isinstance(batch, SampleWindow):
+        return batch.collate(start, stop)
     if isinstance(batch, torch.Tensor):
         return batch[start:stop] if batch.dim() > 0 else batch
     if isinstance(batch, dict):

@@ -1,12 +1,20 @@
 """Activation checkpointing around a model's repeated blocks, applied and removed in place.
 
 The probe and the training loop share this, so a plan's checkpointing means the same thing in
-both: every child of the model's outermost ``nn.ModuleList`` / ``nn.Sequential`` containers with
-at least two children is run under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``.
+both. A model with its own switch (Hugging Face's ``supports_gradient_checkpointing`` with
+``activation_checkpointing_enable`` / ``gradient_checkpointing_enable``) is switched with it, and
+its key-value cache is turned off as HF Trainer does: recomputing with the cache on breaks
+(T5: "a different number of tensors was saved") or costs memory the trainer would not spend.
+Other models have every child of their outermost ``nn.ModuleList`` / ``nn.Sequential``
+containers with at least two children run under ``torch.utils.checkpoint.checkpoint``.
+
+Recomputation runs a block's forward again in backward; BatchNorm layers would update their
+running statistics a second time, so their buffers are put back after each recomputation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -15,29 +23,50 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import WorkloadError
 
 _MARK = "_autotune_checkpointed"
+_HF_MARK = "_autotune_hf_checkpointing"
+"""Set on a model switched with its own checkpointing switch: the use_cache it had before."""
 
 
-def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The children of the outermost ModuleList/Sequential containers with two or more children."""
+def repeated_blocks(model: torch.nn.Module, *, skip=()) -> list[torch.nn.Module]:
+    """The children of the outermost ModuleList/Sequential containers with two or more children
+    (not looking inside the modules in ``skip``)."""
     blocks: list[torch.nn.Module] = []
 
     def visit(module):
         for child in module.children():
+            if any(child is s for s in skip):
+                continue
             if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) and len(child) >= 2:
                 blocks.extend(child)
             else:
                 visit(child)
 
+    if any(model is s for s in skip):
+        return []
     if isinstance(model, (torch.nn.ModuleList, torch.nn.Sequential)) and len(model) >= 2:
         return list(model)
     visit(model)
     return blocks
 
 
+def has_own_switch(model: torch.nn.Module) -> bool:
+    """Whether the model carries its own checkpointing switch (Hugging Face models)."""
+    return bool(getattr(model, "supports_gradient_checkpointing", False)) and (
+        callable(getattr(model, "activation_checkpointing_enable", None))
+        or callable(getattr(model, "gradient_checkpointing_enable", None)))
+
+
 def enable_checkpointing(model: torch.nn.Module, *, source: str = "model") -> int:
-    """Wrap each repeated block's forward in checkpoint(); returns how many blocks were wrapped."""
-    blocks = [b for b in repeated_blocks(model) if any(True for _ in b.parameters())]
-    if not blocks:
+    """Checkpoint the model's repeated blocks; returns how many blocks are checkpointed.
+
+    Models with their own switch are switched with it, also where they sit inside the model (a
+    Hugging Face model in a LightningModule); the repeated blocks outside them are wrapped.
+    Idempotent: enabling an already checkpointed model changes nothing.
+    """
+    switched = own_switch_models(model)
+    count = sum(_enable_own_switch(m) for m in switched)
+    blocks = [b for b in repeated_blocks(model, skip=switched) if any(True for _ in b.parameters())]
+    if not blocks and not switched:
         raise WorkloadError(
             f"{source}: activation checkpointing needs repeated blocks to wrap (an nn.ModuleList or "
             f"nn.Sequential of layers with parameters), and this model has none; use checkpointing off"
@@ -46,20 +75,104 @@ def enable_checkpointing(model: torch.nn.Module, *, source: str = "model") -> in
         if getattr(block, _MARK, False):
             continue
         original = block.forward
-        block.forward = functools.partial(_checkpointed_forward, original)
+        block.forward = functools.partial(_checkpointed_forward, original, _context_fn(block))
         setattr(block, _MARK, True)
-    return len(blocks)
+    return count + len(blocks)
 
 
 def disable_checkpointing(model: torch.nn.Module) -> None:
     """Undo ``enable_checkpointing`` (the instance attributes it set are removed)."""
     for module in model.modules():
+        if hasattr(module, _HF_MARK):
+            _disable_own_switch(module)
         if getattr(module, _MARK, False):
             del module.forward
             delattr(module, _MARK)
 
 
-def _checkpointed_forward(forward, *args, **kwargs):
+def own_switch_models(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost modules (the model itself, or modules inside it) with their own switch."""
+    found: list[torch.nn.Module] = []
+
+    def visit(module):
+        if has_own_switch(module):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def _checkpointed_forward(forward, context_fn, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    if context_fn is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _enable_own_switch(model) -> int:
+    if not hasattr(model, _HF_MARK):
+        config = getattr(model, "config", None)
+        setattr(model, _HF_MARK, getattr(config, "use_cache", None))
+        if config is not None and hasattr(config, "use_cache"):
+            config.use_cache = False
+        kwargs = {"use_reentrant": False}
+        context_fn = _context_fn(model)
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
+        # activation_checkpointing_enable is transformers 5's name; gradient_checkpointing_enable
+        # (4.x) is a deprecated alias there that warns.
+        if callable(getattr(model, "activation_checkpointing_enable", None)):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    flagged = sum(1 for m in model.modules() if m is not model and getattr(m, "gradient_checkpointing", False)
+                  and _is_layer(m))
+    return flagged or len(repeated_blocks(model))
+
+
+def _is_layer(module) -> bool:
+    # HF's per-layer blocks; stacks that also carry the flag (T5Stack) are not blocks.
+    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
+
+
+def _disable_own_switch(model) -> None:
+    use_cache = getattr(model, _HF_MARK)
+    if callable(getattr(model, "activation_checkpointing_disable", None)):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+    config = getattr(model, "config", None)
+    if use_cache is not None and config is not None:
+        config.use_cache = use_cache
+    delattr(model, _HF_MARK)
+
+
+def _context_fn(scope: torch.nn.Module):
+    """For ``checkpoint(context_fn=...)``: keep recomputation from updating BatchNorm's running
+    statistics a second time; None where the scope has no BatchNorm tracking them."""
+    norms = [m for m in scope.modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not norms:
+        return None
+    return functools.partial(_batchnorm_contexts, norms)
+
+
+def _batchnorm_contexts(norms):
+    return contextlib.nullcontext(), _running_stats_kept(norms)
+
+
+@contextlib.contextmanager
+def _running_stats_kept(norms):
+    buffers = [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+               if b is not None]
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)

@@ -1,8 +1,11 @@
 """The model-file contract: load a user's ``model.py`` (or objects) into a checked ``Workload``.
 
-A model file defines ``build_model()`` and ``make_batch(batch_size)``; optionally ``loss_fn(model,
-batch)``, ``build_optimizer(params)``, ``build_dataset()``, ``build_scheduler(optimizer, plan)``
-and the constants ``BASE_LR`` / ``BASE_BATCH``.
+A model file defines ``build_model()`` and ``make_batch(batch_size)`` (or, instead of
+``make_batch``, ``build_dataset()``: the probe then batches its largest examples); optionally
+``loss_fn(model, batch)``, ``build_optimizer(params)``, ``build_dataset()``,
+``collate_fn(examples)`` (how a list of the dataset's examples becomes a batch, e.g. padding
+variable-length sequences; default: torch's default_collate), ``build_scheduler(optimizer,
+plan)`` and the constants ``BASE_LR`` / ``BASE_BATCH``.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from typing import Any, Callable
 import torch
 
 from ..errors import WorkloadError
+from .dataset_batch import LargestExamples
 
-REQUIRED = ("build_model", "make_batch")
-OPTIONAL = ("loss_fn", "build_optimizer", "build_dataset", "build_scheduler")
+REQUIRED = ("build_model",)
+OPTIONAL = ("loss_fn", "build_optimizer", "build_dataset", "build_scheduler", "collate_fn")
 
 
 @dataclass(kw_only=True)
@@ -34,11 +38,14 @@ class Workload:
     """
 
     model: Callable[[], torch.nn.Module] | torch.nn.Module
-    make_batch: Callable[[int], Any]
+    make_batch: Callable[[int], Any] | None = None
+    """None: batches of ``build_dataset()``'s largest examples (``collate_fn`` applied)."""
     loss_fn: Callable[[torch.nn.Module, Any], Any] | None = None
     build_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     build_dataset: Callable[[], Any] | None = None
     build_scheduler: Callable[..., Any] | None = None
+    collate_fn: Callable[[list], Any] | None = None
+    """Turns a list of ``build_dataset()`` examples into a batch (None: default_collate)."""
     base_lr: float | None = None
     base_batch: int | None = None
     source: str = "<python objects>"
@@ -55,6 +62,13 @@ class Workload:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise WorkloadError(f"{self.source}: {name} must be callable, got {type(value).__name__}")
+        if self.make_batch is None:
+            if self.build_dataset is None:
+                raise WorkloadError(
+                    f"{self.source}: define make_batch(batch_size) -> batch, or build_dataset() "
+                    f"(with collate_fn(examples) where examples need padding) to batch its largest "
+                    f"examples")
+            self.make_batch = LargestExamples(self.build_dataset, self.collate_fn, source=self.source)
 
     @property
     def model_is_instance(self) -> bool:
@@ -249,11 +263,13 @@ def _load_file(path: Path, check_sha256=None) -> Workload:
                                 f"... (guard script code with if __name__ == '__main__':)") from None
     names = vars(module)
     missing = [name for name in REQUIRED if not callable(names.get(name))]
+    if not callable(names.get("make_batch")) and not callable(names.get("build_dataset")):
+        missing.append("make_batch")
     if missing:
         raise WorkloadError(
             f"model file {source} must define {' and '.join(f'{m}()' for m in missing)}; "
             f"see the model-file contract in the README (build_model() -> nn.Module, "
-            f"make_batch(batch_size) -> batch)"
+            f"make_batch(batch_size) -> batch, or build_dataset() to batch its largest examples)"
         )
     base_lr = names.get("BASE_LR")
     base_batch = names.get("BASE_BATCH")
@@ -265,7 +281,7 @@ def _load_file(path: Path, check_sha256=None) -> Workload:
         raise WorkloadError(f"model file {source}: BASE_BATCH must be a positive int, got {base_batch!r}")
     return Workload(
         model=names["build_model"],
-        make_batch=names["make_batch"],
+        make_batch=names.get("make_batch") if callable(names.get("make_batch")) else None,
         **{name: names.get(name) for name in OPTIONAL},
         base_lr=float(base_lr) if base_lr is not None else None,
         base_batch=base_batch,

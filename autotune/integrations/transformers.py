@@ -1,0 +1,109 @@
+"""A plan applied to Hugging Face ``Trainer``: its ``TrainingArguments`` and a first-step check.
+
+    args = training_arguments("plan.json", output_dir="out", num_train_epochs=3)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[PlanCallback("plan.json")])
+
+``training_arguments`` builds the arguments from the plan's ``hf`` export (one micro-batch size:
+plan with ``--even`` for the best even split), so they are device-aware (``use_cpu`` on CPU
+plans), carry the precision, the warmup and checkpointing through the model's own switch
+(``activation_checkpointing``, which Trainer applies with the cache off). ``PlanCallback`` checks
+at the start that the arguments are the plan's, and after the first optimizer step that its peak
+stays within this device's budget less the plan's headroom (CUDA; the CPU has no peak counter).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+
+import torch
+from transformers import TrainerCallback, TrainingArguments
+
+from ..errors import ConfigError
+from ..planning.export import to_hf
+from ..planning.policy import largest_divisor_at_most, usable_bytes
+from ..planning.types import Plan
+from ..training.checks import load_plan
+from ..units import format_bytes
+
+logger = logging.getLogger("autotune")
+
+
+def training_arguments(plan, **overrides) -> TrainingArguments:
+    """``TrainingArguments`` for ``plan`` (a Plan or a plan-file path); ``overrides`` win."""
+    plan = load_plan(plan)
+    exported = to_hf(plan)
+    for note in exported.notes:
+        logger.info("autotune: %s", note)
+    values = dict(exported.config)
+    names = {f.name for f in fields(TrainingArguments)}
+    if plan.checkpointing:
+        kwargs = "activation_checkpointing_kwargs" if "activation_checkpointing_kwargs" in names \
+            else "gradient_checkpointing_kwargs"
+        values[kwargs] = {"use_reentrant": False}
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+class PlanCallback(TrainerCallback):
+    """Checks that Trainer runs the plan, and that the plan's micro-batch fits this device.
+
+    ``report`` holds what the first-step check found (None before it ran).
+    """
+
+    def __init__(self, plan):
+        self.plan: Plan = load_plan(plan)
+        self.report: str | None = None
+        self._budget: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        check_arguments(self.plan, args)
+        if args.device.type == "cuda":
+            from ..memory.cuda import CUDAMemoryBackend
+
+            self._budget = CUDAMemoryBackend(args.device.index or 0).info().budget_bytes
+            torch.cuda.reset_peak_memory_stats(args.device)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.report is not None:
+            return
+        if self._budget is None:
+            self.report = (f"not checked: the first step's peak is measured on CUDA only (this is "
+                           f"{args.device.type}); run `autotune verify PLAN` to check the plan here")
+            logger.info("autotune: %s", self.report)
+            return
+        peak = int(torch.cuda.max_memory_allocated(args.device))
+        problem = first_step_problem(self.plan, peak_bytes=peak, budget_bytes=self._budget)
+        self.report = problem or (f"fits: the first step's peak {format_bytes(peak)} is within "
+                                  f"{format_bytes(usable_bytes(self._budget, self.plan.headroom))}")
+        (logger.warning if problem else logger.info)("autotune: %s", self.report)
+
+
+def check_arguments(plan: Plan, args) -> None:
+    """Raise ConfigError when Trainer's batch arithmetic is not the plan's."""
+    effective = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    if effective != plan.target_batch or args.world_size != plan.world_size:
+        raise ConfigError(
+            f"TrainingArguments give per_device_train_batch_size {args.per_device_train_batch_size} × "
+            f"gradient_accumulation_steps {args.gradient_accumulation_steps} × {args.world_size} "
+            f"process(es) = {effective}, but the plan is {plan.target_batch} on {plan.world_size} "
+            f"process(es); build them with autotune.integrations.transformers.training_arguments(plan)")
+
+
+def first_step_problem(plan: Plan, *, peak_bytes: int, budget_bytes: int) -> str | None:
+    """What to do when the first step's peak passes this device's budget less the plan's headroom;
+    None when it fits."""
+    usable = usable_bytes(budget_bytes, plan.headroom)
+    if peak_bytes <= usable:
+        return None
+    share = plan.per_device_batch
+    micro = max(plan.micro_batches)
+    smaller = largest_divisor_at_most(share, max(1, int(micro * usable / peak_bytes)))
+    predicted = (f"; the plan predicted {format_bytes(plan.predicted_peak_bytes)} on "
+                 f"{plan.device.name if plan.device else 'its device'}" if plan.predicted_peak_bytes else "")
+    return (f"the first step's peak {format_bytes(peak_bytes)} passes {format_bytes(usable)} (this "
+            f"device's {format_bytes(budget_bytes)} less the plan's {plan.headroom:.0%} headroom)"
+            f"{predicted}. Re-plan on this device (autotune plan MODEL --target-batch "
+            f"{plan.target_batch} --even) or check the plan here (autotune verify PLAN); the same "
+            f"batch with a smaller micro-batch: per_device_train_batch_size={smaller}, "
+            f"gradient_accumulation_steps={share // smaller}")

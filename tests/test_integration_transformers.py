@@ -1,0 +1,69 @@
+"""autotune.integrations.transformers: TrainingArguments from a plan, and the first-step check."""
+
+import dataclasses
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from autotune.errors import ConfigError  # noqa: E402
+from autotune.integrations.transformers import (PlanCallback, check_arguments,  # noqa: E402
+                                                first_step_problem, training_arguments)
+from autotune.memory.base import DeviceInfo  # noqa: E402
+from plan_helpers import make_plan  # noqa: E402
+from real_models import real_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MiB = 1 << 20
+
+
+def test_bf16_cpu_plan_gives_arguments_trainer_accepts(tmp_path):
+    plan = make_plan(128, 32, base_lr=1e-3, base_batch=32, dataset_size=1024, lr_rule="linear")
+    plan.precision = "bf16"
+    args = training_arguments(plan, output_dir=str(tmp_path), num_train_epochs=2)
+    assert args.use_cpu and args.bf16 and args.num_train_epochs == 2
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (32, 4)
+    assert args.warmup_steps == 40 and args.learning_rate == pytest.approx(4e-3)
+
+
+def test_checkpointing_goes_through_the_models_own_switch(tmp_path):
+    plan = make_plan(8, 4)
+    plan.checkpointing = True
+    args = training_arguments(plan, output_dir=str(tmp_path))
+    assert args.activation_checkpointing is True
+    assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
+
+
+def test_trainer_runs_the_plan_and_the_callback_checks_it(tmp_path):
+    workload = real_model("gpt2_varlen")
+    plan = make_plan(8, 4)  # 4 × 2
+    plan.checkpointing = True
+    callback = PlanCallback(plan)
+    model = workload.model()
+    trainer = transformers.Trainer(
+        model=model, train_dataset=workload.build_dataset(), data_collator=workload.collate_fn,
+        args=training_arguments(plan, output_dir=str(tmp_path), max_steps=2, save_strategy="no",
+                                logging_strategy="no", disable_tqdm=True),
+        callbacks=[callback])
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert model.is_activation_checkpointing
+    assert callback.report.startswith("not checked: the first step's peak is measured on CUDA only")
+
+
+def test_callback_refuses_arguments_that_are_not_the_plan(tmp_path):
+    plan = make_plan(8, 4)
+    args = training_arguments(plan, output_dir=str(tmp_path), gradient_accumulation_steps=4)
+    with pytest.raises(ConfigError, match=r"4 × gradient_accumulation_steps 4 × 1 process\(es\) = 16, "
+                                          r"but the plan is 8"):
+        check_arguments(plan, args)
+
+
+def test_first_step_problem_says_what_to_do():
+    plan = make_plan(64, 16)  # 16 × 4, headroom 0
+    plan = dataclasses.replace(plan, headroom=0.1, predicted_peak_bytes=80 * MiB,
+                               device=DeviceInfo(kind="cuda", name="A100", budget_bytes=100 * MiB))
+    assert first_step_problem(plan, peak_bytes=85 * MiB, budget_bytes=100 * MiB) is None
+    message = first_step_problem(plan, peak_bytes=120 * MiB, budget_bytes=100 * MiB)
+    assert "passes 90.00 MiB" in message and "predicted 80.00 MiB on A100" in message
+    assert "per_device_train_batch_size=8, gradient_accumulation_steps=8" in message
