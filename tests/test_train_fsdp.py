@@ -146,7 +146,7 @@ def test_ranks_with_an_empty_micro_step_still_join_the_collectives(four_ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt_varlen", "hf_gpt2"])
+@pytest.mark.parametrize("name", ["gpt_varlen", "gpt_checkpointing", "hf_gpt2"])
 def test_fsdp_trains_real_models_as_one_process(two_ranks, name):
     if name not in REAL_MODELS:
         pytest.skip("transformers is not installed")
