@@ -36,7 +36,8 @@ STAGES = sys.argv[2:]
 TESTS = Path(__file__).resolve().parent
 EFFECTIVE = 24  # 60 samples: windows of 24, 24 and a partial 12
 SAMPLES = 60
-REAL_MODELS = {"gpt_varlen": TESTS.parent / "examples" / "gpt_varlen.py"}
+REAL_MODELS = {"gpt_varlen": TESTS.parent / "examples" / "gpt_varlen.py",
+               "gpt_checkpointing": TESTS.parent / "examples" / "gpt_varlen.py"}
 if importlib.util.find_spec("transformers") is not None:
     REAL_MODELS["hf_gpt2"] = TESTS / "hf_gpt2_model.py"
 STEPS = 7  # the model-file run: 40 samples, windows of 8 (an epoch boundary at step 5)
@@ -66,7 +67,7 @@ def cases(world_size):
         found["fp16-ddp"] = (lambda: _inf_once_workload(), plan(even, precision="fp16", sharding="ddp"))
         for name in REAL_MODELS:  # transformer blocks sharded one by one; GPT-2's tied embeddings
             found[name] = (lambda name=name: load_workload(REAL_MODELS[name]),
-                           plan(uneven, lr=1e-3, clip=1.0))
+                           plan(uneven, lr=1e-3, clip=1.0, checkpointing=name.endswith("checkpointing")))
     if world_size == 4:
         # 13 samples in windows of 8: the second window's 5 samples are shared 2, 1, 1, 1, so
         # ranks 1-3 get an empty first micro-step that rank 0 does not (FSDP2 still needs all four
@@ -88,8 +89,9 @@ def _inf_once_workload():
 
 
 def model_file_plan(world_size):
+    """Hybrid sharding (shard groups of 2): its checkpoint holds 2-D-mesh DTensors."""
     return dataclasses.replace(make_plan([1, 1], world_size=world_size, lr=0.02, warmup=4, clip=1.0),
-                               sharding="fsdp")
+                               sharding="fsdp", shard_group=2)
 
 
 def model_file_workload():

@@ -1,9 +1,10 @@
 """FSDP2 plans under torchrun (gloo, CPU): the parameters of one process with the same windows,
 one gradient reduction per window, sharded checkpoints that survive SIGTERM and kill -9.
 
-Three torchrun launches in all (each costs seconds): 2 ranks (the equality cases, then a kill -9
-in the middle of a checkpoint write), 4 ranks (the equality cases, hybrid sharding, an
-uninterrupted checkpointed run, then the same run stopped by SIGTERM), and the CLI resuming it.
+Four torchrun launches in all (each costs seconds): 2 ranks (the equality cases, then a kill -9
+in the middle of a checkpoint write); 4 ranks (the equality cases, hybrid sharding, and an
+uninterrupted, checkpointed, hybrid-sharded run); the same run on 4 ranks stopped by SIGTERM; and
+``autotune train --resume`` finishing it on 4 ranks.
 """
 
 import contextlib
@@ -146,7 +147,7 @@ def test_ranks_with_an_empty_micro_step_still_join_the_collectives(four_ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt_varlen", "hf_gpt2"])
+@pytest.mark.parametrize("name", ["gpt_varlen", "gpt_checkpointing", "hf_gpt2"])
 def test_fsdp_trains_real_models_as_one_process(two_ranks, name):
     if name not in REAL_MODELS:
         pytest.skip("transformers is not installed")
