@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from autotune import probe
-from autotune.planning.types import Plan
 from autotune.probing.estimate import estimate_peak
 from autotune.training.api import train
 from autotune.workload.activation_checkpointing import disable_checkpointing, enable_checkpointing
