@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from autotune import probe
-from autotune.planning.types import Plan
 from autotune.probing.estimate import estimate_peak
 from autotune.training.api import train
 from autotune.workload.activation_checkpointing import disable_checkpointing, enable_checkpointing
@@ -17,9 +16,18 @@ from train_helpers import make_plan
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_t5_probes_with_checkpointing():
+def test_t5_trains_a_checkpointed_step():
     # Wrapping T5's blocks by hand with use_cache on failed recomputation with torch's
     # CheckpointError ("a different number of tensors was saved").
+    workload = real_model("t5")
+    model = workload.model()
+    assert enable_checkpointing(model) == 4
+    model(**workload.make_batch(2)).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.slow
+def test_t5_probes_with_checkpointing():
     result = probe(real_model("t5"), checkpointing=True, memory_limit="64MiB", max_micro_batch=4)
     assert result.max_micro_batch == 4
     assert result.checkpointing
