@@ -161,3 +161,16 @@ def test_the_cpu_counts_the_first_steps_every_hundredth_and_the_last(tmp_path, m
     assert all(r["peak_memory_kind"] == "tensors" for r in records)
     steady = {r["peak_memory_bytes"] for r in records[1:] if r["peak_memory_bytes"] is not None}
     assert len(steady) == 1  # the same step, the same tensors
+
+
+def test_cli_train_quiet_prints_no_progress(tmp_path, examples_dir):
+    from autotune.planning.planfile import save_plan
+
+    save_plan(make_plan([4, 4]), tmp_path / "plan.json")
+    args = ["train", str(examples_dir / "mlp.py"), "--plan", str(tmp_path / "plan.json"), "--steps", "2",
+            "--device", "cpu"]
+    loud = CliRunner().invoke(cli, args)
+    quiet = CliRunner().invoke(cli, [*args, "--quiet"])
+    assert loud.exit_code == quiet.exit_code == 0, loud.output + quiet.output
+    assert "step 2/2" in loud.stderr and "tensors" in loud.stderr
+    assert "step 2/2" not in quiet.stderr and "trained 2 optimizer steps" in quiet.stdout
