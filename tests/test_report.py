@@ -185,3 +185,22 @@ def test_short_reprs_and_notebook_views(plan, metrics_files):
                              progress=False)
     assert repr(trained).startswith("TrainResult(steps=2, last loss") and len(repr(trained)) < 200
     assert {"summary", "loss-0", "lr-0"} <= parse_page(trained._repr_html_()).ids
+
+
+def test_outputs_never_replace_the_input_a_link_or_a_device(plan, metrics_files, tmp_path):
+    save_plan(plan, tmp_path / "plan.json")
+    before = (tmp_path / "plan.json").read_bytes()
+    runner = CliRunner()
+    own = runner.invoke(cli, ["report", str(tmp_path / "plan.json"), "-o", str(tmp_path / "plan.json")])
+    assert own.exit_code == 2 and "this command's input" in own.output
+    metrics_copy = tmp_path / "m.svg.jsonl"
+    metrics_copy.write_bytes(metrics_files[0].read_bytes())
+    own_plot = runner.invoke(cli, ["show", str(metrics_copy), "--plot", str(metrics_copy)])
+    assert own_plot.exit_code == 2 and "--plot" in own_plot.output
+    (tmp_path / "link.svg").symlink_to(tmp_path / "plan.json")
+    linked = runner.invoke(cli, ["show", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "link.svg")])
+    assert linked.exit_code == 2 and "symbolic link" in linked.output
+    device = runner.invoke(cli, ["report", str(tmp_path / "plan.json"), "-o", "/dev/null"])
+    assert device.exit_code == 2 and "not a regular file" in device.output
+    assert (tmp_path / "plan.json").read_bytes() == before
+    assert metrics_copy.read_bytes() == metrics_files[0].read_bytes()

@@ -7,7 +7,7 @@ import datetime
 from html import escape
 from pathlib import Path
 
-from ..atomicfile import write_atomic
+from ..atomicfile import check_output_path, write_atomic
 from ..errors import ReportError
 from ..units import format_bytes
 from . import plots
@@ -152,4 +152,4 @@ def report_page(plan, *, title: str | None = None) -> str:
 def write_report(plan, path) -> Path:
     """Write the self-contained report page of ``plan`` to ``path`` (atomically)."""
     data = report_page(plan).encode("utf-8")
-    return write_atomic(path, lambda handle: handle.write(data))
+    return write_atomic(check_output_path(path), lambda handle: handle.write(data))

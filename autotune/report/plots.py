@@ -13,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+from ..atomicfile import check_output_path, write_atomic
 from ..errors import ReportError
 
 MiB = 1024 * 1024
@@ -183,9 +184,11 @@ def save_figure(fig, path) -> Path:
     if suffix not in ("svg", "png", "pdf"):
         raise ReportError(f"--plot {path}: write .svg, .png or .pdf (the suffix picks the format)")
     metadata = {"Date": None} if suffix == "svg" else None
+    buffer = io.BytesIO()
     with matplotlib.rc_context(_SVG_RC):
-        fig.savefig(path, format=suffix, metadata=metadata)
-    return path
+        fig.savefig(buffer, format=suffix, metadata=metadata)
+    return write_atomic(check_output_path(path, option="--plot"),
+                        lambda handle: handle.write(buffer.getvalue()))
 
 
 def svg_text(fig) -> str:
