@@ -13,6 +13,7 @@ import contextvars
 import os
 import sys
 
+import torch.distributed as dist
 from tqdm import tqdm
 
 from .units import format_bytes
@@ -31,8 +32,6 @@ def quiet(flag: bool = True):
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     try:

@@ -86,3 +86,25 @@ def test_the_answer_keeps_reserved_memory_within_the_budget():
         reserved = backend.peak_reserved_bytes()
     assert trial.fits
     assert trial.peak_bytes <= reserved <= limit
+
+
+def test_each_cuda_trial_carries_the_memory_picture():
+    backend = CUDAMemoryBackend(0, memory_limit="2GiB")
+    with TrialSession(WORKLOAD, backend, precision=Precision.FP32, checkpointing=False) as session:
+        trial = session.run(64)
+    assert trial.fits and trial.reserved_peak_bytes >= trial.peak_bytes
+    assert trial.alloc_retries is not None and trial.alloc_retries >= 0
+    if trial.nvml_used_bytes is not None:  # NVML counts the context and the cache too
+        assert trial.nvml_used_bytes >= torch.cuda.memory_reserved(0)
+    (first, *_) = describe_cuda_devices()
+    assert first["reserved_peak_bytes"] >= first["allocated_peak_bytes"] > 0
+
+
+def test_training_reports_the_allocated_peak_and_reserved(tmp_path):
+    from autotune import train
+    from train_helpers import make_plan
+
+    result = train(make_plan([32, 32]), WORKLOAD, steps=2, device="cuda", progress=False)
+    last = result.metrics[-1]
+    assert last["peak_memory_kind"] == "allocated" and last["peak_memory_bytes"] > 0
+    assert last["reserved_peak_bytes"] >= last["peak_memory_bytes"] and last["rss_peak_bytes"] is None

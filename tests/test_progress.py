@@ -9,6 +9,7 @@ from click.testing import CliRunner
 import autotune
 from autotune import progress
 from autotune.cli.main import cli
+from autotune.training import metrics as metrics_module
 from autotune.training.metrics import format_progress
 from train_helpers import make_plan, mlp_workload
 
@@ -143,3 +144,33 @@ def test_throughput_search_bar_counts_seconds_and_shows_the_best(terminal):
     drawn = terminal()
     assert "throughput search" in drawn and "/60" in drawn
     assert "2 measured" in drawn and "best so far 180.0" in drawn
+
+
+def test_the_cpu_counts_the_first_steps_every_hundredth_and_the_last(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(metrics_module, "COUNT_EVERY", 10)
+    metrics = tmp_path / "m.jsonl"
+    autotune.train(make_plan([4, 4]), mlp_workload(), steps=25, metrics_path=metrics, progress=True)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    counted = [r["step"] for r in records if r["peak_memory_bytes"] is not None]
+    assert counted == [1, 2, 10, 20, 25]
+    logged = {line.split()[1]: line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("step ")}
+    assert "tensors (counted at step 2)" in logged["3/25"]  # not counted there: the last, said so
+    assert "counted at" not in logged["10/25"] and "tensors" in logged["10/25"]
+    assert "peak not counted" in format_progress(records[2], 25)
+    assert all(r["peak_memory_kind"] == "tensors" for r in records)
+    steady = {r["peak_memory_bytes"] for r in records[1:] if r["peak_memory_bytes"] is not None}
+    assert len(steady) == 1  # the same step, the same tensors
+
+
+def test_cli_train_quiet_prints_no_progress(tmp_path, examples_dir):
+    from autotune.planning.planfile import save_plan
+
+    save_plan(make_plan([4, 4]), tmp_path / "plan.json")
+    args = ["train", str(examples_dir / "mlp.py"), "--plan", str(tmp_path / "plan.json"), "--steps", "2",
+            "--device", "cpu"]
+    loud = CliRunner().invoke(cli, args)
+    quiet = CliRunner().invoke(cli, [*args, "--quiet"])
+    assert loud.exit_code == quiet.exit_code == 0, loud.output + quiet.output
+    assert "step 2/2" in loud.stderr and "tensors" in loud.stderr
+    assert "step 2/2" not in quiet.stderr and "trained 2 optimizer steps" in quiet.stdout

@@ -200,3 +200,20 @@ def test_jupyter_shows_plans_probes_and_runs_as_html(plan):
     assert 'id="trials"' in shown["text/html"]
     assert register_display() is (sys.modules.get("IPython") is not None
                                   and sys.modules["IPython"].get_ipython() is not None)
+
+
+def test_outputs_never_replace_the_input_or_a_link(plan, metrics_files, tmp_path):
+    save_plan(plan, tmp_path / "plan.json")
+    before = (tmp_path / "plan.json").read_bytes()
+    runner = CliRunner()
+    own = runner.invoke(cli, ["report", str(tmp_path / "plan.json"), "-o", str(tmp_path / "plan.json")])
+    assert own.exit_code == 1 and "this command's own PLAN_FILE" in own.output
+    metrics_copy = tmp_path / "m.svg.jsonl"
+    metrics_copy.write_bytes(metrics_files[0].read_bytes())
+    own_plot = runner.invoke(cli, ["show", str(metrics_copy), "--plot", str(metrics_copy)])
+    assert own_plot.exit_code == 1 and "--plot" in own_plot.output
+    (tmp_path / "link.svg").symlink_to(tmp_path / "plan.json")
+    linked = runner.invoke(cli, ["show", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "link.svg")])
+    assert linked.exit_code == 1 and "symlink" in linked.output
+    assert (tmp_path / "plan.json").read_bytes() == before
+    assert metrics_copy.read_bytes() == metrics_files[0].read_bytes()

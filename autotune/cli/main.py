@@ -229,9 +229,12 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
 def show(files, as_json, plot_path):
     """Print the summary of a saved plan, or plot it or metrics files (autotune train --metrics)."""
     from ..planning.planfile import load_plan, plan_to_json
+    from ..outputs import check_output
     from ..report.plots import load_metrics, plot_metrics, plot_plan
     from .format import format_metrics, format_plan
 
+    check_output(plot_path, option="--plot",
+                 inputs={f"input {i + 1}" if len(files) > 1 else "input": f for i, f in enumerate(files)})
     if all(f.endswith(".jsonl") for f in files):
         if plot_path is not None:
             plot_metrics(files, plot_path)
@@ -256,9 +259,11 @@ def show(files, as_json, plot_path):
 def report(plan_file, output):
     """Write a self-contained HTML page of a plan: summary, settings, memory plot, throughput,
     warnings (inline SVG; opens without a network)."""
+    from ..outputs import check_output
     from ..planning.planfile import load_plan
     from ..report.html import write_report
 
+    check_output(output, option="-o", inputs={"PLAN_FILE": plan_file})
     write_report(load_plan(plan_file), output)
     click.echo(f"report written to {output}", err=True)
 

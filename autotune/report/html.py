@@ -152,4 +152,4 @@ def report_page(plan, *, title: str | None = None) -> str:
 def write_report(plan, path) -> Path:
     """Write the self-contained report page of ``plan`` to ``path`` (atomically)."""
     data = report_page(plan).encode("utf-8")
-    return write_atomic(path, lambda handle: handle.write(data))
+    return write_atomic(Path(path), lambda handle: handle.write(data))

@@ -13,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+from ..atomicfile import write_atomic
 from ..errors import ReportError
 from ..probing.result import setting_label
 
@@ -184,9 +185,11 @@ def save_figure(fig, path) -> Path:
     if suffix not in ("svg", "png", "pdf"):
         raise ReportError(f"--plot {path}: write .svg, .png or .pdf (the suffix picks the format)")
     metadata = {"Date": None} if suffix == "svg" else None
+    buffer = io.BytesIO()
     with matplotlib.rc_context(_SVG_RC):
-        fig.savefig(path, format=suffix, metadata=metadata)
-    return path
+        fig.savefig(buffer, format=suffix, metadata=metadata)
+    return write_atomic(Path(path),
+                        lambda handle: handle.write(buffer.getvalue()))
 
 
 def svg_text(fig) -> str:

@@ -349,13 +349,13 @@ def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics,
     """Train from ``runner.state.step`` to ``total_steps``; returns (metrics records, interrupted)."""
     state = runner.state
     records: list[dict] = []
-    meter = PeakMeter(runner.device)
+    meter = PeakMeter(runner.device, total_steps=total_steps)
     divergence = DivergenceWatch()
     last = time.perf_counter()
     while state.step < total_steps:
         window = layout.window(state.step)
         batch = next(batches)
-        with meter.step(runner.live_tensors()):
+        with meter.step(state.step + 1, runner.live_tensors()):
             outcome = runner.step(window, batch, stop_requested=stop.requested)
         state.step += 1
         now = time.perf_counter()

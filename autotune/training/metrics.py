@@ -18,7 +18,8 @@ from ..units import format_bytes
 
 FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s",
           # The step's peak in the memory the plan predicted (peak_memory_kind: "allocated" by
-          # torch on CUDA, "tensors" counted on the CPU); reserved on CUDA, RSS on the CPU.
+          # torch on CUDA, "tensors" counted on the CPU, where only some steps are counted and
+          # the others record None: see PeakMeter); reserved on CUDA, RSS on the CPU.
           "peak_memory_bytes", "peak_memory_kind", "reserved_peak_bytes", "rss_peak_bytes",
           "skipped_steps", "oom_recoveries", "micro_batch", "accumulation_steps",
           # The gradient noise scale (samples; None until known) and the moving averages of the
@@ -26,35 +27,58 @@ FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s",
           "noise_scale", "noise_grad_sq_ema", "noise_trace_ema")
 
 
-class PeakMeter:
-    """The peak of each optimizer step, in the memory the plan predicted.
+def report_every(total_steps: int) -> int:
+    """Progress log lines come every this many steps."""
+    return max(1, total_steps // 20)
 
-    CUDA: torch's allocated bytes (reserved beside it). CPU: the bytes of live tensor storages,
-    counted by the CPU backend's tracker as the probe counted them; the process's resident set
-    (RSS) also holds the interpreter, libraries and the allocator's caches, so it is recorded
-    beside it, never in its place.
+
+COUNT_EVERY = 100
+"""On the CPU, the peak is counted on the first two steps, every this many steps and the last."""
+
+
+class PeakMeter:
+    """The peak of an optimizer step, in the memory the plan predicted.
+
+    CUDA: torch's allocated bytes (reserved beside it), every step. CPU: the bytes of live tensor
+    storages, counted by the CPU backend's tracker as the probe counted them. Counting every op
+    makes a step slower (1.4x on the bundled tiny LM at micro-batch 8), so the CPU counts the
+    first two steps of a run (the second is steady, with optimizer state), every COUNT_EVERY-th
+    and the last; the others record None (and their samples/s is not slowed). The process's
+    resident set (RSS) also holds the interpreter, libraries and allocator caches: it is recorded
+    beside the peak, never in its place.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, total_steps: int):
         self.device = device
         self.kind = "allocated" if device.type == "cuda" else "tensors"
-        self.peak = 0
+        self.total_steps = total_steps
+        self.counted = 0
+        self.peak = None
         self.reserved = None
 
+    def _counts(self, step: int) -> bool:
+        return self.counted < 2 or step % COUNT_EVERY == 0 or step == self.total_steps
+
     @contextlib.contextmanager
-    def step(self, live_tensors):
-        """Measure the block; ``live_tensors`` were allocated before it (parameters, state, batch)."""
+    def step(self, step: int, live_tensors):
+        """Measure optimizer step ``step`` (1-based), run inside the block; ``live_tensors`` were
+        allocated before it (parameters, buffers, optimizer state)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
             self.peak = int(torch.cuda.max_memory_allocated(self.device))
             self.reserved = int(torch.cuda.max_memory_reserved(self.device))
             return
+        if not self._counts(step):
+            self.peak = None
+            yield
+            return
         tracker = StorageTracker()
         for tensor in live_tensors:
             tracker.add(tensor)
         with counting(tracker):
             yield
+        self.counted += 1
         self.peak = tracker.peak
 
     def fields(self) -> dict:
@@ -86,7 +110,8 @@ class MetricsLog:
         self.total_steps = total_steps
         self.progress = progress and enabled
         self.predicted_peak_bytes = predicted_peak_bytes
-        self.every = max(1, total_steps // 20)
+        self.every = report_every(total_steps)
+        self._shown_peak = {}
         self._bar = None
         if self.progress and progress_bars.shown():
             self._bar = progress_bars.bar("train", total=total_steps, unit=" step")
@@ -108,13 +133,19 @@ class MetricsLog:
             clean = {key: _finite_or_none(value) for key, value in record.items()}
             self._file.write(json.dumps(clean) + "\n")
             self._file.flush()
+        if record.get("peak_memory_bytes") is not None:
+            self._shown_peak = {k: record.get(k) for k in ("peak_memory_bytes", "peak_memory_kind",
+                                                             "reserved_peak_bytes")}
+            self._shown_peak["peak_step"] = record["step"]
+        # Steps whose peak was not counted show the last one counted, with its step.
+        shown = {**record, **self._shown_peak}
         if self._bar is not None:
-            self._bar.set_postfix_str(format_postfix(record, self.predicted_peak_bytes), refresh=False)
+            self._bar.set_postfix_str(format_postfix(shown, self.predicted_peak_bytes), refresh=False)
             self._bar.update(1)
             return
         step = record["step"]
         if self.progress and (step % self.every == 0 or step == self.total_steps):
-            print(format_progress(record, self.total_steps, self.predicted_peak_bytes),
+            print(format_progress(shown, self.total_steps, self.predicted_peak_bytes),
                   file=sys.stderr, flush=True)
 
     def note(self, message: str) -> None:
@@ -132,8 +163,13 @@ class MetricsLog:
 
 def format_peak(record: dict, predicted: int | None = None) -> str:
     """The step's peak, named for what it counts, next to the plan's prediction of the same."""
+    if record.get("peak_memory_bytes") is None:
+        return "peak not counted"
     kind = record.get("peak_memory_kind") or "allocated"
+    at = record.get("peak_step", record["step"])
     text = f"peak {format_bytes(record['peak_memory_bytes'])} {kind}"
+    if at != record["step"]:
+        text += f" (counted at step {at})"
     if predicted is not None:
         text += f" (plan {format_bytes(predicted)})"
     if record.get("reserved_peak_bytes") is not None:
