@@ -531,3 +531,27 @@ def test_a_shape_bug_is_not_preceded_by_torchs_fake_tensor_log(tmp_path, capfd):
     with pytest.raises(RuntimeError, match="same reduction dim"):
         estimate_peak(str(path), 4)
     assert "failed while attempting to run meta" not in capfd.readouterr().err
+
+
+# -- 7 (and issue 12.3). a module instance probes as its model file does -----------------------------
+def _as_instance(workload):
+    import dataclasses
+
+    torch.manual_seed(0)
+    return dataclasses.replace(workload, model=workload.model(), source="<instance>", file_sha256=None)
+
+
+@pytest.mark.parametrize("example, limit", [("mlp.py", "64MiB"), ("tiny_lm.py", "32MiB")])
+def test_an_instance_gets_the_answer_of_its_model_file(examples_dir, one_thread, example, limit):
+    import autotune
+    from autotune.workload.contract import load_workload
+
+    workload = load_workload(examples_dir / example)
+    from_file = autotune.probe(workload, device="cpu", memory_limit=limit)
+    instance = _as_instance(workload)
+    before = {k: v.clone() for k, v in instance.model.state_dict().items()}
+    from_instance = autotune.probe(instance, device="cpu", memory_limit=limit)
+    assert from_instance.max_micro_batch == from_file.max_micro_batch
+    assert [t.baseline_bytes for t in from_instance.trials] == [t.baseline_bytes for t in from_file.trials]
+    after = instance.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the user's weights restored
