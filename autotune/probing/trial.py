@@ -97,6 +97,7 @@ class TrialSession:
     def run(self, n: int) -> Trial:
         self.backend.release()
         baseline = self.backend.current_bytes()
+        owned = self.backend.live_storages()
         self.backend.reset_peak()
         start = time.perf_counter()
         out_of_memory = False
@@ -111,6 +112,11 @@ class TrialSession:
             # Outside the except block: the traceback no longer pins the failed step's tensors.
             peak = self.backend.peak_bytes()
             self._recover()
+            # torch can keep a failed backward's tensors alive for good (under non-reentrant
+            # checkpointing the recomputed graph forms a reference cycle through C++ autograd
+            # nodes that Python's collector cannot see). They are the failed trial's leftovers,
+            # no part of any step: counted, they would shrink every later trial's budget.
+            self.backend.disown_since(owned)
             return Trial(micro_batch=n, fits=False, peak_bytes=peak, seconds=seconds,
                          baseline_bytes=baseline, gradient_bytes=self.gradient_bytes)
         return Trial(
