@@ -112,10 +112,10 @@ class TrialSession:
             # Outside the except block: the traceback no longer pins the failed step's tensors.
             peak = self.backend.peak_bytes()
             self._recover()
-            # torch can keep a failed backward's tensors alive for good (under non-reentrant
-            # checkpointing the recomputed graph forms a reference cycle through C++ autograd
-            # nodes that Python's collector cannot see). They are the failed trial's leftovers,
-            # no part of any step: counted, they would shrink every later trial's budget.
+            # torch can keep a failed backward's tensors alive for good (seen with HF GPT-2 under
+            # non-reentrant checkpointing: held only from C++, gc finds no referrer). They are the
+            # failed trial's leftovers, no part of any step: counted, they would shrink every
+            # later trial's budget.
             self.backend.disown_since(owned)
             return Trial(micro_batch=n, fits=False, peak_bytes=peak, seconds=seconds,
                          baseline_bytes=baseline, gradient_bytes=self.gradient_bytes)
