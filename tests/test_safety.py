@@ -531,3 +531,64 @@ def test_a_shape_bug_is_not_preceded_by_torchs_fake_tensor_log(tmp_path, capfd):
     with pytest.raises(RuntimeError, match="same reduction dim"):
         estimate_peak(str(path), 4)
     assert "failed while attempting to run meta" not in capfd.readouterr().err
+
+
+# -- 7 (and issue 12.3). a module instance probes as its model file does -----------------------------
+def _as_instance(workload):
+    import dataclasses
+
+    torch.manual_seed(0)
+    return dataclasses.replace(workload, model=workload.model(), source="<instance>", file_sha256=None)
+
+
+@pytest.mark.parametrize("example, limit", [("mlp.py", "64MiB"), ("tiny_lm.py", "32MiB")])
+def test_an_instance_gets_the_answer_of_its_model_file(examples_dir, one_thread, example, limit):
+    import autotune
+    from autotune.workload.contract import load_workload
+
+    workload = load_workload(examples_dir / example)
+    from_file = autotune.probe(workload, device="cpu", memory_limit=limit)
+    instance = _as_instance(workload)
+    before = {k: v.clone() for k, v in instance.model.state_dict().items()}
+    from_instance = autotune.probe(instance, device="cpu", memory_limit=limit)
+    assert from_instance.max_micro_batch == from_file.max_micro_batch
+    assert [t.baseline_bytes for t in from_instance.trials] == [t.baseline_bytes for t in from_file.trials]
+    after = instance.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the user's weights restored
+
+
+_GPT2_FILE = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def build_model():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def make_batch(n):
+    ids = torch.randint(0, 1000, (n, 64), generator=torch.Generator().manual_seed(n))
+    return {"input_ids": ids, "labels": ids}
+'''
+
+
+def test_a_checkpointed_gpt2_instance_gets_its_files_answer_after_out_of_memory_trials(tmp_path, one_thread):
+    pytest.importorskip("transformers")
+    import autotune
+    from autotune.workload.contract import load_workload
+
+    path = tmp_path / "gpt2_tiny.py"
+    path.write_text(_GPT2_FILE)
+    workload = load_workload(path)
+    # Real trials only, so the search runs out of memory (in backward) on its way to the answer.
+    options = dict(device="cpu", memory_limit="48MiB", checkpointing=True, use_estimate=False)
+    from_file = autotune.probe(workload, **options)
+    from_instance = autotune.probe(_as_instance(workload), **options)
+    assert any(not t.fits for t in from_file.trials)
+    for result in (from_file, from_instance):  # a failed trial leaves nothing counted behind
+        assert len({t.baseline_bytes for t in result.trials}) == 1, result.trials
+    assert from_instance.max_micro_batch == from_file.max_micro_batch
+    assert from_file.max_micro_batch == autotune.probe(workload, device="cpu", memory_limit="48MiB",
+                                                       checkpointing=True).max_micro_batch

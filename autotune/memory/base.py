@@ -72,6 +72,14 @@ class MemoryBackend(abc.ABC):
         """Whether the last window stayed within the budget (beyond not raising an OOM)."""
         return True
 
+    def live_storages(self) -> frozenset:
+        """The storages counted now (empty where the backend cannot tell them apart)."""
+        return frozenset()
+
+    def disown_since(self, before: frozenset) -> int:
+        """Stop counting storages that were not live at ``before`` (returns their bytes)."""
+        return 0
+
     def release(self) -> None:
         """Give cached memory back after a trial."""
 

@@ -97,6 +97,15 @@ class StorageTracker:
     def reset_peak(self) -> None:
         self.peak = self.current
 
+    def live_keys(self) -> frozenset:
+        return frozenset(self._live)
+
+    def disown(self, keys) -> int:
+        """Stop counting these storages (they stay watched: freeing one later changes nothing)."""
+        dropped = sum(self._live.pop(key, 0) for key in keys)
+        self.current -= dropped
+        return dropped
+
 
 class _TrackingMode(TorchDispatchMode):
     def __init__(self, tracker: StorageTracker):
@@ -162,6 +171,12 @@ class CPUMemoryBackend(MemoryBackend):
 
     def current_bytes(self) -> int:
         return self.tracker.current
+
+    def live_storages(self) -> frozenset:
+        return self.tracker.live_keys()
+
+    def disown_since(self, before: frozenset) -> int:
+        return self.tracker.disown(self.tracker.live_keys() - before)
 
     def reset_peak(self) -> None:
         self.tracker.reset_peak()

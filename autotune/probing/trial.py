@@ -40,6 +40,12 @@ class TrialSession:
         self.device = backend.device
 
     def __enter__(self) -> "TrialSession":
+        self._saved = None
+        if self.workload.model_is_instance:
+            # Before tracking starts: the backup of the user's weights is the probe's own copy,
+            # not part of a training step, and must not count against the budget (an instance
+            # then gets the answer its model file gets).
+            self._saved = _save_module_state(self.workload.model)
         self._tracking = self.backend.tracking()
         self._tracking.__enter__()
         out_of_memory = False
@@ -63,11 +69,8 @@ class TrialSession:
     def _setup(self):
         self.model = None
         self.optimizer = None
-        self._saved = None
         self.start_bytes = self.backend.current_bytes()
         model = self.workload.new_model()
-        if self.workload.model_is_instance:
-            self._saved = _save_module_state(model)
         self.model = model.to(self.device)
         self.model.train()
         if self.checkpointing:
@@ -95,6 +98,7 @@ class TrialSession:
         self.backend.release()
         baseline = self.backend.current_bytes()
         self.backend.begin_trial()
+        owned = self.backend.live_storages()
         self.backend.reset_peak()
         start = time.perf_counter()
         out_of_memory = False
@@ -110,6 +114,11 @@ class TrialSession:
             peak = self.backend.peak_bytes()
             picture = self.backend.memory_picture()
             self._recover()
+            # torch can keep a failed backward's tensors alive for good (seen with HF GPT-2 under
+            # non-reentrant checkpointing: held only from C++, gc finds no referrer). They are the
+            # failed trial's leftovers, no part of any step: counted, they would shrink every
+            # later trial's budget.
+            self.backend.disown_since(owned)
             return Trial(micro_batch=n, fits=False, peak_bytes=peak, seconds=seconds,
                          baseline_bytes=baseline, gradient_bytes=self.gradient_bytes, **picture)
         return Trial(
@@ -172,16 +181,17 @@ class TrialSession:
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.optimizer = None
-            if self.model is not None:
-                if self.checkpointing:
-                    disable_checkpointing(self.model)
-                if self._saved is not None:
-                    _restore_module_state(self.model, self._saved)
+            if self.model is not None and self.checkpointing:
+                disable_checkpointing(self.model)
             self.model = None
             self.params = []
             self._release_memory()
         finally:
             self._tracking.__exit__(None, None, None)
+            # Outside tracking, like the backup: restoring is no part of a step's memory.
+            if self._saved is not None:
+                saved, self._saved = self._saved, None
+                _restore_module_state(self.workload.model, saved)
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer):
