@@ -24,7 +24,7 @@ def format_probe(result, source: str = "") -> str:
         f"model:      {source}",
         f"device:     {info.name}",
         f"budget:     {format_bytes(info.budget_bytes)} ({info.budget_source})",
-        f"setting:    {result.precision}, checkpointing {'on' if result.checkpointing else 'off'}",
+        f"setting:    {result.precision}, checkpointing {result.checkpointing_label}",
         "",
         table(["trial", "micro-batch", "fits", "peak", "seconds"], rows),
         "",
@@ -80,12 +80,12 @@ def format_plan(plan) -> str:
     lines += ["", "settings tried:"]
     rows = []
     for s in plan.settings:
-        chosen = "<- plan" if (s.precision, s.checkpointing) == (plan.precision, plan.checkpointing) else ""
+        chosen = "<- plan" if s is plan.chosen_setting else ""
         if s.probe is None:
-            rows.append([s.precision, "on" if s.checkpointing else "off", "-", "-", "-", "does not fit"])
+            rows.append([s.precision, s.checkpointing_label, "-", "-", "-", "does not fit"])
             continue
         capped = "+" if s.probe.capped else ""
-        rows.append([s.precision, "on" if s.checkpointing else "off", f"{s.raw_max_micro_batch}{capped}",
+        rows.append([s.precision, s.checkpointing_label, f"{s.raw_max_micro_batch}{capped}",
                      s.allowed_micro_batch, s.probe.steps, chosen])
     lines.append(table(["precision", "checkpointing", "probe max", "planned max", "trials", "chosen"], rows,
                        align="llrrrl"))
@@ -93,7 +93,7 @@ def format_plan(plan) -> str:
         lines.append("(+: the probe stopped at the largest micro-batch the plan needs; more may fit)")
     lines += ["", f"split:        {_split_text(plan)}",
               f"precision:    {plan.precision} ({plan.reasons.get('precision', '')})",
-              f"checkpointing: {'on' if plan.checkpointing else 'off'} "
+              f"checkpointing: {plan.checkpointing_label} "
               f"({plan.reasons.get('checkpointing', '')})"]
     if plan.predicted_peak_bytes is not None:
         lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "

@@ -76,7 +76,7 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
     usable = usable_bytes(budget, plan.headroom)
     try:
         with TrialSession(workload, backend, precision=Precision.parse(plan.precision),
-                          checkpointing=plan.checkpointing) as session:
+                          checkpointing=plan.checkpointing_setting) as session:
             trials = [session.run(plan.micro_batch) for _ in range(steps)]
     except SetupOutOfMemory:
         trials = []  # parameters and optimizer state alone pass the budget: nothing fits
@@ -100,7 +100,7 @@ def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
         workload, target_batch=plan.target_batch, world_size=plan.world_size, device=device,
         memory_limit=budget, precision=plan.precision,
         # The same setting, so the new micro-batch answers for the one that did not fit.
-        checkpointing="on" if plan.checkpointing else "off", headroom=plan.headroom,
+        checkpointing=plan.checkpointing_setting, headroom=plan.headroom,
         base_lr=lr.base_lr, base_batch=lr.base_batch,
         lr_rule=lr.rule if lr.base_lr is not None else "auto",
     )
@@ -110,7 +110,7 @@ def format_verify(result: VerifyResult) -> str:
     plan, info = result.plan, result.device
     lines = [f"device:     {info.name} (budget {format_bytes(info.budget_bytes)}, {info.budget_source})",
              f"checked:    micro-batch {plan.micro_batch}, {plan.precision}, checkpointing "
-             f"{'on' if plan.checkpointing else 'off'}, {result.steps} real steps",
+             f"{plan.checkpointing_label}, {result.steps} real steps",
              f"limit:      {format_bytes(result.usable_bytes)} = {format_bytes(result.budget_bytes)} "
              f"budget less {plan.headroom:.0%} headroom"]
     predicted = format_bytes(plan.predicted_peak_bytes)
@@ -132,7 +132,7 @@ def format_verify(result: VerifyResult) -> str:
             lines.append(f"re-planned: micro-batch {new.micro_batch} × {new.accumulation_steps} "
                          f"accumulation steps × {new.world_size} rank(s) = {new.effective_batch} "
                          f"(was {plan.micro_batch} × {plan.accumulation_steps}); "
-                         f"{new.precision}, checkpointing {'on' if new.checkpointing else 'off'}")
+                         f"{new.precision}, checkpointing {new.checkpointing_label}")
         if result.replan_error is not None:
             lines.append(f"re-plan failed: {result.replan_error}")
     return "\n".join(lines)

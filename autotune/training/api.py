@@ -110,7 +110,7 @@ class _Session:
         model = workload.new_model().to(ctx.device)
         model.train()
         if plan.checkpointing:
-            enable_checkpointing(model, source=workload.source)
+            enable_checkpointing(model, source=workload.source, blocks=plan.checkpointed_blocks)
         self.model = model
         self.optimizer = workload.new_optimizer(p for p in model.parameters() if p.requires_grad)
         apply_plan_lr(self.optimizer, plan)

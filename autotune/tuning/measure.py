@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..workload.activation_checkpointing import disable_checkpointing, enable_checkpointing
+from ..workload.activation_checkpointing import disable_checkpointing
 from ..memory.base import MemoryBackend
 from ..oom import free_memory
 from ..planning.types import SplitArithmetic
@@ -49,17 +49,28 @@ class Configuration(SplitArithmetic):
     precision: str
     checkpointing: bool
     micro_batches: tuple[int, ...]
+    checkpointed_blocks: int | None = None
+    """How many repeated blocks are checkpointed (None: every one when checkpointing)."""
 
     @property
     def share(self) -> int:
         return self.per_device_batch
 
     @property
+    def checkpointing_setting(self) -> str | int:
+        """"off", "on" or the block count, as ``TrialSession`` takes it."""
+        if not self.checkpointing:
+            return "off"
+        return "on" if self.checkpointed_blocks is None else self.checkpointed_blocks
+
+    @property
     def label(self) -> str:
         split = f"{self.micro_batch}x{self.accumulation_steps}"
         if not self.is_even:
             split += f" (uneven, {self.share})"
-        return f"{self.precision}, checkpointing {'on' if self.checkpointing else 'off'}, {split}"
+        blocks = self.checkpointing_setting
+        label = blocks if isinstance(blocks, str) else f"{blocks} blocks"
+        return f"{self.precision}, checkpointing {label}, {split}"
 
 
 @dataclass(kw_only=True)
@@ -82,7 +93,7 @@ def measure_configuration(workload: Workload, backend: MemoryBackend, config: Co
     until they add up to ``min_seconds`` (at most ``MAX_TIMED_WINDOWS``)."""
     started = time.perf_counter()
     session = TrialSession(workload, backend, precision=Precision.parse(config.precision),
-                           checkpointing=config.checkpointing)
+                           checkpointing=config.checkpointing_setting)
     try:
         with session:
             result = _measure_in(session, config, windows, min_seconds)
@@ -192,7 +203,7 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
                 for i, config in enumerate(configs):
                     if times[i] is None:
                         continue
-                    _set_checkpointing(session, config.checkpointing)
+                    session.set_checkpointing(config.checkpointing_setting)
                     seconds = _timed_window(runners[i], _window(config), batch, session.device)
                     if seconds is None:
                         times[i] = None
@@ -201,13 +212,6 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
     finally:
         disable_checkpointing(session.model)
     return times
-
-
-def _set_checkpointing(session: TrialSession, on: bool) -> None:
-    if on:
-        enable_checkpointing(session.model, source=session.workload.source)
-    else:
-        disable_checkpointing(session.model)
 
 
 def _timed_window(runner: StepRunner, window: Window, batch, device: torch.device) -> float | None:

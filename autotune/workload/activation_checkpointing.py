@@ -1,8 +1,9 @@
 """Activation checkpointing around a model's repeated blocks, applied and removed in place.
 
 The probe and the training loop share this, so a plan's checkpointing means the same thing in
-both: every child of the model's outermost ``nn.ModuleList`` / ``nn.Sequential`` containers with
-at least two children is run under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``.
+both: the children of the model's outermost ``nn.ModuleList`` / ``nn.Sequential`` containers with
+at least two children (and parameters) are the blocks, and K of them, spread evenly, run under
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (all of them unless K is given).
 """
 
 from __future__ import annotations
@@ -34,21 +35,39 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def enable_checkpointing(model: torch.nn.Module, *, source: str = "model") -> int:
-    """Wrap each repeated block's forward in checkpoint(); returns how many blocks were wrapped."""
-    blocks = [b for b in repeated_blocks(model) if any(True for _ in b.parameters())]
-    if not blocks:
+def checkpointable_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks that have parameters: the ones checkpointing can wrap, in order."""
+    return [b for b in repeated_blocks(model) if any(True for _ in b.parameters())]
+
+
+def spread_evenly(count: int, total: int) -> list[int]:
+    """Indices of ``count`` of ``total`` blocks, spread evenly from the first (2 of 6: 0 and 3)."""
+    if not 0 <= count <= total:
+        raise ValueError(f"cannot choose {count} of {total} blocks")
+    return [i * total // count for i in range(count)]
+
+
+def enable_checkpointing(model: torch.nn.Module, *, source: str = "model", blocks: int | None = None) -> int:
+    """Wrap the forward of ``blocks`` repeated blocks (spread evenly; None: all of them) in
+    checkpoint(); returns how many blocks are wrapped. Blocks wrapped before stay wrapped (call
+    ``disable_checkpointing`` first to change how many)."""
+    candidates = checkpointable_blocks(model)
+    if not candidates:
         raise WorkloadError(
             f"{source}: activation checkpointing needs repeated blocks to wrap (an nn.ModuleList or "
             f"nn.Sequential of layers with parameters), and this model has none; use checkpointing off"
         )
-    for block in blocks:
+    if blocks is not None and not 0 <= blocks <= len(candidates):
+        raise WorkloadError(f"{source}: cannot checkpoint {blocks} blocks; the model has "
+                            f"{len(candidates)} repeated blocks (use 0 to {len(candidates)})")
+    chosen = candidates if blocks is None else [candidates[i] for i in spread_evenly(blocks, len(candidates))]
+    for block in chosen:
         if getattr(block, _MARK, False):
             continue
         original = block.forward
         block.forward = functools.partial(_checkpointed_forward, original)
         setattr(block, _MARK, True)
-    return len(blocks)
+    return len(chosen)
 
 
 def disable_checkpointing(model: torch.nn.Module) -> None:
