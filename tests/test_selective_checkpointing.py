@@ -257,3 +257,77 @@ def test_cli_probe_and_estimate_take_a_count(one_thread, examples_dir):
     assert json.loads(estimated.output)["24"] == autotune.estimate_peak(path, 24, checkpointing=1)
     bad = runner.invoke(cli, ["plan", path, "--target-batch", "8", "--checkpointing", "most"])
     assert bad.exit_code == 2 and "--checkpointing" in bad.output and "1/3" in bad.output
+
+
+# --- the throughput search searches K ---------------------------------------------------------
+
+def _setting_with_blocks(max_micro_batch, blocks, total=2):
+    from plan_helpers import linear_probe, setting
+    probe = linear_probe(max_micro_batch, checkpointing=blocks > 0, upper=16)
+    probe.checkpointed_blocks, probe.total_blocks = blocks, total
+    tried = setting(probe, checkpointing=blocks > 0, headroom=0.0)
+    tried.checkpointed_blocks = blocks if blocks else None
+    return tried
+
+
+class _Speeds:
+    """samples/s by checkpointing and micro-batch: the fewest blocks at 16 are the fastest."""
+
+    rates = {"off": (100.0, 1.0), "on": (80.0, 0.5), 1: (90.0, 1.0)}
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, config):
+        key = (config.checkpointing_setting, config.micro_batch)
+        self.calls.append(key)
+        from autotune.tuning.measure import Measurement
+        base, slope = self.rates[key[0]]
+        return Measurement(samples_per_s=base + slope * key[1], peak_bytes=config.micro_batch * MiB)
+
+    def compare(self, configs, seconds):
+        return [self(c) for c in configs]
+
+
+def _block_candidates():
+    from autotune.tuning.search import build_candidates
+    settings = [_setting_with_blocks(2, 0), _setting_with_blocks(16, 2), _setting_with_blocks(16, 1)]
+    return build_candidates(settings, share=16, usable=1000 * MiB)
+
+
+def test_the_throughput_search_measures_the_fewest_blocks_beside_all_and_none():
+    from autotune.tuning.search import search_throughput
+    candidates = _block_candidates()
+    assert {(c.config.checkpointing_setting, c.config.micro_batch) for c in candidates} >= {
+        ("off", 2), ("on", 16), (1, 16)}
+    measure = _Speeds()
+    result = search_throughput(candidates, measure, measure.compare, budget_s=30,
+                               usable_bytes=1000 * MiB, study_name="blocks")
+    winner = result.winner
+    assert (winner.checkpointing, winner.checkpointed_blocks, winner.micro_batch) == (True, 1, 16)
+    measured = {(r.checkpointed_blocks, r.micro_batch) for r in result.records if r.status == "measured"}
+    assert {(None, 16), (1, 16)} <= measured  # every block and the fewest: two configurations
+
+
+@pytest.mark.slow
+def test_a_stored_study_reuses_results_with_their_blocks(tmp_path):
+    from autotune.tuning.search import search_throughput
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first, again = _Speeds(), _Speeds()
+    search_throughput(_block_candidates(), first, first.compare, budget_s=30, usable_bytes=1000 * MiB,
+                      study_name="blocks", storage=storage)
+    rerun = search_throughput(_block_candidates(), again, again.compare, budget_s=30,
+                              usable_bytes=1000 * MiB, study_name="blocks", storage=storage)
+    assert first.calls and not set(again.calls) & set(first.calls)
+    assert rerun.winner.checkpointed_blocks == 1 and rerun.winner.reused
+
+
+@pytest.mark.slow
+def test_plan_optimize_throughput_carries_k(one_thread, examples_dir):
+    plan = autotune.plan(examples_dir / "gpt_varlen.py", target_batch=64, device="cpu",
+                         memory_limit="8MiB", headroom=0.0, precision="fp32", optimize="throughput",
+                         budget="20s")
+    assert any(s.checkpointed_blocks == 1 for s in plan.settings)
+    assert any(r.checkpointed_blocks == 1 and r.status == "measured" for r in plan.throughput)
+    chosen = plan.chosen_setting
+    assert chosen is not None and plan.blocks == chosen.blocks

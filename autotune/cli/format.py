@@ -115,14 +115,15 @@ def format_throughput(plan) -> str:
     """The throughput search's table: every configuration considered, fastest first."""
     rows = []
     for c in plan.throughput:
-        chosen = (c.fits and (c.precision, c.checkpointing, c.micro_batches)
-                  == (plan.precision, plan.checkpointing, list(plan.micro_batches)))
+        blocks = c.checkpointed_blocks or ("on" if c.checkpointing else "off")
+        chosen = (c.fits and (c.precision, blocks, c.micro_batches)
+                  == (plan.precision, plan.checkpointing_setting, list(plan.micro_batches)))
         speed = f"{c.samples_per_s:.1f}" if c.samples_per_s is not None else "-"
         if c.compared:
             speed += " (side by side)"
         status = "<- plan" if chosen else ("reused" if c.reused and c.fits else
                                            "" if c.fits else f"pruned: {c.note}")
-        rows.append([c.precision, "on" if c.checkpointing else "off", c.micro_batch,
+        rows.append([c.precision, blocks if isinstance(blocks, str) else f"{blocks} blocks", c.micro_batch,
                      c.accumulation_steps, speed, format_bytes(c.peak_bytes),
                      format_bytes(c.predicted_peak_bytes), status])
     text = table(["precision", "checkpointing", "micro-batch", "steps", "samples/s", "peak",

@@ -29,7 +29,7 @@ from ..probing.blocks import learn_block_model, prove_fewest_blocks
 from ..probing.result import ProbeResult
 from ..units import format_bytes
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, parse_duration,
-                                search_throughput, study_name, why_fastest)
+                                search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
 from ..workload.contract import Workload, load_workload
 
@@ -125,6 +125,10 @@ def plan(
             settings.append(try_setting(first, candidate))
             if checkpointing_worth_probing(settings[-1], request, fingerprint):
                 settings.append(try_setting("on", candidate))
+                fewest = _fewest_blocks_setting(workload, backend, request, settings[-2], settings[-1],
+                                                usable=usable, extra=extra)
+                if fewest is not None:
+                    settings.append(fewest)
         return _fastest_plan(workload, backend, request, fingerprint, settings, info, usable=usable,
                              extra=extra, budget_s=budget_s, storage=storage, created_at=created_at)
     settings = [try_setting(first)]
@@ -163,27 +167,29 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
         lambda configs, seconds: compare_configurations(workload, backend, configs, seconds=seconds),
         budget_s=budget_s, usable_bytes=usable, study_name=name, storage=storage)
     if result.winner is None:
-        notes = "; ".join(f"{r.precision}/{'on' if r.checkpointing else 'off'}/{r.micro_batch}: {r.note}"
-                          for r in result.records[:6])
+        notes = "; ".join(f"{r.precision}/{'on' if r.checkpointing else 'off'}"
+                          f"{f' ({r.checkpointed_blocks} blocks)' if r.checkpointed_blocks else ''}"
+                          f"/{r.micro_batch}: {r.note}" for r in result.records[:6])
         raise PlanError(f"--optimize throughput: no configuration fits and ran within the budget "
                         f"({notes}); lower --headroom, give it more memory or use --optimize memory")
     winner = result.winner
-    setting = next(s for s in settings
-                   if (s.precision, s.checkpointing) == (winner.precision, winner.checkpointing))
+    setting = next(s for s in settings if setting_key(s) == (winner.precision, winner.checkpointing,
+                                                                winner.checkpointed_blocks))
     if request.micro_batch is None:
         # The planner splits the share into the fewest steps of at most the allowed micro-batch;
         # allowing exactly the winner's makes it plan the split that was measured.
         setting = dataclasses.replace(setting, allowed_micro_batch=winner.micro_batch)
     request = dataclasses.replace(
-        request, precision=winner.precision, checkpointing="on" if winner.checkpointing else "off",
+        request, precision=winner.precision,
+        checkpointing=("off" if not winner.checkpointing else winner.checkpointed_blocks or "on"),
         precision_reason=f"{winner.precision}: the fastest measured (see throughput)")
     plan = build_plan(request, workload=fingerprint, settings=[setting], device=info,
                       versions=current_versions(), created_at=created_at)
     plan.settings = settings
     plan.optimize = "throughput"
     plan.throughput = result.records
-    plan.reasons["checkpointing"] = (f"{'on' if winner.checkpointing else 'off'}: the fastest "
-                                     f"measured (see throughput)")
+    plan.reasons["checkpointing"] = (f"{setting.checkpointing_label}: the fastest measured (see "
+                                     f"throughput)")
     plan.reasons["throughput"] = why_fastest(result)
     return plan
 
