@@ -331,3 +331,17 @@ def test_plan_optimize_throughput_carries_k(one_thread, examples_dir):
     assert any(r.checkpointed_blocks == 1 and r.status == "measured" for r in plan.throughput)
     chosen = plan.chosen_setting
     assert chosen is not None and plan.blocks == chosen.blocks
+
+
+@pytest.mark.slow
+def test_auto_chooses_k_for_a_gpu_profile_on_fake_tensors(one_thread, examples_dir, tmp_path):
+    profile = tmp_path / "tiny.toml"
+    profile.write_text('name = "tiny"\nmemory_bytes = 10_485_760\nbf16 = false\nfp16 = true\n'
+                       'peak_tflops_fp32 = 1\npeak_tflops_fp16 = 1\npeak_tflops_bf16 = 0\n'
+                       'memory_bandwidth_gb_per_s = 100\ncuda_context_bytes = 1_048_576\n'
+                       'allocator_reserve_bytes = 1_048_576\nsource = "test"\n')
+    plan = autotune.plan(examples_dir / "gpt_varlen.py", target_batch=64, gpu=str(profile),
+                         precision="fp32", headroom=0.0)
+    assert plan.estimated and plan.micro_batches == [64] and plan.checkpointed_blocks == 1
+    # The estimate is the CPU backend's peak byte for byte, so the same K is the fewest here.
+    assert _real_peak(load_workload(examples_dir / "gpt_varlen.py"), 64, 0) > plan.budget_bytes

@@ -248,7 +248,7 @@ def _fewest_blocks_reason(setting: SettingTried, split: list[int],
              f"{format_bytes(usable_bytes(probe.budget_bytes, request.headroom))} the headroom leaves")
     reach = f"checkpointing {blocks} of {total} blocks reaches micro-batch {max(split)} in {steps}"
     needed = f"all {total} were not needed" if blocks < total else f"all {total} are needed"
-    return reach, f"{needed}: a real trial with {blocks - 1} {found}"
+    return reach, f"{needed}: a trial with {blocks - 1} {found}"
 
 
 def _why_single(setting, request, workload, on) -> str:

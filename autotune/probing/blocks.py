@@ -8,6 +8,7 @@ fits within the limit and K - 1 does not (walking from the predicted K when it w
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -83,10 +84,14 @@ def prove_fewest_blocks(workload, backend: MemoryBackend, *, precision: Precisio
     """Real trials at ``micro_batch`` from ``start`` blocks: down while one block fewer still
     fits within ``limit_bytes``, up until one fits."""
     started = time.perf_counter()
-    session = TrialSession(workload, backend, precision=precision, checkpointing=start)
+    # On the estimate backend (--gpu) the trials run on fake tensors, as the probe's do there.
+    estimating = isinstance(backend, EstimateMemoryBackend)
+    run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
+    session = TrialSession(run_workload, backend, precision=precision, checkpointing=start)
     proof = BlocksProof(micro_batch=micro_batch, total_blocks=0)
+    limits = fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
     try:
-        with session:
+        with limits, session:
             proof.total_blocks = total = session.total_blocks
 
             def fits(blocks: int) -> bool:
