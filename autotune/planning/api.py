@@ -208,7 +208,8 @@ def _requested_blocks(value, fingerprint: WorkloadFingerprint):
 
 
 def _probe_setting(workload, backend, precision: str, checkpoint, upper: int) -> SettingTried:
-    on = checkpoint not in ("off", 0)  # False == 0: a bool means off/on too
+    checkpoint = {"off": False, "on": True}.get(checkpoint, checkpoint)  # probe's bools, or K
+    on = checkpoint is not False and checkpoint != 0
     blocks = checkpoint if isinstance(checkpoint, int) and not isinstance(checkpoint, bool) else None
     try:
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
