@@ -345,3 +345,28 @@ def test_auto_chooses_k_for_a_gpu_profile_on_fake_tensors(one_thread, examples_d
     assert plan.estimated and plan.micro_batches == [64] and plan.checkpointed_blocks == 1
     # The estimate is the CPU backend's peak byte for byte, so the same K is the fewest here.
     assert _real_peak(load_workload(examples_dir / "gpt_varlen.py"), 64, 0) > plan.budget_bytes
+
+
+# --- the pure choice: the fewest steps first, then the fewest blocks -----------------------------
+
+def _pure_plan(*settings):
+    from autotune.planning.policy import PlanRequest, build_plan
+    from plan_helpers import device, fingerprint
+    request = PlanRequest(target_batch=64, checkpointing="auto", headroom=0.0)
+    return build_plan(request, workload=fingerprint(repeated_blocks=4), settings=list(settings),
+                      device=device())
+
+
+def _blocks_setting(allowed, blocks):
+    tried = _setting_with_blocks(allowed, blocks, total=4)
+    tried.probe.upper_bound = 64
+    return tried
+
+
+def test_the_fewest_steps_come_before_the_fewest_blocks():
+    plan = _pure_plan(_blocks_setting(10, 0), _blocks_setting(16, 4), _blocks_setting(16, 3),
+                      _blocks_setting(16, 2))
+    assert (plan.blocks, plan.micro_batches) == (2, [16] * 4)
+    fewer_steps = _pure_plan(_blocks_setting(10, 0), _blocks_setting(16, 4), _blocks_setting(8, 1))
+    assert (fewer_steps.blocks, fewer_steps.accumulation_steps) == (4, 4)
+    assert fewer_steps.checkpointing_label == "on"
