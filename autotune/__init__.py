@@ -7,6 +7,7 @@ Public API::
           memory_limit=None, max_micro_batch=None, use_estimate=True) -> ProbeResult
     estimate_peak(workload, micro_batch, *, precision="fp32", checkpointing=False) -> int
                                  bytes of one step, estimated on fake tensors (EstimateUnavailable)
+                                 (checkpointing: off/on or a bool, K blocks, or a fraction "1/3")
     plan(workload, *, target_batch, ...) -> Plan   micro-batch × accumulation × world = target
     save_plan, load_plan, export_plan              the plan file and exports for other runners
     train(plan, workload, *, steps=None, epochs=None, ...) -> TrainResult   the built-in loop

@@ -250,3 +250,24 @@ def test_missing_lr_is_noted():
 def test_lightning_uses_gpu_for_cuda_plans(even):
     even.device = device(kind="cuda")
     assert export_plan(even, "lightning").config["trainer"]["accelerator"] == "gpu"
+
+
+def _selective(plan, blocks, total):
+    plan.checkpointing, plan.checkpointed_blocks = True, blocks
+    plan.workload = dataclasses.replace(plan.workload, repeated_blocks=total)
+    return plan
+
+
+@pytest.mark.parametrize("target", ["hf", "deepspeed", "lightning", "accelerate"])
+def test_k_of_n_blocks_exports_all_of_them_with_a_note(even, target):
+    exported = export_plan(_selective(even, 4, 12), target)
+    note = next(n for n in exported.notes if "checkpoints 4 of 12 repeated blocks" in n)
+    assert "indices 0, 3, 6, 9" in note and "all 12" in note and "blocks=4" in note
+    if target == "hf":
+        assert exported.config[export._hf_checkpointing_field() or "gradient_checkpointing"] is True
+
+
+@pytest.mark.parametrize("blocks", [None, 12])
+def test_every_block_checkpointed_needs_no_selective_note(even, blocks):
+    exported = export_plan(_selective(even, blocks, 12), "hf")
+    assert not any("repeated blocks" in n for n in exported.notes)

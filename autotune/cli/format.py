@@ -31,7 +31,7 @@ def format_probe(result, source: str = "") -> str:
         f"model:      {source}",
         f"device:     {info.name}",
         f"budget:     {format_bytes(info.budget_bytes)} ({info.budget_source})",
-        f"setting:    {setting_label(result.precision, result.checkpointing)}",
+        f"setting:    {setting_label(result.precision, result.checkpointing_label)}",
         "",
         table(headers, rows),
         "",
@@ -95,12 +95,12 @@ def format_plan(plan) -> str:
     lines += ["", "settings tried:"]
     rows = []
     for s in plan.settings:
-        chosen = "<- plan" if (s.precision, s.checkpointing) == (plan.precision, plan.checkpointing) else ""
+        chosen = "<- plan" if s is plan.chosen_setting else ""
         if s.probe is None:
-            rows.append([s.precision, "on" if s.checkpointing else "off", "-", "-", "-", "does not fit"])
+            rows.append([s.precision, s.checkpointing_label, "-", "-", "-", "does not fit"])
             continue
         capped = "+" if s.probe.capped else ""
-        rows.append([s.precision, "on" if s.checkpointing else "off", f"{s.raw_max_micro_batch}{capped}",
+        rows.append([s.precision, s.checkpointing_label, f"{s.raw_max_micro_batch}{capped}",
                      s.allowed_micro_batch, s.probe.steps, chosen])
     lines.append(table(["precision", "checkpointing", "probe max", "planned max", "trials", "chosen"], rows,
                        align="llrrrl"))
@@ -108,7 +108,7 @@ def format_plan(plan) -> str:
         lines.append("(+: the probe stopped at the largest micro-batch the plan needs; more may fit)")
     lines += ["", f"split:        {_split_text(plan)}",
               f"precision:    {plan.precision} ({plan.reasons.get('precision', '')})",
-              f"checkpointing: {'on' if plan.checkpointing else 'off'} "
+              f"checkpointing: {plan.checkpointing_label} "
               f"({plan.reasons.get('checkpointing', '')})"]
     if plan.predicted_peak_bytes is not None:
         lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "
@@ -130,14 +130,15 @@ def format_throughput(plan) -> str:
     """The throughput search's table: every configuration considered, fastest first."""
     rows = []
     for c in plan.throughput:
-        chosen = (c.fits and (c.precision, c.checkpointing, c.micro_batches)
-                  == (plan.precision, plan.checkpointing, list(plan.micro_batches)))
+        blocks = c.checkpointed_blocks or ("on" if c.checkpointing else "off")
+        chosen = (c.fits and (c.precision, blocks, c.micro_batches)
+                  == (plan.precision, plan.checkpointing_setting, list(plan.micro_batches)))
         speed = f"{c.samples_per_s:.1f}" if c.samples_per_s is not None else "-"
         if c.compared:
             speed += " (side by side)"
         status = "<- plan" if chosen else ("reused" if c.reused and c.fits else
                                            "" if c.fits else f"pruned: {c.note}")
-        rows.append([c.precision, "on" if c.checkpointing else "off", c.micro_batch,
+        rows.append([c.precision, blocks if isinstance(blocks, str) else f"{blocks} blocks", c.micro_batch,
                      c.accumulation_steps, speed, format_bytes(c.peak_bytes),
                      format_bytes(c.predicted_peak_bytes), status])
     text = table(["precision", "checkpointing", "micro-batch", "steps", "samples/s", "peak",
@@ -160,7 +161,7 @@ def format_verify(result) -> str:
     plan, info = result.plan, result.device
     lines = [f"device:     {info.name} (budget {format_bytes(info.budget_bytes)}, {info.budget_source})",
              f"checked:    micro-batch {plan.micro_batch}, "
-             f"{setting_label(plan.precision, plan.checkpointing)}, {result.steps} real steps",
+             f"{setting_label(plan.precision, plan.checkpointing_label)}, {result.steps} real steps",
              f"limit:      {format_bytes(result.usable_bytes)} = {format_bytes(result.budget_bytes)} "
              f"budget less {plan.headroom:.0%} headroom"]
     predicted = format_bytes(plan.predicted_peak_bytes)
@@ -182,7 +183,7 @@ def format_verify(result) -> str:
             lines.append(f"re-planned: micro-batch {new.micro_batch} × {new.accumulation_steps} "
                          f"accumulation steps × {new.world_size} rank(s) = {new.effective_batch} "
                          f"(was {plan.micro_batch} × {plan.accumulation_steps}); "
-                         f"{setting_label(new.precision, new.checkpointing)}")
+                         f"{setting_label(new.precision, new.checkpointing_label)}")
         if result.replan_error is not None:
             lines.append(f"re-plan failed: {result.replan_error}")
     return "\n".join(lines)

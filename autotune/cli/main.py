@@ -15,8 +15,26 @@ from ..precision import Precision
 from ..units import format_bytes, parse_bytes
 from ..planning.export import TARGETS as EXPORT_TARGETS
 from ..planning.lr import RULES as LR_RULES
-from ..planning.api import CHECKPOINTING_CHOICES, PRECISION_CHOICES as PLAN_PRECISIONS
+from ..planning.api import PRECISION_CHOICES as PLAN_PRECISIONS
+from ..workload.checkpoint_count import parse_checkpointing
 from ..planning.api import OPTIMIZE_CHOICES as PLAN_GOALS
+
+
+class _Checkpointing(click.ParamType):
+    """auto (when allowed), off, on, a block count K or a fraction such as 1/3."""
+
+    name = "auto|off|on|K|FRACTION"
+
+    def __init__(self, allow_auto: bool):
+        self.allow_auto = allow_auto
+        if not allow_auto:
+            self.name = "off|on|K|FRACTION"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_checkpointing(value, allow_auto=self.allow_auto)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 class _MemorySize(click.ParamType):
@@ -106,8 +124,9 @@ def _model_file(function):
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
 @click.option("--precision", type=PRECISIONS, default="fp32", show_default=True,
               help="fp32; bf16 autocast; fp16 autocast with GradScaler.")
-@click.option("--checkpointing", type=click.Choice(["off", "on"]), default="off", show_default=True,
-              help="Activation checkpointing around the model's repeated blocks.")
+@click.option("--checkpointing", type=_Checkpointing(allow_auto=False), default="off", show_default=True,
+              help="Activation checkpointing around the model's repeated blocks: off, on (all), "
+                   "K of them spread evenly, or a fraction such as 1/3.")
 @click.option("--memory-limit", type=MEMORY_SIZE, default=None,
               help="Memory budget to emulate a smaller device, e.g. 8GiB, 512MiB or bytes.")
 @click.option("--max-micro-batch", type=click.IntRange(min=1), default=None,
@@ -122,7 +141,7 @@ def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_
 
     with _stdout_to_stderr(as_json):
         result = run_probe(model_file, device=device, precision=precision,
-                           checkpointing=checkpointing == "on", memory_limit=memory_limit,
+                           checkpointing=checkpointing, memory_limit=memory_limit,
                            max_micro_batch=max_micro_batch)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_probe(result, model_file))
 
@@ -155,8 +174,10 @@ def devices(memory_limit, as_json):
               default="auto", show_default=True,
               help="auto: bf16 on CUDA where supported, fp16 on CUDA without bf16; on the CPU "
                    "fp32 unless bf16 needs fewer accumulation steps.")
-@click.option("--checkpointing", type=click.Choice(CHECKPOINTING_CHOICES), default="auto",
-              show_default=True, help="auto: on only where it buys a needed micro-batch.")
+@click.option("--checkpointing", type=_Checkpointing(allow_auto=True), default="auto",
+              show_default=True, help="auto: the fewest repeated blocks that buy the fewest "
+                                      "accumulation steps; off; on (all); K blocks spread evenly; "
+                                      "or a fraction such as 1/3.")
 @click.option("--base-lr", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Reference LR (default: BASE_LR in the model file).")
 @click.option("--base-batch", type=click.IntRange(min=1), default=None,
@@ -351,8 +372,9 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
               required=True, help="Micro-batch to estimate; repeat for several (--micro-batch 8 --micro-batch 64).")
 @click.option("--precision", type=PRECISIONS, default="fp32", show_default=True,
               help="fp32; bf16 autocast; fp16 autocast with GradScaler.")
-@click.option("--checkpointing", type=click.Choice(["off", "on"]), default="off", show_default=True,
-              help="Activation checkpointing around the model's repeated blocks.")
+@click.option("--checkpointing", type=_Checkpointing(allow_auto=False), default="off", show_default=True,
+              help="Activation checkpointing around the model's repeated blocks: off, on (all), "
+                   "K of them spread evenly, or a fraction such as 1/3.")
 @click.option("--json", "as_json", is_flag=True, help="Print {micro_batch: peak_bytes} as JSON.")
 @_errors_to_exit_codes
 def estimate(model_file, micro_batches, precision, checkpointing, as_json):
@@ -361,7 +383,7 @@ def estimate(model_file, micro_batches, precision, checkpointing, as_json):
 
     with _stdout_to_stderr(as_json):
         peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
-                               checkpointing=checkpointing == "on")
+                               checkpointing=checkpointing)
     if as_json:
         click.echo(json.dumps({str(n): peak for n, peak in peaks.items()}, indent=2))
         return

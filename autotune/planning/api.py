@@ -15,23 +15,27 @@ import os
 
 import torch
 
-from ..workload.activation_checkpointing import repeated_blocks
+from ..workload.activation_checkpointing import checkpointable_blocks
+from ..workload.checkpoint_count import describe_blocks, parse_checkpointing, resolve_blocks
 from ..version import __version__
 from ..errors import ConfigError, PlanError, ProbeError
 from ..memory import backend_for
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
-                      cpu_precision, ddp_bucket_bytes, evaluate_setting, usable_bytes)
+                      cpu_precision, ddp_bucket_bytes, evaluate_setting, predicted_blocks, split_for,
+                      usable_bytes)
 from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
 from ..probing.api import probe
+from ..probing.blocks import learn_block_model, prove_fewest_blocks
+from ..probing.result import ProbeResult
+from ..units import format_bytes
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, check_storage, parse_duration,
-                                search_throughput, study_name, why_fastest)
+                                search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
 from ..workload.contract import Workload, load_workload
 
 PRECISION_CHOICES = ("auto", *(p.value for p in Precision))
-CHECKPOINTING_CHOICES = ("auto", "on", "off")
 OPTIMIZE_CHOICES = ("memory", "throughput")
 
 
@@ -42,7 +46,7 @@ def plan(
     world_size: int | None = None,
     device=None,
     precision: str = "auto",
-    checkpointing: str = "auto",
+    checkpointing="auto",
     memory_limit=None,
     headroom: float = 0.1,
     micro_batch: int | None = None,
@@ -60,7 +64,9 @@ def plan(
 
     ``world_size`` defaults to torch.distributed's world size when initialised, else the
     WORLD_SIZE environment variable, else 1. ``precision`` is auto|fp32|bf16|fp16 and
-    ``checkpointing`` auto|on|off ("auto": only where it buys something). ``headroom`` is the
+    ``checkpointing`` auto|on|off, a count K of the model's repeated blocks or a fraction such as
+    "1/3" (K spread evenly; "auto": the fewest blocks that buy the fewest accumulation steps,
+    proved with real trials at K and K - 1). ``headroom`` is the
     fraction of the budget kept free. ``micro_batch`` pins the micro-batch. ``base_lr`` at
     ``base_batch`` (default: BASE_LR / BASE_BATCH in the model file) is rescaled by ``lr_rule``.
 
@@ -109,6 +115,7 @@ def plan(
     if target:
         target.check_estimable(workload, chosen)
     fingerprint = fingerprint_workload(workload)
+    checkpointing = _requested_blocks(checkpointing, fingerprint)
     request = PlanRequest(
         target_batch=target_batch, world_size=world_size, precision=chosen,
         precision_reason=precision_reason, checkpointing=checkpointing, headroom=headroom,
@@ -118,14 +125,13 @@ def plan(
         dataset_size=_dataset_size(workload), distributed=distributed, even=even,
         grad_scaler=scaler_settings(grad_scaler),
     )
-    if checkpointing == "on" and not fingerprint.checkpointable:
-        raise PlanError(f"--checkpointing on: {workload.source} has no repeated blocks (an "
-                        f"nn.ModuleList or nn.Sequential of layers) to checkpoint; use auto or off")
     usable = usable_bytes(info.budget_bytes, headroom)
     extra = ddp_bucket_bytes(world_size, fingerprint.param_bytes)
     agree = _min_across_ranks if distributed else None
 
-    def try_setting(checkpoint: bool, precision: str = chosen) -> SettingTried:
+    first = "off" if checkpointing == "auto" else checkpointing
+
+    def try_setting(checkpoint, precision: str = chosen) -> SettingTried:
         setting = _probe_setting(workload, backend, precision, checkpoint, request.wanted_micro_batch)
         return evaluate_setting(setting, usable=usable, extra_bytes=extra, agree=agree)
 
@@ -134,18 +140,27 @@ def plan(
         precisions = [chosen] if precision != "auto" else _supported_precisions(backend.device)
         settings = []
         for candidate in precisions:
-            settings.append(try_setting(checkpointing == "on", candidate))
+            settings.append(try_setting(first, candidate))
             if checkpointing_worth_probing(settings[-1], request, fingerprint):
-                settings.append(try_setting(True, candidate))
+                settings.append(try_setting("on", candidate))
+                fewest = _fewest_blocks_setting(workload, backend, request, settings[-2], settings[-1],
+                                                usable=usable, extra=extra)
+                if fewest is not None:
+                    settings.append(fewest)
         return _fastest_plan(workload, backend, request, fingerprint, settings, info, usable=usable,
                              extra=extra, budget_s=budget_s, storage=storage, created_at=created_at,
                              estimated_for=target.profile.name if target else None)
 
     def settings_in(precision_: Precision) -> list[SettingTried]:
-        settings = [try_setting(checkpointing == "on", precision_)]
-        if checkpointing_worth_probing(settings[0], dataclasses.replace(request, precision=precision_),
-                                       fingerprint):
-            settings.append(try_setting(True, precision_))
+        request_ = dataclasses.replace(request, precision=precision_)
+        settings = [try_setting(first, precision_)]
+        if checkpointing_worth_probing(settings[0], request_, fingerprint):
+            settings.append(try_setting("on", precision_))
+            if not distributed:  # the count is proved by local trials; ranks would have to agree on it
+                fewest = _fewest_blocks_setting(workload, backend, request_, settings[0], settings[1],
+                                                usable=usable, extra=extra)
+                if fewest is not None:
+                    settings.append(fewest)
         return settings
 
     def build(precision_: Precision, settings: list[SettingTried], reason: str | None = None) -> Plan:
@@ -209,14 +224,15 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
         raise PlanError(f"--optimize throughput: no configuration fits and ran within the budget "
                         f"({notes}); lower --headroom, give it more memory or use --optimize memory")
     winner = result.winner
-    setting = next(s for s in settings
-                   if (s.precision, s.checkpointing) == (winner.precision, winner.checkpointing))
+    setting = next(s for s in settings if setting_key(s) == (winner.precision, winner.checkpointing,
+                                                                winner.checkpointed_blocks))
     if request.micro_batch is None:
         # The planner splits the share into the fewest steps of at most the allowed micro-batch;
         # allowing exactly the winner's makes it plan the split that was measured.
         setting = dataclasses.replace(setting, allowed_micro_batch=winner.micro_batch)
     request = dataclasses.replace(
-        request, precision=winner.precision, checkpointing="on" if winner.checkpointing else "off",
+        request, precision=winner.precision,
+        checkpointing=("off" if not winner.checkpointing else winner.checkpointed_blocks or "on"),
         precision_reason=f"{winner.precision}: the fastest measured (see throughput)")
     return build_plan(request, workload=fingerprint, settings=[setting], device=info,
                       versions=current_versions(), created_at=created_at, considered=settings,
@@ -224,20 +240,84 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
                       estimated_for=estimated_for)
 
 
-def _probe_setting(workload, backend, precision: str, checkpoint: bool, upper: int) -> SettingTried:
+def _requested_blocks(value, fingerprint: WorkloadFingerprint):
+    """"auto", "off", "on" or a count strictly between (a fraction resolved on the model)."""
+    value = parse_checkpointing(value)
+    if value in ("auto", "off"):
+        return value
+    if not fingerprint.checkpointable:
+        raise PlanError(f"--checkpointing {value}: {fingerprint.source} has no repeated blocks (an "
+                        f"nn.ModuleList or nn.Sequential of layers) to checkpoint; use auto or off")
+    total = fingerprint.repeated_blocks
+    blocks = resolve_blocks(value, total, source=fingerprint.source)
+    return "off" if blocks == 0 else "on" if blocks == total else blocks
+
+
+def _probe_setting(workload, backend, precision: str, checkpoint, upper: int) -> SettingTried:
+    checkpoint = {"off": False, "on": True}.get(checkpoint, checkpoint)  # probe's bools, or K
+    on = checkpoint is not False and checkpoint != 0
+    blocks = checkpoint if isinstance(checkpoint, int) and not isinstance(checkpoint, bool) else None
     try:
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
                        backend=backend)
     except ProbeError as exc:
         # Not fitting is an answer for this setting (another may fit); the message is kept.
-        return SettingTried(precision=precision, checkpointing=checkpoint, error=str(exc))
-    return SettingTried(precision=precision, checkpointing=checkpoint, probe=result)
+        return SettingTried(precision=precision, checkpointing=on, checkpointed_blocks=blocks,
+                            error=str(exc))
+    return SettingTried(precision=precision, checkpointing=result.checkpointing,
+                        checkpointed_blocks=result.checkpointed_blocks if result.checkpointing else None,
+                        probe=result)
+
+
+def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: SettingTried,
+                           on: SettingTried, *, usable: int, extra: int) -> SettingTried | None:
+    """Under "auto", when checkpointing every block cuts accumulation steps: the fewest blocks
+    that reach the same micro-batch, predicted from the per-block saving learned on fake tensors
+    and proved with real trials at K (fits) and K - 1 (does not). None when all are needed (the
+    proof is then kept on ``on``) or nothing fewer can be proved."""
+    split, off_split = split_for(on.allowed_micro_batch, request), split_for(off.allowed_micro_batch, request)
+    if on.probe is None or split is None or (off_split is not None and len(off_split) <= len(split)):
+        return None
+    total, micro_batch = on.probe.total_blocks or 0, max(split)
+    if total < 2:
+        return None
+    precision = Precision.parse(on.precision)
+    model = learn_block_model(workload, backend, precision=precision,
+                              micro_batches=(max(1, micro_batch // 2), micro_batch))
+    base = off.probe or on.probe
+    predicted = predicted_blocks(base, model, micro_batch, usable, extra) if model else None
+    start = min(max(predicted or total - 1, 1), total)
+    proof = prove_fewest_blocks(workload, backend, precision=precision, micro_batch=micro_batch,
+                                start=start, limit_bytes=usable - extra)
+    if not proof.blocks:
+        return None
+    if proof.blocks >= total:
+        on.fewer_blocks_trial = proof.fewer
+        return None
+    blocks, trial = proof.blocks, proof.trials[proof.blocks]
+    tried = ", ".join(f"{k}: {format_bytes(t.peak_bytes)}{'' if t.fits else ' (out of memory)'}"
+                      for k, t in sorted(proof.trials.items()))
+    said = (f"the per-block saving learned on fake tensors predicted {predicted} block(s)" if model
+            else "no estimate on fake tensors, so real trials from all blocks down")
+    memory_model = (model.for_blocks(base.memory_model, blocks, fitted_at=base.checkpointed_blocks or 0)
+                    if model else on.probe.memory_model)
+    result = ProbeResult(
+        max_micro_batch=micro_batch, upper_bound=micro_batch, capped=True, trials=[trial],
+        memory_model=memory_model, device=on.probe.device, precision=on.precision,
+        checkpointing=True, checkpointed_blocks=blocks, total_blocks=total, block_model=model,
+        seconds=proof.seconds, oom_count=sum(not t.fits for t in proof.trials.values()),
+        notes=[f"checkpointing {describe_blocks(blocks, total)} at micro-batch {micro_batch}: {said}; "
+               f"real trials by blocks checkpointed: {tried}"])
+    setting = SettingTried(precision=on.precision, checkpointing=True, checkpointed_blocks=blocks,
+                           probe=result, fewer_blocks_trial=proof.fewer)
+    return evaluate_setting(setting, usable=usable, extra_bytes=extra)
 
 
 def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
     """What the plan needs to know about the model: sizes, optimizer, BatchNorm, repeated blocks."""
     model = workload.new_model()
     params = list(model.parameters())
+    blocks = checkpointable_blocks(model)
     trainable = [p for p in params if p.requires_grad]
     optimizer = workload.new_optimizer(trainable) if trainable else None
     lr = optimizer.param_groups[0].get("lr") if optimizer is not None else None
@@ -250,7 +330,8 @@ def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
         # A NaN or infinite LR is no LR to keep (and JSON cannot hold it).
         optimizer_lr=float(lr) if isinstance(lr, (int, float)) and math.isfinite(lr) else None,
         batchnorm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
-        checkpointable=any(any(True for _ in b.parameters()) for b in repeated_blocks(model)),
+        checkpointable=bool(blocks),
+        repeated_blocks=len(blocks),
     )
 
 

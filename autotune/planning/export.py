@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..precision import GradScalerSettings
 from .lr import WARMUP_EPOCHS
 from .policy import largest_divisor_at_most
+from ..workload.activation_checkpointing import spread_evenly
 from .types import Plan
 
 TARGETS = ("hf", "deepspeed", "lightning", "accelerate", "torchrun")
@@ -79,8 +80,21 @@ def _even_notes(plan: Plan, target: str) -> list[str]:
     ]
 
 
+def _selective_notes(plan: Plan, target: str) -> list[str]:
+    """A plan that checkpoints K of N blocks, for a runner that checkpoints all or none."""
+    blocks, total = plan.blocks, plan.total_blocks
+    if not blocks or total is None or blocks >= total:
+        return []
+    return [f"the plan checkpoints {blocks} of {total} repeated blocks (indices "
+            f"{', '.join(map(str, spread_evenly(blocks, total)))}), and {target} checkpoints all "
+            f"blocks or none: this export checkpoints all {total}, the nearest that fits (the same "
+            f"memory or less, more recomputation); to keep the plan's speed, checkpoint only those "
+            f"blocks in the model (autotune.workload.activation_checkpointing.enable_checkpointing("
+            f"model, blocks={blocks})) or train with autotune's own loop"]
+
+
 def _common_notes(plan: Plan, target: str, *, carries_warmup: bool = False) -> list[str]:
-    notes = [n for n in _even_notes(plan, target) if n]
+    notes = [n for n in _even_notes(plan, target) if n] + _selective_notes(plan, target)
     if plan.lr.lr is None:
         notes.append("no learning rate is exported: " + plan.lr.note)
     elif plan.lr.warmup_steps and not carries_warmup:
@@ -239,6 +253,9 @@ def to_accelerate(plan: Plan) -> Export:
     notes.append(f"launch config for `accelerate launch --config_file FILE.json`; in the script use "
                  f"Accelerator(gradient_accumulation_steps={even.accumulation_steps}) with "
                  f"accelerator.accumulate(model), and DataLoader(..., batch_size={even.micro_batch})")
+    if plan.checkpointing:
+        notes.append("the plan uses activation checkpointing: apply it in the model "
+                     "(torch.utils.checkpoint); Accelerate has no switch for it")
     return Export(target="accelerate", config=config, notes=notes,
                   script={"accelerator": accelerator, "dataloader": {"batch_size": even.micro_batch}})
 

@@ -18,7 +18,7 @@ from .lr import decide_lr, lr_warnings
 from ..memory.base import DeviceInfo
 from ..precision import GradScalerSettings, Precision
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
-from ..probing.result import ProbeResult, setting_label
+from ..probing.result import BlockModel, ProbeResult, setting_label
 from ..units import format_bytes
 
 BATCHNORM_MIN_MICRO_BATCH = 16
@@ -42,8 +42,8 @@ class PlanRequest:
     world_size: int = 1
     precision: Precision = Precision.FP32
     precision_reason: str = ""
-    checkpointing: str = "auto"
-    """"auto", "on" or "off"."""
+    checkpointing: str | int = "auto"
+    """"auto", "on", "off" or a count K of the model's repeated blocks (resolved from a fraction)."""
     headroom: float = 0.1
     micro_batch: int | None = None
     """A pinned micro-batch (None: the planner chooses)."""
@@ -70,8 +70,11 @@ class PlanRequest:
                                              and math.isfinite(self.base_lr) and self.base_lr > 0):
             raise ConfigError(f"--base-lr {self.base_lr!r} must be a finite number more than 0, "
                               f"e.g. --base-lr 3e-4")
-        if self.checkpointing not in ("auto", "on", "off"):
-            raise ConfigError(f"--checkpointing {self.checkpointing!r} must be auto, on or off")
+        if self.checkpointing not in ("auto", "on", "off") and (
+                isinstance(self.checkpointing, bool) or not isinstance(self.checkpointing, int)
+                or self.checkpointing < 0):
+            raise ConfigError(f"--checkpointing {self.checkpointing!r} must be auto, on, off or a "
+                              f"block count K >= 0")
         if self.micro_batch is not None:
             split_pinned(self.share, self.micro_batch)  # raises when it exceeds the share
 
@@ -228,7 +231,8 @@ def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
     return off.allowed_micro_batch < request.wanted_micro_batch
 
 
-def _split_for(allowed: int, request: PlanRequest) -> list[int] | None:
+def split_for(allowed: int, request: PlanRequest) -> list[int] | None:
+    """The split a setting that allows ``allowed`` gives (None: none fits the request)."""
     if request.micro_batch is not None:
         return split_pinned(request.share, request.micro_batch) if allowed >= request.micro_batch else None
     if allowed < 1:
@@ -236,33 +240,76 @@ def _split_for(allowed: int, request: PlanRequest) -> list[int] | None:
     return split_evenly(request.share, allowed) if request.even else split_share(request.share, allowed)
 
 
+def predicted_blocks(probe: ProbeResult, model: BlockModel, micro_batch: int, usable: int,
+                     extra_bytes: int = 0) -> int | None:
+    """The fewest checkpointed blocks predicted to keep ``micro_batch`` within ``usable``, from
+    ``probe``'s memory model moved by the per-block saving (None: not even every block)."""
+    fitted_at = probe.checkpointed_blocks or 0
+    for blocks in range(model.total_blocks + 1):
+        peak = model.for_blocks(probe.memory_model, blocks, fitted_at=fitted_at).predict(micro_batch)
+        if peak + extra_bytes <= usable:
+            return blocks
+    return None
+
+
+def _blocks_key(setting: SettingTried) -> float:
+    blocks = setting.blocks
+    return math.inf if blocks is None else blocks
+
+
 def _choose_setting(settings: list[SettingTried], request: PlanRequest,
                     workload: WorkloadFingerprint) -> tuple[SettingTried, list[int], str]:
-    """The setting to train with, its split, and why (checkpointing)."""
-    splits = [(s, _split_for(s.allowed_micro_batch, request)) for s in settings]
+    """The setting to train with, its split, and why (checkpointing): the fewest accumulation
+    steps, then the fewest checkpointed blocks."""
+    splits = [(s, split_for(s.allowed_micro_batch, request)) for s in settings]
     usable = [(s, split) for s, split in splits if split is not None]
     if not usable:
         raise PlanError(_nothing_fits_message(settings, request))
     off = next(((s, sp) for s, sp in splits if not s.checkpointing), None)
-    on = next(((s, sp) for s, sp in splits if s.checkpointing), None)
-    if on is None or on[1] is None:
+    checkpointed = [(s, sp) for s, sp in usable if s.checkpointing]
+    if not checkpointed:
         setting, split = usable[0]
+        on = next(((s, sp) for s, sp in splits if s.checkpointing), None)
         return setting, split, _why_single(setting, request, workload, on)
     if off is None:
-        return on[0], on[1], "on as requested"
+        setting, split = min(checkpointed, key=lambda p: (len(p[1]), _blocks_key(p[0])))
+        return setting, split, f"{setting.checkpointing_label} as requested"
+    best, split = min(checkpointed, key=lambda p: (len(p[1]), _blocks_key(p[0])))
+    if off[1] is not None and len(off[1]) <= len(split):
+        return off[0], off[1], (f"auto: off; checkpointing was probed but keeps {len(split)} "
+                                f"accumulation steps either way, and it costs ~20-35% more step time")
     if off[1] is None:
         need = (f"the pinned micro-batch {request.micro_batch}" if request.micro_batch
                 else "even micro-batch 1 within the budget minus the headroom")
-        return on[0], on[1], f"auto: on, because without it {need} does not fit"
-    steps_off, steps_on = len(off[1]), len(on[1])
-    if steps_on < steps_off:
-        why = f"auto: on, because it cuts accumulation steps from {steps_off} to {steps_on}"
-        if workload.batchnorm and min(off[1]) < BATCHNORM_MIN_MICRO_BATCH <= min(on[1]):
-            why += (f" and lifts the BatchNorm micro-batch from {min(off[1])} to {min(on[1])} "
-                    f"(>= {BATCHNORM_MIN_MICRO_BATCH})")
-        return on[0], on[1], why + " (at ~20-35% more step time)"
-    return off[0], off[1], (f"auto: off; checkpointing was probed but keeps {steps_on} accumulation "
-                            f"steps either way, and it costs ~20-35% more step time")
+        without = f"without it {need} does not fit"
+        why = f"auto: {best.checkpointing_label}, because {without}"
+    else:
+        without = f"without it: {len(off[1])} steps"
+        why = (f"auto: {best.checkpointing_label}, because it cuts accumulation steps from {len(off[1])} "
+               f"to {len(split)}")
+    proof = _fewest_blocks_reason(best, split, request)
+    if proof:
+        why = f"auto: {proof[0]} ({without}); {proof[1]}"
+    if off[1] is not None and workload.batchnorm and min(off[1]) < BATCHNORM_MIN_MICRO_BATCH <= min(split):
+        why += (f" and lifts the BatchNorm micro-batch from {min(off[1])} to {min(split)} "
+                f"(>= {BATCHNORM_MIN_MICRO_BATCH})")
+    return best, split, why + " (at ~20-35% more step time)"
+
+
+def _fewest_blocks_reason(setting: SettingTried, split: list[int],
+                          request: PlanRequest) -> tuple[str, str] | None:
+    """What the blocks reach, and why no fewer (the real trial with one block fewer)."""
+    fewer, probe = setting.fewer_blocks_trial, setting.probe
+    if fewer is None or probe is None or setting.blocks is None or probe.total_blocks is None:
+        return None
+    blocks, total = setting.blocks, probe.total_blocks
+    steps = "one step" if len(split) == 1 else f"{len(split)} steps"
+    found = ("ran out of memory" if not fewer.fits else
+             f"peaked at {format_bytes(fewer.peak_bytes)}, past the "
+             f"{format_bytes(usable_bytes(probe.budget_bytes, request.headroom))} the headroom leaves")
+    reach = f"checkpointing {blocks} of {total} blocks reaches micro-batch {max(split)} in {steps}"
+    needed = f"all {total} were not needed" if blocks < total else f"all {total} are needed"
+    return reach, f"{needed}: a trial with {blocks - 1} {found}"
 
 
 def _why_single(setting, request, workload, on) -> str:
@@ -270,6 +317,8 @@ def _why_single(setting, request, workload, on) -> str:
         return "on as requested"
     if request.checkpointing == "off":
         return "off as requested"
+    if request.checkpointing != "auto":
+        return f"{setting.checkpointing_label} as requested"
     if not workload.checkpointable:
         return "auto: off; the model has no repeated blocks (ModuleList/Sequential) to checkpoint"
     if on is not None:
@@ -281,7 +330,7 @@ def _why_single(setting, request, workload, on) -> str:
 def _nothing_fits_message(settings: list[SettingTried], request: PlanRequest) -> str:
     parts = []
     for s in settings:
-        label = setting_label(s.precision, s.checkpointing)
+        label = setting_label(s.precision, s.checkpointing_label)
         if s.probe is None:
             parts.append(f"{label}: {s.error}")
         elif request.micro_batch is not None and s.allowed_micro_batch < request.micro_batch:
@@ -387,8 +436,7 @@ def build_plan(
         raise PlanError("no setting was probed; nothing to plan from")
     setting, split, checkpoint_reason = _choose_setting(settings, request, workload)
     if throughput is not None:
-        checkpoint_reason = (f"{'on' if setting.checkpointing else 'off'}: the fastest measured "
-                             f"(see throughput)")
+        checkpoint_reason = f"{setting.checkpointing_label}: the fastest measured (see throughput)"
     extra = ddp_bucket_bytes(request.world_size, workload.param_bytes)
     lr = decide_lr(rule=request.lr_rule, target_batch=request.target_batch, base_lr=request.base_lr,
                    base_batch=request.base_batch, optimizer=workload.optimizer,
@@ -406,7 +454,8 @@ def build_plan(
         reasons["throughput"] = throughput.reason
     plan = Plan(
         target_batch=request.target_batch, world_size=request.world_size, micro_batches=split,
-        precision=setting.precision, checkpointing=setting.checkpointing, lr=lr, workload=workload,
+        precision=setting.precision, checkpointing=setting.checkpointing,
+        checkpointed_blocks=setting.blocks if setting.checkpointing else None, lr=lr, workload=workload,
         versions=dict(versions or {}), device=device, headroom=request.headroom,
         ddp_bucket_bytes=extra,
         predicted_peak_bytes=int(predicted_peak(setting.probe, max(split), extra)),
@@ -442,6 +491,7 @@ __all__ = [
     "BATCHNORM_MIN_MICRO_BATCH", "MAX_QUIET_ACCUMULATION", "PlanRequest", "allowed_micro_batch",
     "allocator_warnings", "build_plan", "checkpointing_worth_probing", "choose_precision",
     "cpu_precision", "ddp_bucket_bytes", "evaluate_setting", "largest_divisor_at_most",
-    "per_device_share", "plan_warnings", "predicted_peak", "split_evenly", "split_pinned",
+    "per_device_share", "plan_warnings", "predicted_blocks", "predicted_peak", "split_evenly",
+    "split_for", "split_pinned",
     "split_share", "usable_bytes",
 ]

@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field
 
 from ..memory.base import DeviceInfo
 from ..precision import GradScalerSettings, Precision
-from ..probing.result import ProbeResult, setting_label
+from ..probing.result import ProbeResult, Trial, setting_label
 from ..sharding.settings import Sharding
 from ..units import format_bytes
+from ..workload.checkpoint_count import describe_blocks
 
 SCHEMA_VERSION = 2
 """Version of the plan file layout; bump it when a field changes meaning or is removed.
@@ -80,6 +81,8 @@ class WorkloadFingerprint:
     """Whether the model has BatchNorm layers (they see only the micro-batch)."""
     checkpointable: bool = True
     """Whether the model has repeated blocks that activation checkpointing can wrap."""
+    repeated_blocks: int | None = None
+    """How many repeated blocks checkpointing can wrap (None: not recorded, older files)."""
 
 
 @dataclass(kw_only=True)
@@ -88,12 +91,17 @@ class SettingTried:
 
     precision: Precision
     checkpointing: bool
+    checkpointed_blocks: int | None = None
+    """How many repeated blocks are checkpointed (None: every one when checkpointing)."""
     probe: ProbeResult | None = None
     """None when nothing fitted (see ``error``)."""
     error: str | None = None
     """Why the probe found no micro-batch (the ProbeError message)."""
     allowed_micro_batch: int = 0
     """Largest micro-batch whose predicted peak stays within the budget minus the headroom."""
+    fewer_blocks_trial: Trial | None = None
+    """The real trial at this setting's micro-batch with one checkpointed block fewer: the proof
+    that fewer blocks do not do (None: not run)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
@@ -102,17 +110,41 @@ class SettingTried:
     def raw_max_micro_batch(self) -> int:
         return self.probe.max_micro_batch if self.probe is not None else 0
 
+    @property
+    def blocks(self) -> int | None:
+        """Checkpointed blocks: 0 when off, None for "every block" of an unknown count."""
+        return checkpoint_count(self.checkpointing, self.checkpointed_blocks,
+                                self.probe.total_blocks if self.probe is not None else None)
+
+    @property
+    def checkpointing_label(self) -> str:
+        """"off", "on" or "K of N blocks"."""
+        return describe_blocks(self.blocks, self.probe.total_blocks if self.probe is not None else None)
+
     def to_dict(self) -> dict:
         return {"precision": self.precision, "checkpointing": self.checkpointing,
+                "checkpointed_blocks": self.checkpointed_blocks,
                 "probe": self.probe.to_dict() if self.probe is not None else None,
-                "error": self.error, "allowed_micro_batch": self.allowed_micro_batch}
+                "error": self.error, "allowed_micro_batch": self.allowed_micro_batch,
+                "fewer_blocks_trial": (asdict(self.fewer_blocks_trial)
+                                       if self.fewer_blocks_trial is not None else None)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "SettingTried":
         data = dict(data)
         if data.get("probe") is not None:
             data["probe"] = ProbeResult.from_dict(data["probe"])
+        if data.get("fewer_blocks_trial") is not None:
+            data["fewer_blocks_trial"] = Trial.from_dict(data["fewer_blocks_trial"])
         return cls(**data)
+
+
+def checkpoint_count(checkpointing: bool, checkpointed_blocks: int | None, total: int | None) -> int | None:
+    """The number of checkpointed blocks: 0 when off, else the count, else ``total`` (None:
+    every block of a model whose count was not recorded)."""
+    if not checkpointing:
+        return 0
+    return checkpointed_blocks if checkpointed_blocks is not None else total
 
 
 class SplitArithmetic:
@@ -138,12 +170,17 @@ class SplitArithmetic:
         """Whether every accumulation step has the same micro-batch (what most runners need)."""
         return len(set(self.micro_batches)) == 1
 
+    total_blocks: "int | None" = None
+    """The model's repeated blocks, where the class knows them (a plan does)."""
+
     def label(self) -> str:
-        """"bf16, checkpointing on, 32 x 4" (uneven splits say so, with the per-device share)."""
+        """"bf16, checkpointing 3 of 4 blocks, 32 x 4" (uneven splits say so, with the per-device
+        share). The class also defines ``checkpointing`` and ``checkpointed_blocks``."""
         split = f"{self.micro_batch} x {self.accumulation_steps}"
         if not self.is_even:
             split += f" (uneven, {self.per_device_batch})"
-        return f"{setting_label(self.precision, self.checkpointing)}, {split}"
+        blocks = self.checkpointed_blocks if self.checkpointing else 0
+        return f"{setting_label(self.precision, describe_blocks(blocks, self.total_blocks))}, {split}"
     @property
     def split_text(self) -> str:
         """The per-rank split for people: "13 + 13 + 12", or runs ("13 × 400 + 12") past
@@ -162,6 +199,8 @@ class ConfigurationMeasured(SplitArithmetic):
     checkpointing: bool
     micro_batches: list[int]
     """Samples per accumulation step on each rank (they sum to the per-device share)."""
+    checkpointed_blocks: int | None = None
+    """How many repeated blocks are checkpointed (None: every one when checkpointing)."""
     samples_per_s: float | None = None
     """From the fastest timed full window (all micro-steps and the optimizer step), or the median
     window when compared side by side (``compared``); None: not run."""
@@ -210,8 +249,12 @@ class Plan(SplitArithmetic):
     """Samples per accumulation step on each rank; sum(micro_batches) * world_size == target_batch."""
     precision: Precision
     checkpointing: bool
+    """Whether any repeated block is checkpointed (``checkpointed_blocks`` says how many)."""
     lr: LRDecision
     workload: WorkloadFingerprint
+    checkpointed_blocks: int | None = None
+    """How many of the model's repeated blocks are checkpointed, spread evenly (None: every one
+    when ``checkpointing``, as in files written before counts existed)."""
     clip_grad_norm: float | None = 1.0
     warnings: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
@@ -262,7 +305,7 @@ class Plan(SplitArithmetic):
                 if self.predicted_peak_bytes is not None and self.device is not None else "")
         lr = f", lr {self.lr.lr:.4g}" if self.lr.lr is not None else ""
         return (f"Plan({split} × {self.world_size} rank(s) = {self.effective_batch}, "
-                f"{setting_label(self.precision, self.checkpointing)}{peak}{lr})")
+                f"{setting_label(self.precision, self.checkpointing_label)}{peak}{lr})")
 
     @property
     def effective_batch(self) -> int:
@@ -273,13 +316,37 @@ class Plan(SplitArithmetic):
         return self.device.budget_bytes if self.device is not None else None
 
     @property
+    def total_blocks(self) -> int | None:
+        """The model's repeated blocks (None: not recorded)."""
+        return self.workload.repeated_blocks
+
+    @property
+    def blocks(self) -> int | None:
+        """Checkpointed blocks: 0 when off, None for "every block" of an unknown count."""
+        return checkpoint_count(self.checkpointing, self.checkpointed_blocks, self.total_blocks)
+
+    @property
+    def checkpointing_setting(self) -> str | int:
+        """"off", "on" or the block count, as ``probe``, ``TrialSession`` and ``plan`` take it."""
+        blocks = self.blocks
+        if blocks == 0:
+            return "off"
+        return "on" if blocks is None or blocks == self.total_blocks else blocks
+
+    @property
+    def checkpointing_label(self) -> str:
+        """"off", "on" or "K of N blocks"."""
+        return describe_blocks(self.blocks, self.total_blocks)
+
+    @property
     def headroom_bytes(self) -> int | None:
         return int(self.budget_bytes * self.headroom) if self.device is not None else None
 
     @property
     def chosen_setting(self) -> SettingTried | None:
         for setting in self.settings:
-            if setting.precision == self.precision and setting.checkpointing == self.checkpointing:
+            if (setting.precision, setting.checkpointing) == (self.precision, self.checkpointing) and (
+                    not self.checkpointing or setting.blocks in (self.blocks, None)):
                 return setting
         return None
 
@@ -304,7 +371,8 @@ class Plan(SplitArithmetic):
         # Derived numbers, written for readers and other tools; ignored when read back.
         data["derived"] = {"accumulation_steps": self.accumulation_steps,
                            "micro_batch": self.micro_batch, "effective_batch": self.effective_batch,
-                           "budget_bytes": self.budget_bytes, "headroom_bytes": self.headroom_bytes}
+                           "budget_bytes": self.budget_bytes, "headroom_bytes": self.headroom_bytes,
+                           "checkpointed_blocks": self.blocks, "total_blocks": self.total_blocks}
         return {"schema_version": data.pop("schema_version"), **data}
 
     @classmethod

@@ -74,7 +74,7 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
     usable = usable_bytes(budget, plan.headroom)
     try:
         with TrialSession(workload, backend, precision=Precision.parse(plan.precision),
-                          checkpointing=plan.checkpointing) as session:
+                          checkpointing=plan.checkpointing_setting) as session:
             trials = [session.run(plan.micro_batch) for _ in range(steps)]
     except SetupOutOfMemory:
         trials = []  # parameters and optimizer state alone pass the budget: nothing fits
@@ -96,7 +96,7 @@ def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
         workload, target_batch=plan.target_batch, world_size=plan.world_size, device=device,
         memory_limit=budget, precision=plan.precision,
         # The same setting, so the new micro-batch answers for the one that did not fit.
-        checkpointing="on" if plan.checkpointing else "off", headroom=plan.headroom,
+        checkpointing=plan.checkpointing_setting, headroom=plan.headroom,
         base_lr=lr.base_lr, base_batch=lr.base_batch,
         lr_rule=lr.rule if lr.base_lr is not None else "auto",
     )

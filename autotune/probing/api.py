@@ -11,6 +11,7 @@ from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_ten
 from ..precision import Precision
 from .. import progress
 from ..units import format_bytes
+from ..workload.checkpoint_count import describe_blocks, parse_checkpointing
 from ..workload.contract import load_workload
 from .result import MemoryModel, ProbeResult, Trial, setting_label
 from .search import fit_memory_model, search_largest_fitting
@@ -23,7 +24,7 @@ def probe(
     *,
     device=None,
     precision="fp32",
-    checkpointing: bool = False,
+    checkpointing=False,
     memory_limit=None,
     max_micro_batch: int | None = None,
     backend: MemoryBackend | None = None,
@@ -41,6 +42,7 @@ def probe(
     """
     workload = load_workload(workload)
     precision = Precision.parse(precision)
+    checkpointing = parse_checkpointing(checkpointing, allow_auto=False)
     if max_micro_batch is not None and (not isinstance(max_micro_batch, int) or max_micro_batch < 1):
         raise ProbeError(f"max_micro_batch must be a positive int or None, got {max_micro_batch!r}")
     backend = backend or backend_for(device, memory_limit)
@@ -49,12 +51,12 @@ def probe(
     estimating = isinstance(backend, EstimateMemoryBackend)
     seed = None
     if use_estimate and not estimating:
-        seed = estimate_seed(workload, backend, precision=precision, checkpointing=bool(checkpointing),
+        seed = estimate_seed(workload, backend, precision=precision, checkpointing=checkpointing,
                              upper=max_micro_batch)
     # On the estimate backend the session's tensors are fake: the model is built inside the fake
     # mode, and a model that fake tensors cannot run raises EstimateUnavailable.
     run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
-    session = TrialSession(run_workload, backend, precision=precision, checkpointing=bool(checkpointing))
+    session = TrialSession(run_workload, backend, precision=precision, checkpointing=checkpointing)
     def limits():
         return fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
 
@@ -73,7 +75,7 @@ def probe(
     if best == 0:
         with limits():
             needed = _peak_without_budget(session, backend)
-        raise ProbeError(_does_not_fit_message(workload, info, precision, bool(checkpointing),
+        raise ProbeError(_does_not_fit_message(workload, info, precision, session,
                                                trials[0] if trials else None, needed, detail))
     notes = []
     if estimating:
@@ -89,7 +91,9 @@ def probe(
         memory_model=model,
         device=info,
         precision=precision.value,
-        checkpointing=bool(checkpointing),
+        checkpointing=session.checkpointed_blocks > 0,
+        checkpointed_blocks=session.checkpointed_blocks,
+        total_blocks=session.total_blocks,
         seconds=time.perf_counter() - started,
         oom_count=sum(not t.fits for t in trials),
         notes=notes,
@@ -111,8 +115,8 @@ def _peak_without_budget(session: TrialSession, backend) -> int | None:
     return trial.peak_bytes if trial.fits else None
 
 
-def _does_not_fit_message(workload, info, precision, checkpointing, trial: Trial | None, needed,
-                          detail: str | None) -> str:
+def _does_not_fit_message(workload, info, precision, session: TrialSession, trial: Trial | None,
+                          needed, detail: str | None) -> str:
     budget = info.budget_bytes
     if needed is not None:
         need = (f"one training step at micro-batch 1 needs {format_bytes(needed)}, "
@@ -125,11 +129,14 @@ def _does_not_fit_message(workload, info, precision, checkpointing, trial: Trial
     helps = []
     if precision is Precision.FP32:
         helps.append("--precision bf16 (or fp16)")
-    if not checkpointing:
+    blocks, total = session.checkpointed_blocks, session.total_blocks
+    if blocks < total or not total:
         helps.append("--checkpointing on")
     helps += ["a device with more memory (or a larger --memory-limit)",
               "sharding parameters and optimizer state with FSDP or DeepSpeed ZeRO"]
-    return (f"{workload.source} does not fit on {info.name} ({setting_label(precision, checkpointing)}): {need}. What would help: {'; '.join(helps)}.")
+    return (f"{workload.source} does not fit on {info.name} "
+            f"({setting_label(precision, describe_blocks(blocks, total))}): {need}. "
+            f"What would help: {'; '.join(helps)}.")
 
 
 __all__ = ["MemoryModel", "ProbeResult", "Trial", "fit_memory_model", "probe", "search_largest_fitting"]

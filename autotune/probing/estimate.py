@@ -17,20 +17,20 @@ from ..workload.contract import load_workload
 from .trial import TrialSession, _state_tensors
 
 
-def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing: bool = False) -> int:
+def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing=False) -> int:
     """Bytes of one steady-state training step at ``micro_batch`` samples, without allocating.
 
     The step is the probe's (``TrialSession``): parameters, buffers and optimizer state, then
     batch, forward under autocast, backward, unscale, clip, optimizer step, zero_grad.
-    ``workload`` is a path to a model file or an ``autotune.Workload``. Raises
+    ``workload`` is a path to a model file or an ``autotune.Workload``; ``checkpointing`` is
+    off/on (or a bool), a count K of the repeated blocks or a fraction of them. Raises
     ``EstimateUnavailable`` when the model cannot run under fake tensors (use ``probe`` then).
     """
     return estimate_peaks(workload, [micro_batch], precision=precision,
                           checkpointing=checkpointing)[micro_batch]
 
 
-def estimate_peaks(workload, micro_batches, *, precision="fp32",
-                   checkpointing: bool = False) -> dict[int, int]:
+def estimate_peaks(workload, micro_batches, *, precision="fp32", checkpointing=False) -> dict[int, int]:
     """``estimate_peak`` for several micro-batches, building the fake model and its state once.
 
     The optimizer phase (unscale, clip, step) is measured at the first size and its transient
@@ -40,7 +40,7 @@ def estimate_peaks(workload, micro_batches, *, precision="fp32",
     precision = Precision.parse(precision)
     sizes = [checked_micro_batch(n) for n in micro_batches]
     session = EstimateSession(on_fake_tensors(workload), EstimateMemoryBackend(),
-                               precision=precision, checkpointing=bool(checkpointing))
+                               precision=precision, checkpointing=checkpointing)
     peaks: dict[int, int] = {}
     with fake_tensor_limits(workload), session:
         for n in sizes:

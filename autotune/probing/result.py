@@ -8,11 +8,17 @@ from dataclasses import asdict, dataclass, field
 from ..memory.base import DeviceInfo
 from ..precision import Precision
 from ..units import format_bytes
+from ..workload.checkpoint_count import describe_blocks
 
 
 def setting_label(precision, checkpointing) -> str:
-    """How every report names a setting: "bf16, checkpointing on"."""
-    return f"{precision}, checkpointing {'on' if checkpointing else 'off'}"
+    """How every report names a setting: "bf16, checkpointing on" (``checkpointing``: a bool, a
+    block count, "on"/"off", or a setting's own ``checkpointing_label`` such as "3 of 4 blocks")."""
+    if isinstance(checkpointing, bool) or checkpointing is None:
+        checkpointing = "on" if checkpointing else "off"
+    elif isinstance(checkpointing, int):
+        checkpointing = describe_blocks(checkpointing, None)
+    return f"{precision}, checkpointing {checkpointing}"
 
 
 @dataclass(kw_only=True)
@@ -82,6 +88,47 @@ class MemoryModel:
                    points=data.get("points", 0))
 
 
+@dataclass(kw_only=True)
+class BlockModel:
+    """What checkpointing K of the model's N repeated blocks does to the activation peak at n
+    samples, learned from steps on fake tensors at K = 0, 1 and N.
+
+    Each checkpointed block keeps only its input, saving ``saving(n) = s0 + s1·n`` bytes.
+    The blocks are spread evenly from the first, so only K = N includes the last block, whose
+    forward is rerun at the start of backward while the rest is still held: that costs
+    ``last_block(n) = r0 + r1·n`` back.
+    """
+
+    total_blocks: int
+    saving: tuple[float, float] = (0.0, 0.0)
+    last_block: tuple[float, float] = (0.0, 0.0)
+
+    def activation_change(self, n: float, blocks: int) -> float:
+        """Bytes the activation peak changes by (negative: saved) with ``blocks`` checkpointed."""
+        change = -blocks * (self.saving[0] + self.saving[1] * n)
+        if blocks >= self.total_blocks:
+            change += self.last_block[0] + self.last_block[1] * n
+        return change
+
+    def for_blocks(self, model: MemoryModel, blocks: int, *, fitted_at: int = 0) -> MemoryModel:
+        """``model``, fitted with ``fitted_at`` blocks checkpointed, moved to ``blocks`` blocks."""
+        def change(n):
+            return self.activation_change(n, blocks) - self.activation_change(n, fitted_at)
+
+        a, b, c = model.activation
+        return MemoryModel(activation=(a + change(0), b + change(1) - change(0), c), step=model.step,
+                           kind=model.kind, points=model.points)
+
+    def to_dict(self) -> dict:
+        return {"total_blocks": self.total_blocks, "saving": list(self.saving),
+                "last_block": list(self.last_block)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BlockModel":
+        return cls(total_blocks=data["total_blocks"], saving=tuple(data["saving"]),
+                   last_block=tuple(data["last_block"]))
+
+
 def _largest_root(coeffs, budget) -> float | None:
     """Largest n with a + b·n + c·n² ≤ budget, for n ≥ 0 (None: unbounded)."""
     a, b, c = coeffs
@@ -110,6 +157,14 @@ class ProbeResult:
     precision: Precision
     checkpointing: bool
     seconds: float
+    checkpointed_blocks: int | None = None
+    """How many of the model's repeated blocks were checkpointed (None: every one when
+    checkpointing, as files written before counts existed meant)."""
+    total_blocks: int | None = None
+    """How many repeated blocks the model has (None: not recorded)."""
+    block_model: BlockModel | None = None
+    """What checkpointing K blocks would change (learned on fake tensors when the planner needed
+    it; None otherwise)."""
     oom_count: int = 0
     notes: list[str] = field(default_factory=list)
     estimate_steps: int = 0
@@ -128,8 +183,13 @@ class ProbeResult:
     def __repr__(self) -> str:
         capped = ", capped" if self.capped else ""
         return (f"ProbeResult(max_micro_batch={self.max_micro_batch}{capped}, "
-                f"{setting_label(self.precision, self.checkpointing)}, {self.steps} trials, "
+                f"{setting_label(self.precision, self.checkpointing_label)}, {self.steps} trials, "
                 f"budget {format_bytes(self.budget_bytes)})")
+
+    @property
+    def checkpointing_label(self) -> str:
+        """"off", "on" or "K of N blocks"."""
+        return describe_blocks(self.checkpointed_blocks if self.checkpointing else 0, self.total_blocks)
 
     @property
     def steps(self) -> int:
@@ -147,6 +207,7 @@ class ProbeResult:
         data = asdict(self)
         data["memory_model"] = self.memory_model.to_dict()
         data["device"] = self.device.to_dict()
+        data["block_model"] = self.block_model.to_dict() if self.block_model is not None else None
         return data
 
     @classmethod
@@ -155,4 +216,6 @@ class ProbeResult:
         data["trials"] = [Trial.from_dict(t) for t in data["trials"]]
         data["memory_model"] = MemoryModel.from_dict(data["memory_model"])
         data["device"] = DeviceInfo.from_dict(data["device"])
+        if data.get("block_model") is not None:
+            data["block_model"] = BlockModel.from_dict(data["block_model"])
         return cls(**data)

@@ -68,7 +68,7 @@ class EstimateSeed:
         return _scaled(self.model, real / estimated)
 
 
-def estimate_seed(workload, backend: MemoryBackend, *, precision: Precision, checkpointing: bool,
+def estimate_seed(workload, backend: MemoryBackend, *, precision: Precision, checkpointing,
                   upper: int | None) -> EstimateSeed:
     """Run the probe's search on fake tensors, against the real backend's budget."""
     budget = backend.info().budget_bytes

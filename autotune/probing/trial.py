@@ -15,7 +15,9 @@ import torch
 
 from ..errors import ProbeError, WorkloadError
 from ..units import format_bytes
-from ..workload.activation_checkpointing import disable_checkpointing, enable_checkpointing
+from ..workload.activation_checkpointing import (checkpointable_blocks, disable_checkpointing,
+                                                 enable_checkpointing)
+from ..workload.checkpoint_count import parse_checkpointing, resolve_blocks
 from ..memory.base import MemoryBackend
 from ..oom import free_memory, is_oom_error
 from ..precision import Precision, autocast, grad_scaler
@@ -32,12 +34,16 @@ class SetupOutOfMemory(ProbeError):
 
 class TrialSession:
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
-                 checkpointing: bool):
+                 checkpointing=False):
+        """``checkpointing``: off/on (or a bool), a block count K or a fraction of the blocks;
+        after set-up ``checkpointed_blocks`` says how many of ``total_blocks`` it is."""
         self.workload = workload
         self.backend = backend
         self.precision = precision
         self.checkpointing = checkpointing
         self.device = backend.device
+        self.checkpointed_blocks = 0
+        self.total_blocks = 0
 
     def __enter__(self) -> "TrialSession":
         self._saved = None
@@ -73,8 +79,8 @@ class TrialSession:
         model = self.workload.new_model()
         self.model = model.to(self.device)
         self.model.train()
-        if self.checkpointing:
-            enable_checkpointing(self.model, source=self.workload.source)
+        self.total_blocks = len(checkpointable_blocks(self.model))
+        self.set_checkpointing(self.checkpointing)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise WorkloadError(f"{self.workload.source}: the model has no trainable parameters")
@@ -93,6 +99,17 @@ class TrialSession:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.adopt(_state_tensors(self.optimizer))
+
+    def set_checkpointing(self, checkpointing) -> int:
+        """Checkpoint that many blocks (off/on, K or a fraction) from the next step on; returns K."""
+        disable_checkpointing(self.model)
+        value = parse_checkpointing(checkpointing, allow_auto=False)
+        count = (None if value == "on" else
+                 resolve_blocks(value, self.total_blocks, source=self.workload.source))
+        self.checkpointed_blocks = (0 if count == 0 else
+                                    enable_checkpointing(self.model, source=self.workload.source,
+                                                         blocks=count))
+        return self.checkpointed_blocks
 
     def run(self, n: int) -> Trial:
         self.backend.release()
@@ -181,8 +198,11 @@ class TrialSession:
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.optimizer = None
-            if self.model is not None and self.checkpointing:
-                disable_checkpointing(self.model)
+            if self.model is not None:
+                if self.checkpointing:
+                    disable_checkpointing(self.model)
+                if self._saved is not None:
+                    _restore_module_state(self.model, self._saved)
             self.model = None
             self.params = []
             self._release_memory()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..workload.activation_checkpointing import disable_checkpointing, enable_checkpointing
+from ..workload.activation_checkpointing import disable_checkpointing
 from ..memory.base import MemoryBackend
 from ..oom import free_memory
 from ..planning.types import SplitArithmetic
@@ -49,6 +49,8 @@ class Configuration(SplitArithmetic):
     precision: Precision
     checkpointing: bool
     micro_batches: tuple[int, ...]
+    checkpointed_blocks: int | None = None
+    """How many repeated blocks are checkpointed (None: every one when checkpointing)."""
 
     def __post_init__(self):
         object.__setattr__(self, "precision", Precision.parse(self.precision, option="precision"))
@@ -57,6 +59,12 @@ class Configuration(SplitArithmetic):
     def share(self) -> int:
         return self.per_device_batch
 
+    @property
+    def checkpointing_setting(self) -> str | int:
+        """"off", "on" or the block count, as ``TrialSession`` takes it."""
+        if not self.checkpointing:
+            return "off"
+        return "on" if self.checkpointed_blocks is None else self.checkpointed_blocks
 
 
 @dataclass(kw_only=True)
@@ -79,7 +87,7 @@ def measure_configuration(workload: Workload, backend: MemoryBackend, config: Co
     until they add up to ``min_seconds`` (at most ``MAX_TIMED_WINDOWS``)."""
     started = time.perf_counter()
     session = TrialSession(workload, backend, precision=Precision.parse(config.precision),
-                           checkpointing=config.checkpointing)
+                           checkpointing=config.checkpointing_setting)
     try:
         with session:
             result = _measure_in(session, config, windows, min_seconds)
@@ -189,7 +197,7 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
                 for i, config in enumerate(configs):
                     if times[i] is None:
                         continue
-                    _set_checkpointing(session, config.checkpointing)
+                    session.set_checkpointing(config.checkpointing_setting)
                     seconds = _timed_window(runners[i], _window(config), batch, session.device)
                     if seconds is None:
                         times[i] = None
@@ -198,13 +206,6 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
     finally:
         disable_checkpointing(session.model)
     return times
-
-
-def _set_checkpointing(session: TrialSession, on: bool) -> None:
-    if on:
-        enable_checkpointing(session.model, source=session.workload.source)
-    else:
-        disable_checkpointing(session.model)
 
 
 def _timed_window(runner: StepRunner, window: Window, batch, device: torch.device) -> float | None:

@@ -16,6 +16,10 @@ grid search in a useful order. (Optuna's GridSampler visits its grid in random o
 Optuna 5.0, fails in ``after_trial`` when combined with queued trials.) A rerun of the same study
 reuses what was measured: a configuration with a result is not measured again.
 
+Checkpointing is off, on (every block) or, where the planner proved one, its fewest blocks K (a
+``blocks`` parameter, "all" or "fewest", asked only when checkpointing is on, so studies stored
+before it stay readable; the K a result was measured with is kept with it).
+
 The exploration ends at 70% of the budget; in the rest the fastest few are timed side by side
 (windows interleaved on one model) and that comparison, not the single measurements taken at
 different moments, names the winner.
@@ -103,11 +107,24 @@ def build_candidates(settings: list[SettingTried], *, share: int, usable: int, e
         splits = [tuple(split_share(share, m)) for m in fitting + beyond]
     found = []
     for setting in settings:
+        blocks = _setting_blocks(setting)
         for split in splits:
             config = Configuration(precision=setting.precision, checkpointing=setting.checkpointing,
-                                   micro_batches=split)
+                                   checkpointed_blocks=blocks, micro_batches=split)
             found.append(_candidate(setting, config, usable, extra_bytes))
     return found
+
+
+def _setting_blocks(setting: SettingTried) -> int | None:
+    """The blocks a setting checkpoints, None for off and for every block (as configurations
+    and the search's keys have them)."""
+    total = setting.probe.total_blocks if setting.probe is not None else None
+    return setting.blocks if setting.blocks not in (0, total) else None
+
+
+def setting_key(setting: SettingTried) -> tuple:
+    """(precision, checkpointing, blocks) of a probed setting, as its configurations have them."""
+    return (setting.precision, setting.checkpointing, _setting_blocks(setting))
 
 
 def _candidate(setting: SettingTried, config: Configuration, usable: int, extra: int) -> Candidate:
@@ -217,6 +234,8 @@ class _Run:
         self.started = clock()
         self.deadline = self.started + budget_s
         self.progress = None
+        self.fewest = {key[0]: key[2] for key in by_key if key[2] is not None}
+        """Per precision, the fewest checkpointed blocks the planner proved (the "fewest" choice)."""
 
     def done(self) -> bool:
         return all(key in self.results for key in self.by_key)
@@ -232,8 +251,11 @@ class _Run:
     def objective(self, trial: optuna.Trial) -> float:
         precision = trial.suggest_categorical("precision", list(PRECISIONS))
         checkpointing = trial.suggest_categorical("checkpointing", [False, True])
+        blocks = None
+        if checkpointing and trial.suggest_categorical("blocks", list(BLOCK_CHOICES)) == "fewest":
+            blocks = self.fewest.get(precision, -1)  # -1: no such setting, outside the space
         steps = trial.suggest_int("accumulation_steps", 1, self.share, log=True)
-        key = (precision, checkpointing, max(split_share(self.share, math.ceil(self.share / steps))))
+        key = (precision, checkpointing, blocks, max(split_share(self.share, math.ceil(self.share / steps))))
         candidate = self.by_key.get(key)
         self.stale += 1
         if candidate is None:
@@ -260,11 +282,11 @@ class _Run:
         """A setting's memory plan (its largest micro-batch predicted to fit) that ran past the
         budget when measured gives way to the next smaller split, queued next: the search must
         not end without the plan it is meant to improve on."""
-        setting = (failed.config.precision, failed.config.checkpointing)
+        setting = _setting(failed.config)
         fitting = [r for r in self.results.values()
-                   if (r.precision, r.checkpointing) == setting and r.fits and r.status == "measured"]
+                   if _setting(r) == setting and r.fits and r.status == "measured"]
         smaller = [c for key, c in self.by_key.items()
-                   if key[:2] == setting and c.predicted_fits and key not in self.results
+                   if key[:3] == setting and c.predicted_fits and key not in self.results
                    and c.config.micro_batch < failed.config.micro_batch]
         if not smaller:
             return
@@ -282,8 +304,8 @@ class _Run:
         contenders = measured[:top]
         # With them, the memory plan of each of their settings (its largest micro-batch), the plan
         # the search must not lose to, even when its own measurement met a slow moment.
-        for setting in dict.fromkeys((r.precision, r.checkpointing) for r in contenders):
-            largest = max((r for r in measured if (r.precision, r.checkpointing) == setting),
+        for setting in dict.fromkeys(_setting(r) for r in contenders):
+            largest = max((r for r in measured if _setting(r) == setting),
                           key=lambda r: r.micro_batch)
             if largest not in contenders:
                 contenders.append(largest)
@@ -293,7 +315,7 @@ class _Run:
         seconds = deadline - self.clock() - typical
         if seconds < typical:
             return
-        configs = [self.by_key[(r.precision, r.checkpointing, r.micro_batch)].config for r in contenders]
+        configs = [self.by_key[(*_setting(r), r.micro_batch)].config for r in contenders]
         for record, result in zip(contenders, self.compare(configs, seconds)):
             record.compared = True
             if result.out_of_memory or result.samples_per_s is None:
@@ -306,6 +328,7 @@ class _Run:
     def _evaluate(self, candidate: Candidate) -> ConfigurationMeasured:
         config = candidate.config
         record = ConfigurationMeasured(precision=config.precision, checkpointing=config.checkpointing,
+                                       checkpointed_blocks=config.checkpointed_blocks,
                                        micro_batches=list(config.micro_batches),
                                        predicted_peak_bytes=candidate.predicted_peak_bytes)
         if not candidate.predicted_fits:
@@ -348,13 +371,32 @@ def _speed(record: ConfigurationMeasured) -> tuple:
 
 # --- the study -------------------------------------------------------------------------------------
 
+BLOCK_CHOICES = ("all", "fewest")
+
+
+def _setting(config) -> tuple:
+    """(precision, checkpointing, blocks) of a configuration or a record; blocks is None for off
+    and for every block."""
+    return (config.precision, config.checkpointing, config.checkpointed_blocks)
+
+
 def _key(config: Configuration) -> tuple:
-    return (config.precision, config.checkpointing, config.micro_batch)
+    return (*_setting(config), config.micro_batch)
 
 
 def _params(config: Configuration) -> dict:
-    return {"precision": config.precision.value, "checkpointing": config.checkpointing,
-            "accumulation_steps": config.accumulation_steps}
+    params = {"precision": config.precision.value, "checkpointing": config.checkpointing,
+              "accumulation_steps": config.accumulation_steps}
+    if config.checkpointing:
+        params["blocks"] = "all" if config.checkpointed_blocks is None else "fewest"
+    return params
+
+
+def _trial_key(trial) -> tuple:
+    """A stored trial's configuration key (the blocks a result was measured with are in its
+    attributes; the "blocks" parameter only says whether they were the fewest)."""
+    return (trial.params.get("precision"), trial.params.get("checkpointing"),
+            trial.user_attrs.get("checkpointed_blocks"), max(trial.user_attrs["micro_batches"]))
 
 
 def check_storage(storage: str | None) -> None:
@@ -390,7 +432,7 @@ def _known_results(study: optuna.Study, by_key: dict, usable: int) -> dict:
         attrs = trial.user_attrs
         if "micro_batches" not in attrs or "status" not in attrs:
             continue
-        key = (trial.params.get("precision"), trial.params.get("checkpointing"), max(attrs["micro_batches"]))
+        key = _trial_key(trial)
         if key not in by_key:
             continue
         record = ConfigurationMeasured.from_dict({k: attrs[k] for k in _RECORD_FIELDS if k in attrs})
@@ -409,8 +451,7 @@ _RECORD_FIELDS = tuple(ConfigurationMeasured.__dataclass_fields__)
 
 
 def _tried_before(study: optuna.Study) -> set[tuple]:
-    return {(t.params.get("precision"), t.params.get("checkpointing"), max(t.user_attrs["micro_batches"]))
-            for t in study.get_trials(deepcopy=False)
+    return {_trial_key(t) for t in study.get_trials(deepcopy=False)
             if t.state.is_finished() and "micro_batches" in t.user_attrs}
 
 
@@ -420,7 +461,8 @@ def _to_enqueue(candidates: list[Candidate], known: dict, tried: set) -> list[Ca
     fitting = [c for c in candidates if c.predicted_fits]
     if len(fitting) <= GRID_LIMIT:
         rest = sorted(candidates, key=lambda c: (not c.predicted_fits, -c.config.micro_batch,
-                                                 c.config.checkpointing))
+                                                 c.config.checkpointing,
+                                                 c.config.checkpointed_blocks is None))
     else:
         rest = [c for c in candidates if _key(c.config) in tried]
     queue = []
@@ -434,11 +476,11 @@ def _first_to_try(candidates: list[Candidate]) -> list[Candidate]:
     """Per setting, the largest micro-batch predicted to fit (what a memory plan would train)."""
     best: dict[tuple, Candidate] = {}
     for candidate in candidates:
-        setting = (candidate.config.precision, candidate.config.checkpointing)
+        setting = _setting(candidate.config)
         if candidate.predicted_fits and (setting not in best or
                                          candidate.config.micro_batch > best[setting].config.micro_batch):
             best[setting] = candidate
-    return sorted(best.values(), key=lambda c: c.config.checkpointing)
+    return sorted(best.values(), key=lambda c: (c.config.checkpointing, c.config.checkpointed_blocks is None))
 
 
 @contextlib.contextmanager

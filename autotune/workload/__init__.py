@@ -1,7 +1,8 @@
 """The workload: the model file's contract and what autotune does to a user's model.
 
 - ``contract``: ``Workload``, ``load_workload`` and the model file's functions.
-- ``activation_checkpointing``: wrap the repeated blocks of a model.
+- ``activation_checkpointing``: wrap the repeated blocks of a model (all, or K spread evenly).
+- ``checkpoint_count``: the ``--checkpointing`` value (auto|off|on|K|fraction) and its count.
 """
 
 from .contract import Workload, load_workload, move_batch

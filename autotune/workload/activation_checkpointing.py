@@ -1,12 +1,16 @@
 """Activation checkpointing around a model's repeated blocks, applied and removed in place.
 
 The probe and the training loop share this, so a plan's checkpointing means the same thing in
-both. A model with its own switch (Hugging Face's ``supports_gradient_checkpointing`` with
-``activation_checkpointing_enable`` / ``gradient_checkpointing_enable``) is switched with it, and
-its key-value cache is turned off as HF Trainer does: recomputing with the cache on breaks
-(T5: "a different number of tensors was saved") or costs memory the trainer would not spend.
-Other models have every child of their outermost ``nn.ModuleList`` / ``nn.Sequential``
-containers with at least two children run under ``torch.utils.checkpoint.checkpoint``.
+both. The blocks are the children of the model's outermost ``nn.ModuleList`` / ``nn.Sequential``
+containers with at least two children (and parameters); K of them, spread evenly, or all of them,
+run under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``.
+
+A model with its own switch (Hugging Face's ``supports_gradient_checkpointing`` with
+``activation_checkpointing_enable`` / ``gradient_checkpointing_enable``) is switched with it when
+every block is checkpointed, so the probe measures what HF Trainer runs; for K of N its blocks are
+wrapped here. Either way its key-value cache is turned off as HF Trainer does: recomputing with the
+cache on breaks (T5: "a different number of tensors was saved") or costs memory the trainer would
+not spend.
 
 Recomputation runs a block's forward again in backward; BatchNorm layers would update their
 running statistics a second time, so their buffers are put back after each recomputation.
@@ -25,6 +29,8 @@ from ..errors import WorkloadError
 _MARK = "_autotune_checkpointed"
 _HF_MARK = "_autotune_hf_checkpointing"
 """Set on a model switched with its own checkpointing switch: the use_cache it had before."""
+_CACHE_MARK = "_autotune_cache_off"
+"""Set on a model with its own switch whose blocks are wrapped here (K of N): its use_cache before."""
 
 
 def repeated_blocks(model: torch.nn.Module, *, skip=()) -> list[torch.nn.Module]:
@@ -56,28 +62,52 @@ def has_own_switch(model: torch.nn.Module) -> bool:
         or callable(getattr(model, "gradient_checkpointing_enable", None)))
 
 
-def enable_checkpointing(model: torch.nn.Module, *, source: str = "model") -> int:
-    """Checkpoint the model's repeated blocks; returns how many blocks are checkpointed.
+def checkpointable_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks that have parameters: the ones checkpointing can wrap, in order."""
+    return [b for b in repeated_blocks(model) if any(True for _ in b.parameters())]
 
-    Models with their own switch are switched with it, also where they sit inside the model (a
-    Hugging Face model in a LightningModule); the repeated blocks outside them are wrapped.
-    Idempotent: enabling an already checkpointed model changes nothing.
+
+def spread_evenly(count: int, total: int) -> list[int]:
+    """Indices of ``count`` of ``total`` blocks, spread evenly from the first (2 of 6: 0 and 3)."""
+    if not 0 <= count <= total:
+        raise ValueError(f"cannot choose {count} of {total} blocks")
+    return [i * total // count for i in range(count)]
+
+
+def enable_checkpointing(model: torch.nn.Module, *, source: str = "model", blocks: int | None = None) -> int:
+    """Checkpoint ``blocks`` of the model's repeated blocks (spread evenly; None: all of them);
+    returns how many blocks are checkpointed.
+
+    With every block, models with their own switch are switched with it, also where they sit
+    inside the model (a Hugging Face model in a LightningModule), and the repeated blocks outside
+    them are wrapped. Blocks wrapped before stay wrapped (call ``disable_checkpointing`` first to
+    change how many); enabling an already checkpointed model changes nothing.
     """
+    candidates = checkpointable_blocks(model)
     switched = own_switch_models(model)
-    count = sum(_enable_own_switch(m) for m in switched)
-    blocks = [b for b in repeated_blocks(model, skip=switched) if any(True for _ in b.parameters())]
-    if not blocks and not switched:
+    if not candidates and not switched:
         raise WorkloadError(
             f"{source}: activation checkpointing needs repeated blocks to wrap (an nn.ModuleList or "
             f"nn.Sequential of layers with parameters), and this model has none; use checkpointing off"
         )
-    for block in blocks:
+    if blocks is None or blocks == len(candidates):
+        count = sum(_enable_own_switch(m) for m in switched)
+        chosen = [b for b in repeated_blocks(model, skip=switched) if any(True for _ in b.parameters())]
+    else:
+        if not 0 <= blocks <= len(candidates):
+            raise WorkloadError(f"{source}: cannot checkpoint {blocks} blocks; the model has "
+                                f"{len(candidates)} repeated blocks (use 0 to {len(candidates)})")
+        count = 0
+        chosen = [candidates[i] for i in spread_evenly(blocks, len(candidates))]
+        for m in switched:
+            _cache_off(m)
+    for block in chosen:
         if getattr(block, _MARK, False):
             continue
         original = block.forward
         block.forward = functools.partial(_checkpointed_forward, original, _context_fn(block))
         setattr(block, _MARK, True)
-    return count + len(blocks)
+    return count + len(chosen)
 
 
 def disable_checkpointing(model: torch.nn.Module) -> None:
@@ -85,6 +115,8 @@ def disable_checkpointing(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, _HF_MARK):
             _disable_own_switch(module)
+        if hasattr(module, _CACHE_MARK):
+            _restore_cache(module)
         if getattr(module, _MARK, False):
             del module.forward
             delattr(module, _MARK)
@@ -132,6 +164,21 @@ def _enable_own_switch(model) -> int:
     flagged = sum(1 for m in model.modules() if m is not model and getattr(m, "gradient_checkpointing", False)
                   and _is_layer(m))
     return flagged or len(repeated_blocks(model))
+
+
+def _cache_off(model) -> None:
+    # K of N blocks are wrapped here, not by the model's all-or-nothing switch; the cache must be
+    # off all the same, as the switch would turn it off.
+    config = getattr(model, "config", None)
+    if hasattr(model, _CACHE_MARK) or config is None or not hasattr(config, "use_cache"):
+        return
+    setattr(model, _CACHE_MARK, config.use_cache)
+    config.use_cache = False
+
+
+def _restore_cache(model) -> None:
+    model.config.use_cache = getattr(model, _CACHE_MARK)
+    delattr(model, _CACHE_MARK)
 
 
 def _is_layer(module) -> bool:
