@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..workload.activation_checkpointing import enable_checkpointing
-from ..planning.planfile import load_planned_workload, plan_to_json
+from ..planning.planfile import load_planned_workload
 from ..precision import Precision, grad_scaler, scaler_settings
 from ..sharding import Sharding
 from ..sharding.settings import resolve_shard_group
 from ..sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
 from . import checks, distributed, sharded_checkpoint
 from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_resumable, checkpoint_path,
-                         load, rng_state, save_atomic, set_rng_state)
+                         load, plan_record, rng_state, save_atomic, set_rng_state)
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
 from ..errors import OutputError
@@ -269,7 +268,7 @@ class _Session:
             "split": self.state.split.state_dict(),
             "noise_scale": self.state.noise.to_dict(),
             "data": self._data_position(),
-            "plan": json.loads(plan_to_json(self.plan)),  # plain types: loadable with weights_only
+            "plan": plan_record(self.plan, self.workload),  # plain types: loadable with weights_only
         }
 
     def _last_good(self) -> str:

@@ -74,6 +74,15 @@ _RESUME_FIELDS = (("the model file's sha256", ("workload", "file_sha256")),
                   ("the gradient clipping", ("clip_grad_norm",)), ("the sharding", ("sharding",)))
 
 
+def plan_record(plan, workload) -> dict:
+    """The plan as a checkpoint records it: plain types, with the sha256 of the model file that
+    was trained (a plan made from a module instance has none of its own)."""
+    record = json.loads(plan_to_json(plan))
+    if workload.file_sha256 is not None:
+        record["workload"]["file_sha256"] = workload.file_sha256
+    return record
+
+
 def check_resumable(saved: dict, plan, workload, *, path: Path, required=REQUIRED_KEYS) -> None:
     """Refuse a checkpoint written under another plan or for another model file, naming what
     differs (resuming would silently train on with the old schedule, or fail on a shape)."""
@@ -81,9 +90,7 @@ def check_resumable(saved: dict, plan, workload, *, path: Path, required=REQUIRE
     if missing:
         raise TrainError(f"--resume: checkpoint {path} lacks {', '.join(missing)}; it is damaged or "
                          f"not an autotune training checkpoint. Start a new --checkpoint-dir")
-    now = json.loads(plan_to_json(plan))
-    if workload.file_sha256 is not None:
-        now["workload"]["file_sha256"] = workload.file_sha256
+    now = plan_record(plan, workload)
     for label, keys in _RESUME_FIELDS:
         was, is_now = _get(saved["plan"], keys), _get(now, keys)
         if was != is_now and not (keys == ("sharding",) and was is None):
