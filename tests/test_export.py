@@ -198,3 +198,57 @@ def test_missing_lr_is_noted():
 def test_lightning_uses_gpu_for_cuda_plans(even):
     even.device = device(kind="cuda")
     assert export_plan(even, "lightning").config["trainer"]["accelerator"] == "gpu"
+
+
+@pytest.fixture
+def sharded():
+    plan = make_plan(256, 32, world_size=8)
+    plan.sharding, plan.shard_group = export.Sharding.FSDP, 8
+    return plan
+
+
+def test_deepspeed_zero3_for_sharded_plans(sharded):
+    assert export_plan(sharded, "deepspeed").config["zero_optimization"] == {"stage": 3}
+    sharded.sharding = export.Sharding.FSDP_OFFLOAD
+    zero = export_plan(sharded, "deepspeed").config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"] == {"device": "cpu"}
+    assert "zero_optimization" not in export_plan(make_plan(256, 32, world_size=8), "deepspeed").config
+
+
+def test_accelerate_fsdp2_config_is_read_by_accelerate(sharded, tmp_path):
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    exported = export_plan(sharded, "accelerate").config["config"]
+    path = tmp_path / "accelerate.json"
+    path.write_text(json.dumps(exported))
+    loaded = load_config_from_file(str(path))
+    assert str(getattr(loaded.distributed_type, "value", loaded.distributed_type)) == "FSDP"
+    fsdp = loaded.fsdp_config
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=fsdp["fsdp_version"], reshard_after_forward=fsdp["fsdp_reshard_after_forward"],
+        cpu_offload=fsdp["fsdp_offload_params"], auto_wrap_policy=fsdp["fsdp_auto_wrap_policy"].lower(),
+        state_dict_type=fsdp["fsdp_state_dict_type"])
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+
+
+def test_hf_fsdp_fields_build_training_arguments(sharded, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = export_plan(sharded, "hf").config
+    assert config["fsdp"] == "full_shard auto_wrap" and config["fsdp_config"]["version"] == 2
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **config)
+    assert args.fsdp and args.fsdp_config["version"] == 2
+
+
+def test_lightning_fsdp_strategy_arguments(sharded):
+    _lightning()
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    sharded.shard_group = 4
+    exported = export_plan(sharded, "lightning")
+    arguments = exported.config["fsdp_strategy"]
+    strategy = FSDPStrategy(**{**arguments, "device_mesh": tuple(arguments["device_mesh"])})
+    assert exported.config["fsdp_strategy"]["sharding_strategy"] == "HYBRID_SHARD"
+    assert strategy.sharding_strategy.name == "HYBRID_SHARD"
+    assert any("hybrid" in note for note in exported.notes)

@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 
 import torch
 
 from ..workload.activation_checkpointing import repeated_blocks
 from ..version import __version__
-from ..errors import ConfigError, PlanError, ProbeError
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError
+from ..memory.fake import fake_tensor_limits
 from ..memory import backend_for
 from .types import Plan, SettingTried, WorkloadFingerprint
 from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
-                      ddp_bucket_bytes, evaluate_setting, usable_bytes)
+                      ddp_bucket_bytes, evaluate_setting, fewest_steps, setting_extra_bytes,
+                      sharding_worth_estimating, usable_bytes)
+from ..sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, supports_bf16
 from ..gpus.target import profile_target
 from ..probing.api import probe
@@ -52,6 +58,8 @@ def plan(
     budget=DEFAULT_BUDGET_S,
     storage: str | None = None,
     gpu=None,
+    sharding: str = "auto",
+    shard_group: int | None = None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -70,8 +78,18 @@ def plan(
     ``gpu`` (a bundled GPU profile name such as "a100-40gb", or a profile .toml path) plans for
     that GPU without it: budget and precision support from the profile, memory estimated on fake
     tensors; the plan is marked ``estimated`` (check it on the device with ``autotune verify``).
+
+    ``sharding`` is auto|ddp|fsdp|fsdp-offload (see ``autotune.sharding``); ``shard_group`` shards
+    within groups of that many ranks and replicates across groups (default: the world size).
+    Under "auto" a replica is probed first; where it leaves accumulation steps to save (or fits
+    nowhere) and there is more than one rank, FSDP2 is estimated per rank on fake tensors with a
+    fake process group, on the full world first and then on smaller shard groups, and the plan
+    takes the fewest steps, the least communication among equals. ``plan.reasons["sharding"]``
+    says why.
     """
     workload = load_workload(workload)
+    if sharding != "auto":
+        Sharding.parse(sharding)
     if precision not in PRECISION_CHOICES:
         raise ConfigError(f"--precision {precision!r} is not a precision; use one of "
                           f"{', '.join(PRECISION_CHOICES)}")
@@ -83,6 +101,11 @@ def plan(
         raise ConfigError("--optimize throughput measures in one process; run autotune plan without "
                           "torchrun (the plan is the same on every rank of identical devices)")
     world_size = _resolve_world_size(world_size, distributed)
+    if shard_group is not None:
+        resolve_shard_group(shard_group, world_size)
+    if optimize == "throughput" and sharding not in ("auto", "ddp"):
+        raise ConfigError(f"--optimize throughput measures replicated (ddp) configurations in one "
+                          f"process; use --optimize memory with --sharding {sharding}")
     # --gpu: plan for a profile's device on fake tensors, without it (see autotune.gpus.target).
     target = (profile_target(gpu, device=device, memory_limit=memory_limit, optimize=optimize)
               if gpu is not None else None)
@@ -100,6 +123,7 @@ def plan(
         base_lr=base_lr if base_lr is not None else workload.base_lr,
         base_batch=base_batch if base_batch is not None else workload.base_batch,
         dataset_size=_dataset_size(workload), distributed=distributed,
+        sharding="ddp" if optimize == "throughput" else str(sharding),
     )
     if checkpointing == "on" and not fingerprint.checkpointable:
         raise PlanError(f"--checkpointing on: {workload.source} has no repeated blocks (an "
@@ -108,9 +132,18 @@ def plan(
     extra = ddp_bucket_bytes(world_size, fingerprint.param_bytes)
     agree = _min_across_ranks if distributed else None
 
-    def try_setting(checkpoint: bool, precision: str = chosen) -> SettingTried:
-        setting = _probe_setting(workload, backend, precision, checkpoint, request.wanted_micro_batch)
-        return evaluate_setting(setting, usable=usable, extra_bytes=extra, agree=agree)
+    def try_setting(checkpoint: bool, precision: str = chosen, layout=(Sharding.DDP, None)) -> SettingTried:
+        setting = _probe_setting(workload, backend, precision, checkpoint, request.wanted_micro_batch,
+                                 layout=layout, world_size=world_size)
+        return evaluate_setting(setting, usable=usable, agree=agree,
+                                extra_bytes=setting_extra_bytes(setting, world_size,
+                                                                fingerprint.param_bytes))
+
+    def try_layout(layout) -> list[SettingTried]:
+        found = [try_setting(checkpointing == "on", layout=layout)]
+        if checkpointing_worth_probing(found[0], request, fingerprint):
+            found.append(try_setting(True, layout=layout))
+        return found
 
     created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if optimize == "throughput":
@@ -122,12 +155,34 @@ def plan(
                 settings.append(try_setting(True, candidate))
         return _fastest_plan(workload, backend, request, fingerprint, settings, info, usable=usable,
                              extra=extra, budget_s=budget_s, storage=storage, created_at=created_at)
-    settings = [try_setting(checkpointing == "on")]
-    if checkpointing_worth_probing(settings[0], request, fingerprint):
-        settings.append(try_setting(True))
+    settings = _probe_layouts(try_layout, request, sharding, shard_group, world_size)
     result = build_plan(request, workload=fingerprint, settings=settings, device=info,
                         versions=current_versions(), created_at=created_at)
     return target.mark(result) if target else result
+
+
+def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group, world_size: int):
+    """Every setting probed, ddp first, then fsdp on growing shard groups (the planner's order of
+    preference among plans with equally few accumulation steps)."""
+    if sharding != "auto":
+        chosen = Sharding.parse(sharding)
+        group = resolve_shard_group(shard_group, world_size) if chosen.sharded else None
+        return try_layout((chosen, group))
+    settings = try_layout((Sharding.DDP, None))
+    if not sharding_worth_estimating(settings, request):
+        return settings
+    groups = ([shard_group] if shard_group is not None
+              else [g for g in range(2, world_size + 1) if world_size % g == 0])
+    # The whole world first: it holds the least per rank, so it gives the fewest steps any shard
+    # group can reach; then the smaller groups, smallest first, until one reaches as few.
+    by_group = {groups[-1]: try_layout((Sharding.FSDP, groups[-1]))}
+    best = fewest_steps(by_group[groups[-1]], request)
+    if best is not None and best < (fewest_steps(settings, request) or math.inf):
+        for group in groups[:-1]:
+            by_group[group] = try_layout((Sharding.FSDP, group))
+            if fewest_steps(by_group[group], request) == best:
+                break
+    return settings + [s for group in sorted(by_group) for s in by_group[group]]
 
 
 def _supported_precisions(device) -> list[str]:
@@ -178,19 +233,39 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
     return plan
 
 
-def _probe_setting(workload, backend, precision: str, checkpoint: bool, upper: int) -> SettingTried:
+def _probe_setting(workload, backend, precision: str, checkpoint: bool, upper: int, *,
+                   layout=(Sharding.DDP, None), world_size: int = 1) -> SettingTried:
+    sharding, group = layout
+    tried = dict(precision=precision, checkpointing=checkpoint, sharding=sharding, shard_group=group)
+    # Replicated probes keep the call they always had (tests stand in for probe with it).
+    layout_args = (dict(sharding=sharding, world_size=world_size, shard_group=group)
+                   if sharding.sharded else {})
     try:
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
-                       backend=backend)
+                       backend=backend, **layout_args)
     except ProbeError as exc:
         # Not fitting is an answer for this setting (another may fit); the message is kept.
-        return SettingTried(precision=precision, checkpointing=checkpoint, error=str(exc))
-    return SettingTried(precision=precision, checkpointing=checkpoint, probe=result)
+        return SettingTried(**tried, error=str(exc))
+    return SettingTried(**tried, probe=result)
 
 
 def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
-    """What the plan needs to know about the model: sizes, optimizer, BatchNorm, repeated blocks."""
-    model = workload.new_model()
+    """What the plan needs to know about the model: sizes, optimizer, BatchNorm, repeated blocks.
+
+    Read from a model built on fake tensors (shapes and dtypes, no data): planning a model never
+    allocates its weights. A model whose construction fake tensors cannot run is built for real.
+    """
+    if workload.model_is_instance:
+        return _fingerprint(workload, workload.model)  # already built: nothing to save
+    try:
+        with fake_tensor_limits(workload), FakeTensorMode(allow_non_fake_inputs=True):
+            return _fingerprint(workload, workload.new_model())
+    except EstimateUnavailable:
+        pass  # the probe's real trials build it anyway (--gpu refused such a model earlier)
+    return _fingerprint(workload, workload.new_model())
+
+
+def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerprint:
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     optimizer = workload.new_optimizer(trainable) if trainable else None

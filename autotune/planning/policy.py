@@ -46,6 +46,8 @@ class PlanRequest:
     dataset_size: int | None = None
     distributed: bool = False
     """Planned under torchrun with every rank probing."""
+    sharding: str = "ddp"
+    """"auto" or a ``Sharding`` value: what the user asked for (the reason quotes it)."""
 
     def __post_init__(self):
         _check_positive_int(self.target_batch, "--target-batch")
@@ -148,6 +150,12 @@ def ddp_bucket_bytes(world_size: int, param_bytes: int) -> int:
     return param_bytes if world_size > 1 else 0
 
 
+def setting_extra_bytes(setting: SettingTried, world_size: int, param_bytes: int) -> int:
+    """Memory a setting's probe did not see: DDP's buckets (a sharded step counted its own
+    reduce-scatter buffers)."""
+    return 0 if setting.sharding.sharded else ddp_bucket_bytes(world_size, param_bytes)
+
+
 # --- decisions -------------------------------------------------------------------------------------
 
 def choose_precision(requested: str, *, device_kind: str, bf16_supported: bool) -> tuple[str, str]:
@@ -169,6 +177,19 @@ def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
     return off.allowed_micro_batch < request.wanted_micro_batch
 
 
+def sharding_worth_estimating(settings: list[SettingTried], request: PlanRequest) -> bool:
+    """Under "auto": estimate sharded layouts only where replicas leave steps to save."""
+    if request.sharding != "auto" or request.world_size == 1:
+        return False
+    return max((s.allowed_micro_batch for s in settings), default=0) < request.wanted_micro_batch
+
+
+def fewest_steps(settings: list[SettingTried], request: PlanRequest) -> int | None:
+    """The fewest accumulation steps any of ``settings`` allows (None: none fits)."""
+    splits = [_split_for(s.allowed_micro_batch, request) for s in settings]
+    return min((len(split) for split in splits if split is not None), default=None)
+
+
 def _split_for(allowed: int, request: PlanRequest) -> list[int] | None:
     if request.micro_batch is not None:
         return split_pinned(request.share, request.micro_batch) if allowed >= request.micro_batch else None
@@ -176,8 +197,55 @@ def _split_for(allowed: int, request: PlanRequest) -> list[int] | None:
 
 
 def _choose_setting(settings: list[SettingTried], request: PlanRequest,
-                    workload: WorkloadFingerprint) -> tuple[SettingTried, list[int], str]:
-    """The setting to train with, its split, and why (checkpointing)."""
+                    workload: WorkloadFingerprint) -> tuple[SettingTried, list[int], str, str]:
+    """The setting to train with, its split, and why (checkpointing, sharding).
+
+    Settings are grouped by sharding layout in the order they were probed (ddp, then fsdp on
+    growing shard groups): each layout chooses its checkpointing, then the layout with the fewest
+    accumulation steps wins, the earliest (least communication) among equals.
+    """
+    layouts: dict = {}
+    for s in settings:
+        layouts.setdefault((s.sharding, s.shard_group), []).append(s)
+    chosen = []
+    for group in layouts.values():
+        try:
+            chosen.append(_choose_checkpointing(group, request, workload))
+        except PlanError:
+            continue
+    if not chosen:
+        raise PlanError(_nothing_fits_message(settings, request))
+    best = min(range(len(chosen)), key=lambda i: (len(chosen[i][1]), i))
+    setting, split, why = chosen[best]
+    return setting, split, why, _sharding_reason(setting, split, chosen, layouts, request)
+
+
+def _sharding_reason(setting: SettingTried, split: list[int], chosen: list, layouts: dict,
+                     request: PlanRequest) -> str:
+    if request.sharding != "auto":
+        return f"{setting.layout} as requested"
+    if len(layouts) == 1:
+        if request.world_size == 1:
+            return "auto: ddp; one rank has nothing to shard over"
+        return (f"auto: ddp; a replica already fits the share in {len(split)} accumulation "
+                f"step(s), so sharding would only add communication")
+    replicated = next((c for c in chosen if not c[0].sharding.sharded), None)
+    if setting.sharding.sharded:
+        if replicated is None:
+            why = "nothing fits replicated (ddp) on one rank"
+        else:
+            why = f"it cuts accumulation steps from {len(replicated[1])} (ddp) to {len(split)}"
+        tried = sorted({s.shard_group for (sh, _), group in layouts.items() if sh.sharded
+                        for s in group if s.shard_group is not None})
+        return (f"auto: {setting.layout}, because {why}; the smallest shard group that reaches "
+                f"{len(split)} step(s) among those tried ({', '.join(map(str, tried))})")
+    return (f"auto: ddp; sharding was estimated and needs as many accumulation steps "
+            f"({len(split)}), with more communication")
+
+
+def _choose_checkpointing(settings: list[SettingTried], request: PlanRequest,
+                          workload: WorkloadFingerprint) -> tuple[SettingTried, list[int], str]:
+    """The checkpointing setting of one sharding layout, its split, and why."""
     splits = [(s, _split_for(s.allowed_micro_batch, request)) for s in settings]
     usable = [(s, split) for s, split in splits if split is not None]
     if not usable:
@@ -221,6 +289,8 @@ def _nothing_fits_message(settings: list[SettingTried], request: PlanRequest) ->
     parts = []
     for s in settings:
         label = f"{s.precision}, checkpointing {'on' if s.checkpointing else 'off'}"
+        if s.sharding.sharded:
+            label += f", {s.layout}"
         if s.probe is None:
             parts.append(f"{label}: {s.error}")
         elif request.micro_batch is not None and s.allowed_micro_batch < request.micro_batch:
@@ -284,16 +354,17 @@ def build_plan(
     """The plan, from settings whose ``allowed_micro_batch`` ``evaluate_setting`` filled in."""
     if not settings:
         raise PlanError("no setting was probed; nothing to plan from")
-    setting, split, checkpoint_reason = _choose_setting(settings, request, workload)
-    extra = ddp_bucket_bytes(request.world_size, workload.param_bytes)
+    setting, split, checkpoint_reason, sharding_reason = _choose_setting(settings, request, workload)
+    extra = setting_extra_bytes(setting, request.world_size, workload.param_bytes)
     lr = decide_lr(rule=request.lr_rule, target_batch=request.target_batch, base_lr=request.base_lr,
                    base_batch=request.base_batch, optimizer=workload.optimizer,
                    optimizer_lr=workload.optimizer_lr, dataset_size=request.dataset_size)
     reasons = {
         "precision": request.precision_reason or f"{setting.precision} as requested",
         "checkpointing": checkpoint_reason,
+        "sharding": sharding_reason,
         "split": _split_reason(split, request, setting.allowed_micro_batch),
-        "memory": _memory_reason(setting, device, request.headroom, extra),
+        "memory": _memory_reason(setting, device, request.headroom, extra, request.world_size),
         "lr": lr.note,
     }
     plan = Plan(
@@ -303,7 +374,8 @@ def build_plan(
         ddp_bucket_bytes=extra,
         predicted_peak_bytes=int(predicted_peak(setting.probe, max(split), extra)),
         settings=list(settings), reasons=reasons, distributed=request.distributed,
-        created_at=created_at,
+        created_at=created_at, sharding=setting.sharding,
+        shard_group=setting.shard_group if setting.sharding.sharded else None,
     )
     if plan.effective_batch != request.target_batch:  # a bug here would silently change training
         raise PlanError(f"internal error: planned {split} × {request.world_size} = "
@@ -312,7 +384,8 @@ def build_plan(
     return plan
 
 
-def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, extra: int) -> str:
+def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, extra: int,
+                   world_size: int = 1) -> str:
     budget = device.budget_bytes
     text = (f"budget {format_bytes(budget)} ({device.budget_source}) minus headroom {headroom:.0%} "
             f"({format_bytes(budget * headroom)}) leaves {format_bytes(usable_bytes(budget, headroom))}; "
@@ -320,12 +393,16 @@ def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, e
             f"{setting.allowed_micro_batch} is predicted to stay within the margin")
     if extra:
         text += f" (counting {format_bytes(extra)} of DDP gradient buckets)"
+    if setting.sharding.sharded:
+        text += (f"; peaks are one rank's of {world_size} under {setting.layout} (shards, gathered "
+                 f"blocks and reduce-scatter buffers counted)")
     return text
 
 
 __all__ = [
     "BATCHNORM_MIN_MICRO_BATCH", "MAX_QUIET_ACCUMULATION", "PlanRequest", "allowed_micro_batch",
     "build_plan", "checkpointing_worth_probing", "choose_precision", "ddp_bucket_bytes",
+    "fewest_steps", "setting_extra_bytes", "sharding_worth_estimating",
     "evaluate_setting", "per_device_share", "plan_warnings", "predicted_peak", "split_pinned",
     "split_share", "usable_bytes",
 ]

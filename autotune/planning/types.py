@@ -63,15 +63,30 @@ class SettingTried:
     """Why the probe found no micro-batch (the ProbeError message)."""
     allowed_micro_batch: int = 0
     """Largest micro-batch whose predicted peak stays within the budget minus the headroom."""
+    sharding: Sharding = Sharding.DDP
+    """How each rank held the model in this setting's probe (or estimate)."""
+    shard_group: int | None = None
+    """Ranks sharing one sharded copy (None for ddp)."""
+
+    def __post_init__(self):
+        self.sharding = Sharding.parse(self.sharding, option="sharding")
 
     @property
     def raw_max_micro_batch(self) -> int:
         return self.probe.max_micro_batch if self.probe is not None else 0
 
+    @property
+    def layout(self) -> str:
+        """"ddp", "fsdp" or, for hybrid sharding, "fsdp (groups of 2)"."""
+        if self.sharding.sharded and self.shard_group is not None:
+            return f"{self.sharding} (shard group {self.shard_group})"
+        return str(self.sharding)
+
     def to_dict(self) -> dict:
         return {"precision": self.precision, "checkpointing": self.checkpointing,
                 "probe": self.probe.to_dict() if self.probe is not None else None,
-                "error": self.error, "allowed_micro_batch": self.allowed_micro_batch}
+                "error": self.error, "allowed_micro_batch": self.allowed_micro_batch,
+                "sharding": self.sharding.value, "shard_group": self.shard_group}
 
     @classmethod
     def from_dict(cls, data: dict) -> "SettingTried":
@@ -199,7 +214,9 @@ class Plan(SplitArithmetic):
     @property
     def chosen_setting(self) -> SettingTried | None:
         for setting in self.settings:
-            if setting.precision == self.precision and setting.checkpointing == self.checkpointing:
+            if (setting.precision == self.precision and setting.checkpointing == self.checkpointing
+                    and setting.sharding == self.sharding
+                    and (setting.shard_group == self.shard_group or not self.sharding.sharded)):
                 return setting
         return None
 

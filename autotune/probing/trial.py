@@ -32,8 +32,11 @@ class SetupOutOfMemory(ProbeError):
 
 class TrialSession:
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
-                 checkpointing: bool):
+                 checkpointing: bool, warmup: bool = False):
         self.workload = workload
+        self.warmup = warmup
+        """Take one step at micro-batch 1 before measuring: FSDP2 sets itself up lazily in the
+        first forward and keeps what it made, so the steady state is the second step."""
         self.backend = backend
         self.precision = precision
         self.checkpointing = checkpointing
@@ -75,11 +78,14 @@ class TrialSession:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise WorkloadError(f"{self.workload.source}: the model has no trainable parameters")
-        self.gradient_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.gradient_bytes = sum(_local(p).numel() * p.element_size() for p in self.params)
         self.optimizer = self.workload.new_optimizer(self.params)
         self.scaler = grad_scaler(self.precision, self.device)
         self.backend.adopt([*self.model.parameters(), *self.model.buffers()])
         self._allocate_optimizer_state()
+        if self.warmup:
+            self._step(1)
+            self._release_memory()
 
     def _allocate_optimizer_state(self):
         # Adam-like optimizers allocate their state lazily at the first step; a trial that ran
@@ -179,6 +185,11 @@ class TrialSession:
             self._release_memory()
         finally:
             self._tracking.__exit__(None, None, None)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter's (DTensor's) shard on this rank; a plain tensor itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer):

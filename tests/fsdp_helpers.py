@@ -1,0 +1,35 @@
+"""Run tests/fsdp_peak_script.py under torchrun and read its per-rank peaks."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def real_fsdp_peaks(model_file, world_size: int, sizes, out_dir: Path, *, precision="fp32",
+                    checkpointing=False) -> dict[int, list[list[int]]]:
+    """{n: per-rank lists of repeated peaks} from a real FSDP2 run of ``world_size`` gloo ranks."""
+    out = Path(out_dir) / f"peaks-{Path(model_file).stem}-{world_size}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
+               "--standalone", str(TESTS / "fsdp_peak_script.py"), str(model_file), str(out),
+               precision, "on" if checkpointing else "off", *map(str, sizes)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-4000:])
+    return {int(n): ranks for n, ranks in json.loads(out.read_text())["peaks"].items()}
+
+
+def steady_peak(ranks: list[list[int]]) -> int:
+    """The largest rank's median peak: the steady step, without gloo's timing-dependent release of
+    a collective's buffers (see bench/README.md, FSDP estimate)."""
+    return max(int(statistics.median(peaks)) for peaks in ranks)
+
+
+def worst_peak(ranks: list[list[int]]) -> int:
+    return max(max(peaks) for peaks in ranks)

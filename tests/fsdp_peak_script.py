@@ -1,0 +1,38 @@
+"""Run under torchrun (gloo, CPU): the per-rank peak of the probe's step under real FSDP2.
+
+    torchrun --nproc-per-node W tests/fsdp_peak_script.py MODEL.py OUT.json PRECISION CKPT N [N ...]
+
+Every rank measures each micro-batch REPEATS times with the CPU memory backend; rank 0 writes
+{"world_size": W, "peaks": {N: [[rank 0's peaks], [rank 1's], ...]}} to OUT.json.
+"""
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from autotune.memory.cpu import CPUMemoryBackend
+from autotune.precision import Precision
+from autotune.probing.trial import TrialSession
+from autotune.sharding.ranks import sharded_step
+from autotune.workload import load_workload
+
+REPEATS = 3
+
+model_file, out, precision, checkpointing, *sizes = sys.argv[1:]
+dist.init_process_group("gloo")
+world = dist.get_world_size()
+peaks = {}
+with sharded_step(load_workload(model_file), sharding="fsdp", world_size=world,
+                  precision=precision) as workload:
+    with TrialSession(workload, CPUMemoryBackend(), precision=Precision.parse(precision),
+                      checkpointing=checkpointing == "on", warmup=True) as session:
+        for n in map(int, sizes):
+            mine = [session.run(n).peak_bytes for _ in range(REPEATS)]
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+            peaks[n] = every
+if dist.get_rank() == 0:
+    with open(out, "w") as f:
+        json.dump({"world_size": world, "peaks": peaks}, f)
+dist.destroy_process_group()
