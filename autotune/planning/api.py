@@ -30,6 +30,7 @@ from ..sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, supports_bf16
 from ..gpus.target import profile_target
 from ..probing.api import probe
+from ..probing.trial import SetupOutOfMemory
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, parse_duration,
                                 search_throughput, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
@@ -237,12 +238,15 @@ def _probe_setting(workload, backend, precision: str, checkpoint: bool, upper: i
                    layout=(Sharding.DDP, None), world_size: int = 1) -> SettingTried:
     sharding, group = layout
     tried = dict(precision=precision, checkpointing=checkpoint, sharding=sharding, shard_group=group)
-    # Replicated probes keep the call they always had (tests stand in for probe with it).
-    layout_args = (dict(sharding=sharding, world_size=world_size, shard_group=group)
+    # Replicated probes keep the call they always had (tests stand in for probe with it). A
+    # sharded layout that does not fit is one of several tried: no extra step to say by how much.
+    layout_args = (dict(sharding=sharding, world_size=world_size, shard_group=group, explain=False)
                    if sharding.sharded else {})
     try:
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
                        backend=backend, **layout_args)
+    except SetupOutOfMemory as exc:
+        return SettingTried(**tried, error=str(exc), state_fits=False)
     except ProbeError as exc:
         # Not fitting is an answer for this setting (another may fit); the message is kept.
         return SettingTried(**tried, error=str(exc))

@@ -172,7 +172,7 @@ def choose_precision(requested: str, *, device_kind: str, bf16_supported: bool) 
 def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
                                 workload: WorkloadFingerprint) -> bool:
     """Under "auto": probe with checkpointing only where it might buy what the plan needs."""
-    if request.checkpointing != "auto" or not workload.checkpointable:
+    if request.checkpointing != "auto" or not workload.checkpointable or not off.state_fits:
         return False
     return off.allowed_micro_batch < request.wanted_micro_batch
 

@@ -67,6 +67,9 @@ class SettingTried:
     """How each rank held the model in this setting's probe (or estimate)."""
     shard_group: int | None = None
     """Ranks sharing one sharded copy (None for ddp)."""
+    state_fits: bool = True
+    """False when parameters, buffers and optimizer state alone passed the budget, which no
+    checkpointing helps (a hint while planning; not written to plan files)."""
 
     def __post_init__(self):
         self.sharding = Sharding.parse(self.sharding, option="sharding")

@@ -34,6 +34,7 @@ def probe(
     sharding="ddp",
     world_size: int = 1,
     shard_group: int | None = None,
+    explain: bool = True,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -49,6 +50,10 @@ def probe(
     ``shard_group`` ranks). Under torchrun every rank measures with real FSDP2 on the real process
     group; in one process the step runs on fake tensors with a fake process group against the
     device's budget (estimated, and ``notes`` says so).
+
+    Where nothing fits, ``explain`` runs one more step with the budget lifted (CPU and estimate
+    backends) so that the error says how far over the budget the model is. The error is a
+    ``SetupOutOfMemory`` when parameters, buffers and optimizer state alone do not fit.
     """
     workload = load_workload(workload)
     precision = Precision.parse(precision)
@@ -93,9 +98,11 @@ def probe(
         else:
             detail = None
         if best == 0:
-            with limits():
-                needed = _peak_without_budget(session, backend)
-            raise ProbeError(_does_not_fit_message(workload, info, precision, bool(checkpointing),
+            needed = None
+            if explain:
+                with limits():
+                    needed = _peak_without_budget(session, backend)
+            raise (SetupOutOfMemory if detail is not None else ProbeError)(_does_not_fit_message(workload, info, precision, bool(checkpointing),
                                                    trials[0] if trials else None, needed, detail,
                                                    sharding=sharding, world_size=world_size))
     notes = []

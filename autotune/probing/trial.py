@@ -84,8 +84,7 @@ class TrialSession:
         self.backend.adopt([*self.model.parameters(), *self.model.buffers()])
         self._allocate_optimizer_state()
         if self.warmup:
-            self._step(1)
-            self._release_memory()
+            self._warm_up()
 
     def _allocate_optimizer_state(self):
         # Adam-like optimizers allocate their state lazily at the first step; a trial that ran
@@ -96,6 +95,19 @@ class TrialSession:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.adopt(_state_tensors(self.optimizer))
+
+    def _warm_up(self):
+        out_of_memory = False
+        try:
+            self._step(1)
+        except Exception as exc:  # noqa: BLE001 - re-raised untouched unless it is an OOM
+            if not is_oom_error(exc):
+                raise
+            out_of_memory = True
+        if out_of_memory:
+            self._recover()  # not a setup failure: the search's own step at 1 reports it
+        else:
+            self._release_memory()
 
     def run(self, n: int) -> Trial:
         self.backend.release()
