@@ -133,17 +133,19 @@ def plan(
     extra = ddp_bucket_bytes(world_size, fingerprint.param_bytes)
     agree = _min_across_ranks if distributed else None
 
-    def try_setting(checkpoint: bool, precision: str = chosen, layout=(Sharding.DDP, None)) -> SettingTried:
-        setting = _probe_setting(workload, backend, precision, checkpoint, request.wanted_micro_batch,
-                                 layout=layout, world_size=world_size)
+    def try_setting(checkpoint: bool, precision: str = chosen, layout=(Sharding.DDP, None),
+                    upper: int | None = None) -> SettingTried:
+        setting = _probe_setting(workload, backend, precision, checkpoint,
+                                 upper or request.wanted_micro_batch, layout=layout,
+                                 world_size=world_size)
         return evaluate_setting(setting, usable=usable, agree=agree,
                                 extra_bytes=setting_extra_bytes(setting, world_size,
                                                                 fingerprint.param_bytes))
 
-    def try_layout(layout) -> list[SettingTried]:
-        found = [try_setting(checkpointing == "on", layout=layout)]
-        if checkpointing_worth_probing(found[0], request, fingerprint):
-            found.append(try_setting(True, layout=layout))
+    def try_layout(layout, upper: int | None = None) -> list[SettingTried]:
+        found = [try_setting(checkpointing == "on", layout=layout, upper=upper)]
+        if checkpointing_worth_probing(found[0], request, fingerprint, upper=upper):
+            found.append(try_setting(True, layout=layout, upper=upper))
         return found
 
     created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -179,8 +181,11 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
     by_group = {groups[-1]: try_layout((Sharding.FSDP, groups[-1]))}
     best = fewest_steps(by_group[groups[-1]], request)
     if best is not None and best < (fewest_steps(settings, request) or math.inf):
+        # A smaller group is only worth it at the micro-batch that reaches as few steps: the
+        # probe need not look further.
+        needed = min(request.wanted_micro_batch, math.ceil(request.share / best))
         for group in groups[:-1]:
-            by_group[group] = try_layout((Sharding.FSDP, group))
+            by_group[group] = try_layout((Sharding.FSDP, group), upper=needed)
             if fewest_steps(by_group[group], request) == best:
                 break
     return settings + [s for group in sorted(by_group) for s in by_group[group]]

@@ -170,11 +170,12 @@ def choose_precision(requested: str, *, device_kind: str, bf16_supported: bool) 
 
 
 def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
-                                workload: WorkloadFingerprint) -> bool:
-    """Under "auto": probe with checkpointing only where it might buy what the plan needs."""
+                                workload: WorkloadFingerprint, *, upper: int | None = None) -> bool:
+    """Under "auto": probe with checkpointing only where it might buy what the plan needs (up to
+    ``upper`` samples per micro-batch; default: the share or the pinned micro-batch)."""
     if request.checkpointing != "auto" or not workload.checkpointable or not off.state_fits:
         return False
-    return off.allowed_micro_batch < request.wanted_micro_batch
+    return off.allowed_micro_batch < (upper or request.wanted_micro_batch)
 
 
 def sharding_worth_estimating(settings: list[SettingTried], request: PlanRequest) -> bool:
