@@ -177,3 +177,14 @@ def test_a_memory_limited_fsdp_plan_fits_a_real_four_rank_gloo_run(examples_dir,
     fits = real_fsdp_fits(examples_dir / "mlp.py", 4, [result.micro_batch], tmp_path,
                           memory_limit=limit, shard_group=result.shard_group)
     assert all(all(rank) for rank in fits[result.micro_batch]), fits
+
+
+def test_verify_runs_a_sharded_plan_as_one_of_its_ranks(examples_dir, one_thread):
+    from autotune.planning.verify import verify_plan
+
+    result = plan(examples_dir / "mlp.py", target_batch=64, world_size=4, device="cpu",
+                  memory_limit="40MiB", precision="fp32", checkpointing="off")
+    checked = verify_plan(result, device="cpu", memory_limit="40MiB", steps=2)
+    assert checked.confirmed
+    # Real tensors, a fake process group: the same bytes the estimate counted.
+    assert checked.measured_peak_bytes == pytest.approx(result.predicted_peak_bytes, rel=0.01)

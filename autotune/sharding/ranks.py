@@ -48,16 +48,16 @@ def sharded_step(workload, *, sharding, world_size: int, shard_group=None, preci
         yield workload
         return
     group = resolve_shard_group(shard_group, world_size)
+    if workload.model_is_instance:
+        raise ConfigError(f"{workload.source}: sharding needs a model factory (build_model() "
+                          f"in a model file), not a model instance: fully_shard replaces the "
+                          f"instance's parameters")
     with contextlib.ExitStack() as stack:
         if not dist.is_initialized():
             stack.enter_context(fake_process_group(world_size))
         elif dist.get_world_size() != world_size:
             raise ConfigError(f"--world-size {world_size} differs from the {dist.get_world_size()} "
                               f"ranks of the process group; omit --world-size under torchrun")
-        if workload.model_is_instance:
-            raise ConfigError(f"{workload.source}: sharding needs a model factory (build_model() "
-                              f"in a model file), not a model instance: fully_shard replaces the "
-                              f"instance's parameters")
         mesh = build_mesh(device_type, world_size, group)
 
         def build_sharded():
