@@ -8,20 +8,16 @@ from autotune.workload import load_workload
 from fsdp_helpers import real_fsdp_peaks, steady_peak
 
 
-def _state_bytes(workload) -> int:
-    # fp32 parameters, gradients and two AdamW moments
-    return 4 * sum(p.numel() * p.element_size() for p in workload.new_model().parameters())
-
-
 def test_sharding_divides_the_persistent_state_by_the_world_size(examples_dir, one_thread):
     workload = load_workload(examples_dir / "mlp.py")
+    params = sum(p.numel() * p.element_size() for p in workload.new_model().parameters())
     ddp = estimate_peak(workload, 4)
     per_rank = {w: estimate_peak(workload, 4, sharding="fsdp", world_size=w) for w in (2, 4, 8)}
     assert ddp > per_rank[2] > per_rank[4] > per_rank[8]
-    # Going from 2 to 4 ranks saves a quarter of parameters, gradients and moments (the shards),
-    # give or take the buffers that hold one block's gathered parameters and gradients.
+    # From 2 to 4 ranks, each rank's parameters and two AdamW moments (3 × params, live all step)
+    # shrink from a half to a quarter; its gradient shards at most by as much again, a third.
     saved = per_rank[2] - per_rank[4]
-    assert saved == pytest.approx(_state_bytes(workload) / 4 * 3 / 4, rel=0.35)
+    assert 3 * params / 4 <= saved <= params
 
 
 def test_hybrid_shard_groups_hold_more_than_full_sharding(examples_dir, one_thread):
