@@ -3,7 +3,7 @@
 For every bundled example and world sizes 2 and 4, estimates one rank's peak (fake tensors, fake
 process group) and runs the same step under torchrun with gloo, each rank measuring with the CPU
 memory backend three times per micro-batch. Prints the estimate, the real steady peak (the largest
-rank's median), the worst peak seen on any rank, and the errors.
+rank's smallest of the three), the worst peak seen on any rank, and the errors.
 
     python bench/fsdp_estimate_accuracy.py [--world-sizes 2 4] [--micro-batches 1 2 4]
 
