@@ -191,3 +191,24 @@ def test_verify_runs_a_sharded_plan_as_one_of_its_ranks(examples_dir, one_thread
     assert checked.confirmed
     # Real tensors, a fake process group: the same bytes the estimate counted.
     assert checked.measured_peak_bytes == pytest.approx(result.predicted_peak_bytes, rel=0.01)
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_measures_real_fsdp2(examples_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan.json"
+    tests = examples_dir.parent / "tests"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+               str(tests / "fsdp_plan_script.py"), str(examples_dir / "mlp.py"), str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    planned = load_plan(out)
+    assert planned.distributed and planned.sharding is Sharding.FSDP and planned.shard_group == 2
+    chosen = planned.chosen_setting
+    assert not any("fake tensors" in note for note in chosen.probe.notes)  # measured, not estimated
+    assert "one rank of 2 under fsdp" in chosen.probe.notes[0]
