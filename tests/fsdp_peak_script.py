@@ -32,7 +32,7 @@ with sharded_step(load_workload(model_file), sharding="fsdp", world_size=world,
                   shard_group=int(group) if group else None, precision=precision) as workload:
     backend = CPUMemoryBackend(int(limit) if limit else None)
     with TrialSession(workload, backend, precision=Precision.parse(precision),
-                      checkpointing=checkpointing == "on", warmup=True) as session:
+                      checkpointing=checkpointing == "on", sharded=True) as session:
         for n in map(int, sizes):
             trials = [session.run(n) for _ in range(REPEATS)]
             for name, mine in (("peaks", [t.peak_bytes for t in trials]),

@@ -42,3 +42,19 @@ def test_estimate_matches_a_real_gloo_fsdp_run(examples_dir, tmp_path, example, 
     real = real_fsdp_peaks(model_file, world_size, sizes, tmp_path)
     for n in sizes:
         assert estimated[n] == pytest.approx(steady_peak(real[n]), rel=0.03), (n, real[n])
+
+
+def test_the_full_model_built_before_sharding_does_not_count_against_the_budget(one_thread):
+    import torch
+
+    from autotune.probing.api import probe
+    from autotune.workload import Workload
+
+    workload = Workload(model=lambda: torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(16))),
+                        make_batch=lambda n: torch.ones(n, 512),
+                        loss_fn=lambda model, x: model(x).square().mean())
+    full = 16 * (512 * 512 + 512) * 4  # 16 MiB of parameters: no rank of 16 ever holds them
+    result = probe(workload, device="cpu", memory_limit=full * 3 // 4, sharding="fsdp", world_size=16,
+                   max_micro_batch=8)
+    assert result.max_micro_batch == 8
+    assert max(t.peak_bytes for t in result.trials) < full * 3 // 4

@@ -83,7 +83,7 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
         try:
             with TrialSession(step_workload, backend, precision=Precision.parse(plan.precision),
                               checkpointing=plan.checkpointing,
-                              warmup=plan.sharding.sharded) as session:
+                              sharded=plan.sharding.sharded) as session:
                 trials = [session.run(plan.micro_batch) for _ in range(steps)]
         except SetupOutOfMemory:
             trials = []  # parameters and optimizer state alone pass the budget: nothing fits

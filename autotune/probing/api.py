@@ -86,7 +86,7 @@ def probe(
     with sharded_step(run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
                       precision=precision, device_type=backend.device.type) as step_workload:
         session = TrialSession(step_workload, backend, precision=precision,
-                               checkpointing=bool(checkpointing), warmup=sharding.sharded)
+                               checkpointing=bool(checkpointing), sharded=sharding.sharded)
         try:
             with limits(), session:
                 best, trials, model = search_largest_fitting(

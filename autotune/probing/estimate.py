@@ -53,7 +53,7 @@ def estimate_peaks(workload, micro_batches, *, precision="fp32", checkpointing: 
     with sharded_step(on_fake_tensors(workload), sharding=sharding, world_size=world_size,
                       shard_group=shard_group, precision=precision) as step_workload:
         session = EstimateSession(step_workload, EstimateMemoryBackend(), precision=precision,
-                                  checkpointing=bool(checkpointing), warmup=sharding.sharded)
+                                  checkpointing=bool(checkpointing), sharded=sharding.sharded)
         with fake_tensor_limits(workload), session:
             for n in sizes:
                 peaks[n] = session.run(n).peak_bytes

@@ -9,6 +9,7 @@ returns memory to where it was.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -32,11 +33,13 @@ class SetupOutOfMemory(ProbeError):
 
 class TrialSession:
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
-                 checkpointing: bool, warmup: bool = False):
+                 checkpointing: bool, sharded: bool = False):
         self.workload = workload
-        self.warmup = warmup
-        """Take one step at micro-batch 1 before measuring: FSDP2 sets itself up lazily in the
-        first forward and keeps what it made, so the steady state is the second step."""
+        self.sharded = sharded
+        """The workload's model factory shards the model (FSDP2). The full model it builds
+        before sharding does not count against the budget (no rank of a real run holds it on
+        the device), and one step at micro-batch 1 runs before measuring: FSDP2 sets itself up
+        lazily in the first forward and keeps what it made, so the steady state is the second."""
         self.backend = backend
         self.precision = precision
         self.checkpointing = checkpointing
@@ -68,7 +71,8 @@ class TrialSession:
         self.optimizer = None
         self._saved = None
         self.start_bytes = self.backend.current_bytes()
-        model = self.workload.new_model()
+        with self._outside_budget():
+            model = self.workload.new_model()
         if self.workload.model_is_instance:
             self._saved = _save_module_state(model)
         self.model = model.to(self.device)
@@ -83,8 +87,9 @@ class TrialSession:
         self.scaler = grad_scaler(self.precision, self.device)
         self.backend.adopt([*self.model.parameters(), *self.model.buffers()])
         self._allocate_optimizer_state()
-        if self.warmup:
-            self._warm_up()
+        if self.sharded:
+            with self._outside_budget():
+                self._warm_up()
 
     def _allocate_optimizer_state(self):
         # Adam-like optimizers allocate their state lazily at the first step; a trial that ran
@@ -95,6 +100,13 @@ class TrialSession:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.adopt(_state_tensors(self.optimizer))
+
+    def _outside_budget(self):
+        """For sharded sessions: what one-time setup allocates (the full model before sharding,
+        FSDP2's lazy initialisation in the first step) is not held to the budget; the measured
+        steps are. Backends that cannot lift their budget (CUDA) measure it as it is."""
+        unlimited = getattr(self.backend, "unlimited", None)
+        return unlimited() if self.sharded and unlimited is not None else contextlib.nullcontext()
 
     def _warm_up(self):
         out_of_memory = False
