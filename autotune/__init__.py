@@ -5,10 +5,13 @@ Public API::
 
     probe(workload, *, device=None, precision="fp32", checkpointing=False,
           memory_limit=None, max_micro_batch=None, use_estimate=True) -> ProbeResult
-    estimate_peak(workload, micro_batch, *, precision="fp32", checkpointing=False) -> int
-                                 bytes of one step, estimated on fake tensors (EstimateUnavailable)
-                                 (checkpointing: off/on or a bool, K blocks, or a fraction "1/3")
-    plan(workload, *, target_batch, ...) -> Plan   micro-batch × accumulation × world = target
+    estimate_peak(workload, micro_batch, *, precision="fp32", checkpointing=False,
+                  sharding="ddp", world_size=1, shard_group=None) -> int
+                                 bytes of one step (one rank's under fsdp), estimated on fake
+                                 tensors (EstimateUnavailable) (checkpointing: off/on or a bool,
+                                 K blocks, or a fraction "1/3")
+    plan(workload, *, target_batch, ..., sharding="auto", shard_group=None) -> Plan
+                                 micro-batch × accumulation × world = target; ddp or FSDP2 shards
     save_plan, load_plan, export_plan              the plan file and exports for other runners
     train(plan, workload, *, steps=None, epochs=None, ...) -> TrainResult   the built-in loop
     verify_plan(plan, *, device=None, memory_limit=None, steps=3) -> VerifyResult
@@ -16,7 +19,7 @@ Public API::
     plot_plan(plan, path), plot_metrics(paths, path), write_report(plan, path)
                                  the memory picture, training curves and an HTML page (plot extra)
     Workload, load_workload      the model-file contract
-    ProbeResult, Trial, MemoryModel, DeviceInfo, Plan, LRDecision, Precision
+    ProbeResult, Trial, MemoryModel, DeviceInfo, Plan, LRDecision, Precision, Sharding
     is_oom_error                 what counts as out-of-memory
     AutotuneError and its subclasses
 
@@ -39,6 +42,7 @@ from .planning.types import LRDecision, Plan
 from .planning.planfile import load_plan, save_plan
 from .planning.api import plan
 from .precision import Precision
+from .sharding import Sharding
 from .probing.api import MemoryModel, ProbeResult, Trial, probe
 from .report import plot_metrics, plot_plan, write_report
 from .training import TrainError, TrainResult, train
@@ -49,7 +53,8 @@ from .workload import Workload, load_workload
 
 __all__ = [
     "AutotuneError", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
-    "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError", "ProbeResult", "ReportError", "TrainError",
+    "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError", "ProbeResult", "ReportError",
+    "Sharding", "TrainError",
     "TrainResult", "Trial", "VerifyResult", "Workload", "WorkloadError", "__version__",
     "estimate_peak", "export_plan", "is_oom_error", "load_plan", "load_workload", "plan",
     "plot_metrics", "plot_plan", "probe", "save_plan", "train", "verify_plan", "write_report",

@@ -10,6 +10,7 @@ import pytest
 
 from autotune.planning import export
 from autotune.errors import ConfigError
+from autotune.sharding import Sharding
 from autotune.planning.export import TARGETS, even_split, export_plan
 from plan_helpers import device, make_plan
 
@@ -271,3 +272,55 @@ def test_k_of_n_blocks_exports_all_of_them_with_a_note(even, target):
 def test_every_block_checkpointed_needs_no_selective_note(even, blocks):
     exported = export_plan(_selective(even, blocks, 12), "hf")
     assert not any("repeated blocks" in n for n in exported.notes)
+@pytest.fixture
+def sharded():
+    plan = make_plan(256, 32, world_size=8)
+    plan.sharding, plan.shard_group = Sharding.FSDP, 8
+    return plan
+
+
+def test_deepspeed_zero3_for_sharded_plans(sharded):
+    assert export_plan(sharded, "deepspeed").config["zero_optimization"] == {"stage": 3}
+    sharded.sharding = Sharding.FSDP_OFFLOAD
+    zero = export_plan(sharded, "deepspeed").config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"] == {"device": "cpu"}
+    assert "zero_optimization" not in export_plan(make_plan(256, 32, world_size=8), "deepspeed").config
+
+
+def test_accelerate_fsdp2_config_is_read_by_accelerate(sharded, tmp_path):
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    exported = export_plan(sharded, "accelerate").config
+    path = tmp_path / "accelerate.json"
+    path.write_text(json.dumps(exported))
+    loaded = load_config_from_file(str(path))
+    assert str(getattr(loaded.distributed_type, "value", loaded.distributed_type)) == "FSDP"
+    fsdp = loaded.fsdp_config
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=fsdp["fsdp_version"], reshard_after_forward=fsdp["fsdp_reshard_after_forward"],
+        cpu_offload=fsdp["fsdp_offload_params"], auto_wrap_policy=fsdp["fsdp_auto_wrap_policy"].lower(),
+        state_dict_type=fsdp["fsdp_state_dict_type"])
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+
+
+def test_hf_fsdp_fields_build_training_arguments(sharded, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = export_plan(sharded, "hf").config
+    assert config["fsdp"] == "full_shard auto_wrap" and config["fsdp_config"]["version"] == 2
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), **{"use_cpu": True, **config})
+    assert args.fsdp and args.fsdp_config["version"] == 2
+
+
+def test_lightning_fsdp_strategy_arguments(sharded):
+    _lightning()
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    sharded.shard_group = 4
+    exported = export_plan(sharded, "lightning")
+    arguments = exported.config["fsdp_strategy"]
+    strategy = FSDPStrategy(**{**arguments, "device_mesh": tuple(arguments["device_mesh"])})
+    assert exported.config["fsdp_strategy"]["sharding_strategy"] == "HYBRID_SHARD"
+    assert strategy.sharding_strategy.name == "HYBRID_SHARD"
+    assert any("hybrid" in note for note in exported.notes)

@@ -94,22 +94,27 @@ def format_plan(plan) -> str:
                      "check it there with autotune verify")
     lines += ["", "settings tried:"]
     rows = []
+    chosen_setting = plan.chosen_setting
     for s in plan.settings:
-        chosen = "<- plan" if s is plan.chosen_setting else ""
+        chosen = "<- plan" if s is chosen_setting else ""
+        layout = getattr(s, "layout", "ddp")
         if s.probe is None:
-            rows.append([s.precision, s.checkpointing_label, "-", "-", "-", "does not fit"])
+            rows.append([s.precision, s.checkpointing_label, layout, "-", "-", "-", "does not fit"])
             continue
         capped = "+" if s.probe.capped else ""
-        rows.append([s.precision, s.checkpointing_label, f"{s.raw_max_micro_batch}{capped}",
-                     s.allowed_micro_batch, s.probe.steps, chosen])
-    lines.append(table(["precision", "checkpointing", "probe max", "planned max", "trials", "chosen"], rows,
-                       align="llrrrl"))
+        rows.append([s.precision, s.checkpointing_label, layout,
+                     f"{s.raw_max_micro_batch}{capped}", s.allowed_micro_batch, s.probe.steps, chosen])
+    lines.append(table(["precision", "checkpointing", "sharding", "probe max", "planned max", "trials",
+                        "chosen"], rows, align="lllrrrl"))
     if any(s.probe is not None and s.probe.capped for s in plan.settings):
         lines.append("(+: the probe stopped at the largest micro-batch the plan needs; more may fit)")
     lines += ["", f"split:        {_split_text(plan)}",
               f"precision:    {plan.precision} ({plan.reasons.get('precision', '')})",
               f"checkpointing: {plan.checkpointing_label} "
               f"({plan.reasons.get('checkpointing', '')})"]
+    if "sharding" in plan.reasons:
+        group = f", shard group {plan.shard_group}" if plan.shard_group else ""
+        lines.append(f"sharding:     {plan.sharding}{group} ({plan.reasons['sharding']})")
     if plan.predicted_peak_bytes is not None:
         lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "
                      f"{plan.micro_batch}")

@@ -18,6 +18,9 @@ from ..planning.lr import RULES as LR_RULES
 from ..planning.api import PRECISION_CHOICES as PLAN_PRECISIONS
 from ..workload.checkpoint_count import parse_checkpointing
 from ..planning.api import OPTIMIZE_CHOICES as PLAN_GOALS
+from ..sharding import Sharding
+
+SHARDINGS = [s.value for s in Sharding]
 
 
 class _Checkpointing(click.ParamType):
@@ -204,6 +207,12 @@ def devices(memory_limit, as_json):
 @click.option("--gpu", default=None,
               help="Plan for this GPU without it: a profile name (autotune profiles lists them) or "
                    "a profile .toml path; memory is estimated on fake tensors.")
+@click.option("--sharding", type=click.Choice(["auto", *SHARDINGS]), default="auto", show_default=True,
+              help="ddp: a replica per rank; fsdp: FSDP2 shards per rank; auto: ddp unless "
+                   "sharding saves accumulation steps or a replica fits nowhere.")
+@click.option("--shard-group", type=click.IntRange(min=1), default=None,
+              help="Hybrid sharding: shard within groups of N ranks, replicate across groups "
+                   "(default: the world size).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
@@ -212,7 +221,7 @@ def devices(memory_limit, as_json):
 @_errors_to_exit_codes
 def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
-                 gpu, even, output, as_json, grad_scaler):
+                 gpu, even, sharding, shard_group, output, as_json, grad_scaler):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
     from ..outputs import check_output
     from ..planning.planfile import plan_to_json, save_plan
@@ -230,7 +239,8 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                            memory_limit=memory_limit, headroom=headroom, micro_batch=micro_batch,
                            base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule, optimize=optimize,
                            **({} if budget is None else {"budget": budget}), storage=storage, gpu=gpu,
-                           grad_scaler=grad_scaler, even=even)
+                           grad_scaler=grad_scaler, even=even, sharding=sharding,
+                           shard_group=shard_group)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)
@@ -375,20 +385,29 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
 @click.option("--checkpointing", type=_Checkpointing(allow_auto=False), default="off", show_default=True,
               help="Activation checkpointing around the model's repeated blocks: off, on (all), "
                    "K of them spread evenly, or a fraction such as 1/3.")
+@click.option("--sharding", type=click.Choice(SHARDINGS[:2]), default="ddp", show_default=True,
+              help="ddp: one full replica; fsdp: one rank of --world-size under FSDP2.")
+@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Ranks to shard over (with --sharding fsdp; a fake process group, no ranks run).")
+@click.option("--shard-group", type=click.IntRange(min=1), default=None,
+              help="Hybrid sharding: shard within groups of N ranks (default: the world size).")
 @click.option("--json", "as_json", is_flag=True, help="Print {micro_batch: peak_bytes} as JSON.")
 @_errors_to_exit_codes
-def estimate(model_file, micro_batches, precision, checkpointing, as_json):
+def estimate(model_file, micro_batches, precision, checkpointing, sharding, world_size, shard_group,
+             as_json):
     """Estimate the peak memory of one training step without allocating it (fake tensors)."""
     from ..probing.estimate import estimate_peaks
 
     with _stdout_to_stderr(as_json):
         peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
-                               checkpointing=checkpointing)
+                               checkpointing=checkpointing, sharding=sharding,
+                               world_size=world_size, shard_group=shard_group)
     if as_json:
         click.echo(json.dumps({str(n): peak for n, peak in peaks.items()}, indent=2))
         return
+    layout = f"; one rank of {world_size} under {sharding}" if sharding != "ddp" else ""
     click.echo(f"{model_file}: estimated peak of one training step ({precision.lower()}, "
-               f"checkpointing {checkpointing}; optimizer state included, nothing allocated)")
+               f"checkpointing {checkpointing}{layout}; optimizer state included, nothing allocated)")
     for n, peak in peaks.items():
         click.echo(f"  micro-batch {n:>6}: {format_bytes(peak):>12}  ({peak} bytes)")
 

@@ -14,7 +14,7 @@ import weakref
 
 import psutil
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from ..errors import ConfigError
@@ -38,6 +38,11 @@ class StorageTracker:
     def add(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
             return
+        if is_traceable_wrapper_subclass(tensor):
+            # A DTensor (FSDP2's sharded parameters) holds no storage itself: its local shard does.
+            for name in tensor.__tensor_flatten__()[0]:
+                self.add(getattr(tensor, name))
+            return
         # A FakeTensor answers .device with a dispatched op (prim.device) that costs as much as a
         # real op, and the estimate would pay it for every output; its fake_device is free.
         device = getattr(tensor, "fake_device", None) or tensor.device
@@ -47,15 +52,16 @@ class StorageTracker:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return  # sparse and other storage-less tensors: nothing we can attribute
+        self.add_storage(storage)
+
+    def add_storage(self, storage: torch.UntypedStorage) -> None:
+        """Counts a storage at its current size (again after it was resized)."""
         key = storage._cdata
         nbytes = storage.nbytes()
         known = self._live.get(key)
         delta = nbytes if known is None else nbytes - known
-        if delta > 0 and self.budget_bytes is not None and self.current + delta > self.budget_bytes:
-            # Refuse before counting, as a real allocator holds nothing after a failed request:
-            # code that handles the OOM (ours, Lightning's, Accelerate's) can allocate again.
-            self.peak = max(self.peak, self.current + delta)
-            raise self._out_of_memory(delta)
+        if delta > 0:
+            self.check_growth(delta)
         if known is None:
             # A plain weak reference with a callback: weakref.finalize costs several times more,
             # and the fake-tensor estimate pays it for every storage of the step.
@@ -79,6 +85,15 @@ class StorageTracker:
         except torch.OutOfMemoryError:
             del leaves, leaf  # as in the caller: the traceback must not keep the refused output
             raise
+
+    def check_growth(self, delta: int) -> None:
+        """Refuses ``delta`` more bytes past the budget, before they are allocated.
+
+        Refused before counting, as a real allocator holds nothing after a failed request: code
+        that handles the OOM (ours, Lightning's, Accelerate's) can allocate again."""
+        if self.budget_bytes is not None and self.current + delta > self.budget_bytes:
+            self.peak = max(self.peak, self.current + delta)
+            raise self._out_of_memory(delta)
 
     def _out_of_memory(self, delta: int) -> torch.OutOfMemoryError:
         # Worded as torch's own CPU allocator failure, so every OOM handler (ours, Lightning's,
@@ -107,12 +122,39 @@ class StorageTracker:
         return dropped
 
 
+@contextlib.contextmanager
+def tracking_resizes(tracker: StorageTracker):
+    """Counts ``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees and refills its
+    gathered parameters that way (as torch's own MemTracker does, by the same patch)."""
+    original = torch.UntypedStorage.resize_
+
+    @functools.wraps(original)
+    def resize_(storage, size):
+        grows = size > storage.nbytes()
+        if grows:
+            tracker.check_growth(size - storage.nbytes())
+        result = original(storage, size)
+        if storage._cdata in tracker._live or grows:
+            tracker.add_storage(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
 class _TrackingMode(TorchDispatchMode):
     def __init__(self, tracker: StorageTracker):
         super().__init__()
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(hasattr(t, "__tensor_flatten__") for t in types):
+            # A tensor subclass (DTensor) runs the op on its inner tensors, which come back
+            # through this mode: their temporaries are counted, as the fake-tensor mode counts them.
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         try:
             self.tracker.add_outputs(out)
@@ -162,7 +204,7 @@ class CPUMemoryBackend(MemoryBackend):
 
     @contextlib.contextmanager
     def tracking(self):
-        with _TrackingMode(self.tracker):
+        with tracking_resizes(self.tracker), _TrackingMode(self.tracker):
             yield
 
     def adopt(self, tensors) -> None:

@@ -29,7 +29,7 @@ from torch._subclasses import fake_tensor
 
 from ..errors import ConfigError, EstimateUnavailable
 from .base import DeviceInfo
-from .cpu import CPUMemoryBackend, StorageTracker
+from .cpu import CPUMemoryBackend, StorageTracker, tracking_resizes
 
 # Failures that mean "this model cannot run on fake tensors", as opposed to a bug in the model
 # (which fails the same way on real tensors and must reach the user untouched).
@@ -72,7 +72,7 @@ class EstimateMemoryBackend(CPUMemoryBackend):
 
     @contextlib.contextmanager
     def tracking(self):
-        with _CountingFakeTensorMode(self.tracker):
+        with tracking_resizes(self.tracker), _CountingFakeTensorMode(self.tracker):
             yield
 
 

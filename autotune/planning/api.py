@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import math
 import os
 
@@ -18,17 +19,23 @@ import torch
 from ..workload.activation_checkpointing import checkpointable_blocks
 from ..workload.checkpoint_count import describe_blocks, parse_checkpointing, resolve_blocks
 from ..version import __version__
-from ..errors import ConfigError, PlanError, ProbeError
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError
+from ..memory.fake import fake_tensor_limits
 from ..memory import backend_for
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
-                      cpu_precision, ddp_bucket_bytes, evaluate_setting, predicted_blocks, split_for,
+                      cpu_precision, ddp_bucket_bytes, evaluate_setting, fewest_steps,
+                      predicted_blocks, setting_extra_bytes, sharding_worth_estimating, split_for,
                       usable_bytes)
+from ..sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
 from ..probing.api import probe
 from ..probing.blocks import learn_block_model, prove_fewest_blocks
 from ..probing.result import ProbeResult
+from ..probing.trial import SetupOutOfMemory
 from ..units import format_bytes
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, check_storage, parse_duration,
                                 search_throughput, setting_key, study_name, why_fastest)
@@ -59,6 +66,8 @@ def plan(
     gpu=None,
     grad_scaler=None,
     even: bool = False,
+    sharding: str = "auto",
+    shard_group: int | None = None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -86,8 +95,17 @@ def plan(
     ``even=True`` plans equal micro-batches (the fewest that fit), for runners that take one
     micro-batch size (HF Trainer, DeepSpeed, Lightning, Accelerate); autotune's own loop also
     takes uneven splits (13 + 13 + 13 + 13 + 12), which need fewer accumulation steps.
+    ``sharding`` is auto|ddp|fsdp|fsdp-offload (see ``autotune.sharding``); ``shard_group`` shards
+    within groups of that many ranks and replicates across groups (default: the world size).
+    Under "auto" a replica is probed first; where it leaves accumulation steps to save (or fits
+    nowhere) and there is more than one rank, FSDP2 is estimated per rank on fake tensors with a
+    fake process group, on the full world first and then on smaller shard groups, and the plan
+    takes the fewest steps, the least communication among equals. ``plan.reasons["sharding"]``
+    says why.
     """
     workload = load_workload(workload)
+    if sharding != "auto":
+        Sharding.parse(sharding)
     if precision not in PRECISION_CHOICES:
         raise ConfigError(f"--precision {precision!r} is not a precision; use one of "
                           f"{', '.join(PRECISION_CHOICES)}")
@@ -105,6 +123,11 @@ def plan(
         raise ConfigError("--optimize throughput measures in one process; run autotune plan without "
                           "torchrun (the plan is the same on every rank of identical devices)")
     world_size = _resolve_world_size(world_size, distributed)
+    if shard_group is not None:
+        resolve_shard_group(shard_group, world_size)
+    if optimize == "throughput" and sharding not in ("auto", "ddp"):
+        raise ConfigError(f"--optimize throughput measures replicated (ddp) configurations in one "
+                          f"process; use --optimize memory with --sharding {sharding}")
     # --gpu: plan for a profile's device on fake tensors, without it (see autotune.gpus.target).
     target = (profile_target(gpu, device=device, memory_limit=memory_limit, optimize=optimize)
               if gpu is not None else None)
@@ -124,6 +147,7 @@ def plan(
         base_batch=base_batch if base_batch is not None else workload.base_batch,
         dataset_size=_dataset_size(workload), distributed=distributed, even=even,
         grad_scaler=scaler_settings(grad_scaler),
+        sharding="ddp" if optimize == "throughput" else str(sharding),
     )
     usable = usable_bytes(info.budget_bytes, headroom)
     extra = ddp_bucket_bytes(world_size, fingerprint.param_bytes)
@@ -131,9 +155,27 @@ def plan(
 
     first = "off" if checkpointing == "auto" else checkpointing
 
-    def try_setting(checkpoint, precision: str = chosen) -> SettingTried:
-        setting = _probe_setting(workload, backend, precision, checkpoint, request.wanted_micro_batch)
-        return evaluate_setting(setting, usable=usable, extra_bytes=extra, agree=agree)
+    def try_setting(checkpoint, precision: Precision = chosen, layout=(Sharding.DDP, None),
+                    upper: int | None = None) -> SettingTried:
+        setting = _probe_setting(workload, backend, precision, checkpoint,
+                                 upper or request.wanted_micro_batch, layout=layout,
+                                 world_size=world_size)
+        return evaluate_setting(setting, usable=usable, agree=agree,
+                                extra_bytes=setting_extra_bytes(setting, world_size,
+                                                                fingerprint.param_bytes))
+
+    def try_layout(layout, upper: int | None = None, *, precision_: Precision = chosen) -> list[SettingTried]:
+        request_ = dataclasses.replace(request, precision=precision_)
+        found = [try_setting(first, precision_, layout=layout, upper=upper)]
+        if checkpointing_worth_probing(found[0], request_, fingerprint, upper=upper):
+            found.append(try_setting("on", precision_, layout=layout, upper=upper))
+            # The fewest blocks are proved by local trials on a replica; ranks would have to agree.
+            if not distributed and not layout[0].sharded:
+                fewest = _fewest_blocks_setting(workload, backend, request_, found[0], found[1],
+                                                usable=usable, extra=extra)
+                if fewest is not None:
+                    found.append(fewest)
+        return found
 
     created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if optimize == "throughput":
@@ -152,16 +194,9 @@ def plan(
                              estimated_for=target.profile.name if target else None)
 
     def settings_in(precision_: Precision) -> list[SettingTried]:
-        request_ = dataclasses.replace(request, precision=precision_)
-        settings = [try_setting(first, precision_)]
-        if checkpointing_worth_probing(settings[0], request_, fingerprint):
-            settings.append(try_setting("on", precision_))
-            if not distributed:  # the count is proved by local trials; ranks would have to agree on it
-                fewest = _fewest_blocks_setting(workload, backend, request_, settings[0], settings[1],
-                                                usable=usable, extra=extra)
-                if fewest is not None:
-                    settings.append(fewest)
-        return settings
+        return _probe_layouts(functools.partial(try_layout, precision_=precision_),
+                              dataclasses.replace(request, precision=precision_), sharding,
+                              shard_group, world_size)
 
     def build(precision_: Precision, settings: list[SettingTried], reason: str | None = None) -> Plan:
         request_ = dataclasses.replace(request, precision=precision_,
@@ -195,6 +230,33 @@ def _cpu_auto_precision(settings_in, build, *, bf16: bool) -> Plan:
     chosen, reason = cpu_precision(steps.get(Precision.FP32), steps.get(Precision.BF16))
     chosen = Precision.parse(chosen)
     return build(chosen, tried[chosen], reason)
+
+
+def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group, world_size: int):
+    """Every setting probed, ddp first, then fsdp on growing shard groups (the planner's order of
+    preference among plans with equally few accumulation steps)."""
+    if sharding != "auto":
+        chosen = Sharding.parse(sharding)
+        group = resolve_shard_group(shard_group, world_size) if chosen.sharded else None
+        return try_layout((chosen, group))
+    settings = try_layout((Sharding.DDP, None))
+    if not sharding_worth_estimating(settings, request):
+        return settings
+    groups = ([shard_group] if shard_group is not None
+              else [g for g in range(2, world_size + 1) if world_size % g == 0])
+    # The whole world first: it holds the least per rank, so it gives the fewest steps any shard
+    # group can reach; then the smaller groups, smallest first, until one reaches as few.
+    by_group = {groups[-1]: try_layout((Sharding.FSDP, groups[-1]))}
+    best = fewest_steps(by_group[groups[-1]], request)
+    if best is not None and best < (fewest_steps(settings, request) or math.inf):
+        # A smaller group is only worth it at the micro-batch that reaches as few steps: the
+        # probe need not look further.
+        needed = min(request.wanted_micro_batch, math.ceil(request.share / best))
+        for group in groups[:-1]:
+            by_group[group] = try_layout((Sharding.FSDP, group), upper=needed)
+            if fewest_steps(by_group[group], request) == best:
+                break
+    return settings + [s for group in sorted(by_group) for s in by_group[group]]
 
 
 def _supported_precisions(device) -> list[Precision]:
@@ -253,20 +315,29 @@ def _requested_blocks(value, fingerprint: WorkloadFingerprint):
     return "off" if blocks == 0 else "on" if blocks == total else blocks
 
 
-def _probe_setting(workload, backend, precision: str, checkpoint, upper: int) -> SettingTried:
+def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
+                   layout=(Sharding.DDP, None), world_size: int = 1) -> SettingTried:
     checkpoint = {"off": False, "on": True}.get(checkpoint, checkpoint)  # probe's bools, or K
     on = checkpoint is not False and checkpoint != 0
     blocks = checkpoint if isinstance(checkpoint, int) and not isinstance(checkpoint, bool) else None
+    sharding, group = layout
+    tried = dict(precision=precision, checkpointing=on, checkpointed_blocks=blocks, sharding=sharding,
+                 shard_group=group)
+    # Replicated probes keep the call they always had (tests stand in for probe with it). A
+    # sharded layout that does not fit is one of several tried: no extra step to say by how much.
+    layout_args = (dict(sharding=sharding, world_size=world_size, shard_group=group, explain=False)
+                   if sharding.sharded else {})
     try:
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
-                       backend=backend)
+                       backend=backend, **layout_args)
+    except SetupOutOfMemory as exc:
+        return SettingTried(**tried, error=str(exc), state_fits=False)
     except ProbeError as exc:
         # Not fitting is an answer for this setting (another may fit); the message is kept.
-        return SettingTried(precision=precision, checkpointing=on, checkpointed_blocks=blocks,
-                            error=str(exc))
+        return SettingTried(**tried, error=str(exc))
     return SettingTried(precision=precision, checkpointing=result.checkpointing,
                         checkpointed_blocks=result.checkpointed_blocks if result.checkpointing else None,
-                        probe=result)
+                        sharding=sharding, shard_group=group, probe=result)
 
 
 def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: SettingTried,
@@ -314,8 +385,22 @@ def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: Setting
 
 
 def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
-    """What the plan needs to know about the model: sizes, optimizer, BatchNorm, repeated blocks."""
-    model = workload.new_model()
+    """What the plan needs to know about the model: sizes, optimizer, BatchNorm, repeated blocks.
+
+    Read from a model built on fake tensors (shapes and dtypes, no data): planning a model never
+    allocates its weights. A model whose construction fake tensors cannot run is built for real.
+    """
+    if workload.model_is_instance:
+        return _fingerprint(workload, workload.model)  # already built: nothing to save
+    try:
+        with fake_tensor_limits(workload), FakeTensorMode(allow_non_fake_inputs=True):
+            return _fingerprint(workload, workload.new_model())
+    except EstimateUnavailable:
+        pass  # the probe's real trials build it anyway (--gpu refused such a model earlier)
+    return _fingerprint(workload, workload.new_model())
+
+
+def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerprint:
     params = list(model.parameters())
     blocks = checkpointable_blocks(model)
     trainable = [p for p in params if p.requires_grad]

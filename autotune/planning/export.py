@@ -158,7 +158,21 @@ def to_hf(plan: Plan) -> Export:
     if plan.world_size > 1:
         notes.append(f"launch on {plan.world_size} processes (e.g. torchrun --nproc_per_node "
                      f"{plan.world_size}); TrainingArguments takes the per-device batch")
+    if plan.sharding.sharded:
+        config["fsdp"] = "full_shard auto_wrap" + (" offload" if plan.sharding.offload else "")
+        config["fsdp_config"] = {"version": 2, "reshard_after_forward": True}
+        notes += _sharding_notes(plan)
     return Export(target="hf", config=config, notes=notes)
+
+
+def _sharding_notes(plan: Plan) -> list[str]:
+    notes = ["the plan shards with FSDP2 on each repeated block (transformer layer) and the root; "
+             "wrap the same layers (transformer-based auto wrap) so the per-rank memory matches"]
+    if plan.shard_group is not None and plan.shard_group != plan.world_size:
+        notes.append(f"the plan is hybrid: shard within groups of {plan.shard_group} ranks and "
+                     f"replicate across {plan.world_size // plan.shard_group} groups "
+                     f"(HYBRID_SHARD / a 2-D device mesh)")
+    return notes
 
 
 def to_deepspeed(plan: Plan) -> Export:
@@ -177,9 +191,17 @@ def to_deepspeed(plan: Plan) -> Export:
         config["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": plan.lr.base_lr, "warmup_max_lr": plan.lr.lr,
             "warmup_num_steps": plan.lr.warmup_steps, "warmup_type": "linear"}}
+    if plan.sharding.sharded:
+        # ZeRO stage 3 shards parameters, gradients and optimizer state, as FSDP does.
+        zero = {"stage": 3}
+        if plan.sharding.offload:
+            zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
+        config["zero_optimization"] = zero
     notes = _common_notes(plan, "DeepSpeed", carries_warmup=True)
     if plan.precision == "fp16":
         notes += _deepspeed_loss_scale(plan.grad_scaler, config["fp16"])
+    if plan.sharding.sharded:
+        notes += _sharding_notes(plan)[1:]
     if plan.checkpointing:
         notes.append("the plan uses activation checkpointing: enable it in the model "
                      "(deepspeed.checkpointing or torch.utils.checkpoint); the config cannot")
@@ -216,13 +238,22 @@ def to_lightning(plan: Plan) -> Export:
     }
     if plan.clip_grad_norm is not None:
         trainer.update(gradient_clip_val=plan.clip_grad_norm, gradient_clip_algorithm="norm")
+    config = {"trainer": trainer, "dataloader": {"batch_size": even.micro_batch}}
     notes = _common_notes(plan, "Lightning")
+    if plan.sharding.sharded:
+        hybrid = plan.shard_group is not None and plan.shard_group != plan.world_size
+        config["fsdp_strategy"] = {"sharding_strategy": "HYBRID_SHARD" if hybrid else "FULL_SHARD",
+                                   "cpu_offload": plan.sharding.offload}
+        if hybrid:
+            config["fsdp_strategy"]["device_mesh"] = [plan.world_size // plan.shard_group,
+                                                      plan.shard_group]
+        notes.append("pass strategy=lightning.pytorch.strategies.FSDPStrategy(**fsdp_strategy, "
+                     "auto_wrap_policy={YourBlock}) to the Trainer")
+        notes += _sharding_notes(plan)
     if plan.checkpointing:
         notes.append("the plan uses activation checkpointing: apply it in the LightningModule "
                      "(torch.utils.checkpoint); the Trainer has no switch for it")
-    return Export(target="lightning", config={"trainer": trainer,
-                                              "dataloader": {"batch_size": even.micro_batch}},
-                  notes=notes)
+    return Export(target="lightning", config=config, notes=notes)
 
 
 _ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -248,8 +279,19 @@ def to_accelerate(plan: Plan) -> Export:
         "num_machines": 1,
         "machine_rank": 0,
     }
+    if plan.sharding.sharded:
+        config["distributed_type"] = "FSDP"
+        config["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": True,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_offload_params": plan.sharding.offload,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        }
     accelerator = {"gradient_accumulation_steps": even.accumulation_steps, "mixed_precision": mixed}
     notes = _common_notes(plan, "Accelerate")
+    if plan.sharding.sharded:
+        notes += _sharding_notes(plan)
     notes.append(f"launch config for `accelerate launch --config_file FILE.json`; in the script use "
                  f"Accelerator(gradient_accumulation_steps={even.accumulation_steps}) with "
                  f"accelerator.accumulate(model), and DataLoader(..., batch_size={even.micro_batch})")
@@ -268,6 +310,9 @@ def to_torchrun(plan: Plan, *, plan_path: str = "plan.json", model_file: str | N
     notes = []
     if plan.device is not None and plan.device.kind == "cpu" and plan.world_size > 1:
         notes.append("CPU processes communicate over gloo; this runs all ranks on one machine")
+    if plan.sharding.sharded:
+        notes.append(f"autotune train shards the model as the plan says ({plan.sharding}, shard "
+                     f"group {plan.shard_group})")
     return Export(target="torchrun", config=shlex.join(command), notes=notes)
 
 

@@ -57,6 +57,8 @@ class PlanRequest:
     """The fp16 GradScaler's knobs, recorded in the plan."""
     even: bool = False
     """Every micro-batch the same size, for runners that take one (HF Trainer, DeepSpeed, ...)."""
+    sharding: str = "ddp"
+    """"auto" or a ``Sharding`` value: what the user asked for (the reason quotes it)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision)
@@ -183,6 +185,12 @@ def ddp_bucket_bytes(world_size: int, param_bytes: int) -> int:
     return param_bytes if world_size > 1 else 0
 
 
+def setting_extra_bytes(setting: SettingTried, world_size: int, param_bytes: int) -> int:
+    """Memory a setting's probe did not see: DDP's buckets (a sharded step counted its own
+    reduce-scatter buffers)."""
+    return 0 if setting.sharding.sharded else ddp_bucket_bytes(world_size, param_bytes)
+
+
 # --- decisions -------------------------------------------------------------------------------------
 
 def choose_precision(requested: str, *, device_kind: str, bf16_supported: bool) -> tuple[Precision, str]:
@@ -222,13 +230,27 @@ def cpu_precision(fp32_steps: int | None, bf16_steps: int | None) -> tuple[str, 
 
 
 def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
-                                workload: WorkloadFingerprint) -> bool:
-    """Under "auto": probe with checkpointing only where it might buy what the plan needs."""
-    if request.checkpointing != "auto" or not workload.checkpointable:
+                                workload: WorkloadFingerprint, *, upper: int | None = None) -> bool:
+    """Under "auto": probe with checkpointing only where it might buy what the plan needs (up to
+    ``upper`` samples per micro-batch; default: the share or the pinned micro-batch)."""
+    if request.checkpointing != "auto" or not workload.checkpointable or not off.state_fits:
         return False
     if request.even and request.micro_batch is None:
         return largest_divisor_at_most(request.share, off.allowed_micro_batch) < request.share
-    return off.allowed_micro_batch < request.wanted_micro_batch
+    return off.allowed_micro_batch < (upper or request.wanted_micro_batch)
+
+
+def sharding_worth_estimating(settings: list[SettingTried], request: PlanRequest) -> bool:
+    """Under "auto": estimate sharded layouts only where replicas leave steps to save."""
+    if request.sharding != "auto" or request.world_size == 1:
+        return False
+    return max((s.allowed_micro_batch for s in settings), default=0) < request.wanted_micro_batch
+
+
+def fewest_steps(settings: list[SettingTried], request: PlanRequest) -> int | None:
+    """The fewest accumulation steps any of ``settings`` allows (None: none fits)."""
+    splits = [split_for(s.allowed_micro_batch, request) for s in settings]
+    return min((len(split) for split in splits if split is not None), default=None)
 
 
 def split_for(allowed: int, request: PlanRequest) -> list[int] | None:
@@ -258,9 +280,56 @@ def _blocks_key(setting: SettingTried) -> float:
 
 
 def _choose_setting(settings: list[SettingTried], request: PlanRequest,
-                    workload: WorkloadFingerprint) -> tuple[SettingTried, list[int], str]:
-    """The setting to train with, its split, and why (checkpointing): the fewest accumulation
-    steps, then the fewest checkpointed blocks."""
+                    workload: WorkloadFingerprint) -> tuple[SettingTried, list[int], str, str]:
+    """The setting to train with, its split, and why (checkpointing, sharding).
+
+    Settings are grouped by sharding layout in the order they were probed (ddp, then fsdp on
+    growing shard groups): each layout chooses its checkpointing, then the layout with the fewest
+    accumulation steps wins, the earliest (least communication) among equals.
+    """
+    layouts: dict = {}
+    for s in settings:
+        layouts.setdefault((s.sharding, s.shard_group), []).append(s)
+    chosen = []
+    for group in layouts.values():
+        try:
+            chosen.append(_choose_checkpointing(group, request, workload))
+        except PlanError:
+            continue
+    if not chosen:
+        raise PlanError(_nothing_fits_message(settings, request))
+    best = min(range(len(chosen)), key=lambda i: (len(chosen[i][1]), i))
+    setting, split, why = chosen[best]
+    return setting, split, why, _sharding_reason(setting, split, chosen, layouts, request)
+
+
+def _sharding_reason(setting: SettingTried, split: list[int], chosen: list, layouts: dict,
+                     request: PlanRequest) -> str:
+    if request.sharding != "auto":
+        return f"{setting.layout} as requested"
+    if len(layouts) == 1:
+        if request.world_size == 1:
+            return "auto: ddp; one rank has nothing to shard over"
+        return (f"auto: ddp; a replica already fits the share in {len(split)} accumulation "
+                f"step(s), so sharding would only add communication")
+    replicated = next((c for c in chosen if not c[0].sharding.sharded), None)
+    if setting.sharding.sharded:
+        if replicated is None:
+            why = "nothing fits replicated (ddp) on one rank"
+        else:
+            why = f"it cuts accumulation steps from {len(replicated[1])} (ddp) to {len(split)}"
+        tried = sorted({s.shard_group for (sh, _), group in layouts.items() if sh.sharded
+                        for s in group if s.shard_group is not None})
+        return (f"auto: {setting.layout}, because {why}; the smallest shard group that reaches "
+                f"{len(split)} step(s) among those tried ({', '.join(map(str, tried))})")
+    return (f"auto: ddp; sharding was estimated and needs as many accumulation steps "
+            f"({len(split)}), with more communication")
+
+
+def _choose_checkpointing(settings: list[SettingTried], request: PlanRequest,
+                          workload: WorkloadFingerprint) -> tuple[SettingTried, list[int], str]:
+    """The checkpointing setting of one sharding layout, its split, and why: the fewest
+    accumulation steps, then the fewest checkpointed blocks."""
     splits = [(s, split_for(s.allowed_micro_batch, request)) for s in settings]
     usable = [(s, split) for s, split in splits if split is not None]
     if not usable:
@@ -331,6 +400,8 @@ def _nothing_fits_message(settings: list[SettingTried], request: PlanRequest) ->
     parts = []
     for s in settings:
         label = setting_label(s.precision, s.checkpointing_label)
+        if s.sharding.sharded:
+            label += f", {s.layout}"
         if s.probe is None:
             parts.append(f"{label}: {s.error}")
         elif request.micro_batch is not None and s.allowed_micro_batch < request.micro_batch:
@@ -434,18 +505,19 @@ def build_plan(
     """
     if not settings:
         raise PlanError("no setting was probed; nothing to plan from")
-    setting, split, checkpoint_reason = _choose_setting(settings, request, workload)
+    setting, split, checkpoint_reason, sharding_reason = _choose_setting(settings, request, workload)
     if throughput is not None:
         checkpoint_reason = f"{setting.checkpointing_label}: the fastest measured (see throughput)"
-    extra = ddp_bucket_bytes(request.world_size, workload.param_bytes)
+    extra = setting_extra_bytes(setting, request.world_size, workload.param_bytes)
     lr = decide_lr(rule=request.lr_rule, target_batch=request.target_batch, base_lr=request.base_lr,
                    base_batch=request.base_batch, optimizer=workload.optimizer,
                    optimizer_lr=workload.optimizer_lr, dataset_size=request.dataset_size)
     reasons = {
         "precision": request.precision_reason or f"{setting.precision} as requested",
         "checkpointing": checkpoint_reason,
+        "sharding": sharding_reason,
         "split": _split_reason(split, request, setting.allowed_micro_batch),
-        "memory": _memory_reason(setting, device, request.headroom, extra),
+        "memory": _memory_reason(setting, device, request.headroom, extra, request.world_size),
         "lr": lr.note,
     }
     if estimated_for is not None:
@@ -464,7 +536,8 @@ def build_plan(
         optimize="throughput" if throughput is not None else "memory",
         throughput=list(throughput.records) if throughput is not None else [],
         estimated=estimated_for is not None,
-        grad_scaler=request.grad_scaler,
+        grad_scaler=request.grad_scaler, sharding=setting.sharding,
+        shard_group=setting.shard_group if setting.sharding.sharded else None,
     )
     if plan.effective_batch != request.target_batch:  # a bug here would silently change training
         raise PlanError(f"internal error: planned {split} × {request.world_size} = "
@@ -476,7 +549,8 @@ def build_plan(
     return plan
 
 
-def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, extra: int) -> str:
+def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, extra: int,
+                   world_size: int = 1) -> str:
     budget = device.budget_bytes
     text = (f"budget {format_bytes(budget)} ({device.budget_source}) minus headroom {headroom:.0%} "
             f"({format_bytes(budget * headroom)}) leaves {format_bytes(usable_bytes(budget, headroom))}; "
@@ -484,14 +558,18 @@ def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, e
             f"{setting.allowed_micro_batch} is predicted to stay within the margin")
     if extra:
         text += f" (counting {format_bytes(extra)} of DDP gradient buckets)"
+    if setting.sharding.sharded:
+        text += (f"; peaks are one rank's of {world_size} under {setting.layout} (shards, gathered "
+                 f"blocks and reduce-scatter buffers counted)")
     return text
 
 
 __all__ = [
     "BATCHNORM_MIN_MICRO_BATCH", "MAX_QUIET_ACCUMULATION", "PlanRequest", "allowed_micro_batch",
     "allocator_warnings", "build_plan", "checkpointing_worth_probing", "choose_precision",
-    "cpu_precision", "ddp_bucket_bytes", "evaluate_setting", "largest_divisor_at_most",
-    "per_device_share", "plan_warnings", "predicted_blocks", "predicted_peak", "split_evenly",
+    "cpu_precision", "ddp_bucket_bytes", "evaluate_setting", "fewest_steps",
+    "largest_divisor_at_most", "per_device_share", "plan_warnings", "predicted_blocks",
+    "predicted_peak", "setting_extra_bytes", "sharding_worth_estimating", "split_evenly",
     "split_for", "split_pinned",
     "split_share", "usable_bytes",
 ]

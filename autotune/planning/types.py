@@ -102,9 +102,17 @@ class SettingTried:
     fewer_blocks_trial: Trial | None = None
     """The real trial at this setting's micro-batch with one checkpointed block fewer: the proof
     that fewer blocks do not do (None: not run)."""
+    sharding: Sharding = Sharding.DDP
+    """How each rank held the model in this setting's probe (or estimate)."""
+    shard_group: int | None = None
+    """Ranks sharing one sharded copy (None for ddp)."""
+    state_fits: bool = True
+    """False when parameters, buffers and optimizer state alone passed the budget, which no
+    checkpointing helps (a hint while planning; not written to plan files)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
+        self.sharding = Sharding.parse(self.sharding, option="sharding")
 
     @property
     def raw_max_micro_batch(self) -> int:
@@ -121,13 +129,21 @@ class SettingTried:
         """"off", "on" or "K of N blocks"."""
         return describe_blocks(self.blocks, self.probe.total_blocks if self.probe is not None else None)
 
+    @property
+    def layout(self) -> str:
+        """"ddp", "fsdp" or, for hybrid sharding, "fsdp (groups of 2)"."""
+        if self.sharding.sharded and self.shard_group is not None:
+            return f"{self.sharding} (shard group {self.shard_group})"
+        return str(self.sharding)
+
     def to_dict(self) -> dict:
         return {"precision": self.precision, "checkpointing": self.checkpointing,
                 "checkpointed_blocks": self.checkpointed_blocks,
                 "probe": self.probe.to_dict() if self.probe is not None else None,
                 "error": self.error, "allowed_micro_batch": self.allowed_micro_batch,
                 "fewer_blocks_trial": (asdict(self.fewer_blocks_trial)
-                                       if self.fewer_blocks_trial is not None else None)}
+                                       if self.fewer_blocks_trial is not None else None),
+                "sharding": self.sharding.value, "shard_group": self.shard_group}
 
     @classmethod
     def from_dict(cls, data: dict) -> "SettingTried":
@@ -345,8 +361,10 @@ class Plan(SplitArithmetic):
     @property
     def chosen_setting(self) -> SettingTried | None:
         for setting in self.settings:
-            if (setting.precision, setting.checkpointing) == (self.precision, self.checkpointing) and (
-                    not self.checkpointing or setting.blocks in (self.blocks, None)):
+            if ((setting.precision, setting.checkpointing) == (self.precision, self.checkpointing)
+                    and (not self.checkpointing or setting.blocks in (self.blocks, None))
+                    and setting.sharding == self.sharding
+                    and (setting.shard_group == self.shard_group or not self.sharding.sharded)):
                 return setting
         return None
 

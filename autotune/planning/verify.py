@@ -20,6 +20,7 @@ from .planfile import load_plan, load_planned_workload
 from .policy import usable_bytes
 from ..precision import Precision
 from ..probing.trial import SetupOutOfMemory, TrialSession
+from ..sharding.ranks import sharded_step
 
 DEFAULT_STEPS = 3
 
@@ -72,12 +73,18 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
     info = backend.info()
     budget = min(info.budget_bytes, plan.budget_bytes or info.budget_bytes)
     usable = usable_bytes(budget, plan.headroom)
-    try:
-        with TrialSession(workload, backend, precision=Precision.parse(plan.precision),
-                          checkpointing=plan.checkpointing_setting) as session:
-            trials = [session.run(plan.micro_batch) for _ in range(steps)]
-    except SetupOutOfMemory:
-        trials = []  # parameters and optimizer state alone pass the budget: nothing fits
+    # A sharded plan runs as one of its ranks: with a fake process group of the plan's world size
+    # outside torchrun, whose collectives move no data but whose buffers are as real as the rest.
+    with sharded_step(workload, sharding=plan.sharding, world_size=plan.world_size,
+                      shard_group=plan.shard_group, precision=plan.precision,
+                      device_type=backend.device.type) as step_workload:
+        try:
+            with TrialSession(step_workload, backend, precision=Precision.parse(plan.precision),
+                              checkpointing=plan.checkpointing_setting,
+                              sharded=plan.sharding.sharded) as session:
+                trials = [session.run(plan.micro_batch) for _ in range(steps)]
+        except SetupOutOfMemory:
+            trials = []  # parameters and optimizer state alone pass the budget: nothing fits
     fits = bool(trials) and all(t.fits for t in trials)
     measured = max(t.peak_bytes for t in trials) + plan.ddp_bucket_bytes if fits else None
     result = VerifyResult(plan=plan, device=info, budget_bytes=budget, usable_bytes=usable,
@@ -99,6 +106,7 @@ def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
         checkpointing=plan.checkpointing_setting, headroom=plan.headroom,
         base_lr=lr.base_lr, base_batch=lr.base_batch,
         lr_rule=lr.rule if lr.base_lr is not None else "auto",
+        sharding=str(plan.sharding), shard_group=plan.shard_group,
     )
 
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 import contextlib
 import time
 
-from ..errors import ProbeError
+import torch
+
+from ..errors import ConfigError, ProbeError
 from ..memory import MemoryBackend, backend_for
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from .. import progress
+from ..sharding.ranks import sharded_step
+from ..sharding.settings import Sharding, resolve_shard_group
 from ..units import format_bytes
 from ..workload.checkpoint_count import describe_blocks, parse_checkpointing
 from ..workload.contract import load_workload
@@ -29,6 +33,10 @@ def probe(
     max_micro_batch: int | None = None,
     backend: MemoryBackend | None = None,
     use_estimate: bool = True,
+    sharding="ddp",
+    world_size: int = 1,
+    shard_group: int | None = None,
+    explain: bool = True,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -39,45 +47,74 @@ def probe(
     ``use_estimate``: first search on fake tensors (nothing allocated), then prove that answer
     with real trials (two when the estimate is right); models that fake tensors cannot run are
     searched with real trials alone, and ``notes`` says so. The answer is exact either way.
+
+    ``sharding="fsdp"`` probes one rank of ``world_size`` under FSDP2 (shard groups of
+    ``shard_group`` ranks). Under torchrun every rank measures with real FSDP2 on the real process
+    group; in one process the step runs on fake tensors with a fake process group against the
+    device's budget (estimated, and ``notes`` says so).
+
+    Where nothing fits, ``explain`` runs one more step with the budget lifted (CPU and estimate
+    backends) so that the error says how far over the budget the model is. The error is a
+    ``SetupOutOfMemory`` when parameters, buffers and optimizer state alone do not fit.
     """
     workload = load_workload(workload)
     precision = Precision.parse(precision)
     checkpointing = parse_checkpointing(checkpointing, allow_auto=False)
+    sharding = Sharding.parse(sharding)
+    if sharding.offload:
+        raise ConfigError("--sharding fsdp-offload cannot be probed or estimated yet (the estimate "
+                          "runs on CPU tensors and cannot tell offloaded shards from device "
+                          "memory); use --sharding fsdp or auto")
     if max_micro_batch is not None and (not isinstance(max_micro_batch, int) or max_micro_batch < 1):
         raise ProbeError(f"max_micro_batch must be a positive int or None, got {max_micro_batch!r}")
     backend = backend or backend_for(device, memory_limit)
     info = backend.info()
+    if sharding.sharded and not torch.distributed.is_initialized() and not isinstance(
+            backend, EstimateMemoryBackend):
+        # The other ranks are not there to run with: the sharded step is counted on fake tensors.
+        backend = EstimateMemoryBackend(info.budget_bytes, for_cuda=backend.device.type == "cuda",
+                                        target=info)
     started = time.perf_counter()
     estimating = isinstance(backend, EstimateMemoryBackend)
     seed = None
-    if use_estimate and not estimating:
+    if use_estimate and not estimating and not sharding.sharded:
         seed = estimate_seed(workload, backend, precision=precision, checkpointing=checkpointing,
                              upper=max_micro_batch)
     # On the estimate backend the session's tensors are fake: the model is built inside the fake
     # mode, and a model that fake tensors cannot run raises EstimateUnavailable.
     run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
-    session = TrialSession(run_workload, backend, precision=precision, checkpointing=checkpointing)
     def limits():
         return fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
 
     setting = setting_label(precision, checkpointing)
-    try:
-        with limits(), session, progress.bar(f"probe {setting}", unit=" trial") as shown:
-            run = progress.watch_trials(session.run, shown, fake=estimating)
-            best, trials, model = search_largest_fitting(
-                run, budget=info.budget_bytes, upper=max_micro_batch,
-                hint=seed.hint if seed is not None else None,
-            )
-    except SetupOutOfMemory as exc:
-        detail, trials, best = str(exc), [], 0
-    else:
-        detail = None
-    if best == 0:
-        with limits():
-            needed = _peak_without_budget(session, backend)
-        raise ProbeError(_does_not_fit_message(workload, info, precision, session,
-                                               trials[0] if trials else None, needed, detail))
+    with sharded_step(run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
+                      precision=precision, device_type=backend.device.type) as step_workload:
+        session = TrialSession(step_workload, backend, precision=precision,
+                               checkpointing=checkpointing, sharded=sharding.sharded)
+        try:
+            with limits(), session, progress.bar(f"probe {setting}", unit=" trial") as shown:
+                run = progress.watch_trials(session.run, shown, fake=estimating)
+                best, trials, model = search_largest_fitting(
+                    run, budget=info.budget_bytes, upper=max_micro_batch,
+                    hint=seed.hint if seed is not None else None,
+                )
+        except SetupOutOfMemory as exc:
+            detail, trials, best = str(exc), [], 0
+        else:
+            detail = None
+        if best == 0:
+            needed = None
+            if explain:
+                with limits():
+                    needed = _peak_without_budget(session, backend)
+            message = _does_not_fit_message(workload, info, precision, session,
+                                            trials[0] if trials else None, needed, detail,
+                                            sharding=sharding, world_size=world_size)
+            raise (SetupOutOfMemory if detail is not None else ProbeError)(message)
     notes = []
+    if sharding.sharded:
+        notes.append(f"one rank of {world_size} under {sharding} (shard group "
+                     f"{resolve_shard_group(shard_group, world_size)})")
     if estimating:
         notes.append(f"every trial ran on fake tensors ({info.name}): estimated, nothing allocated")
     if seed is not None:
@@ -116,7 +153,8 @@ def _peak_without_budget(session: TrialSession, backend) -> int | None:
 
 
 def _does_not_fit_message(workload, info, precision, session: TrialSession, trial: Trial | None,
-                          needed, detail: str | None) -> str:
+                          needed, detail: str | None, *, sharding=Sharding.DDP,
+                          world_size: int = 1) -> str:
     budget = info.budget_bytes
     if needed is not None:
         need = (f"one training step at micro-batch 1 needs {format_bytes(needed)}, "
@@ -132,10 +170,16 @@ def _does_not_fit_message(workload, info, precision, session: TrialSession, tria
     blocks, total = session.checkpointed_blocks, session.total_blocks
     if blocks < total or not total:
         helps.append("--checkpointing on")
-    helps += ["a device with more memory (or a larger --memory-limit)",
-              "sharding parameters and optimizer state with FSDP or DeepSpeed ZeRO"]
+    helps.append("a device with more memory (or a larger --memory-limit)")
+    if sharding.sharded:
+        helps.append(f"more ranks than --world-size {world_size} to shard over")
+        layout = f", one rank of {world_size} under {sharding}"
+    else:
+        helps.append("sharding parameters and optimizer state with FSDP (--sharding fsdp, "
+                     "--world-size > 1) or DeepSpeed ZeRO-3")
+        layout = ""
     return (f"{workload.source} does not fit on {info.name} "
-            f"({setting_label(precision, describe_blocks(blocks, total))}): {need}. "
+            f"({setting_label(precision, describe_blocks(blocks, total))}{layout}): {need}. "
             f"What would help: {'; '.join(helps)}.")
 
 

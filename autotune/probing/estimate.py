@@ -13,11 +13,14 @@ import torch
 
 from ..memory.fake import EstimateMemoryBackend, checked_micro_batch, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
+from ..sharding.ranks import sharded_step
+from ..sharding.settings import Sharding
 from ..workload.contract import load_workload
 from .trial import TrialSession, _state_tensors
 
 
-def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing=False) -> int:
+def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing=False,
+                  sharding="ddp", world_size: int = 1, shard_group: int | None = None) -> int:
     """Bytes of one steady-state training step at ``micro_batch`` samples, without allocating.
 
     The step is the probe's (``TrialSession``): parameters, buffers and optimizer state, then
@@ -25,12 +28,19 @@ def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing
     ``workload`` is a path to a model file or an ``autotune.Workload``; ``checkpointing`` is
     off/on (or a bool), a count K of the repeated blocks or a fraction of them. Raises
     ``EstimateUnavailable`` when the model cannot run under fake tensors (use ``probe`` then).
+
+    ``sharding="fsdp"`` (or ``"fsdp-offload"``) gives the peak of one rank of ``world_size``
+    under FSDP2, in shard groups of ``shard_group`` ranks (default: all of them), counted in this
+    one process with a fake process group (see ``autotune.sharding.ranks``).
     """
-    return estimate_peaks(workload, [micro_batch], precision=precision,
-                          checkpointing=checkpointing)[micro_batch]
+    return estimate_peaks(workload, [micro_batch], precision=precision, checkpointing=checkpointing,
+                          sharding=sharding, world_size=world_size,
+                          shard_group=shard_group)[micro_batch]
 
 
-def estimate_peaks(workload, micro_batches, *, precision="fp32", checkpointing=False) -> dict[int, int]:
+def estimate_peaks(workload, micro_batches, *, precision="fp32", checkpointing=False,
+                   sharding="ddp", world_size: int = 1,
+                   shard_group: int | None = None) -> dict[int, int]:
     """``estimate_peak`` for several micro-batches, building the fake model and its state once.
 
     The optimizer phase (unscale, clip, step) is measured at the first size and its transient
@@ -38,13 +48,16 @@ def estimate_peaks(workload, micro_batches, *, precision="fp32", checkpointing=F
     """
     workload = load_workload(workload)
     precision = Precision.parse(precision)
+    sharding = Sharding.parse(sharding)
     sizes = [checked_micro_batch(n) for n in micro_batches]
-    session = EstimateSession(on_fake_tensors(workload), EstimateMemoryBackend(),
-                               precision=precision, checkpointing=checkpointing)
     peaks: dict[int, int] = {}
-    with fake_tensor_limits(workload), session:
-        for n in sizes:
-            peaks[n] = session.run(n).peak_bytes
+    with sharded_step(on_fake_tensors(workload), sharding=sharding, world_size=world_size,
+                      shard_group=shard_group, precision=precision) as step_workload:
+        session = EstimateSession(step_workload, EstimateMemoryBackend(), precision=precision,
+                                  checkpointing=checkpointing, sharded=sharding.sharded)
+        with fake_tensor_limits(workload), session:
+            for n in sizes:
+                peaks[n] = session.run(n).peak_bytes
     return peaks
 
 
@@ -64,6 +77,10 @@ class EstimateSession(TrialSession):
 
     _step_cost = None
     """(gradient layout, bytes the optimizer phase adds to the live bytes) of the first step."""
+
+    def _setup(self):
+        super()._setup()
+        self._step_cost = None  # a warm-up step's optimizer phase is no steady-state one
 
     def _optimizer_phase(self) -> int:
         # Measured once per session: its transient depends only on the gradients, parameters

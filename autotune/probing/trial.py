@@ -9,6 +9,7 @@ returns memory to where it was.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -34,10 +35,15 @@ class SetupOutOfMemory(ProbeError):
 
 class TrialSession:
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
-                 checkpointing=False):
+                 checkpointing=False, sharded: bool = False):
         """``checkpointing``: off/on (or a bool), a block count K or a fraction of the blocks;
         after set-up ``checkpointed_blocks`` says how many of ``total_blocks`` it is."""
         self.workload = workload
+        self.sharded = sharded
+        """The workload's model factory shards the model (FSDP2). The full model it builds
+        before sharding does not count against the budget (no rank of a real run holds it on
+        the device), and one step at micro-batch 1 runs before measuring: FSDP2 sets itself up
+        lazily in the first forward and keeps what it made, so the steady state is the second."""
         self.backend = backend
         self.precision = precision
         self.checkpointing = checkpointing
@@ -76,7 +82,8 @@ class TrialSession:
         self.model = None
         self.optimizer = None
         self.start_bytes = self.backend.current_bytes()
-        model = self.workload.new_model()
+        with self._outside_budget():
+            model = self.workload.new_model()
         self.model = model.to(self.device)
         self.model.train()
         self.total_blocks = len(checkpointable_blocks(self.model))
@@ -84,11 +91,14 @@ class TrialSession:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise WorkloadError(f"{self.workload.source}: the model has no trainable parameters")
-        self.gradient_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.gradient_bytes = sum(_local(p).numel() * p.element_size() for p in self.params)
         self.optimizer = self.workload.new_optimizer(self.params)
         self.scaler = grad_scaler(self.precision, self.device)
         self.backend.adopt([*self.model.parameters(), *self.model.buffers()])
         self._allocate_optimizer_state()
+        if self.sharded:
+            with self._outside_budget():
+                self._warm_up()
 
     def _allocate_optimizer_state(self):
         # Adam-like optimizers allocate their state lazily at the first step; a trial that ran
@@ -110,6 +120,25 @@ class TrialSession:
                                     enable_checkpointing(self.model, source=self.workload.source,
                                                          blocks=count))
         return self.checkpointed_blocks
+    def _outside_budget(self):
+        """For sharded sessions: what one-time setup allocates (the full model before sharding,
+        FSDP2's lazy initialisation in the first step) is not held to the budget; the measured
+        steps are. Backends that cannot lift their budget (CUDA) measure it as it is."""
+        unlimited = getattr(self.backend, "unlimited", None)
+        return unlimited() if self.sharded and unlimited is not None else contextlib.nullcontext()
+
+    def _warm_up(self):
+        out_of_memory = False
+        try:
+            self._step(1)
+        except Exception as exc:  # noqa: BLE001 - re-raised untouched unless it is an OOM
+            if not is_oom_error(exc):
+                raise
+            out_of_memory = True
+        if out_of_memory:
+            self._recover()  # not a setup failure: the search's own step at 1 reports it
+        else:
+            self._release_memory()
 
     def run(self, n: int) -> Trial:
         self.backend.release()
@@ -212,6 +241,11 @@ class TrialSession:
             if self._saved is not None:
                 saved, self._saved = self._saved, None
                 _restore_module_state(self.workload.model, saved)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter's (DTensor's) shard on this rank; a plain tensor itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer):

@@ -1,0 +1,48 @@
+"""Run tests/fsdp_peak_script.py under torchrun and read its per-rank peaks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def real_fsdp_peaks(model_file, world_size: int, sizes, out_dir: Path, *, precision="fp32",
+                    checkpointing=False) -> dict[int, list[list[int]]]:
+    """{n: per-rank lists of repeated peaks} from a real FSDP2 run of ``world_size`` gloo ranks."""
+    return {int(n): ranks for n, ranks in _run(model_file, world_size, sizes, out_dir,
+                                               precision, checkpointing)["peaks"].items()}
+
+
+def real_fsdp_fits(model_file, world_size: int, sizes, out_dir: Path, *, memory_limit: int,
+                   shard_group=None, precision="fp32", checkpointing=False) -> dict[int, list[list[bool]]]:
+    """{n: per-rank lists of whether each repeated step fitted ``memory_limit`` bytes}."""
+    report = _run(model_file, world_size, sizes, out_dir, precision, checkpointing,
+                  FSDP_MEMORY_LIMIT=str(memory_limit), FSDP_SHARD_GROUP=str(shard_group or ""))
+    return {int(n): ranks for n, ranks in report["fits"].items()}
+
+
+def _run(model_file, world_size, sizes, out_dir, precision, checkpointing, **extra_env) -> dict:
+    out = Path(out_dir) / f"peaks-{Path(model_file).stem}-{world_size}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra_env,
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
+               "--standalone", str(TESTS / "fsdp_peak_script.py"), str(model_file), str(out),
+               precision, "on" if checkpointing else "off", *map(str, sizes)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-4000:])
+    return json.loads(out.read_text())
+
+
+def steady_peak(ranks: list[list[int]]) -> int:
+    """The largest rank's smallest peak over the repeats: the steady step, without the moments
+    where gloo's background thread releases one collective buffer late (up to one block's
+    gathered parameters more; ``worst_peak`` keeps those, bench/README.md shows both)."""
+    return max(min(peaks) for peaks in ranks)
+
+
+def worst_peak(ranks: list[list[int]]) -> int:
+    return max(max(peaks) for peaks in ranks)
