@@ -19,7 +19,8 @@ Public API::
 """
 
 from .errors import (
-    AutotuneError, ConfigError, EstimateUnavailable, PlanError, PlanFileError, ProbeError, WorkloadError,
+    AutotuneError, ConfigError, EstimateUnavailable, OutputError, PlanError, PlanFileError, ProbeError,
+    WorkloadError,
 )
 from .planning.export import export_plan
 from .memory import DeviceInfo
@@ -30,7 +31,7 @@ from .planning.planfile import load_plan, save_plan
 from .planning.api import plan
 from .precision import Precision
 from .probing.api import MemoryModel, ProbeResult, Trial, probe
-from .training import TrainError, TrainResult, train
+from .training import NonFiniteError, TrainError, TrainResult, train
 from .planning.verify import VerifyResult, verify_plan
 from .version import __version__
 from .workload import Workload, load_workload
@@ -38,6 +39,7 @@ from .workload import Workload, load_workload
 
 __all__ = [
     "AutotuneError", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
+    "NonFiniteError", "OutputError",
     "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError", "ProbeResult", "TrainError",
     "TrainResult", "Trial", "VerifyResult", "Workload", "WorkloadError", "__version__",
     "estimate_peak", "export_plan", "is_oom_error", "load_plan", "load_workload", "plan", "probe",
