@@ -31,35 +31,34 @@ Integrations (each imports its library; ``import autotune`` imports neither)::
 """
 
 from .errors import (
-    AutotuneError, ConfigError, EstimateUnavailable, PlanError, PlanFileError, ProbeError, ReportError,
-    WorkloadError,
+    AutotuneError, ConfigError, EstimateUnavailable, OutputError, PlanError, PlanFileError, ProbeError,
+    ReportError, WorkloadError,
 )
-from .planning.export import export_plan
 from .memory import DeviceInfo
-from .probing.estimate import estimate_peak
 from .oom import is_oom_error
-from .planning.types import LRDecision, Plan
-from .planning.planfile import load_plan, save_plan
 from .planning.api import plan
-from .precision import Precision
-from .sharding import Sharding
-from .probing.api import MemoryModel, ProbeResult, Trial, probe
-from .report import plot_metrics, plot_plan, write_report
-from .training import TrainError, TrainResult, train
+from .planning.export import export_plan
+from .planning.planfile import load_plan, save_plan
+from .planning.types import LRDecision, Plan
 from .planning.verify import VerifyResult, verify_plan
+from .precision import Precision
+from .probing.api import probe
+from .probing.estimate import estimate_peak
+from .probing.result import MemoryModel, ProbeResult, Trial
+from .report import plot_metrics, plot_plan, write_report
+from .report.notebook import register_display as _register_display
+from .sharding import Sharding
+from .training import NonFiniteError, TrainError, TrainResult, train
 from .version import __version__
 from .workload import Workload, load_workload
 
-
 __all__ = [
     "AutotuneError", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
-    "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError", "ProbeResult", "ReportError",
-    "Sharding", "TrainError",
-    "TrainResult", "Trial", "VerifyResult", "Workload", "WorkloadError", "__version__",
-    "estimate_peak", "export_plan", "is_oom_error", "load_plan", "load_workload", "plan",
-    "plot_metrics", "plot_plan", "probe", "save_plan", "train", "verify_plan", "write_report",
+    "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
+    "ProbeResult", "ReportError", "Sharding", "TrainError", "TrainResult", "Trial", "VerifyResult",
+    "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan", "is_oom_error",
+    "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan", "probe", "save_plan", "train",
+    "verify_plan", "write_report",
 ]
-
-from .report.notebook import register_display as _register_display  # noqa: E402
 
 _register_display()  # Plan, ProbeResult and TrainResult show as HTML in Jupyter

@@ -95,6 +95,21 @@ def test_outputs_write_through_a_device_node_never_replace_it(tmp_path, model_fi
     assert stat.S_ISCHR(os.lstat(device).st_mode)
 
 
+def test_a_fifo_output_is_written_through(tmp_path):
+    import json
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()), daemon=True)
+    reader.start()
+    save_plan(make_plan([4]), fifo)
+    reader.join(timeout=30)
+    assert json.loads(received[0])["micro_batches"] == [4]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
 def test_a_symlink_output_is_refused_and_neither_link_nor_target_changes(tmp_path, model_file):
     plan = _plan_file(tmp_path, model_file)
     target = tmp_path / "precious.txt"

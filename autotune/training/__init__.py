@@ -8,6 +8,6 @@ before training), ``api`` (``train``).
 """
 
 from .api import TrainResult, save_model, train
-from .errors import TrainError
+from .errors import NonFiniteError, TrainError
 
-__all__ = ["TrainError", "TrainResult", "save_model", "train"]
+__all__ = ["NonFiniteError", "TrainError", "TrainResult", "save_model", "train"]
