@@ -82,7 +82,7 @@ def format_plan(plan) -> str:
     chosen_setting = plan.chosen_setting
     for s in plan.settings:
         chosen = "<- plan" if s is chosen_setting else ""
-        layout = getattr(s, "layout", "ddp")
+        layout = s.layout
         if s.probe is None:
             rows.append([s.precision, "on" if s.checkpointing else "off", layout, "-", "-", "-",
                          "does not fit"])
