@@ -58,3 +58,16 @@ def test_the_full_model_built_before_sharding_does_not_count_against_the_budget(
                    max_micro_batch=8)
     assert result.max_micro_batch == 8
     assert max(t.peak_bytes for t in result.trials) < full * 3 // 4
+
+
+def test_a_sharded_setup_is_not_charged_for_the_full_model_it_replaced(examples_dir, one_thread):
+    # tiny_lm needs 5.25 MiB as one rank of 8; its full parameters and AdamW state, built and then
+    # replaced by shards, must not stay counted against an 8 MiB budget.
+    from autotune.memory.fake import EstimateMemoryBackend
+    from autotune.probing.api import probe
+
+    backend = EstimateMemoryBackend(8 << 20, for_cuda=True)
+    result = probe(examples_dir / "tiny_lm.py", backend=backend, precision="bf16", sharding="fsdp",
+                   world_size=8, max_micro_batch=2)
+    assert result.max_micro_batch >= 1
+    assert backend.current_bytes() == 0

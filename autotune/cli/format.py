@@ -97,7 +97,7 @@ def format_plan(plan) -> str:
     chosen_setting = plan.chosen_setting
     for s in plan.settings:
         chosen = "<- plan" if s is chosen_setting else ""
-        layout = getattr(s, "layout", "ddp")
+        layout = s.layout
         if s.probe is None:
             rows.append([s.precision, s.checkpointing_label, layout, "-", "-", "-", "does not fit"])
             continue

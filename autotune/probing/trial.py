@@ -84,6 +84,10 @@ class TrialSession:
         self.start_bytes = self.backend.current_bytes()
         with self._outside_budget():
             model = self.workload.new_model()
+            if self.sharded:
+                # fully_shard replaced the full parameters, but reference cycles can keep them
+                # (and their bytes in the count) alive until a collection.
+                self._release_memory()
         self.model = model.to(self.device)
         self.model.train()
         self.total_blocks = len(checkpointable_blocks(self.model))
@@ -95,10 +99,12 @@ class TrialSession:
         self.optimizer = self.workload.new_optimizer(self.params)
         self.scaler = grad_scaler(self.precision, self.device)
         self.backend.adopt([*self.model.parameters(), *self.model.buffers()])
-        self._allocate_optimizer_state()
-        if self.sharded:
-            with self._outside_budget():
+        with self._outside_budget():
+            self._allocate_optimizer_state()
+            if self.sharded:
                 self._warm_up()
+        if self.sharded:
+            self._check_state_fits()
 
     def _allocate_optimizer_state(self):
         # Adam-like optimizers allocate their state lazily at the first step; a trial that ran
@@ -122,10 +128,19 @@ class TrialSession:
         return self.checkpointed_blocks
     def _outside_budget(self):
         """For sharded sessions: what one-time setup allocates (the full model before sharding,
-        FSDP2's lazy initialisation in the first step) is not held to the budget; the measured
-        steps are. Backends that cannot lift their budget (CUDA) measure it as it is."""
+        FSDP2's lazy initialisation in the first step, and DTensor's first sharding propagation
+        of each op, which runs the op on fake tensors of the full shape) is not held to the
+        budget; what it leaves live and the measured steps are. Backends that cannot lift their
+        budget (CUDA) measure it as it is."""
         unlimited = getattr(self.backend, "unlimited", None)
         return unlimited() if self.sharded and unlimited is not None else contextlib.nullcontext()
+
+    def _check_state_fits(self):
+        """What setup left live (shards, optimizer state) must fit, even where its one-time
+        transients were not held to the budget."""
+        tracker = getattr(self.backend, "tracker", None)
+        if tracker is not None:
+            tracker.check_growth(0)
 
     def _warm_up(self):
         out_of_memory = False
