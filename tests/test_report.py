@@ -1,6 +1,8 @@
 """Plots (memory, throughput, metrics), the HTML report and the notebook views of results."""
 
 import builtins
+import shutil
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
@@ -172,6 +174,27 @@ def test_report_is_one_self_contained_page(throughput_plan, tmp_path):
     text = "".join(page.text)
     assert "micro-batch <16>" in text  # escaped, shown as written
     assert f"{throughput_plan.micro_batch}" in text and "predicted peak" in text
+
+
+def test_the_report_renders_in_a_real_browser_without_the_network(throughput_plan, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no Chromium here (apt-get install chromium); the page is parsed above instead")
+    save_plan(throughput_plan, tmp_path / "plan.json")
+    assert CliRunner().invoke(cli, ["report", str(tmp_path / "plan.json"), "-o",
+                                    str(tmp_path / "r.html")]).exit_code == 0
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+              "--host-resolver-rules=MAP * ~NOTFOUND",  # any request for the network would fail
+              f"--user-data-dir={tmp_path / 'profile'}"]
+    url = (tmp_path / "r.html").as_uri()
+    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    page = parse_page(dom.stdout)  # the document as the browser built it
+    assert {"summary", "settings", "throughput", "budget", "planned"} <= page.ids, dom.stderr[-2000:]
+    assert "svg" in page.tags
+    shot = tmp_path / "r.png"
+    subprocess.run([*common, "--window-size=1200,1600", f"--screenshot={shot}", url],
+                   capture_output=True, timeout=120)
+    assert shot.is_file() and shot.stat().st_size > 20_000  # drawn, not a blank page
 
 
 def test_short_reprs_and_notebook_views(plan, metrics_files):
