@@ -48,7 +48,29 @@ def test_trainer_runs_the_plan_and_the_callback_checks_it(tmp_path):
     trainer.train()
     assert trainer.state.global_step == 2
     assert model.is_activation_checkpointing
-    assert callback.report.startswith("not checked: the first step's peak is measured on CUDA only")
+    assert callback.report.startswith("fits: the first step's peak")  # counted on the CPU
+
+
+def _first_step_report(tmp_path, budget):
+    workload = real_model("gpt2_varlen")
+    plan = make_plan(8, 4)  # 4 × 2, made for a CPU of ``budget`` bytes
+    plan.device = dataclasses.replace(plan.device, budget_bytes=budget)
+    callback = PlanCallback(plan)
+    trainer = transformers.Trainer(
+        model=workload.model(), train_dataset=workload.build_dataset(), data_collator=workload.collate_fn,
+        args=training_arguments(plan, output_dir=str(tmp_path), max_steps=1, save_strategy="no",
+                                logging_strategy="no", disable_tqdm=True),
+        callbacks=[callback])
+    trainer.train()
+    return callback.report
+
+
+def test_on_the_cpu_the_first_steps_tensors_are_counted_against_the_plans_budget(tmp_path):
+    fits = _first_step_report(tmp_path, 1 << 30)
+    peak = float(fits.split("peak ")[1].split(" MiB")[0]) * MiB
+    assert fits.startswith("fits:") and 0 < peak < 1 << 30
+    tight = _first_step_report(tmp_path, int(peak))  # the same step, with no room for the headroom
+    assert "passes" in tight and "per_device_train_batch_size=" in tight and "autotune verify" in tight
 
 
 def test_callback_refuses_arguments_that_are_not_the_plan(tmp_path):

@@ -16,7 +16,7 @@ from ..precision import Precision
 from ..sharding.ranks import sharded_step
 from ..sharding.settings import Sharding
 from ..workload.contract import load_workload
-from .trial import TrialSession, _state_tensors
+from .trial import TrialSession, optimizer_state_tensors
 
 
 def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing=False,
@@ -123,7 +123,7 @@ class EstimateSession(TrialSession):
 
     def _allocate_optimizer_state(self):
         if _init_adam_state(self.optimizer):
-            self.backend.adopt(_state_tensors(self.optimizer))
+            self.backend.adopt(optimizer_state_tensors(self.optimizer))
             return
         with _foreach_path(self.optimizer):
             super()._allocate_optimizer_state()

@@ -114,7 +114,7 @@ class TrialSession:
             p.grad = torch.zeros_like(p)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.backend.adopt(_state_tensors(self.optimizer))
+        self.backend.adopt(optimizer_state_tensors(self.optimizer))
 
     def set_checkpointing(self, checkpointing) -> int:
         """Checkpoint that many blocks (off/on, K or a fraction) from the next step on; returns K."""
@@ -263,7 +263,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer):
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
