@@ -86,6 +86,28 @@ def test_batchnorm_statistics_are_updated_once_per_forward(name):
         torch.testing.assert_close(checkpointed[name_], value, msg=name_)
 
 
+def test_torchvision_resnet18_updates_batchnorm_statistics_once_per_forward():
+    models = pytest.importorskip("torchvision.models")
+    states = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = models.resnet18(num_classes=10)
+        if checkpointing:
+            assert enable_checkpointing(model) >= 2  # the blocks of layer1..layer4
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        torch.manual_seed(1)
+        for _ in range(2):
+            images, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        states.append(_bn_state(model))
+    plain, checkpointed = states
+    assert int(checkpointed["layer1.0.bn1.num_batches_tracked"]) == 2  # was 4 before the fix
+    for name, value in plain.items():
+        torch.testing.assert_close(checkpointed[name], value, msg=name)
+
+
 def test_training_a_checkpointed_batchnorm_plan_tracks_each_batch_once(examples_dir):
     plan = make_plan([4, 4])
     plan.checkpointing = True
