@@ -36,13 +36,16 @@ from autotune.probing.estimate import estimate_peak
 from autotune.workload.contract import load_workload
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MODELS = ("t5", "gpt2", "bert", "llama", "resnet", "gpt2_varlen", "bert_dataset", "timm_vit")
+MODELS = ("t5", "gpt2", "bert", "llama", "resnet", "gpt2_varlen", "bert_dataset", "timm_vit",
+          "tv_resnet18")
 EXPORTS = ("hf", "deepspeed", "lightning", "accelerate", "torchrun")
 
 
 def workload_for(name: str):
     if name == "timm_vit":
         return _timm_vit()
+    if name == "tv_resnet18":
+        return _torchvision_resnet18()
     return load_workload(ROOT / "examples" / "real" / f"{name}.py")
 
 
@@ -63,6 +66,26 @@ def _timm_vit():
         return torch.nn.functional.cross_entropy(model(images), labels)
 
     return autotune.Workload(model=build, make_batch=make_batch, loss_fn=loss_fn, source="timm vit_tiny")
+
+
+def _torchvision_resnet18():
+    from torchvision import models  # raises ImportError where torchvision does not import
+
+    def build():
+        torch.manual_seed(0)
+        return models.resnet18(num_classes=10)
+
+    # 64 x 64 images: at 32 x 32 the last stage is 1 x 1, and BatchNorm refuses micro-batch 1 there.
+    def make_batch(n):
+        generator = torch.Generator().manual_seed(n)
+        return torch.randn(n, 3, 64, 64, generator=generator), torch.randint(0, 10, (n,), generator=generator)
+
+    def loss_fn(model, batch):
+        images, labels = batch
+        return torch.nn.functional.cross_entropy(model(images), labels)
+
+    return autotune.Workload(model=build, make_batch=make_batch, loss_fn=loss_fn,
+                             source="torchvision resnet18")
 
 
 def check_export(plan, target: str, folder: pathlib.Path) -> str:
