@@ -16,15 +16,15 @@ from __future__ import annotations
 import logging
 from dataclasses import fields
 
-import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from ..errors import ConfigError
-from ..memory.cpu import CPUMemoryBackend, StorageTracker, counting
+from ..memory.cpu import CPUMemoryBackend
 from ..planning.export import to_hf
 from ..planning.policy import largest_divisor_at_most, usable_bytes
 from ..planning.types import Plan
 from ..probing.trial import optimizer_state_tensors
+from ..training.metrics import PeakMeter
 from ..training.checks import load_plan
 from ..units import format_bytes
 
@@ -57,8 +57,8 @@ class PlanCallback(TrainerCallback):
         self.plan: Plan = load_plan(plan)
         self.report: str | None = None
         self._budget: int | None = None
-        self._counter: tuple | None = None
-        """On the CPU, while the first step runs: (tracker, the counting context it is inside)."""
+        self._measuring = None
+        """While the first step runs: (the PeakMeter, its step context)."""
 
     def on_train_begin(self, args, state, control, **kwargs):
         check_arguments(self.plan, args)
@@ -66,38 +66,34 @@ class PlanCallback(TrainerCallback):
             from ..memory.cuda import CUDAMemoryBackend
 
             self._budget = CUDAMemoryBackend(args.device.index or 0).info().budget_bytes
-            torch.cuda.reset_peak_memory_stats(args.device)
         elif args.device.type == "cpu":
             self._budget = _cpu_budget(self.plan)
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        # On the CPU the first step's tensors are counted as the probe counts them (the CPU
-        # backend's tracker); the process's RSS would hold the interpreter and libraries too.
-        if self.report is not None or args.device.type != "cpu" or self._counter is not None:
+        # The training loop's own meter: torch's allocated bytes on CUDA; on the CPU the step's
+        # tensors counted as the probe counts them (the process's RSS would hold the interpreter
+        # and libraries too).
+        if self.report is not None or self._budget is None or self._measuring is not None:
             return
-        tracker = StorageTracker()
-        for tensor in [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer)]:
-            tracker.add(tensor)
-        context = counting(tracker)
+        meter = PeakMeter(args.device, total_steps=1)
+        live = [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer)]
+        context = meter.step(1, live)
         context.__enter__()
-        self._counter = (tracker, context)
+        self._measuring = (meter, context)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.report is not None:
             return
-        if self._budget is None:
+        if self._measuring is None:
             self.report = (f"not checked: the first step's peak is measured on CUDA and the CPU only "
                            f"(this is {args.device.type}); run `autotune verify PLAN` to check the "
                            f"plan here")
             logger.info("autotune: %s", self.report)
             return
-        if self._counter is not None:
-            tracker, context = self._counter
-            context.__exit__(None, None, None)
-            self._counter = None
-            peak = tracker.peak
-        else:
-            peak = int(torch.cuda.max_memory_allocated(args.device))
+        meter, context = self._measuring
+        context.__exit__(None, None, None)
+        self._measuring = None
+        peak = meter.peak
         problem = first_step_problem(self.plan, peak_bytes=peak, budget_bytes=self._budget)
         self.report = problem or (f"fits: the first step's peak {format_bytes(peak)} is within "
                                   f"{format_bytes(usable_bytes(self._budget, self.plan.headroom))}")
