@@ -4,35 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import math
 
 import torch
 
+from .choices import Choice
 from .errors import ConfigError
 
 
-class Precision(str, enum.Enum):
+class Precision(Choice):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
-
-    def __str__(self) -> str:
-        return self.value
-
-    # Equal to its value as a string, so it must hash like one (dict keys, sets, Optuna params).
-    __hash__ = str.__hash__
-    __format__ = str.__format__
-
-    @classmethod
-    def parse(cls, value, *, option="--precision") -> "Precision":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            choices = ", ".join(p.value for p in cls)
-            raise ConfigError(f"{option} {value!r} is not a precision; use one of {choices}") from None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import enum
-
+from ..choices import Choice
 from ..errors import ConfigError
 
 
-class Sharding(str, enum.Enum):
+class Sharding(Choice):
     """How each rank holds the model.
 
     - ``ddp``: a full replica per rank (parameters, gradients and optimizer state).
@@ -20,22 +19,6 @@ class Sharding(str, enum.Enum):
     DDP = "ddp"
     FSDP = "fsdp"
     FSDP_OFFLOAD = "fsdp-offload"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __hash__ = str.__hash__
-    __format__ = str.__format__
-
-    @classmethod
-    def parse(cls, value, *, option: str = "--sharding") -> "Sharding":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            choices = ", ".join(s.value for s in cls)
-            raise ConfigError(f"{option} {value!r} is not a sharding; use one of {choices}") from None
 
     @property
     def sharded(self) -> bool:
