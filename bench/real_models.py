@@ -50,42 +50,38 @@ def workload_for(name: str):
 
 
 def _timm_vit():
-    import timm  # noqa: F401 - raises ImportError where timm (or its torchvision) does not import
+    import timm  # raises ImportError where timm (or its torchvision) does not import
 
-    def build():
-        torch.manual_seed(0)
-        return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
-                                 num_classes=10, drop_path_rate=0.1)
-
-    def make_batch(n):
-        generator = torch.Generator().manual_seed(n)
-        return torch.randn(n, 3, 32, 32, generator=generator), torch.randint(0, 10, (n,), generator=generator)
-
-    def loss_fn(model, batch):
-        images, labels = batch
-        return torch.nn.functional.cross_entropy(model(images), labels)
-
-    return autotune.Workload(model=build, make_batch=make_batch, loss_fn=loss_fn, source="timm vit_tiny")
+    return _image_classifier(
+        lambda: timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                                  num_classes=10, drop_path_rate=0.1),
+        size=32, source="timm vit_tiny")
 
 
 def _torchvision_resnet18():
     from torchvision import models  # raises ImportError where torchvision does not import
 
+    # 64 x 64 images: at 32 x 32 the last stage is 1 x 1, and BatchNorm refuses micro-batch 1 there.
+    return _image_classifier(lambda: models.resnet18(num_classes=10), size=64,
+                             source="torchvision resnet18")
+
+
+def _image_classifier(new_model, *, size: int, source: str):
+    """A 10-class classifier on random ``size`` x ``size`` images, seeded like the model files."""
     def build():
         torch.manual_seed(0)
-        return models.resnet18(num_classes=10)
+        return new_model()
 
-    # 64 x 64 images: at 32 x 32 the last stage is 1 x 1, and BatchNorm refuses micro-batch 1 there.
     def make_batch(n):
         generator = torch.Generator().manual_seed(n)
-        return torch.randn(n, 3, 64, 64, generator=generator), torch.randint(0, 10, (n,), generator=generator)
+        return (torch.randn(n, 3, size, size, generator=generator),
+                torch.randint(0, 10, (n,), generator=generator))
 
     def loss_fn(model, batch):
         images, labels = batch
         return torch.nn.functional.cross_entropy(model(images), labels)
 
-    return autotune.Workload(model=build, make_batch=make_batch, loss_fn=loss_fn,
-                             source="torchvision resnet18")
+    return autotune.Workload(model=build, make_batch=make_batch, loss_fn=loss_fn, source=source)
 
 
 def check_export(plan, target: str, folder: pathlib.Path) -> str:
