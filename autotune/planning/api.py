@@ -180,15 +180,9 @@ def plan(
     created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if optimize == "throughput":
         precisions = [chosen] if precision != "auto" else _supported_precisions(backend.device)
-        settings = []
-        for candidate in precisions:
-            settings.append(try_setting(first, candidate))
-            if checkpointing_worth_probing(settings[-1], request, fingerprint):
-                settings.append(try_setting("on", candidate))
-                fewest = _fewest_blocks_setting(workload, backend, request, settings[-2], settings[-1],
-                                                usable=usable, extra=extra)
-                if fewest is not None:
-                    settings.append(fewest)
+        # Replicas only: the search measures in this one process (it is refused under torchrun).
+        settings = [s for candidate in precisions
+                    for s in try_layout((Sharding.DDP, None), precision_=candidate)]
         return _fastest_plan(workload, backend, request, fingerprint, settings, info, usable=usable,
                              extra=extra, budget_s=budget_s, storage=storage, created_at=created_at,
                              estimated_for=target.profile.name if target else None)
