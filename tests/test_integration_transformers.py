@@ -34,35 +34,32 @@ def test_checkpointing_goes_through_the_models_own_switch(tmp_path):
     assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
 
 
-def test_trainer_runs_the_plan_and_the_callback_checks_it(tmp_path):
+def _train_with_callback(plan, tmp_path, *, max_steps):
     workload = real_model("gpt2_varlen")
-    plan = make_plan(8, 4)  # 4 × 2
-    plan.checkpointing = True
     callback = PlanCallback(plan)
     model = workload.model()
     trainer = transformers.Trainer(
         model=model, train_dataset=workload.build_dataset(), data_collator=workload.collate_fn,
-        args=training_arguments(plan, output_dir=str(tmp_path), max_steps=2, save_strategy="no",
+        args=training_arguments(plan, output_dir=str(tmp_path), max_steps=max_steps, save_strategy="no",
                                 logging_strategy="no", disable_tqdm=True),
         callbacks=[callback])
     trainer.train()
+    return trainer, model, callback
+
+
+def test_trainer_runs_the_plan_and_the_callback_checks_it(tmp_path):
+    plan = make_plan(8, 4)  # 4 × 2
+    plan.checkpointing = True
+    trainer, model, callback = _train_with_callback(plan, tmp_path, max_steps=2)
     assert trainer.state.global_step == 2
     assert model.is_activation_checkpointing
     assert callback.report.startswith("fits: the first step's peak")  # counted on the CPU
 
 
 def _first_step_report(tmp_path, budget):
-    workload = real_model("gpt2_varlen")
     plan = make_plan(8, 4)  # 4 × 2, made for a CPU of ``budget`` bytes
     plan.device = dataclasses.replace(plan.device, budget_bytes=budget)
-    callback = PlanCallback(plan)
-    trainer = transformers.Trainer(
-        model=workload.model(), train_dataset=workload.build_dataset(), data_collator=workload.collate_fn,
-        args=training_arguments(plan, output_dir=str(tmp_path), max_steps=1, save_strategy="no",
-                                logging_strategy="no", disable_tqdm=True),
-        callbacks=[callback])
-    trainer.train()
-    return callback.report
+    return _train_with_callback(plan, tmp_path, max_steps=1)[2].report
 
 
 def test_on_the_cpu_the_first_steps_tensors_are_counted_against_the_plans_budget(tmp_path):
