@@ -39,6 +39,23 @@ def test_resume_never_unpickles_code_from_a_checkpoint(tmp_path):
     assert not marker.exists()
 
 
+def test_resume_never_unpickles_code_from_a_sharded_checkpoint(tmp_path):
+    import dataclasses
+
+    from autotune.training.sharded_checkpoint import STATE_NAME
+
+    plan = dataclasses.replace(make_plan([4]), sharding="fsdp")  # one process, in-process group
+    train(plan, mlp_workload(16), steps=1, checkpoint_dir=tmp_path, progress=False)
+    (state_file,) = tmp_path.glob(f"step-*/{STATE_NAME}")
+    state = torch.load(state_file, weights_only=True)  # the train state loads as data
+    marker = tmp_path / "code-ran"
+    state["evil"] = _RunsCode(marker)
+    torch.save(state, state_file)
+    with pytest.raises(TrainError, match="not loaded, so none of its code ran"):
+        train(plan, mlp_workload(16), steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)
+    assert not marker.exists()
+
+
 def _cli(*args, **kwargs):
     from click.testing import CliRunner
 
