@@ -70,6 +70,21 @@ def test_nothing_fits_anywhere_names_every_layout():
         _plan(64, 4, ddp, fsdp)
 
 
+def test_a_replica_that_fits_only_without_its_ddp_buckets_says_so():
+    # Micro-batch 1 peaks at 110 MiB of 1000; DDP's gradient buckets (the model's 900 MiB of
+    # parameters) push it over: the message names them and points at sharding.
+    params = 900 * MiB
+    ddp = setting(linear_probe(1), headroom=0.0, extra=params)
+    request = PlanRequest(target_batch=64, world_size=4, checkpointing="off", headroom=0.0,
+                          sharding="ddp")
+    with pytest.raises(PlanError) as raised:
+        build_plan(request, workload=fingerprint(param_bytes=params), settings=[ddp], device=device(),
+                   versions={"autotune": "0.1.0", "torch": "2.x", "cuda": None})
+    message = str(raised.value)
+    assert "peak 110.00 MiB plus 900.00 MiB of DDP gradient buckets against 1000.00 MiB" in message
+    assert "--sharding auto (or fsdp) shards the model" in message
+
+
 def test_plan_file_keeps_sharding_and_the_settings_layouts(tmp_path):
     plan_ = _plan(64, 4, setting(None, error="no"), _sharded(16, 4))
     path = tmp_path / "plan.json"

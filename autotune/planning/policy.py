@@ -297,7 +297,7 @@ def _choose_setting(settings: list[SettingTried], request: PlanRequest,
         except PlanError:
             continue
     if not chosen:
-        raise PlanError(_nothing_fits_message(settings, request))
+        raise PlanError(_nothing_fits_message(settings, request, workload))
     best = min(range(len(chosen)), key=lambda i: (len(chosen[i][1]), i))
     setting, split, why = chosen[best]
     return setting, split, why, _sharding_reason(setting, split, chosen, layouts, request)
@@ -333,7 +333,7 @@ def _choose_checkpointing(settings: list[SettingTried], request: PlanRequest,
     splits = [(s, split_for(s.allowed_micro_batch, request)) for s in settings]
     usable = [(s, split) for s, split in splits if split is not None]
     if not usable:
-        raise PlanError(_nothing_fits_message(settings, request))
+        raise PlanError(_nothing_fits_message(settings, request, workload))
     off = next(((s, sp) for s, sp in splits if not s.checkpointing), None)
     checkpointed = [(s, sp) for s, sp in usable if s.checkpointing]
     if not checkpointed:
@@ -396,8 +396,10 @@ def _why_single(setting, request, workload, on) -> str:
             f"so it would buy nothing")
 
 
-def _nothing_fits_message(settings: list[SettingTried], request: PlanRequest) -> str:
+def _nothing_fits_message(settings: list[SettingTried], request: PlanRequest,
+                          workload: WorkloadFingerprint) -> str:
     parts = []
+    buckets_counted = False
     for s in settings:
         label = setting_label(s.precision, s.checkpointing_label)
         if s.sharding.sharded:
@@ -409,15 +411,23 @@ def _nothing_fits_message(settings: list[SettingTried], request: PlanRequest) ->
                          f"{s.allowed_micro_batch} fits within the budget minus --headroom "
                          f"{request.headroom:g} (the probe's raw maximum is {s.raw_max_micro_batch})")
         else:
+            # The comparison that failed is the one evaluate_setting made: the probe's peak plus
+            # what it could not see (DDP's gradient buckets on more than one rank).
+            extra = setting_extra_bytes(s, request.world_size, workload.param_bytes)
+            buckets_counted = buckets_counted or extra > 0
             peak = predicted_peak(s.probe, 1)
+            plus = f" plus {format_bytes(extra)} of DDP gradient buckets" if extra else ""
             parts.append(f"{label}: micro-batch 1 fits the budget but not the budget minus "
-                         f"--headroom {request.headroom:g} (peak {format_bytes(peak)} against "
+                         f"--headroom {request.headroom:g} (peak {format_bytes(peak)}{plus} against "
                          f"{format_bytes(s.probe.budget_bytes * (1 - request.headroom))}); "
                          f"lower --headroom or give it more memory")
     head = (f"--micro-batch {request.micro_batch} cannot be planned" if request.micro_batch is not None
             else f"no micro-batch fits for --target-batch {request.target_batch}")
     fix = (" Use a smaller --micro-batch (or none, to let autotune choose)."
            if request.micro_batch is not None else "")
+    if buckets_counted and request.sharding == "ddp":
+        fix += (f" A replica does not fit on one of {request.world_size} ranks; --sharding auto "
+                f"(or fsdp) shards the model instead.")
     return f"{head}. " + "; ".join(parts) + "." + fix
 
 
