@@ -13,7 +13,7 @@ from ..precision import Precision, grad_scaler, scaler_settings
 from ..sharding import Sharding
 from ..sharding.settings import resolve_shard_group
 from ..sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
-from . import checks, distributed, sharded_checkpoint
+from . import checks, distributed, recovery, sharded_checkpoint
 from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_resumable, checkpoint_path,
                          load, plan_record, rng_state, save_atomic, set_rng_state)
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
@@ -90,6 +90,12 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     clip = plan.clip_grad_norm if clip_grad_norm is _FROM_PLAN else clip_grad_norm
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          resume=resume, clip_grad_norm=clip, num_workers=num_workers, seed=seed)
+    sharding = Sharding.parse(plan.sharding, option="plan sharding")
+    oom_record = None if overwrite else recovery.read_record(checkpoint_dir)
+    if not resume and recovery.restarted_by_torchrun(oom_record):
+        # torchrun relaunched the ranks after one ran out of memory inside a collective: the
+        # same command continues from the last checkpoint, if one was written before it.
+        resume = _holds_checkpoint(checkpoint_dir, sharding)
     checks.check_outputs(checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
                          metrics_path=metrics_path, inputs=_inputs(plan_source, workload))
     precision = Precision.parse(plan.precision, option="plan precision")
@@ -101,7 +107,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     total = checks.total_steps(steps=steps, epochs=epochs, source=workload.source,
                                windows_per_epoch=windows_per_epoch(size, plan.effective_batch,
                                                                    plan.world_size))
-    sharding = Sharding.parse(plan.sharding, option="plan sharding")
+    if overwrite:
+        recovery.remove_record(checkpoint_dir)
     ctx = distributed.setup(device, sharded=sharding.sharded)
     try:
         checks.check_world_size(plan, ctx.world_size)
@@ -110,7 +117,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
         session = _Session(plan=plan, workload=workload, ctx=ctx, precision=precision, clip=clip,
                            sharding=sharding, shard_group=shard_group, seed=seed, dataset=dataset,
                            dataset_size=size, total_steps=total, checkpoint_dir=checkpoint_dir,
-                           scaler=scaler)
+                           scaler=scaler, oom_record=oom_record)
         result = session.run(resume=resume, checkpoint_every=checkpoint_every,
                              metrics_path=metrics_path, num_workers=num_workers, progress=progress,
                              measure_noise=measure_noise_scale)
@@ -125,7 +132,7 @@ class _Session:
     """The objects of one run, and how they are checkpointed and restored."""
 
     def __init__(self, *, plan, workload, ctx, precision, clip, sharding, shard_group, seed, dataset,
-                 dataset_size, total_steps, checkpoint_dir, scaler):
+                 dataset_size, total_steps, checkpoint_dir, scaler, oom_record=None):
         self.plan, self.workload, self.ctx, self.precision = plan, workload, ctx, precision
         self.clip, self.seed, self.dataset, self.dataset_size = clip, seed, dataset, dataset_size
         self.total_steps, self.sharding, self.shard_group = total_steps, sharding, shard_group
@@ -153,22 +160,28 @@ class _Session:
         self.state = TrainState()
         self.saved_step = None
         """The step of the last checkpoint written or resumed from (None: none yet)."""
+        self.oom_record = oom_record
+        """The split recorded by a rank that ran out of memory inside a collective (recovery.py)."""
 
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
             measure_noise=True) -> TrainResult:
         rng = self._restore() if resume else None
+        recorded = self.oom_record is not None and recovery.apply_record(self.oom_record, self.state.split)
         metrics = MetricsLog(metrics_path, enabled=self.ctx.is_main, total_steps=self.total_steps,
                              progress=progress, resume_step=self.state.step,
                              predicted_peak_bytes=self.plan.predicted_peak_bytes)
         try:
             if progress:
                 metrics.note(self._describe())
+            if recorded:
+                metrics.note(self._describe_recorded_split())
             runner = StepRunner(model=distributed.wrap_model(self.model, self.ctx),
                                 optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                 precision=self.precision, workload=self.workload, ctx=self.ctx,
                                 clip_grad_norm=self.clip, state=self.state, notify=metrics.note,
                                 measure_noise=measure_noise,
-                                reduce_every_micro_step=self.plan.reduce_every_micro_step)
+                                reduce_every_micro_step=self.plan.reduce_every_micro_step,
+                                restart_after_oom=self._restart_after_oom)
             batches = self._batches(num_workers)
             if rng is not None:
                 set_rng_state(rng)  # last, so nothing before the first step draws from it
@@ -235,6 +248,19 @@ class _Session:
                 f"{plan.lr.warmup_steps} steps); clip {self.clip}; {self._describe_sharding()}; "
                 f"data: {data}")
 
+    def _describe_recorded_split(self) -> str:
+        record, split = self.oom_record, _current_split(self.plan, self.state)
+        return (f"rank {record.get('rank')} ran out of memory at step {record.get('step')} inside a "
+                f"collective ({recovery.record_path(self.checkpoint_dir)}): training from step "
+                f"{self.state.step} with micro-batch {max(split)} x {len(split)} accumulation steps "
+                f"(effective batch {self.plan.effective_batch} and the LR schedule unchanged)")
+
+    def _restart_after_oom(self, *, step, where, micro_batch, level, finer) -> TrainError:
+        return recovery.restart_after_oom(
+            directory=self.checkpoint_dir, rank=self.ctx.rank, step=step, where=where,
+            micro_batch=micro_batch, level=level, finer=finer,
+            recoveries=self.state.split.recoveries + 1, from_step=self.saved_step)
+
     def _describe_sharding(self) -> str:
         if not self.sharding.sharded:
             return "ddp" if self.ctx.distributed else "one process"
@@ -256,6 +282,8 @@ class _Session:
             save_atomic({"format": FORMAT_VERSION, "model": self.model.state_dict(),
                          "optimizer": self.optimizer.state_dict(), **self._train_state(rng)}, self.path)
         self.saved_step = self.state.step
+        if self.ctx.is_main:  # the checkpoint now carries the recorded split
+            recovery.clear_record(self.checkpoint_dir, self.state.split.level)
 
     def _train_state(self, rng: list) -> dict:
         """Everything of a checkpoint but the model and the optimizer."""
@@ -320,6 +348,11 @@ class _Session:
             self.state.noise = NoiseScaleEMA.from_dict(saved["noise_scale"])
         ranks = saved["rng"]
         return ranks[self.ctx.rank] if self.ctx.rank < len(ranks) else None
+
+
+def _holds_checkpoint(directory, sharding: Sharding) -> bool:
+    return (sharded_checkpoint.exists(directory) if sharding.sharded
+            else checkpoint_path(directory).is_file())
 
 
 def _inputs(plan_source, workload) -> dict:
