@@ -95,6 +95,15 @@ def _wrapped(**oom):
     return mlp_workload(48, model=lambda: OOMOnce(build_mlp(), **oom))
 
 
+def _assert_as_planned_with(micro_batches, saved, tmp_path, steps=3):
+    """``saved`` holds the parameters of a run planned with ``micro_batches`` from the start."""
+    train(_sharded(micro_batches), _wrapped(), steps=steps, progress=False, save_path=tmp_path / "ref.pt")
+    model, reference = OOMOnce(build_mlp()), OOMOnce(build_mlp())
+    model.load_state_dict(torch.load(saved, weights_only=True)["model"])
+    reference.load_state_dict(torch.load(tmp_path / "ref.pt", weights_only=True)["model"])
+    assert relative_error(params_of(model), params_of(reference)) <= 1e-12
+
+
 def _sharded(micro_batches):
     return dataclasses.replace(make_plan(micro_batches, lr=0.1), sharding="fsdp")
 
@@ -116,11 +125,7 @@ def test_sharded_oom_records_the_split_and_resume_uses_it(tmp_path, capsys):
     assert resumed.micro_batches == [4, 4, 4, 4] and resumed.oom_recoveries == 1
     assert [m["micro_batch"] for m in resumed.metrics] == [4]
     assert not (tmp_path / "c" / RECORD_NAME).exists()
-    train(_sharded([4, 4, 4, 4]), _wrapped(), steps=3, progress=False, save_path=tmp_path / "ref.pt")
-    model, reference = OOMOnce(build_mlp()), OOMOnce(build_mlp())
-    model.load_state_dict(torch.load(tmp_path / "resumed.pt", weights_only=True)["model"])
-    reference.load_state_dict(torch.load(tmp_path / "ref.pt", weights_only=True)["model"])
-    assert relative_error(params_of(model), params_of(reference)) <= 1e-12
+    _assert_as_planned_with([4, 4, 4, 4], tmp_path / "resumed.pt", tmp_path)
 
 
 def test_a_rerun_uses_the_recorded_split_and_overwrite_forgets_it(tmp_path):
@@ -133,6 +138,22 @@ def test_a_rerun_uses_the_recorded_split_and_overwrite_forgets_it(tmp_path):
                       overwrite=start_over)
         assert again.micro_batches == expected
         assert not (tmp_path / "c" / RECORD_NAME).exists()
+
+
+def test_torchrun_restart_resumes_by_itself_even_under_overwrite(tmp_path, monkeypatch):
+    """torchrun's environment in one process: the first attempt exits with OOMRestart, the
+    relaunched one (same command, --overwrite included) resumes from the checkpoint of step 2."""
+    for name, value in (("TORCHELASTIC_RUN_ID", "run-1"), ("TORCHELASTIC_MAX_RESTARTS", "1"),
+                        ("TORCHELASTIC_RESTART_COUNT", "0")):
+        monkeypatch.setenv(name, value)
+    common = dict(steps=3, progress=False, checkpoint_dir=tmp_path / "c", checkpoint_every=1, overwrite=True)
+    with pytest.raises(OOMRestart, match=r"restart 1 of 1\) and they resume from the checkpoint of step 2"):
+        train(_sharded([8, 8]), _wrapped(fail_at={5}), **common)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    resumed = train(_sharded([8, 8]), _wrapped(), save_path=tmp_path / "resumed.pt", **common)
+    assert [m["step"] for m in resumed.metrics] == [3] and resumed.micro_batches == [4, 4, 4, 4]
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    _assert_as_planned_with([4, 4, 4, 4], tmp_path / "resumed.pt", tmp_path)
 
 
 def test_sharded_oom_without_a_checkpoint_folder_says_how_to_enable_recovery():

@@ -91,11 +91,16 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          resume=resume, clip_grad_norm=clip, num_workers=num_workers, seed=seed)
     sharding = Sharding.parse(plan.sharding, option="plan sharding")
-    oom_record = None if overwrite else recovery.read_record(checkpoint_dir)
-    if not resume and recovery.restarted_by_torchrun(oom_record):
-        # torchrun relaunched the ranks after one ran out of memory inside a collective: the
-        # same command continues from the last checkpoint, if one was written before it.
-        resume = _holds_checkpoint(checkpoint_dir, sharding)
+    oom_record = recovery.read_record(checkpoint_dir)
+    restarted = recovery.restarted_by_torchrun(oom_record)
+    if restarted:
+        # torchrun relaunched the ranks after one ran out of memory inside a collective: the same
+        # command (--overwrite or not) continues from this run's last checkpoint, if it wrote one.
+        resume = resume or (oom_record.get("from_step") is not None
+                            and _holds_checkpoint(checkpoint_dir, sharding))
+        overwrite = overwrite and not resume
+    elif overwrite:
+        oom_record = None
     checks.check_outputs(checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
                          metrics_path=metrics_path, inputs=_inputs(plan_source, workload))
     precision = Precision.parse(plan.precision, option="plan precision")
@@ -107,7 +112,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     total = checks.total_steps(steps=steps, epochs=epochs, source=workload.source,
                                windows_per_epoch=windows_per_epoch(size, plan.effective_batch,
                                                                    plan.world_size))
-    if overwrite:
+    if overwrite and not restarted:
         recovery.remove_record(checkpoint_dir)
     ctx = distributed.setup(device, sharded=sharding.sharded)
     try:

@@ -111,7 +111,7 @@ def restart_after_oom(*, directory, rank: int, step: int, where: str, micro_batc
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"level": level, "recoveries": recoveries, "rank": rank, "step": step,
               "micro_batch": max(finer), "accumulation_steps": len(finer),
-              "run_id": restarts.run_id, "restart": restarts.count}
+              "from_step": from_step, "run_id": restarts.run_id, "restart": restarts.count}
     write_atomic(path, lambda handle: handle.write(json.dumps(record, indent=2).encode()))
     start = (f"the checkpoint of step {from_step}" if from_step is not None
              else "step 0 (no checkpoint was written yet)")
