@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from autotune.errors import OutputError
 from autotune.planning.planfile import save_plan
 from autotune.training import OOMRestart, TrainError, train
 from autotune.training.recovery import RECORD_NAME, Restarts, restart_after_oom
@@ -130,14 +131,14 @@ def test_sharded_oom_records_the_split_and_resume_uses_it(tmp_path, capsys):
 
 def test_a_rerun_uses_the_recorded_split_and_overwrite_forgets_it(tmp_path):
     for start_over, expected in ((True, [8, 8]), (False, [4, 4, 4, 4])):
+        folder = tmp_path / str(start_over)
         with pytest.raises(TrainError, match="rerun the same command \\(it starts over with it\\)"):
-            train(_sharded([8, 8]), _wrapped(fail_at={1}), steps=1, progress=False,
-                  checkpoint_dir=tmp_path / "c", overwrite=True)
-        assert (tmp_path / "c" / RECORD_NAME).exists()
-        again = train(_sharded([8, 8]), _wrapped(), steps=1, progress=False, checkpoint_dir=tmp_path / "c",
+            train(_sharded([8, 8]), _wrapped(fail_at={1}), steps=1, progress=False, checkpoint_dir=folder)
+        assert (folder / RECORD_NAME).exists()
+        again = train(_sharded([8, 8]), _wrapped(), steps=1, progress=False, checkpoint_dir=folder,
                       overwrite=start_over)
         assert again.micro_batches == expected
-        assert not (tmp_path / "c" / RECORD_NAME).exists()
+        assert not (folder / RECORD_NAME).exists()
 
 
 def test_torchrun_restart_resumes_by_itself_even_under_overwrite(tmp_path, monkeypatch):
@@ -154,6 +155,22 @@ def test_torchrun_restart_resumes_by_itself_even_under_overwrite(tmp_path, monke
     assert [m["step"] for m in resumed.metrics] == [3] and resumed.micro_batches == [4, 4, 4, 4]
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     _assert_as_planned_with([4, 4, 4, 4], tmp_path / "resumed.pt", tmp_path)
+
+
+def test_a_sharded_checkpoint_is_not_started_over_without_resume_or_overwrite(tmp_path):
+    """What a torchrun restart after any other failure meets: the checkpoint is refused, not lost."""
+    train(_sharded([8, 8]), _wrapped(), steps=1, progress=False, checkpoint_dir=tmp_path / "c")
+    with pytest.raises(OutputError, match="already holds a checkpoint .*checkpoint.json.*--resume"):
+        train(_sharded([8, 8]), _wrapped(), steps=2, progress=False, checkpoint_dir=tmp_path / "c")
+
+
+@pytest.mark.parametrize("text, message", [("{", "cannot be read"), ('{"level": NaN}', "its level must be"),
+                                           ('{"level": 99}', "its level must be"), ("[1]", "its level must be")])
+def test_a_damaged_record_is_refused_naming_the_file(tmp_path, text, message):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / RECORD_NAME).write_text(text)
+    with pytest.raises(TrainError, match=f"{RECORD_NAME} .*{message}.*delete it to train with the plan's"):
+        train(_sharded([8, 8]), _wrapped(), steps=1, progress=False, checkpoint_dir=tmp_path / "c")
 
 
 def test_sharded_oom_without_a_checkpoint_folder_says_how_to_enable_recovery():

@@ -135,7 +135,7 @@ def read_record(directory) -> dict | None:
     path = record_path(directory)
     try:
         record = json.loads(path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a folder that cannot be is reported later
         return None
     except (OSError, ValueError) as exc:
         raise TrainError(f"{path} cannot be read ({exc}); delete it to train with the plan's "
