@@ -67,6 +67,8 @@ def test_oom_inside_a_collective_restarts_with_a_smaller_micro_batch(tmp_path, s
                           tmp_path / "metrics.jsonl", oom=oom, max_restarts=1)
     assert code == 0, log[-6000:]
     assert "Error: rank 1 ran out of memory at step 2 with micro-batch 4 " + where in log
+    assert "Error: rank 0 stopped (" in log and "because rank 1 ran out of memory at step 2; micro-batch 2 " \
+           "is recorded in" in log
     assert "Recorded micro-batch 2 (4 accumulation steps; the effective batch and the LR schedule are " \
            "unchanged)" in log
     assert "restart 1 of 1) and they resume from the checkpoint of step 1" in log
@@ -87,7 +89,9 @@ def test_no_restart_left_fails_clearly_and_no_rank_hangs(tmp_path):
     code, log = _torchrun(tmp_path, "oom", _plan([4, 4], "fsdp"), "--checkpoint-dir", tmp_path / "ckpt",
                           "--checkpoint-every", 1, oom="1:3:forward", max_restarts=0)
     assert code != 0
-    assert "torchrun has no restart left (--max-restarts 0, all used): rerun with --resume" in log
+    assert "but torchrun was launched without --max-restarts: rerun with --resume (it continues from the " \
+           "checkpoint of step 1 with it)" in log
+    assert "Error: rank 0 stopped (" in log
     assert json.loads((tmp_path / "ckpt" / RECORD_NAME).read_text())["micro_batch"] == 2
 
 

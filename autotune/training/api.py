@@ -18,8 +18,8 @@ from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_
                          load, plan_record, rng_state, save_atomic, set_rng_state)
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
-from ..errors import OutputError
-from .errors import NonFiniteError, TrainError
+from ..errors import AutotuneError, OutputError
+from .errors import NonFiniteError, OOMRestart, TrainError
 from .loop import StepRunner, TrainState, run_steps
 from .metrics import MetricsLog
 from .noise_scale import NoiseScaleEMA, batch_advice, noise_scale, unavailable_reason
@@ -197,6 +197,11 @@ class _Session:
                         stop=stop, save_checkpoint=self._save, checkpoint_every=checkpoint_every)
                 except NonFiniteError as exc:
                     raise NonFiniteError(f"{exc}; {self._last_good()}", step=exc.step) from None
+                except Exception as exc:
+                    peer = self._peer_out_of_memory(exc)
+                    if peer is None:
+                        raise
+                    raise peer from exc
             noise, note, warnings = self._noise_advice(measure_noise)
             for warning in warnings:
                 metrics.note(f"warning: {warning}")
@@ -265,6 +270,20 @@ class _Session:
             directory=self.checkpoint_dir, rank=self.ctx.rank, step=step, where=where,
             micro_batch=micro_batch, level=level, finer=finer,
             recoveries=self.state.split.recoveries + 1, from_step=self.saved_step)
+
+    def _peer_out_of_memory(self, exc: Exception) -> OOMRestart | None:
+        """Why a collective failed on this rank, when another rank has just recorded an
+        out-of-memory exit (its process ended, so gloo's read from it failed)."""
+        if isinstance(exc, AutotuneError) or not self.ctx.distributed or self.checkpoint_dir is None:
+            return None
+        record = recovery.new_record(self.checkpoint_dir, self.oom_record)
+        if record is None:
+            return None
+        return OOMRestart(
+            f"rank {self.ctx.rank} stopped ({type(exc).__name__} in a collective: "
+            f"{str(exc).splitlines()[0][:200]}) because rank {record.get('rank')} ran out of memory "
+            f"at step {record.get('step')}; micro-batch {record.get('micro_batch')} is recorded in "
+            f"{recovery.record_path(self.checkpoint_dir)} (rank {record.get('rank')}'s error says what next)")
 
     def _describe_sharding(self) -> str:
         if not self.sharding.sharded:

@@ -119,8 +119,12 @@ def restart_after_oom(*, directory, rank: int, step: int, where: str, micro_batc
         return OOMRestart(f"{what}. Recorded {smaller} in {path}; torchrun restarts every rank "
                           f"(restart {restarts.count + 1} of {restarts.maximum}) and they resume "
                           f"from {start} with it")
-    why = ("this process was not launched by torchrun" if restarts.count is None else
-           f"torchrun has no restart left (--max-restarts {restarts.maximum}, all used)")
+    if restarts.count is None:
+        why = "this process was not launched by torchrun"
+    elif restarts.maximum == 0:
+        why = "torchrun was launched without --max-restarts"
+    else:
+        why = f"torchrun has no restart left (--max-restarts {restarts.maximum}, all used)"
     rerun = ("rerun the same command (it starts over with it)" if from_step is None
              else f"rerun with --resume (it continues from {start} with it)")
     return TrainError(f"{what}. {smaller[0].upper()}{smaller[1:]} is recorded in {path}, but {why}: "
@@ -146,6 +150,15 @@ def read_record(directory) -> dict | None:
                          f"integer from 0 to {_MAX_LEVEL}); delete it to train with the plan's "
                          f"micro-batches")
     return record
+
+
+def new_record(directory, before: dict | None) -> dict | None:
+    """A record written since ``before`` was read (by a rank that has just run out of memory)."""
+    try:
+        record = read_record(directory)
+    except TrainError:
+        return None
+    return record if record is not None and record != before else None
 
 
 def restarted_by_torchrun(record: dict | None, restarts: Restarts | None = None) -> bool:
