@@ -16,7 +16,7 @@ import torch
 from autotune.errors import OutputError
 from autotune.planning.planfile import save_plan
 from autotune.training import OOMRestart, TrainError, train
-from autotune.training.recovery import RECORD_NAME, Restarts, restart_after_oom
+from autotune.training.restart import RECORD_NAME, Restarts, restart_after_oom
 from autotune.workload.contract import load_workload
 from train_helpers import OOMOnce, build_mlp, make_plan, mlp_workload, params_of, relative_error
 

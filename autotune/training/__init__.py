@@ -3,8 +3,9 @@
 Modules, one job each: ``data`` (which samples each window, rank and micro-batch gets),
 ``accumulate`` (exact loss weighting), ``loop`` (one optimizer step, OOM recovery), ``checkpoint``
 (atomic save/resume), ``distributed`` (process group and collectives), ``metrics``, ``schedule``
-(LR and warmup), ``recovery`` (the OOM split policy and the restart record), ``stop`` (signals), ``checks`` (errors
-before training), ``api`` (``train``).
+(LR and warmup), ``recovery`` (the OOM split policy), ``restart`` (an OOM the ranks cannot agree
+on in-process, recovered by torchrun's restart), ``stop`` (signals), ``checks`` (errors before
+training), ``api`` (``train``).
 """
 
 from .api import TrainResult, save_model, train

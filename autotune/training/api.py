@@ -13,7 +13,7 @@ from ..precision import Precision, grad_scaler, scaler_settings
 from ..sharding import Sharding
 from ..sharding.settings import resolve_shard_group
 from ..sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
-from . import checks, distributed, recovery, sharded_checkpoint
+from . import checks, distributed, restart, sharded_checkpoint
 from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_resumable, checkpoint_path,
                          load, plan_record, rng_state, save_atomic, set_rng_state)
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
@@ -91,8 +91,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          resume=resume, clip_grad_norm=clip, num_workers=num_workers, seed=seed)
     sharding = Sharding.parse(plan.sharding, option="plan sharding")
-    oom_record = recovery.read_record(checkpoint_dir)
-    restarted = recovery.restarted_by_torchrun(oom_record)
+    oom_record = restart.read_record(checkpoint_dir)
+    restarted = restart.restarted_by_torchrun(oom_record)
     if restarted:
         # torchrun relaunched the ranks after one ran out of memory inside a collective: the same
         # command (--overwrite or not) continues from this run's last checkpoint, if it wrote one.
@@ -113,7 +113,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
                                windows_per_epoch=windows_per_epoch(size, plan.effective_batch,
                                                                    plan.world_size))
     if overwrite and not restarted:
-        recovery.remove_record(checkpoint_dir)
+        restart.remove_record(checkpoint_dir)
     ctx = distributed.setup(device, sharded=sharding.sharded)
     try:
         checks.check_world_size(plan, ctx.world_size)
@@ -166,12 +166,12 @@ class _Session:
         self.saved_step = None
         """The step of the last checkpoint written or resumed from (None: none yet)."""
         self.oom_record = oom_record
-        """The split recorded by a rank that ran out of memory inside a collective (recovery.py)."""
+        """The split recorded by a rank that ran out of memory inside a collective (restart.py)."""
 
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
             measure_noise=True) -> TrainResult:
         rng = self._restore() if resume else None
-        recorded = self.oom_record is not None and recovery.apply_record(self.oom_record, self.state.split)
+        recorded = self.oom_record is not None and restart.apply_record(self.oom_record, self.state.split)
         metrics = MetricsLog(metrics_path, enabled=self.ctx.is_main, total_steps=self.total_steps,
                              progress=progress, resume_step=self.state.step,
                              predicted_peak_bytes=self.plan.predicted_peak_bytes)
@@ -261,12 +261,12 @@ class _Session:
     def _describe_recorded_split(self) -> str:
         record, split = self.oom_record, _current_split(self.plan, self.state)
         return (f"rank {record.get('rank')} ran out of memory at step {record.get('step')} inside a "
-                f"collective ({recovery.record_path(self.checkpoint_dir)}): training from step "
+                f"collective ({restart.record_path(self.checkpoint_dir)}): training from step "
                 f"{self.state.step} with micro-batch {max(split)} x {len(split)} accumulation steps "
                 f"(effective batch {self.plan.effective_batch} and the LR schedule unchanged)")
 
     def _restart_after_oom(self, *, step, where, micro_batch, level, finer) -> TrainError:
-        return recovery.restart_after_oom(
+        return restart.restart_after_oom(
             directory=self.checkpoint_dir, rank=self.ctx.rank, step=step, where=where,
             micro_batch=micro_batch, level=level, finer=finer,
             recoveries=self.state.split.recoveries + 1, from_step=self.saved_step)
@@ -276,14 +276,14 @@ class _Session:
         out-of-memory exit (its process ended, so gloo's read from it failed)."""
         if isinstance(exc, AutotuneError) or not self.ctx.distributed or self.checkpoint_dir is None:
             return None
-        record = recovery.new_record(self.checkpoint_dir, self.oom_record)
+        record = restart.new_record(self.checkpoint_dir, self.oom_record)
         if record is None:
             return None
         return OOMRestart(
             f"rank {self.ctx.rank} stopped ({type(exc).__name__} in a collective: "
             f"{str(exc).splitlines()[0][:200]}) because rank {record.get('rank')} ran out of memory "
             f"at step {record.get('step')}; micro-batch {record.get('micro_batch')} is recorded in "
-            f"{recovery.record_path(self.checkpoint_dir)} (rank {record.get('rank')}'s error says what next)")
+            f"{restart.record_path(self.checkpoint_dir)} (rank {record.get('rank')}'s error says what next)")
 
     def _describe_sharding(self) -> str:
         if not self.sharding.sharded:
@@ -307,7 +307,7 @@ class _Session:
                          "optimizer": self.optimizer.state_dict(), **self._train_state(rng)}, self.path)
         self.saved_step = self.state.step
         if self.ctx.is_main:  # the checkpoint now carries the recorded split
-            recovery.clear_record(self.checkpoint_dir, self.state.split.level)
+            restart.clear_record(self.checkpoint_dir, self.state.split.level)
 
     def _train_state(self, rng: list) -> dict:
         """Everything of a checkpoint but the model and the optimizer."""

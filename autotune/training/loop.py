@@ -24,6 +24,7 @@ from .errors import NonFiniteError, TrainError
 from .metrics import PeakMeter
 from .recovery import SplitPolicy
 
+
 class _OOMInCollective(Exception):
     """Out of memory where the other ranks may already wait in a collective this rank cannot
     join: inside FSDP2's all-gathers and reduce-scatters (any forward or backward of a sharded
