@@ -171,6 +171,11 @@ class _Session:
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
             measure_noise=True) -> TrainResult:
         rng = self._restore() if resume else None
+        if self.ctx.distributed:
+            # Every rank must split its windows alike, even where the record is in a folder not
+            # every node sees: the finest split any rank read wins.
+            seen = [r for r in distributed.gather_objects(self.oom_record, self.ctx) if r is not None]
+            self.oom_record = max(seen, key=lambda record: record["level"], default=None)
         recorded = self.oom_record is not None and restart.apply_record(self.oom_record, self.state.split)
         metrics = MetricsLog(metrics_path, enabled=self.ctx.is_main, total_steps=self.total_steps,
                              progress=progress, resume_step=self.state.step,
