@@ -60,18 +60,21 @@ def _saved(path):
 @pytest.mark.parametrize("sharding, oom, where", [
     ("fsdp", "1:3:forward", "in a forward or backward of an FSDP2"),   # step 2, first micro-step
     ("ddp", "1:4:backward", "inside the window's last backward"),      # step 2, last micro-step
+    ("fsdp", "0:4:backward", "in a forward or backward of an FSDP2"),  # rank 0, reduce-scatters due
 ])
 def test_oom_inside_a_collective_restarts_with_a_smaller_micro_batch(tmp_path, sharding, oom, where):
     code, log = _torchrun(tmp_path, "oom", _plan([4, 4], sharding), "--checkpoint-dir", tmp_path / "ckpt",
                           "--checkpoint-every", 1, "--save", tmp_path / "recovered.pt", "--metrics",
                           tmp_path / "metrics.jsonl", oom=oom, max_restarts=1)
     assert code == 0, log[-6000:]
-    assert "Error: rank 1 ran out of memory at step 2 with micro-batch 4 " + where in log
-    assert "Error: rank 0 stopped (" in log and "because rank 1 ran out of memory at step 2; micro-batch 2 " \
-           "is recorded in" in log
+    failed, other = oom[0], 1 - int(oom[0])
+    assert f"Error: rank {failed} ran out of memory at step 2 with micro-batch 4 " + where in log
+    assert f"Error: rank {other} stopped (" in log
+    assert f"because rank {failed} ran out of memory at step 2; micro-batch 2 is recorded in" in log
     assert "Recorded micro-batch 2 (4 accumulation steps; the effective batch and the LR schedule are " \
            "unchanged)" in log
     assert "restart 1 of 1) and they resume from the checkpoint of step 1" in log
+    assert f"rank {failed} ran out of memory at step 2 inside a collective" in log
     assert "training from step 1 with micro-batch 2 x 4 accumulation steps" in log
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
