@@ -3,11 +3,12 @@
 Modules, one job each: ``data`` (which samples each window, rank and micro-batch gets),
 ``accumulate`` (exact loss weighting), ``loop`` (one optimizer step, OOM recovery), ``checkpoint``
 (atomic save/resume), ``distributed`` (process group and collectives), ``metrics``, ``schedule``
-(LR and warmup), ``recovery`` (the OOM split policy), ``stop`` (signals), ``checks`` (errors
-before training), ``api`` (``train``).
+(LR and warmup), ``recovery`` (the OOM split policy), ``restart`` (an OOM the ranks cannot agree
+on in-process, recovered by torchrun's restart), ``stop`` (signals), ``checks`` (errors before
+training), ``api`` (``train``).
 """
 
 from .api import TrainResult, save_model, train
-from .errors import NonFiniteError, TrainError
+from .errors import NonFiniteError, OOMRestart, TrainError
 
-__all__ = ["NonFiniteError", "TrainError", "TrainResult", "save_model", "train"]
+__all__ = ["NonFiniteError", "OOMRestart", "TrainError", "TrainResult", "save_model", "train"]

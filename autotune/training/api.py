@@ -13,13 +13,13 @@ from ..precision import Precision, grad_scaler, scaler_settings
 from ..sharding import Sharding
 from ..sharding.settings import resolve_shard_group
 from ..sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
-from . import checks, distributed, sharded_checkpoint
+from . import checks, distributed, restart, sharded_checkpoint
 from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_resumable, checkpoint_path,
                          load, plan_record, rng_state, save_atomic, set_rng_state)
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
-from ..errors import OutputError
-from .errors import NonFiniteError, TrainError
+from ..errors import AutotuneError, OutputError
+from .errors import NonFiniteError, OOMRestart, TrainError
 from .loop import StepRunner, TrainState, run_steps
 from .metrics import MetricsLog
 from .noise_scale import NoiseScaleEMA, batch_advice, noise_scale, unavailable_reason
@@ -90,6 +90,17 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     clip = plan.clip_grad_norm if clip_grad_norm is _FROM_PLAN else clip_grad_norm
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          resume=resume, clip_grad_norm=clip, num_workers=num_workers, seed=seed)
+    sharding = Sharding.parse(plan.sharding, option="plan sharding")
+    oom_record = restart.read_record(checkpoint_dir)
+    restarted = restart.restarted_by_torchrun(oom_record)
+    if restarted:
+        # torchrun relaunched the ranks after one ran out of memory inside a collective: the same
+        # command (--overwrite or not) continues from this run's last checkpoint, if it wrote one.
+        resume = resume or (oom_record.get("from_step") is not None
+                            and _holds_checkpoint(checkpoint_dir, sharding))
+        overwrite = overwrite and not resume
+    elif overwrite:
+        oom_record = None
     checks.check_outputs(checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
                          metrics_path=metrics_path, inputs=_inputs(plan_source, workload))
     precision = Precision.parse(plan.precision, option="plan precision")
@@ -101,7 +112,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     total = checks.total_steps(steps=steps, epochs=epochs, source=workload.source,
                                windows_per_epoch=windows_per_epoch(size, plan.effective_batch,
                                                                    plan.world_size))
-    sharding = Sharding.parse(plan.sharding, option="plan sharding")
+    if overwrite and not restarted:
+        restart.remove_record(checkpoint_dir)
     ctx = distributed.setup(device, sharded=sharding.sharded)
     try:
         checks.check_world_size(plan, ctx.world_size)
@@ -110,7 +122,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
         session = _Session(plan=plan, workload=workload, ctx=ctx, precision=precision, clip=clip,
                            sharding=sharding, shard_group=shard_group, seed=seed, dataset=dataset,
                            dataset_size=size, total_steps=total, checkpoint_dir=checkpoint_dir,
-                           scaler=scaler)
+                           scaler=scaler, oom_record=oom_record)
         result = session.run(resume=resume, checkpoint_every=checkpoint_every,
                              metrics_path=metrics_path, num_workers=num_workers, progress=progress,
                              measure_noise=measure_noise_scale)
@@ -125,7 +137,7 @@ class _Session:
     """The objects of one run, and how they are checkpointed and restored."""
 
     def __init__(self, *, plan, workload, ctx, precision, clip, sharding, shard_group, seed, dataset,
-                 dataset_size, total_steps, checkpoint_dir, scaler):
+                 dataset_size, total_steps, checkpoint_dir, scaler, oom_record=None):
         self.plan, self.workload, self.ctx, self.precision = plan, workload, ctx, precision
         self.clip, self.seed, self.dataset, self.dataset_size = clip, seed, dataset, dataset_size
         self.total_steps, self.sharding, self.shard_group = total_steps, sharding, shard_group
@@ -153,22 +165,33 @@ class _Session:
         self.state = TrainState()
         self.saved_step = None
         """The step of the last checkpoint written or resumed from (None: none yet)."""
+        self.oom_record = oom_record
+        """The split recorded by a rank that ran out of memory inside a collective (restart.py)."""
 
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
             measure_noise=True) -> TrainResult:
         rng = self._restore() if resume else None
+        if self.ctx.distributed:
+            # Every rank must split its windows alike, even where the record is in a folder not
+            # every node sees: the finest split any rank read wins.
+            seen = [r for r in distributed.gather_objects(self.oom_record, self.ctx) if r is not None]
+            self.oom_record = max(seen, key=lambda record: record["level"], default=None)
+        recorded = self.oom_record is not None and restart.apply_record(self.oom_record, self.state.split)
         metrics = MetricsLog(metrics_path, enabled=self.ctx.is_main, total_steps=self.total_steps,
                              progress=progress, resume_step=self.state.step,
                              predicted_peak_bytes=self.plan.predicted_peak_bytes)
         try:
             if progress:
                 metrics.note(self._describe())
+            if recorded:
+                metrics.note(self._describe_recorded_split())
             runner = StepRunner(model=distributed.wrap_model(self.model, self.ctx),
                                 optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                 precision=self.precision, workload=self.workload, ctx=self.ctx,
                                 clip_grad_norm=self.clip, state=self.state, notify=metrics.note,
                                 measure_noise=measure_noise,
-                                reduce_every_micro_step=self.plan.reduce_every_micro_step)
+                                reduce_every_micro_step=self.plan.reduce_every_micro_step,
+                                restart_after_oom=self._restart_after_oom)
             batches = self._batches(num_workers)
             if rng is not None:
                 set_rng_state(rng)  # last, so nothing before the first step draws from it
@@ -179,6 +202,11 @@ class _Session:
                         stop=stop, save_checkpoint=self._save, checkpoint_every=checkpoint_every)
                 except NonFiniteError as exc:
                     raise NonFiniteError(f"{exc}; {self._last_good()}", step=exc.step) from None
+                except Exception as exc:
+                    peer = self._peer_out_of_memory(exc)
+                    if peer is None:
+                        raise
+                    raise peer from exc
             noise, note, warnings = self._noise_advice(measure_noise)
             for warning in warnings:
                 metrics.note(f"warning: {warning}")
@@ -235,6 +263,33 @@ class _Session:
                 f"{plan.lr.warmup_steps} steps); clip {self.clip}; {self._describe_sharding()}; "
                 f"data: {data}")
 
+    def _describe_recorded_split(self) -> str:
+        record, split = self.oom_record, _current_split(self.plan, self.state)
+        return (f"rank {record.get('rank')} ran out of memory at step {record.get('step')} inside a "
+                f"collective ({restart.record_path(self.checkpoint_dir)}): training from step "
+                f"{self.state.step} with micro-batch {max(split)} x {len(split)} accumulation steps "
+                f"(effective batch {self.plan.effective_batch} and the LR schedule unchanged)")
+
+    def _restart_after_oom(self, *, step, where, micro_batch, level, finer) -> TrainError:
+        return restart.restart_after_oom(
+            directory=self.checkpoint_dir, rank=self.ctx.rank, step=step, where=where,
+            micro_batch=micro_batch, level=level, finer=finer,
+            recoveries=self.state.split.recoveries + 1, from_step=self.saved_step)
+
+    def _peer_out_of_memory(self, exc: Exception) -> OOMRestart | None:
+        """Why a collective failed on this rank, when another rank has just recorded an
+        out-of-memory exit (its process ended, so gloo's read from it failed)."""
+        if isinstance(exc, AutotuneError) or not self.ctx.distributed or self.checkpoint_dir is None:
+            return None
+        record = restart.new_record(self.checkpoint_dir, self.oom_record)
+        if record is None:
+            return None
+        return OOMRestart(
+            f"rank {self.ctx.rank} stopped ({type(exc).__name__} in a collective: "
+            f"{str(exc).splitlines()[0][:200]}) because rank {record.get('rank')} ran out of memory "
+            f"at step {record.get('step')}; micro-batch {record.get('micro_batch')} is recorded in "
+            f"{restart.record_path(self.checkpoint_dir)} (rank {record.get('rank')}'s error says what next)")
+
     def _describe_sharding(self) -> str:
         if not self.sharding.sharded:
             return "ddp" if self.ctx.distributed else "one process"
@@ -256,6 +311,8 @@ class _Session:
             save_atomic({"format": FORMAT_VERSION, "model": self.model.state_dict(),
                          "optimizer": self.optimizer.state_dict(), **self._train_state(rng)}, self.path)
         self.saved_step = self.state.step
+        if self.ctx.is_main:  # the checkpoint now carries the recorded split
+            restart.clear_record(self.checkpoint_dir, self.state.split.level)
 
     def _train_state(self, rng: list) -> dict:
         """Everything of a checkpoint but the model and the optimizer."""
@@ -320,6 +377,11 @@ class _Session:
             self.state.noise = NoiseScaleEMA.from_dict(saved["noise_scale"])
         ranks = saved["rng"]
         return ranks[self.ctx.rank] if self.ctx.rank < len(ranks) else None
+
+
+def _holds_checkpoint(directory, sharding: Sharding) -> bool:
+    return (sharded_checkpoint.exists(directory) if sharding.sharded
+            else checkpoint_path(directory).is_file())
 
 
 def _inputs(plan_source, workload) -> dict:

@@ -10,6 +10,7 @@ from ..planning.types import Plan
 from ..planning.planfile import load_plan as read_plan_file
 from ..precision import Precision, supports_bf16
 from .checkpoint import checkpoint_path
+from .sharded_checkpoint import pointer_path
 from .errors import TrainError
 
 
@@ -107,7 +108,9 @@ def check_outputs(*, checkpoint_dir, resume: bool, overwrite: bool, metrics_path
         return
     path = checkpoint_path(checkpoint_dir)
     check_output(path, option="--checkpoint-dir", inputs=inputs, create_folder=True)
-    if path.exists() and not resume and not overwrite:
+    # A sharded run's checkpoint is its pointer file (sharded_checkpoint.py), refused the same way.
+    found = next((p for p in (path, pointer_path(checkpoint_dir)) if p.exists()), None)
+    if found is not None and not resume and not overwrite:
         raise OutputError(
-            f"--checkpoint-dir {checkpoint_dir} already holds a checkpoint ({path}); continue it "
+            f"--checkpoint-dir {checkpoint_dir} already holds a checkpoint ({found}); continue it "
             f"with --resume, start over with --overwrite, or choose another folder")

@@ -57,11 +57,31 @@ def setup(device=None, *, sharded: bool = False) -> DistContext:
     if not dist.is_initialized():
         if resolved.type == "cuda":
             torch.cuda.set_device(resolved)
-        dist.init_process_group(backend="nccl" if resolved.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=10))
+        _init_process_group("nccl" if resolved.type == "cuda" else "gloo")
         initialized_here = True
     return DistContext(world_size=dist.get_world_size(), rank=dist.get_rank(), device=resolved,
                        initialized_here=initialized_here)
+
+
+_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def _init_process_group(backend: str) -> None:
+    """``init_process_group`` from torchrun's environment, safe on torchrun's restarts.
+
+    torchrun's agent keeps one store across restarts (shared with its own rendezvous), and the
+    previous attempt's keys are still in it: there the new ranks could read the dead ranks'
+    addresses and wait on them. Every restart therefore uses keys of its own.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0"):
+        dist.init_process_group(backend=backend, timeout=_TIMEOUT)
+        return
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world_size = next(rendezvous("env://", timeout=_TIMEOUT))
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"autotune/attempt-{attempt}", store),
+                            rank=rank, world_size=world_size, timeout=_TIMEOUT)
 
 
 def _environment_int(name: str, default: str) -> int:

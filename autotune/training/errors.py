@@ -14,3 +14,10 @@ class NonFiniteError(TrainError):
     def __init__(self, message: str, *, step: int):
         super().__init__(message)
         self.step = step
+
+
+class OOMRestart(TrainError):
+    """This rank ran out of memory where the ranks cannot agree in-process (inside FSDP2's
+    collectives, or inside DDP's gradient all-reduce in a window's last backward). The smaller
+    micro-batch is recorded in the checkpoint folder and the rank exits; torchrun's restart
+    (``--max-restarts``) relaunches every rank, and they resume from the last checkpoint with it."""

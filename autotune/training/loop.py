@@ -24,13 +24,21 @@ from .errors import NonFiniteError, TrainError
 from .metrics import PeakMeter
 from .recovery import SplitPolicy
 
-_SHARDED_OOM = (
-    "ran out of memory in a micro-step of an FSDP2 (sharded) plan; FSDP2 all-gathers and "
-    "reduce-scatters inside every forward and backward, so the other ranks wait in a collective "
-    "this rank can no longer join, and FSDP2's own state cannot be rewound: the window is not "
-    "redone (see docs/sharded-training.md). Re-plan with a smaller micro-batch (autotune plan "
-    "--micro-batch N), more headroom (--headroom) or the fsdp-offload sharding"
-)
+
+class _OOMInCollective(Exception):
+    """Out of memory where the other ranks may already wait in a collective this rank cannot
+    join: inside FSDP2's all-gathers and reduce-scatters (any forward or backward of a sharded
+    model, whose per-module state cannot be rewound either), or inside DDP's gradient all-reduce
+    (a window's last backward). The window cannot be redone in-process."""
+
+    def __init__(self, where: str):
+        super().__init__(where)
+        self.where = where
+
+
+def _cannot_restart(*, step, where, micro_batch, level, finer, **_) -> TrainError:
+    return TrainError(f"ran out of memory at step {step} with micro-batch {micro_batch} {where}; "
+                      f"re-plan with autotune plan --micro-batch {max(finer)}")
 
 
 MAX_SKIPS_IN_A_ROW = 20
@@ -62,7 +70,7 @@ class StepRunner:
     def __init__(self, *, model, optimizer, scheduler, scaler, precision: Precision, workload: Workload,
                  ctx: distributed.DistContext, clip_grad_norm: float | None, state: TrainState,
                  notify=lambda message: None, measure_noise: bool = True,
-                 reduce_every_micro_step: bool = False):
+                 reduce_every_micro_step: bool = False, restart_after_oom=_cannot_restart):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -74,6 +82,9 @@ class StepRunner:
         self.clip_grad_norm = clip_grad_norm
         self.state = state
         self.notify = notify
+        # Called with the step, where, micro_batch, level and finer split of an out-of-memory the
+        # ranks cannot agree on in-process; returns the error this rank exits with.
+        self.restart_after_oom = restart_after_oom
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sharded = sharding.is_sharded(model)
         # FSDP2 only: then no rank ever holds a micro-step's gradient alone (no noise scale).
@@ -101,17 +112,20 @@ class StepRunner:
         saved_buffers = [buf.clone() for buf in self._norm_buffers]
         while True:
             sizes = split_micro_batches(window.micro_batches, level)
-            if not self._accumulate(window, batch, sizes):
+            try:
+                failed = self._accumulate(window, batch, sizes)
+            except _OOMInCollective as oom:
+                # No collective from here on: this rank leaves, the others fail in theirs.
+                self._check_splittable(window, sizes)
+                raise self.restart_after_oom(
+                    step=window.step + 1, where=oom.where, micro_batch=max(sizes), level=level + 1,
+                    finer=split_micro_batches(window.micro_batches, level + 1)) from oom.__cause__
+            if not failed:
                 break
             # Outside the except block that caught the OOM: its traceback is gone, so the failed
             # micro-step's activations can be freed with the partial gradients.
             self._drop_window(saved_buffers)
-            if max(sizes) <= 1:
-                raise TrainError(
-                    f"step {window.step + 1}: a micro-batch of 1 sample ran out of memory even after "
-                    f"splitting; the model does not fit at this precision. Re-plan (autotune plan) with "
-                    f"--precision bf16 or --checkpointing on, or use a device with more memory"
-                )
+            self._check_splittable(window, sizes)
             level += 1
             kept = self.state.split.record_recovery(level)
             finer = split_micro_batches(window.micro_batches, level)
@@ -122,6 +136,15 @@ class StepRunner:
                             f"{max(finer)} ({len(finer)} accumulation steps) for the rest of the run "
                             f"(effective batch and LR unchanged); re-plan with a smaller micro-batch")
         return self._optimizer_step(window, sizes, stop_requested)
+
+    @staticmethod
+    def _check_splittable(window: Window, sizes: list[int]) -> None:
+        if max(sizes) <= 1:
+            raise TrainError(
+                f"step {window.step + 1}: a micro-batch of 1 sample ran out of memory even after "
+                f"splitting; the model does not fit at this precision. Re-plan (autotune plan) with "
+                f"--precision bf16 or --checkpointing on, or use a device with more memory"
+            )
 
     def _accumulate(self, window: Window, batch, sizes: list[int]) -> bool:
         """Forward and backward over the window's micro-batches; True when any rank ran out of memory."""
@@ -179,15 +202,13 @@ class StepRunner:
             if not is_oom_error(exc):
                 raise
             if self.sharded:
-                raise TrainError(_SHARDED_OOM) from exc
+                raise _OOMInCollective("in a forward or backward of an FSDP2 (sharded) plan, whose "
+                                       "all-gathers and reduce-scatters run inside them") from exc
+            if agreed:
+                raise _OOMInCollective("inside the window's last backward, which all-reduces "
+                                       "DDP's gradients while it runs") from exc
             out_of_memory = True
         if out_of_memory and final and self.ctx.distributed:
-            if agreed:
-                raise TrainError(
-                    "ran out of memory inside the gradient all-reduce of a window's last micro-step; "
-                    "under DDP the ranks cannot agree to redo it there. Re-plan with a smaller "
-                    "micro-batch (autotune plan --micro-batch N) or more headroom (--headroom)"
-                )
             distributed.any_rank(True, self.ctx)
         return out_of_memory
 

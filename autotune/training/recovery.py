@@ -4,6 +4,8 @@ A window that runs out of memory is redone with every micro-batch cut in two (tw
 accumulation steps, same samples, same effective batch and LR). One recovery may be bad luck (a
 long sequence, another process); after ``keep_after`` of them the finer split becomes the rule
 for the rest of the run, and the loop says so.
+
+Where the ranks cannot agree in-process, ``restart`` carries the finer split across a restart.
 """
 
 from __future__ import annotations
