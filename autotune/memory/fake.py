@@ -26,6 +26,7 @@ import weakref
 
 import torch
 from torch._subclasses import fake_tensor
+from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError, EstimateUnavailable
 from .base import DeviceInfo
@@ -62,7 +63,10 @@ class EstimateMemoryBackend(CPUMemoryBackend):
         self.device = torch.device("cpu")
         self.tracker = StorageTracker(budget_bytes)
         self.for_cuda = for_cuda
-        """Estimating for a CUDA device: optimizers take their foreach path, as they do there."""
+        """Estimating for a CUDA device: optimizers take their foreach path, as they do there.
+        Otherwise the collectives of a sharded step (fake process group) hold memory as gloo's do
+        on the CPU (see ``_GlooCollectiveBuffers``)."""
+        self._mode = None
         self._info = target or DeviceInfo(
             kind="estimate",
             name="fake CPU tensors (estimate, nothing allocated)",
@@ -72,11 +76,64 @@ class EstimateMemoryBackend(CPUMemoryBackend):
 
     @contextlib.contextmanager
     def tracking(self):
-        with tracking_resizes(self.tracker), _CountingFakeTensorMode(self.tracker):
-            yield
+        gloo = None if self.for_cuda else _GlooCollectiveBuffers(self.tracker)
+        self._mode = _CountingFakeTensorMode(self.tracker, gloo)
+        try:
+            with tracking_resizes(self.tracker), self._mode:
+                yield
+        finally:
+            self._mode = None
+
+    def release(self) -> None:
+        # Between trials gloo's worker threads have long let go of the last collective.
+        if self._mode is not None and self._mode.gloo is not None:
+            self._mode.gloo.release()
 
 
 _DEVICE_QUERY = torch.ops.prim.device.default
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+_WAITS = (torch.ops._c10d_functional.wait_tensor.default,)
+
+# Where each reduce-scatter takes its input: gloo reduces a full-size copy of it (an all-reduce
+# of the copy, then this rank's chunk is copied to the output); NCCL writes to the output.
+_REDUCE_SCATTER_INPUT = {"c10d::_reduce_scatter_base_": 1, "_c10d_functional::reduce_scatter_tensor": 0}
+
+
+class _GlooCollectiveBuffers:
+    """What a real gloo collective holds on the CPU that a fake process group (which completes
+    every collective at once) does not, found by recording the live storages at the peaks of
+    real 2- and 4-rank gloo runs (bench/README.md, "FSDP2 estimate"):
+
+    - a reduce-scatter works on a copy of its whole input (FSDP2's flat unsharded gradients);
+    - gloo's worker thread keeps the finished work, and with it the collective's tensors (that
+      copy, the all-gather output FSDP2 has already copied out and dropped), until it gets the
+      work queue's lock and the GIL back; the main thread goes on meanwhile, e.g. to copy out
+      the next block's gathered parameters. Seen freed as late as that, never past the next
+      collective (whose call releases the GIL): the estimate holds them until then, the larger
+      of the peaks a real run shows.
+    """
+
+    released_late = True
+    """Hold each collective's tensors until the next collective (False: free them as the call
+    returns, the smaller peak a real run shows when every worker thread is prompt)."""
+
+    def __init__(self, tracker: StorageTracker):
+        self.tracker = tracker
+        self._held: list[torch.Tensor] = []
+
+    def collective(self, func, args, out, make_staging) -> None:
+        self._held = []  # freed by the time the next collective is issued
+        held = [t for t in pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
+        index = _REDUCE_SCATTER_INPUT.get(func._schema.name)
+        if index is not None and isinstance(args[index], torch.Tensor):
+            staging = make_staging(args[index])
+            self.tracker.add(staging)
+            held.append(staging)
+        if self.released_late:
+            self._held = held
+
+    def release(self) -> None:
+        self._held = []
 
 
 class _CountingFakeTensorMode(fake_tensor.FakeTensorMode):
@@ -86,11 +143,12 @@ class _CountingFakeTensorMode(fake_tensor.FakeTensorMode):
     passes through one Python dispatch layer instead of two, about a fifth of an estimate's time.
     """
 
-    def __init__(self, tracker: StorageTracker):
+    def __init__(self, tracker: StorageTracker, gloo: "_GlooCollectiveBuffers | None" = None):
         # Real tensors that reach an op (constants a model file made at import) are converted,
         # rather than refused: they are part of what a real step would touch.
         super().__init__(allow_non_fake_inputs=True)
         self.tracker = tracker
+        self.gloo = gloo
         self._depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -110,10 +168,20 @@ class _CountingFakeTensorMode(fake_tensor.FakeTensorMode):
         if self._depth == 0:
             try:
                 self.tracker.add_outputs(out)
+                if self.gloo is not None and func.namespace in _COLLECTIVE_NAMESPACES \
+                        and func not in _WAITS:
+                    self.gloo.collective(func, args, out, self._uncounted_copy)
             except torch.OutOfMemoryError:
                 del out  # the traceback keeps this frame alive: drop the refused output now
                 raise
         return out
+
+    def _uncounted_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._depth += 1  # made here, counted by the caller
+        try:
+            return tensor.new_empty(tensor.shape)
+        finally:
+            self._depth -= 1
 
 
 @contextlib.contextmanager
