@@ -102,3 +102,11 @@ def test_explicit_offload_is_planned(examples_dir, one_thread, sharding):
                   memory_limit="64MiB", precision="fp32", checkpointing="off", sharding=sharding)
     assert (result.sharding, result.shard_group) == (Sharding.FSDP_OFFLOAD, 4)
     assert result.reasons["sharding"] == "fsdp-offload (shard group 4) as requested"
+
+
+def test_auto_does_not_offload_where_fsdp_fits(examples_dir, one_thread):
+    # 40 MiB: no replica fits, fsdp does: offload is not even estimated.
+    result = plan(examples_dir / "mlp.py", target_batch=64, world_size=4, device="cpu",
+                  memory_limit="40MiB", precision="fp32", checkpointing="off")
+    assert result.sharding is Sharding.FSDP
+    assert Sharding.FSDP_OFFLOAD not in {s.sharding for s in result.settings}
