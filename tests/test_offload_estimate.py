@@ -110,3 +110,19 @@ def test_auto_does_not_offload_where_fsdp_fits(examples_dir, one_thread):
                   memory_limit="40MiB", precision="fp32", checkpointing="off")
     assert result.sharding is Sharding.FSDP
     assert Sharding.FSDP_OFFLOAD not in {s.sharding for s in result.settings}
+
+
+def test_cli_estimate_prints_the_device_peak_and_the_host_memory(examples_dir, one_thread):
+    from click.testing import CliRunner
+
+    from autotune.cli.main import cli
+
+    args = ["estimate", str(examples_dir / "mlp.py"), "--micro-batch", "4", "--world-size", "4",
+            "--sharding", "fsdp-offload"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    device = estimate_peaks(examples_dir / "mlp.py", [4], sharding="fsdp-offload", world_size=4)[4]
+    host = estimate_offload_host_peaks(examples_dir / "mlp.py", [4], world_size=4)[4]
+    assert f"({device} bytes)" in result.output and "the device's" in result.output
+    assert f"host memory per rank (shards, gradients, optimizer state and step, at any " \
+           f"micro-batch): {format_bytes(host)}" in result.output
