@@ -10,10 +10,10 @@ TESTS = Path(__file__).resolve().parent
 
 
 def real_fsdp_peaks(model_file, world_size: int, sizes, out_dir: Path, *, precision="fp32",
-                    checkpointing=False) -> dict[int, list[list[int]]]:
-    """{n: per-rank lists of repeated peaks} from a real FSDP2 run of ``world_size`` gloo ranks."""
-    return {int(n): ranks for n, ranks in _run(model_file, world_size, sizes, out_dir,
-                                               precision, checkpointing)["peaks"].items()}
+                    checkpointing=False, repeats: int = 3) -> dict[int, list[list[int]]]:
+    """{n: per-rank lists of ``repeats`` peaks} from a real FSDP2 run of ``world_size`` gloo ranks."""
+    return {int(n): ranks for n, ranks in _run(model_file, world_size, sizes, out_dir, precision,
+                                               checkpointing, FSDP_REPEATS=str(repeats))["peaks"].items()}
 
 
 def real_fsdp_fits(model_file, world_size: int, sizes, out_dir: Path, *, memory_limit: int,
@@ -38,11 +38,12 @@ def _run(model_file, world_size, sizes, out_dir, precision, checkpointing, **ext
 
 
 def steady_peak(ranks: list[list[int]]) -> int:
-    """The largest rank's smallest peak over the repeats: the steady step, without the moments
-    where gloo's background thread releases one collective buffer late (up to one block's
-    gathered parameters more; ``worst_peak`` keeps those, bench/README.md shows both)."""
+    """The largest rank's smallest peak over the repeats: the step where gloo's worker threads
+    happened to let go of every collective's buffers at once."""
     return max(min(peaks) for peaks in ranks)
 
 
 def worst_peak(ranks: list[list[int]]) -> int:
+    """The largest peak of any rank and repeat: the step where a gloo worker thread let go of a
+    collective's buffers late (what a plan must leave room for; the estimate counts it)."""
     return max(max(peaks) for peaks in ranks)

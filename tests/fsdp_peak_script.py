@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node W tests/fsdp_peak_script.py MODEL.py OUT.json PRECISION CKPT N [N ...]
 
-Every rank measures each micro-batch REPEATS times with the CPU memory backend; rank 0 writes
+Every rank measures each micro-batch FSDP_REPEATS times (default 3) with the CPU memory backend;
+rank 0 writes
 {"world_size": W, "peaks": {N: [[rank 0's peaks], [rank 1's], ...]}, "fits": {N: [[...], ...]}}
 to OUT.json. FSDP_MEMORY_LIMIT (bytes) gives each rank that budget; FSDP_SHARD_GROUP shards within
 groups of that many ranks.
@@ -20,7 +21,7 @@ from autotune.probing.trial import TrialSession
 from autotune.sharding.ranks import sharded_step
 from autotune.workload import load_workload
 
-REPEATS = 3
+REPEATS = int(os.environ.get("FSDP_REPEATS", "3"))
 
 model_file, out, precision, checkpointing, *sizes = sys.argv[1:]
 dist.init_process_group("gloo")

@@ -124,9 +124,6 @@ def test_explicit_sharding_and_shard_group(examples_dir, one_thread):
     with pytest.raises(ConfigError, match="--shard-group 3 does not divide --world-size 4"):
         plan(examples_dir / "mlp.py", target_batch=64, world_size=4, device="cpu",
              memory_limit="64MiB", sharding="fsdp", shard_group=3)
-    with pytest.raises(ConfigError, match="fsdp-offload cannot be probed or estimated yet"):
-        plan(examples_dir / "mlp.py", target_batch=64, world_size=4, device="cpu",
-             memory_limit="64MiB", sharding="fsdp-offload")
     with pytest.raises(ConfigError, match="--sharding 'zero' is not a sharding"):
         plan(examples_dir / "mlp.py", target_batch=64, world_size=4, sharding="zero")
 

@@ -5,7 +5,7 @@ import pytest
 from autotune.errors import ConfigError
 from autotune.probing.estimate import estimate_peak, estimate_peaks
 from autotune.workload import load_workload
-from fsdp_helpers import real_fsdp_peaks, steady_peak
+from fsdp_helpers import real_fsdp_peaks, steady_peak, worst_peak
 
 
 def test_sharding_divides_the_persistent_state_by_the_world_size(examples_dir, one_thread):
@@ -32,16 +32,24 @@ def test_hybrid_shard_groups_hold_more_than_full_sharding(examples_dir, one_thre
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("example", ["tiny_lm", "mlp", "cnn_bn"])
-def test_estimate_matches_a_real_gloo_fsdp_run(examples_dir, tmp_path, example, world_size):
-    # gpt_varlen is left to bench/fsdp_estimate_accuracy.py: at micro-batch 1 its 0.5 MB step is
-    # 4% above the estimate on every repeat (see bench/README.md).
+@pytest.mark.parametrize("example", ["tiny_lm", "mlp", "cnn_bn", "gpt_varlen"])
+def test_estimate_matches_a_real_gloo_fsdp_run(examples_dir, tmp_path, monkeypatch, example, world_size):
+    # A real gloo run's peak varies from repeat to repeat: gloo's worker thread sometimes lets go
+    # of a collective's buffers after the main thread has gone on. The estimate holds them until
+    # the next collective: it must cover every peak seen (bench/README.md: within 3% of the
+    # largest). Without that late release it is the steady peak, which every run shows.
+    from autotune.memory.fake import _GlooCollectiveBuffers
+
     sizes = [1, 2, 4]
     model_file = examples_dir / f"{example}.py"
     estimated = estimate_peaks(model_file, sizes, sharding="fsdp", world_size=world_size)
+    monkeypatch.setattr(_GlooCollectiveBuffers, "released_late", False)
+    prompt = estimate_peaks(model_file, sizes, sharding="fsdp", world_size=world_size)
     real = real_fsdp_peaks(model_file, world_size, sizes, tmp_path)
     for n in sizes:
-        assert estimated[n] == pytest.approx(steady_peak(real[n]), rel=0.03), (n, real[n])
+        assert prompt[n] == pytest.approx(steady_peak(real[n]), rel=0.03), (n, real[n])
+        assert estimated[n] >= worst_peak(real[n]) / 1.03, (n, real[n])
+        assert estimated[n] >= prompt[n]
 
 
 def test_the_full_model_built_before_sharding_does_not_count_against_the_budget(one_thread):

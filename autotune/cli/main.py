@@ -385,8 +385,9 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
 @click.option("--checkpointing", type=_Checkpointing(allow_auto=False), default="off", show_default=True,
               help="Activation checkpointing around the model's repeated blocks: off, on (all), "
                    "K of them spread evenly, or a fraction such as 1/3.")
-@click.option("--sharding", type=click.Choice(SHARDINGS[:2]), default="ddp", show_default=True,
-              help="ddp: one full replica; fsdp: one rank of --world-size under FSDP2.")
+@click.option("--sharding", type=click.Choice(SHARDINGS), default="ddp", show_default=True,
+              help="ddp: one full replica; fsdp: one rank of --world-size under FSDP2; "
+                   "fsdp-offload: that rank's device, its shards and optimizer in host memory.")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Ranks to shard over (with --sharding fsdp; a fake process group, no ranks run).")
 @click.option("--shard-group", type=click.IntRange(min=1), default=None,
@@ -406,10 +407,20 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
         click.echo(json.dumps({str(n): peak for n, peak in peaks.items()}, indent=2))
         return
     layout = f"; one rank of {world_size} under {sharding}" if sharding != "ddp" else ""
+    state = ("the device's, shards and optimizer state in host memory" if Sharding.parse(sharding).offload
+             else "optimizer state included")
     click.echo(f"{model_file}: estimated peak of one training step ({precision.lower()}, "
-               f"checkpointing {checkpointing}{layout}; optimizer state included, nothing allocated)")
+               f"checkpointing {checkpointing}{layout}; {state}, nothing allocated)")
     for n, peak in peaks.items():
         click.echo(f"  micro-batch {n:>6}: {format_bytes(peak):>12}  ({peak} bytes)")
+    if Sharding.parse(sharding).offload:
+        from ..probing.estimate import estimate_offload_host_peaks
+
+        host = estimate_offload_host_peaks(model_file, micro_batches[:1], precision=precision.lower(),
+                                           checkpointing=checkpointing, world_size=world_size,
+                                           shard_group=shard_group)[micro_batches[0]]
+        click.echo(f"  host memory per rank (shards, gradients, optimizer state and step, at any "
+                   f"micro-batch): {format_bytes(host)}")
 
 
 @cli.command()

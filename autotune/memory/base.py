@@ -72,6 +72,16 @@ class MemoryBackend(abc.ABC):
         """Whether the last window stayed within the budget (beyond not raising an OOM)."""
         return True
 
+    def on_host(self) -> contextlib.AbstractContextManager:
+        """Inside: what the step allocates lives in host memory, not on the device measured
+        (fsdp-offload's optimizer state and optimizer step). Only a backend that counts host
+        and device apart (the fsdp-offload estimate) tells them apart; CUDA never sees host
+        memory, and the CPU holds both."""
+        return contextlib.nullcontext()
+
+    def offloaded(self, tensors) -> None:
+        """These tensors now live in host memory (fsdp-offload's shards and sharded gradients)."""
+
     def live_storages(self) -> frozenset:
         """The storages counted now (empty where the backend cannot tell them apart)."""
         return frozenset()

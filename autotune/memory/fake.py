@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import traceback
@@ -26,6 +27,7 @@ import weakref
 
 import torch
 from torch._subclasses import fake_tensor
+from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError, EstimateUnavailable
 from .base import DeviceInfo
@@ -56,13 +58,19 @@ class EstimateMemoryBackend(CPUMemoryBackend):
     kind = "estimate"
 
     def __init__(self, budget_bytes: int | None = None, *, for_cuda: bool = False,
-                 target: DeviceInfo | None = None):
+                 target: DeviceInfo | None = None, offload: bool = False):
         # Not CPUMemoryBackend.__init__: its budget comes from this machine's RAM, which has
         # nothing to do with the device being estimated. Counting (adopt, peaks) is inherited.
         self.device = torch.device("cpu")
-        self.tracker = StorageTracker(budget_bytes)
+        self.offload = offload
+        """fsdp-offload: peaks and budget are the device's; what lives in host memory (shards,
+        sharded gradients, optimizer state and step) is counted apart (``host_peak_bytes``)."""
+        self.tracker = _HostDeviceTracker(budget_bytes) if offload else StorageTracker(budget_bytes)
         self.for_cuda = for_cuda
-        """Estimating for a CUDA device: optimizers take their foreach path, as they do there."""
+        """Estimating for a CUDA device: optimizers take their foreach path, as they do there.
+        Otherwise the collectives of a sharded step (fake process group) hold memory as gloo's do
+        on the CPU (see ``_GlooCollectiveBuffers``)."""
+        self._mode = None
         self._info = target or DeviceInfo(
             kind="estimate",
             name="fake CPU tensors (estimate, nothing allocated)",
@@ -72,11 +80,152 @@ class EstimateMemoryBackend(CPUMemoryBackend):
 
     @contextlib.contextmanager
     def tracking(self):
-        with tracking_resizes(self.tracker), _CountingFakeTensorMode(self.tracker):
+        gloo = None if self.for_cuda else _GlooCollectiveBuffers(self.tracker)
+        self._mode = _CountingFakeTensorMode(self.tracker, gloo, uploads=self.offload)
+        try:
+            with tracking_resizes(self.tracker), self._mode:
+                yield
+        finally:
+            self._mode = None
+
+    def release(self) -> None:
+        # Between trials gloo's worker threads have long let go of the last collective.
+        if self._mode is not None and self._mode.gloo is not None:
+            self._mode.gloo.release()
+
+    def on_host(self):
+        return self.tracker.on_host() if self.offload else contextlib.nullcontext()
+
+    def offloaded(self, tensors) -> None:
+        if self.offload:
+            for tensor in tensors:
+                self.tracker.move_to_host(tensor)
+
+    def begin_trial(self) -> None:
+        if self.offload:
+            self.tracker.host_peak = self.tracker.host_current
+
+    def memory_picture(self) -> dict:
+        return {"host_peak_bytes": self.tracker.host_peak} if self.offload else {}
+
+
+class _HostDeviceTracker(StorageTracker):
+    """A tracker for fsdp-offload's device: ``current``, ``peak`` and the budget are the device's;
+    storages moved to the host (``move_to_host``) or made inside ``on_host()`` are counted apart,
+    in ``host_current`` and ``host_peak``.
+
+    On fake CPU tensors FSDP2's copies between host and device are no-ops (the same tensor comes
+    back), so where the data lives is told from what FSDP2 does with it (see
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` and ``_fsdp_collectives.py``): the
+    sharded parameters and their gradients are host tensors, the optimizer steps on the host,
+    and everything else of the step (gathered parameters, collective buffers, activations,
+    unsharded gradients, the batch, module buffers) is on the device.
+    """
+
+    def __init__(self, budget_bytes: int | None = None):
+        super().__init__(budget_bytes)
+        self._host: dict[int, int] = {}
+        self._making_host = False
+        self.host_current = 0
+        self.host_peak = 0
+
+    @contextlib.contextmanager
+    def on_host(self):
+        saved, self._making_host = self._making_host, True
+        try:
             yield
+        finally:
+            self._making_host = saved
+
+    def add_storage(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._host or (self._making_host and key not in self._live):
+            self._count_on_host(storage)
+        else:
+            super().add_storage(storage)
+
+    def move_to_host(self, tensor: torch.Tensor) -> None:
+        """The tensor's storage leaves the device for the host (FSDP2's device-to-host copy of a
+        sharded gradient, the offloaded shards): freed on the device, held on the host."""
+        if hasattr(tensor, "to_local"):  # a DTensor: its local shard holds the storage
+            tensor = tensor.to_local()
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._host:
+            return
+        self.current -= self._live.pop(key, 0)
+        self._count_on_host(storage)
+
+    def _count_on_host(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key not in self._watch:
+            self._watch[key] = weakref.ref(storage, functools.partial(self._forget, key))
+        self.host_current += nbytes - self._host.get(key, 0)
+        self._host[key] = nbytes
+        self.host_peak = max(self.host_peak, self.host_current)
+
+    def count_transient(self, nbytes: int) -> None:
+        """A device allocation that is freed before the next op: it only moves the peak."""
+        self.check_growth(nbytes)
+        self.peak = max(self.peak, self.current + nbytes)
+
+    def _forget(self, key: int, _ref=None) -> None:
+        if key in self._host:
+            self._watch.pop(key, None)
+            self.host_current -= self._host.pop(key)
+        else:
+            super()._forget(key, _ref)
 
 
 _DEVICE_QUERY = torch.ops.prim.device.default
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+_ALL_GATHER_COPY_IN = "fsdp::all_gather_copy_in"
+_WAITS = (torch.ops._c10d_functional.wait_tensor.default,)
+
+# Where each reduce-scatter takes its input: gloo reduces a full-size copy of it (an all-reduce
+# of the copy, then this rank's chunk is copied to the output); NCCL writes to the output.
+_REDUCE_SCATTER_INPUT = {"c10d::_reduce_scatter_base_": 1, "_c10d_functional::reduce_scatter_tensor": 0}
+
+
+class _GlooCollectiveBuffers:
+    """What a real gloo reduce-scatter holds on the CPU that a fake process group (which completes
+    every collective at once) does not, found by recording the live storages, with where they
+    were allocated, at the peaks of real 2- and 4-rank gloo runs (bench/README.md, "FSDP2
+    estimate"):
+
+    - gloo reduce-scatters a copy of the whole input (FSDP2's flat unsharded gradients): an
+      all-reduce of the copy, then this rank's chunk is copied to the output;
+    - gloo's worker thread keeps the finished work, and with it that copy, until it gets the work
+      queue's lock (and the GIL) back, while the main thread goes on, e.g. to copy out the next
+      block's gathered parameters. Seen freed as late as that, never past the next collective:
+      the estimate holds it until then, the larger of the peaks a real run shows.
+
+    Finished all-gathers are let go late too (their output, already copied out), but only across
+    a few small ops: held until the next collective, the last block's output would stay through
+    a language model's head and loss, above any real peak (bench/README.md).
+    """
+
+    released_late = True
+    """Hold each reduce-scatter's tensors until the next collective (False: free the copy as the
+    call returns, the smaller peak a real run shows when every worker thread is prompt)."""
+
+    def __init__(self, tracker: StorageTracker):
+        self.tracker = tracker
+        self._held: list[torch.Tensor] = []
+
+    def collective(self, func, args, out, make_staging) -> None:
+        self._held = []  # freed by the time the next collective is issued
+        index = _REDUCE_SCATTER_INPUT.get(func._schema.name)
+        if index is None or not isinstance(args[index], torch.Tensor):
+            return
+        staging = make_staging(args[index])
+        self.tracker.add(staging)
+        if self.released_late:
+            self._held = [*(t for t in pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)),
+                          staging]
+
+    def release(self) -> None:
+        self._held = []
 
 
 class _CountingFakeTensorMode(fake_tensor.FakeTensorMode):
@@ -86,11 +235,15 @@ class _CountingFakeTensorMode(fake_tensor.FakeTensorMode):
     passes through one Python dispatch layer instead of two, about a fifth of an estimate's time.
     """
 
-    def __init__(self, tracker: StorageTracker):
+    def __init__(self, tracker: StorageTracker, gloo: "_GlooCollectiveBuffers | None" = None, *,
+                 uploads: bool = False):
         # Real tensors that reach an op (constants a model file made at import) are converted,
         # rather than refused: they are part of what a real step would touch.
         super().__init__(allow_non_fake_inputs=True)
         self.tracker = tracker
+        self.gloo = gloo
+        self.uploads = uploads
+        """fsdp-offload: FSDP2 copies each host shard to the device to all-gather it."""
         self._depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -109,11 +262,25 @@ class _CountingFakeTensorMode(fake_tensor.FakeTensorMode):
             self._depth -= 1
         if self._depth == 0:
             try:
+                if self.uploads and func._schema.name == _ALL_GATHER_COPY_IN:
+                    # The device copies of the host shards (copied in, then dropped) live while
+                    # the all-gather output is allocated; on fake CPU tensors they are no copies.
+                    self.tracker.count_transient(sum(t.untyped_storage().nbytes() for t in args[0]))
                 self.tracker.add_outputs(out)
+                if self.gloo is not None and func.namespace in _COLLECTIVE_NAMESPACES \
+                        and func not in _WAITS:
+                    self.gloo.collective(func, args, out, self._uncounted_copy)
             except torch.OutOfMemoryError:
                 del out  # the traceback keeps this frame alive: drop the refused output now
                 raise
         return out
+
+    def _uncounted_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._depth += 1  # made here, counted by the caller
+        try:
+            return tensor.new_empty(tensor.shape)
+        finally:
+            self._depth -= 1
 
 
 @contextlib.contextmanager

@@ -227,8 +227,9 @@ def _cpu_auto_precision(settings_in, build, *, bf16: bool) -> Plan:
 
 
 def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group, world_size: int):
-    """Every setting probed, ddp first, then fsdp on growing shard groups (the planner's order of
-    preference among plans with equally few accumulation steps)."""
+    """Every setting probed, ddp first, then fsdp on growing shard groups, then fsdp-offload where
+    nothing else fits (the planner's order of preference among plans with equally few
+    accumulation steps)."""
     if sharding != "auto":
         chosen = Sharding.parse(sharding)
         group = resolve_shard_group(shard_group, world_size) if chosen.sharded else None
@@ -250,7 +251,15 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
             by_group[group] = try_layout((Sharding.FSDP, group), upper=needed)
             if fewest_steps(by_group[group], request) == best:
                 break
-    return settings + [s for group in sorted(by_group) for s in by_group[group]]
+    sharded = [s for group in sorted(by_group) for s in by_group[group]]
+    offloaded = []
+    if fewest_steps(settings + sharded, request) is None:
+        # The last resort: shards, gradients and optimizer state in host memory, over the whole
+        # world. Only where nothing fits on the device: where something does, fewer
+        # accumulation steps rarely pay for the host traffic and a CPU optimizer step (and
+        # estimating it would cost every large model's plan one more search).
+        offloaded = try_layout((Sharding.FSDP_OFFLOAD, groups[-1]))
+    return settings + sharded + offloaded
 
 
 def _supported_precisions(device) -> list[Precision]:

@@ -313,6 +313,12 @@ def _sharding_reason(setting: SettingTried, split: list[int], chosen: list, layo
         return (f"auto: ddp; a replica already fits the share in {len(split)} accumulation "
                 f"step(s), so sharding would only add communication")
     replicated = next((c for c in chosen if not c[0].sharding.sharded), None)
+    if setting.sharding.offload:
+        on_device = [c for c in chosen if c[0].sharding.sharded and not c[0].sharding.offload]
+        why = (f"it cuts accumulation steps from {min(len(c[1]) for c in on_device)} (fsdp) to "
+               f"{len(split)}" if on_device else "nothing fits sharded (fsdp) with the shards on the device")
+        return (f"auto: {setting.layout}, because {why}: parameter shards, gradients and optimizer "
+                f"state live in host memory, and the optimizer steps on the CPU")
     if setting.sharding.sharded:
         if replicated is None:
             why = "nothing fits replicated (ddp) on one rank"
@@ -568,7 +574,14 @@ def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, e
             f"{setting.allowed_micro_batch} is predicted to stay within the margin")
     if extra:
         text += f" (counting {format_bytes(extra)} of DDP gradient buckets)"
-    if setting.sharding.sharded:
+    if setting.sharding.offload:
+        host = max((t.host_peak_bytes or 0 for t in setting.probe.trials), default=0) if setting.probe else 0
+        text += (f"; peaks are the device's, one rank's of {world_size} under {setting.layout} "
+                 f"(gathered blocks, uploaded shards and reduce-scatter buffers counted); each rank "
+                 f"also needs {format_bytes(host)} of host memory for its shards, gradients, "
+                 f"optimizer state and optimizer step" if host else
+                 f"; peaks are the device's, one rank's of {world_size} under {setting.layout}")
+    elif setting.sharding.sharded:
         text += (f"; peaks are one rank's of {world_size} under {setting.layout} (shards, gathered "
                  f"blocks and reduce-scatter buffers counted)")
     return text

@@ -61,10 +61,6 @@ def probe(
     precision = Precision.parse(precision)
     checkpointing = parse_checkpointing(checkpointing, allow_auto=False)
     sharding = Sharding.parse(sharding)
-    if sharding.offload:
-        raise ConfigError("--sharding fsdp-offload cannot be probed or estimated yet (the estimate "
-                          "runs on CPU tensors and cannot tell offloaded shards from device "
-                          "memory); use --sharding fsdp or auto")
     if max_micro_batch is not None and (not isinstance(max_micro_batch, int) or max_micro_batch < 1):
         raise ProbeError(f"max_micro_batch must be a positive int or None, got {max_micro_batch!r}")
     backend = backend or backend_for(device, memory_limit)
@@ -73,7 +69,11 @@ def probe(
             backend, EstimateMemoryBackend):
         # The other ranks are not there to run with: the sharded step is counted on fake tensors.
         backend = EstimateMemoryBackend(info.budget_bytes, for_cuda=backend.device.type == "cuda",
-                                        target=info)
+                                        target=info, offload=sharding.offload)
+    elif sharding.offload and isinstance(backend, EstimateMemoryBackend) and not backend.offload:
+        # The device's budget, counted without what the offloaded rank holds in host memory.
+        backend = EstimateMemoryBackend(info.budget_bytes, for_cuda=backend.for_cuda, target=info,
+                                        offload=True)
     started = time.perf_counter()
     estimating = isinstance(backend, EstimateMemoryBackend)
     seed = None
@@ -90,7 +90,8 @@ def probe(
     with sharded_step(run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
                       precision=precision, device_type=backend.device.type) as step_workload:
         session = TrialSession(step_workload, backend, precision=precision,
-                               checkpointing=checkpointing, sharded=sharding.sharded)
+                               checkpointing=checkpointing, sharded=sharding.sharded,
+                               offload=sharding.offload)
         try:
             with limits(), session, progress.bar(f"probe {setting}", unit=" trial") as shown:
                 run = progress.watch_trials(session.run, shown, fake=estimating)
@@ -173,6 +174,8 @@ def _does_not_fit_message(workload, info, precision, session: TrialSession, tria
     helps.append("a device with more memory (or a larger --memory-limit)")
     if sharding.sharded:
         helps.append(f"more ranks than --world-size {world_size} to shard over")
+        if not sharding.offload:
+            helps.append("the shards and optimizer state in host memory (--sharding fsdp-offload)")
         layout = f", one rank of {world_size} under {sharding}"
     else:
         helps.append("sharding parameters and optimizer state with FSDP (--sharding fsdp, "

@@ -29,9 +29,11 @@ def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing
     off/on (or a bool), a count K of the repeated blocks or a fraction of them. Raises
     ``EstimateUnavailable`` when the model cannot run under fake tensors (use ``probe`` then).
 
-    ``sharding="fsdp"`` (or ``"fsdp-offload"``) gives the peak of one rank of ``world_size``
-    under FSDP2, in shard groups of ``shard_group`` ranks (default: all of them), counted in this
-    one process with a fake process group (see ``autotune.sharding.ranks``).
+    ``sharding="fsdp"`` gives the peak of one rank of ``world_size`` under FSDP2, in shard
+    groups of ``shard_group`` ranks (default: all of them), counted in this one process with a
+    fake process group (see ``autotune.sharding.ranks``). ``"fsdp-offload"`` gives that rank's
+    *device* peak: its shards, sharded gradients, optimizer state and optimizer step live in
+    host memory (``estimate_offload_host_peaks`` says how much).
     """
     return estimate_peaks(workload, [micro_batch], precision=precision, checkpointing=checkpointing,
                           sharding=sharding, world_size=world_size,
@@ -46,19 +48,38 @@ def estimate_peaks(workload, micro_batches, *, precision="fp32", checkpointing=F
     The optimizer phase (unscale, clip, step) is measured at the first size and its transient
     reused at the others while every gradient has the same layout (see ``EstimateSession``).
     """
+    trials = _estimate_trials(workload, micro_batches, precision=precision, checkpointing=checkpointing,
+                              sharding=sharding, world_size=world_size, shard_group=shard_group)
+    return {n: trial.peak_bytes for n, trial in trials.items()}
+
+
+def estimate_offload_host_peaks(workload, micro_batches, *, precision="fp32", checkpointing=False,
+                                world_size: int, shard_group: int | None = None) -> dict[int, int]:
+    """Host memory one rank of ``world_size`` needs under ``fsdp-offload`` at each micro-batch:
+    its parameter shards, sharded gradients, optimizer state and optimizer step (the device's
+    peak is ``estimate_peaks(..., sharding="fsdp-offload")``)."""
+    trials = _estimate_trials(workload, micro_batches, precision=precision, checkpointing=checkpointing,
+                              sharding=Sharding.FSDP_OFFLOAD, world_size=world_size,
+                              shard_group=shard_group)
+    return {n: trial.host_peak_bytes for n, trial in trials.items()}
+
+
+def _estimate_trials(workload, micro_batches, *, precision, checkpointing, sharding, world_size,
+                     shard_group) -> dict:
     workload = load_workload(workload)
     precision = Precision.parse(precision)
     sharding = Sharding.parse(sharding)
     sizes = [checked_micro_batch(n) for n in micro_batches]
-    peaks: dict[int, int] = {}
+    trials = {}
     with sharded_step(on_fake_tensors(workload), sharding=sharding, world_size=world_size,
                       shard_group=shard_group, precision=precision) as step_workload:
-        session = EstimateSession(step_workload, EstimateMemoryBackend(), precision=precision,
-                                  checkpointing=checkpointing, sharded=sharding.sharded)
+        session = EstimateSession(step_workload, EstimateMemoryBackend(offload=sharding.offload),
+                                  precision=precision, checkpointing=checkpointing,
+                                  sharded=sharding.sharded, offload=sharding.offload)
         with fake_tensor_limits(workload), session:
             for n in sizes:
-                peaks[n] = session.run(n).peak_bytes
-    return peaks
+                trials[n] = session.run(n)
+    return trials
 
 
 class EstimateSession(TrialSession):
@@ -76,7 +97,8 @@ class EstimateSession(TrialSession):
     """
 
     _step_cost = None
-    """(gradient layout, bytes the optimizer phase adds to the live bytes) of the first step."""
+    """(gradient layout, bytes the optimizer phase adds to the live bytes, and to the host's under
+    fsdp-offload) of the first step."""
 
     def _setup(self):
         super()._setup()
@@ -87,12 +109,22 @@ class EstimateSession(TrialSession):
         # and optimizer state, which are the same at every micro-batch when every parameter
         # gets a gradient of the same layout. Otherwise it is measured again.
         before = self.backend.current_bytes()
+        host = self.backend.tracker if self.offload else None  # fsdp-offload: the step is the host's
         layout = _gradient_layout(self.params)
         if self._step_cost is not None and self._step_cost[0] == layout:
+            if host is not None:
+                host.host_peak = max(host.host_peak, host.host_current + self._step_cost[2])
             self.optimizer.zero_grad(set_to_none=True)
             return before + self._step_cost[1]
+        if host is not None:
+            host_before, earlier = host.host_current, host.host_peak
+            host.host_peak = host_before
         step_peak = super()._optimizer_phase()
-        self._step_cost = (layout, step_peak - before)
+        host_cost = 0
+        if host is not None:
+            host_cost = host.host_peak - host_before
+            host.host_peak = max(host.host_peak, earlier)
+        self._step_cost = (layout, step_peak - before, host_cost)
         return step_peak
 
     def _optimizer_step(self):
@@ -258,4 +290,4 @@ def _foreach_path(optimizer: torch.optim.Optimizer):
             group["foreach"] = value
 
 
-__all__ = ["EstimateSession", "estimate_peak", "estimate_peaks"]
+__all__ = ["EstimateSession", "estimate_offload_host_peaks", "estimate_peak", "estimate_peaks"]

@@ -42,6 +42,9 @@ class Trial:
     """CUDA: the caching allocator's reserved peak (``peak_bytes`` is what tensors held)."""
     alloc_retries: int | None = None
     """CUDA: cudaMalloc retries after freeing the cache during the trial (fragmentation)."""
+    host_peak_bytes: int | None = None
+    """fsdp-offload estimate: the host memory the rank's offloaded shards, sharded gradients,
+    optimizer state and optimizer step need at most (``peak_bytes`` is the device's)."""
     nvml_used_bytes: int | None = None
     """CUDA: the device's used memory as NVML sees it after the trial (context and other
     processes included)."""

@@ -35,7 +35,7 @@ class SetupOutOfMemory(ProbeError):
 
 class TrialSession:
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
-                 checkpointing=False, sharded: bool = False):
+                 checkpointing=False, sharded: bool = False, offload: bool = False):
         """``checkpointing``: off/on (or a bool), a block count K or a fraction of the blocks;
         after set-up ``checkpointed_blocks`` says how many of ``total_blocks`` it is."""
         self.workload = workload
@@ -44,6 +44,9 @@ class TrialSession:
         before sharding does not count against the budget (no rank of a real run holds it on
         the device), and one step at micro-batch 1 runs before measuring: FSDP2 sets itself up
         lazily in the first forward and keeps what it made, so the steady state is the second."""
+        self.offload = offload
+        """fsdp-offload: the shards, their gradients, the optimizer state and step live in host
+        memory (``backend.offloaded``, ``backend.on_host``)."""
         self.backend = backend
         self.precision = precision
         self.checkpointing = checkpointing
@@ -99,8 +102,11 @@ class TrialSession:
         self.optimizer = self.workload.new_optimizer(self.params)
         self.scaler = grad_scaler(self.precision, self.device)
         self.backend.adopt([*self.model.parameters(), *self.model.buffers()])
+        if self.offload:
+            self._offload_shards()
         with self._outside_budget():
-            self._allocate_optimizer_state()
+            with self.backend.on_host():
+                self._allocate_optimizer_state()
             if self.sharded:
                 self._warm_up()
         if self.sharded:
@@ -115,6 +121,13 @@ class TrialSession:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.adopt(optimizer_state_tensors(self.optimizer))
+
+    def _offload_shards(self):
+        # FSDP2 copies each sharded gradient to the host as it assigns it, then calls the
+        # parameter's post-accumulate-grad hooks.
+        self.backend.offloaded(self.params)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(lambda p: self.backend.offloaded([p.grad]))
 
     def set_checkpointing(self, checkpointing) -> int:
         """Checkpoint that many blocks (off/on, K or a fraction) from the next step on; returns K."""
@@ -198,7 +211,8 @@ class TrialSession:
         batch = move_batch(self.workload.batch(n), self.device)
         activation_peak = self._forward_backward(batch)
         self.backend.reset_peak()
-        step_peak = self._optimizer_phase()  # the batch is still alive here, as in training
+        with self.backend.on_host() if self.offload else contextlib.nullcontext():
+            step_peak = self._optimizer_phase()  # the batch is still alive here, as in training
         del batch
         return activation_peak, step_peak
 
