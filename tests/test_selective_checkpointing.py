@@ -384,6 +384,19 @@ def test_plan_optimize_throughput_carries_k(one_thread, examples_dir):
 
 
 @pytest.mark.slow
+def test_plan_optimize_throughput_measures_a_k_below_the_fewest(one_thread, examples_dir):
+    # tiny_lm at 50 MiB for 16: off fits 6 x 3, 3 of 4 blocks 16 x 1; 1 of 4 reaches 8 x 2.
+    plan = autotune.plan(examples_dir / "tiny_lm.py", target_batch=16, device="cpu",
+                         memory_limit="50MiB", headroom=0.0, precision="fp32", optimize="throughput",
+                         budget="60s")
+    off = next(s for s in plan.settings if not s.checkpointing)
+    below = [s for s in plan.settings if s.checkpointed_blocks == 1]
+    assert below and below[0].allowed_micro_batch >= 8 > off.allowed_micro_batch
+    record = next(r for r in plan.throughput if r.checkpointed_blocks == 1 and r.micro_batch == 8)
+    assert record.status == "measured" and record.peak_bytes <= plan.budget_bytes
+
+
+@pytest.mark.slow
 def test_auto_chooses_k_for_a_gpu_profile_on_fake_tensors(one_thread, examples_dir, tmp_path):
     profile = tmp_path / "tiny.toml"
     profile.write_text('name = "tiny"\nmemory_bytes = 10_485_760\nbf16 = false\nfp16 = true\n'
