@@ -309,6 +309,56 @@ def test_the_throughput_search_measures_the_fewest_blocks_beside_all_and_none():
     assert {(None, 16), (1, 16)} <= measured  # every block and the fewest: two configurations
 
 
+def _four_block_settings():
+    """off allows 9; every extra checkpointed block saves 25 MiB a sample; 3 of 4 is the fewest
+    that reaches 24 (the share) in one step."""
+    from autotune.planning.policy import settings_below_fewest
+    from autotune.probing.result import BlockModel
+    off = _setting_with_blocks(9, 0, total=4)
+    off.probe = _plain_probe(9, 100 * MiB)
+    off.allowed_micro_batch = 9
+    fewest = _setting_with_blocks(24, 3, total=4)
+    fewest.probe = _plain_probe(24, 25 * MiB, blocks=3)
+    fewest.probe.block_model = BlockModel(total_blocks=4, saving=(0.0, 25.0 * MiB), last_block=(0.0, 0.0))
+    fewest.allowed_micro_batch = 24
+    return off, fewest, settings_below_fewest(fewest, [off], usable=1000 * MiB)
+
+
+def _plain_probe(max_micro_batch, per_sample, blocks=0):
+    from plan_helpers import linear_probe
+    probe = linear_probe(max_micro_batch, per_sample=per_sample, checkpointing=blocks > 0, upper=24)
+    probe.checkpointed_blocks, probe.total_blocks = (blocks or None), 4
+    return probe
+
+
+def test_the_search_gets_every_k_below_the_fewest_that_reaches_a_larger_micro_batch():
+    _, _, below = _four_block_settings()
+    # 100 MiB + 75 MiB·n (1 block) and + 50 MiB·n (2 blocks) within 1000 MiB: 12 and 18.
+    assert [(s.checkpointed_blocks, s.allowed_micro_batch) for s in below] == [(1, 12), (2, 18)]
+    assert all(s.probe.trials == [] and s.probe.checkpointed_blocks == s.checkpointed_blocks
+               for s in below)
+
+
+def test_the_throughput_search_can_choose_a_k_between_none_and_the_fewest():
+    from autotune.tuning.search import build_candidates, search_throughput
+    off, fewest, below = _four_block_settings()
+    candidates = build_candidates([off, fewest, *below], share=24, usable=1000 * MiB)
+    fitting = {(c.config.checkpointed_blocks, c.config.micro_batch) for c in candidates
+               if c.predicted_fits and c.config.checkpointing}
+    # 1 block reaches 12 x 2, which off (9: 8 x 3) does not; 2 blocks reach no other split, and
+    # the fewest's smaller splits are left to the settings with fewer blocks that fit them.
+    assert fitting == {(1, 12), (3, 24)}
+
+    class Speeds(_Speeds):
+        rates = {"off": (100.0, 1.0), 1: (130.0, 0.0), 3: (90.0, 0.0)}
+
+    measure = Speeds()
+    result = search_throughput(candidates, measure, measure.compare, budget_s=30,
+                               usable_bytes=1000 * MiB, study_name="k-between")
+    assert (result.winner.checkpointed_blocks, result.winner.micro_batch) == (1, 12)
+    assert {(1, 12), (3, 24), ("off", 8)} <= set(measure.calls)
+
+
 @pytest.mark.slow
 def test_a_stored_study_reuses_results_with_their_blocks(tmp_path):
     from autotune.tuning.search import search_throughput
@@ -331,6 +381,19 @@ def test_plan_optimize_throughput_carries_k(one_thread, examples_dir):
     assert any(r.checkpointed_blocks == 1 and r.status == "measured" for r in plan.throughput)
     chosen = plan.chosen_setting
     assert chosen is not None and plan.blocks == chosen.blocks
+
+
+@pytest.mark.slow
+def test_plan_optimize_throughput_measures_a_k_below_the_fewest(one_thread, examples_dir):
+    # tiny_lm at 50 MiB for 16: off fits 6 x 3, 3 of 4 blocks 16 x 1; 1 of 4 reaches 8 x 2.
+    plan = autotune.plan(examples_dir / "tiny_lm.py", target_batch=16, device="cpu",
+                         memory_limit="50MiB", headroom=0.0, precision="fp32", optimize="throughput",
+                         budget="60s")
+    off = next(s for s in plan.settings if not s.checkpointing)
+    below = [s for s in plan.settings if s.checkpointed_blocks == 1]
+    assert below and below[0].allowed_micro_batch >= 8 > off.allowed_micro_batch
+    record = next(r for r in plan.throughput if r.checkpointed_blocks == 1 and r.micro_batch == 8)
+    assert record.status == "measured" and record.peak_bytes <= plan.budget_bytes
 
 
 @pytest.mark.slow
@@ -370,3 +433,16 @@ def test_the_fewest_steps_come_before_the_fewest_blocks():
     fewer_steps = _pure_plan(_blocks_setting(10, 0), _blocks_setting(16, 4), _blocks_setting(8, 1))
     assert (fewer_steps.blocks, fewer_steps.accumulation_steps) == (4, 4)
     assert fewer_steps.checkpointing_label == "on"
+
+
+def test_under_torchrun_auto_says_fewer_blocks_were_not_searched_and_how_to_get_them():
+    from autotune.planning.policy import PlanRequest, build_plan
+    from plan_helpers import device, fingerprint
+    settings = [_blocks_setting(10, 0), _blocks_setting(16, 4)]
+    for distributed, said in ((True, True), (False, False)):
+        request = PlanRequest(target_batch=64, checkpointing="auto", headroom=0.0, distributed=distributed)
+        plan = build_plan(request, workload=fingerprint(repeated_blocks=4), settings=settings,
+                          device=device())
+        reason = plan.reasons["checkpointing"]
+        assert plan.checkpointing_label == "on" and reason.startswith("auto: on")
+        assert ("not searched under torchrun" in reason and "--checkpointing K (K of 4)" in reason) == said

@@ -27,8 +27,8 @@ from ..memory import backend_for
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
                       cpu_precision, ddp_bucket_bytes, evaluate_setting, fewest_steps,
-                      predicted_blocks, setting_extra_bytes, sharding_worth_estimating, split_for,
-                      usable_bytes)
+                      predicted_blocks, setting_extra_bytes, settings_below_fewest,
+                      sharding_worth_estimating, split_for, usable_bytes)
 from ..sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
@@ -182,7 +182,8 @@ def plan(
         precisions = [chosen] if precision != "auto" else _supported_precisions(backend.device)
         # Replicas only: the search measures in this one process (it is refused under torchrun).
         settings = [s for candidate in precisions
-                    for s in try_layout((Sharding.DDP, None), precision_=candidate)]
+                    for s in _with_blocks_below_fewest(try_layout((Sharding.DDP, None), precision_=candidate),
+                                                      usable=usable, extra=extra)]
         return _fastest_plan(workload, backend, request, fingerprint, settings, info, usable=usable,
                              extra=extra, budget_s=budget_s, storage=storage, created_at=created_at,
                              estimated_for=target.profile.name if target else None)
@@ -260,6 +261,17 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
         # estimating it would cost every large model's plan one more search).
         offloaded = try_layout((Sharding.FSDP_OFFLOAD, groups[-1]))
     return settings + sharded + offloaded
+
+
+def _with_blocks_below_fewest(settings: list[SettingTried], *, usable: int, extra: int) -> list[SettingTried]:
+    """One precision's settings and, where the planner proved the fewest blocks K, the Ks below it
+    that reach micro-batches in between (see policy.settings_below_fewest): the search times them."""
+    fewest = next((s for s in settings if s.checkpointing and s.checkpointed_blocks
+                   and s.probe is not None and s.probe.block_model is not None), None)
+    if fewest is None:
+        return settings
+    fewer = [s for s in settings if not s.checkpointing]
+    return settings + settings_below_fewest(fewest, fewer, usable=usable, extra_bytes=extra)
 
 
 def _supported_precisions(device) -> list[Precision]:

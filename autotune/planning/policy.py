@@ -9,6 +9,7 @@ always sum exactly to the share: 127 with at most 50 per step is 43 + 42 + 42.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,6 +21,7 @@ from ..precision import GradScalerSettings, Precision
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from ..probing.result import BlockModel, ProbeResult, setting_label
 from ..units import format_bytes
+from ..workload.checkpoint_count import describe_blocks
 
 BATCHNORM_MIN_MICRO_BATCH = 16
 """Below this, BatchNorm statistics over one micro-batch are noisy enough to hurt training."""
@@ -274,6 +276,34 @@ def predicted_blocks(probe: ProbeResult, model: BlockModel, micro_batch: int, us
     return None
 
 
+def settings_below_fewest(fewest: SettingTried, fewer: list[SettingTried], *, usable: int,
+                          extra_bytes: int = 0) -> list[SettingTried]:
+    """For the throughput search: each K below the fewest blocks ``fewest`` proved whose
+    micro-batch, predicted from the per-block saving, is larger than any setting with fewer
+    blocks (``fewer``, and the smaller K) allows. Such a K buys fewer steps than those at less
+    recomputation than ``fewest``; Ks above ``fewest`` buy no fewer steps than it, only more
+    recomputation. Predictions only: the search measures each configuration's real peak."""
+    probe = fewest.probe
+    model = probe.block_model if probe is not None else None
+    if model is None or not fewest.blocks:
+        return []
+    found, best = [], max((s.allowed_micro_batch for s in fewer), default=0)
+    for blocks in range(1, fewest.blocks):
+        memory_model = model.for_blocks(probe.memory_model, blocks, fitted_at=fewest.blocks)
+        setting = SettingTried(
+            precision=fewest.precision, checkpointing=True, checkpointed_blocks=blocks,
+            sharding=fewest.sharding, shard_group=fewest.shard_group,
+            probe=dataclasses.replace(
+                probe, trials=[], memory_model=memory_model, checkpointed_blocks=blocks, oom_count=0,
+                notes=[f"{describe_blocks(blocks, model.total_blocks)}: predicted from the per-block "
+                       f"saving learned on fake tensors, for the throughput search to measure"]))
+        setting.allowed_micro_batch = allowed_micro_batch(setting.probe, usable, extra_bytes)
+        if setting.allowed_micro_batch > best:
+            found.append(setting)
+            best = setting.allowed_micro_batch
+    return found
+
+
 def _blocks_key(setting: SettingTried) -> float:
     blocks = setting.blocks
     return math.inf if blocks is None else blocks
@@ -365,10 +395,25 @@ def _choose_checkpointing(settings: list[SettingTried], request: PlanRequest,
     proof = _fewest_blocks_reason(best, split, request)
     if proof:
         why = f"auto: {proof[0]} ({without}); {proof[1]}"
+    elif (request.checkpointing == "auto" and (workload.repeated_blocks or 0) > 1
+          and best.blocks == workload.repeated_blocks):
+        why += _fewest_not_searched(best, request, workload.repeated_blocks)
     if off[1] is not None and workload.batchnorm and min(off[1]) < BATCHNORM_MIN_MICRO_BATCH <= min(split):
         why += (f" and lifts the BatchNorm micro-batch from {min(off[1])} to {min(split)} "
                 f"(>= {BATCHNORM_MIN_MICRO_BATCH})")
     return best, split, why + " (at ~20-35% more step time)"
+
+
+def _fewest_not_searched(setting: SettingTried, request: PlanRequest, total: int) -> str:
+    """Why every block, unproved, where the fewest blocks are not searched."""
+    if request.distributed:
+        where = ("under torchrun, where each rank would prove them with trials of its own: plan "
+                 "without torchrun (the plan is the same on identical devices) to search them")
+    elif setting.sharding.sharded:
+        where = f"for a sharded layout ({setting.layout}): not supported yet"
+    else:
+        return ""
+    return f"; fewer blocks were not searched {where}, or pass --checkpointing K (K of {total})"
 
 
 def _fewest_blocks_reason(setting: SettingTried, split: list[int],

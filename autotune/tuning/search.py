@@ -16,9 +16,12 @@ grid search in a useful order. (Optuna's GridSampler visits its grid in random o
 Optuna 5.0, fails in ``after_trial`` when combined with queued trials.) A rerun of the same study
 reuses what was measured: a configuration with a result is not measured again.
 
-Checkpointing is off, on (every block) or, where the planner proved one, its fewest blocks K (a
-``blocks`` parameter, "all" or "fewest", asked only when checkpointing is on, so studies stored
-before it stay readable; the K a result was measured with is kept with it).
+Checkpointing is off, on (every block) or K of the model's N repeated blocks (a
+``checkpointed_blocks`` integer 1..N, N for every block, asked only when checkpointing is on and
+some K was planned, so studies stored before it stay readable; the K a result was measured with is
+kept with it). The planner offers the fewest K it proved and, below it, every K whose predicted
+micro-batch no setting with fewer blocks reaches; a K-blocks split that fewer blocks already fit is
+left out (same split, more recomputation).
 
 The exploration ends at 70% of the budget; in the rest the fastest few are timed side by side
 (windows interleaved on one model) and that comparison, not the single measurements taken at
@@ -109,10 +112,20 @@ def build_candidates(settings: list[SettingTried], *, share: int, usable: int, e
     for setting in settings:
         blocks = _setting_blocks(setting)
         for split in splits:
+            if blocks is not None and _fewer_blocks_fit(setting, max(split), settings):
+                continue
             config = Configuration(precision=setting.precision, checkpointing=setting.checkpointing,
                                    checkpointed_blocks=blocks, micro_batches=split)
-            found.append(_candidate(setting, config, usable, extra_bytes))
+            found.append(_candidate(setting, config, usable, extra_bytes,
+                                    setting.probe.total_blocks if setting.probe else None))
     return found
+
+
+def _fewer_blocks_fit(setting: SettingTried, micro_batch: int, settings: list[SettingTried]) -> bool:
+    """Whether a setting of the same precision with fewer checkpointed blocks (or none) allows
+    ``micro_batch``: then K blocks there only add recomputation."""
+    return any(other.precision == setting.precision and other.allowed_micro_batch >= micro_batch
+               and other.blocks is not None and other.blocks < setting.blocks for other in settings)
 
 
 def _setting_blocks(setting: SettingTried) -> int | None:
@@ -127,14 +140,17 @@ def setting_key(setting: SettingTried) -> tuple:
     return (setting.precision, setting.checkpointing, _setting_blocks(setting))
 
 
-def _candidate(setting: SettingTried, config: Configuration, usable: int, extra: int) -> Candidate:
+def _candidate(setting: SettingTried, config: Configuration, usable: int, extra: int,
+               total_blocks: int | None) -> Candidate:
     if setting.probe is None:
         return Candidate(config=config, predicted_peak_bytes=None, predicted_fits=False,
                          why_not=f"the probe found nothing that fits: {setting.error}")
     peak = int(predicted_peak(setting.probe, config.micro_batch, extra))
     if config.micro_batch <= setting.allowed_micro_batch:
-        return Candidate(config=config, predicted_peak_bytes=peak, predicted_fits=True)
+        return Candidate(config=config, predicted_peak_bytes=peak, predicted_fits=True,
+                         total_blocks=total_blocks)
     return Candidate(config=config, predicted_peak_bytes=peak, predicted_fits=False,
+                     total_blocks=total_blocks,
                      why_not=f"predicted {format_bytes(peak)} > {format_bytes(usable)} usable "
                              f"(probe max {setting.raw_max_micro_batch}); not run")
 
@@ -157,6 +173,8 @@ class Candidate:
     predicted_fits: bool
     why_not: str = ""
     """For a configuration predicted not to fit: why."""
+    total_blocks: int | None = None
+    """The model's repeated blocks, N (None: not known)."""
 
 
 @dataclass(kw_only=True)
@@ -194,15 +212,17 @@ def search_throughput(candidates: list[Candidate], measure: Callable[[Configurat
     started = clock()
     share = candidates[0].config.share
     by_key = {_key(c.config): c for c in candidates}
+    # K is asked (1..N) only where some K of N is a candidate: without one, "on" is every block.
+    total = max((c.total_blocks or 0 for c in candidates if c.config.checkpointed_blocks), default=0)
     with _quiet(verbose):
         study = _open_study(study_name, storage,
                             sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=5))
         known = _known_results(study, by_key, usable_bytes)
         for candidate in _to_enqueue(candidates, known, _tried_before(study)):
-            study.enqueue_trial(_params(candidate.config))
+            study.enqueue_trial(_params(candidate.config, total))
         explore_s = budget_s * (1 - CONFIRM_SHARE) if confirm_top > 1 else budget_s
         run = _Run(by_key=by_key, known=known, measure=measure, compare=compare, usable=usable_bytes,
-                   share=share, budget_s=explore_s, clock=clock)
+                   share=share, budget_s=explore_s, clock=clock, total_blocks=total)
         with progress.bar("throughput search", total=round(budget_s), unit="s") as run.progress:
             if not run.done():
                 study.optimize(run.objective, timeout=explore_s, callbacks=[run.stop_when_done],
@@ -220,7 +240,8 @@ def search_throughput(candidates: list[Candidate], measure: Callable[[Configurat
 # --- the objective ---------------------------------------------------------------------------------
 
 class _Run:
-    def __init__(self, *, by_key, known, measure, compare, usable, share, budget_s, clock):
+    def __init__(self, *, by_key, known, measure, compare, usable, share, budget_s, clock,
+                 total_blocks: int = 0):
         self.clock = clock
         self.by_key = by_key
         self.measure = measure
@@ -234,8 +255,7 @@ class _Run:
         self.started = clock()
         self.deadline = self.started + budget_s
         self.progress = None
-        self.fewest = {key[0]: key[2] for key in by_key if key[2] is not None}
-        """Per precision, the fewest checkpointed blocks the planner proved (the "fewest" choice)."""
+        self.total_blocks = total_blocks
 
     def done(self) -> bool:
         return all(key in self.results for key in self.by_key)
@@ -252,8 +272,9 @@ class _Run:
         precision = trial.suggest_categorical("precision", list(PRECISIONS))
         checkpointing = trial.suggest_categorical("checkpointing", [False, True])
         blocks = None
-        if checkpointing and trial.suggest_categorical("blocks", list(BLOCK_CHOICES)) == "fewest":
-            blocks = self.fewest.get(precision, -1)  # -1: no such setting, outside the space
+        if checkpointing and self.total_blocks:
+            blocks = trial.suggest_int("checkpointed_blocks", 1, self.total_blocks)
+            blocks = None if blocks == self.total_blocks else blocks
         steps = trial.suggest_int("accumulation_steps", 1, self.share, log=True)
         key = (precision, checkpointing, blocks, max(split_share(self.share, math.ceil(self.share / steps))))
         candidate = self.by_key.get(key)
@@ -292,7 +313,7 @@ class _Run:
             return
         following = max(smaller, key=lambda c: c.config.micro_batch)
         if all(r.micro_batch < following.config.micro_batch for r in fitting):
-            study.enqueue_trial(_params(following.config))
+            study.enqueue_trial(_params(following.config, self.total_blocks))
 
     def confirm(self, top: int, *, deadline: float) -> None:
         """Time the ``top`` fastest side by side in what is left of the budget. Only when this
@@ -371,9 +392,6 @@ def _speed(record: ConfigurationMeasured) -> tuple:
 
 # --- the study -------------------------------------------------------------------------------------
 
-BLOCK_CHOICES = ("all", "fewest")
-
-
 def _setting(config) -> tuple:
     """(precision, checkpointing, blocks) of a configuration or a record; blocks is None for off
     and for every block."""
@@ -384,17 +402,17 @@ def _key(config: Configuration) -> tuple:
     return (*_setting(config), config.micro_batch)
 
 
-def _params(config: Configuration) -> dict:
+def _params(config: Configuration, total_blocks: int) -> dict:
     params = {"precision": config.precision.value, "checkpointing": config.checkpointing,
               "accumulation_steps": config.accumulation_steps}
-    if config.checkpointing:
-        params["blocks"] = "all" if config.checkpointed_blocks is None else "fewest"
+    if config.checkpointing and total_blocks:
+        params["checkpointed_blocks"] = config.checkpointed_blocks or total_blocks
     return params
 
 
 def _trial_key(trial) -> tuple:
     """A stored trial's configuration key (the blocks a result was measured with are in its
-    attributes; the "blocks" parameter only says whether they were the fewest)."""
+    attributes; studies stored before counts only had an "all"/"fewest" parameter)."""
     return (trial.params.get("precision"), trial.params.get("checkpointing"),
             trial.user_attrs.get("checkpointed_blocks"), max(trial.user_attrs["micro_batches"]))
 
