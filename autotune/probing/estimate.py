@@ -89,6 +89,8 @@ class EstimateSession(TrialSession):
         before = self.backend.current_bytes()
         layout = _gradient_layout(self.params)
         if self._step_cost is not None and self._step_cost[0] == layout:
+            # A budgeted search (the probe's) must still see the phase run out of memory.
+            self.backend.tracker.check_growth(self._step_cost[1])
             self.optimizer.zero_grad(set_to_none=True)
             return before + self._step_cost[1]
         step_peak = super()._optimizer_phase()
