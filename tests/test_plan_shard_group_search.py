@@ -76,3 +76,42 @@ def test_the_shard_group_search_finds_what_every_group_tried_finds(examples_dir,
     # The smaller groups start where the world's probe predicts: one step proves groups of 4
     # reach the micro-batch, two show groups of 2 do not.
     assert len(steps) <= 10, steps
+
+
+def _trials(result):
+    return result.max_micro_batch, [(t.micro_batch, t.fits, t.peak_bytes, t.activation_peak_bytes,
+                                     t.step_peak_bytes, t.baseline_bytes) for t in result.trials]
+
+
+def test_sharded_state_that_cannot_fit_skips_the_warm_up_step(examples_dir, one_thread, monkeypatch):
+    from autotune.probing.api import probe
+    from autotune.probing.trial import SetupOutOfMemory
+
+    steps = []
+    step = TrialSession._step
+    monkeypatch.setattr(TrialSession, "_step", lambda self, n: steps.append(n) or step(self, n))
+    # mlp.py: 40 MiB of parameters and AdamW state, 20 MiB on each of 2 ranks.
+    with pytest.raises(SetupOutOfMemory, match="optimizer state alone pass"):
+        probe(examples_dir / "mlp.py", sharding="fsdp", world_size=2, device="cpu",
+              memory_limit="12MiB", explain=False)
+    assert steps == []
+
+
+def test_the_probe_on_fake_tensors_counts_what_the_plain_session_counts(examples_dir, one_thread,
+                                                                        monkeypatch):
+    # The probe's sharded (and --gpu) trials run EstimateSession: Adam state without a step, the
+    # optimizer phase measured once. Every trial must read as the plain TrialSession reads it,
+    # failures against the budget included.
+    from autotune.probing import api as probing
+
+    def trials():
+        result = probing.probe(examples_dir / "tiny_lm.py", sharding="fsdp", world_size=4,
+                               device="cpu", memory_limit="24MiB", checkpointing=True, explain=False)
+        return result.max_micro_batch, [(t.micro_batch, t.fits, t.peak_bytes, t.activation_peak_bytes,
+                                         t.step_peak_bytes, t.baseline_bytes) for t in result.trials]
+
+    estimated = trials()
+    monkeypatch.setattr(probing, "EstimateSession", TrialSession)
+    plain = trials()
+    assert estimated == plain
+    assert any(not fits for _, fits, *_ in plain[1])  # the budget was hit: the check is exercised

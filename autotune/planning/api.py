@@ -32,7 +32,7 @@ from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choos
 from ..sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
-from ..probing.api import KeptSessions, probe
+from ..probing.api import probe
 from ..probing.blocks import learn_block_model, prove_fewest_blocks
 from ..probing.result import ProbeResult
 from ..probing.trial import SetupOutOfMemory
@@ -99,8 +99,10 @@ def plan(
     within groups of that many ranks and replicates across groups (default: the world size).
     Under "auto" a replica is probed first; where it leaves accumulation steps to save (or fits
     nowhere) and there is more than one rank, FSDP2 is estimated per rank on fake tensors with a
-    fake process group, on the full world first and then on smaller shard groups, and the plan
-    takes the fewest steps, the least communication among equals. ``plan.reasons["sharding"]``
+    fake process group, on the full world first and then on smaller shard groups (the smallest
+    that reaches as few steps, searched from where the world's probe predicts it: a rank holds
+    more the smaller its group), and the plan takes the fewest steps, the least communication
+    among equals. ``plan.reasons["sharding"]``
     says why.
     """
     workload = load_workload(workload)
@@ -154,14 +156,12 @@ def plan(
     agree = _min_across_ranks if distributed else None
 
     first = "off" if checkpointing == "auto" else checkpointing
-    # A sharded layout's set-up on fake tensors is kept for its next checkpointing setting.
-    sessions = KeptSessions()
 
     def try_setting(checkpoint, precision: Precision = chosen, layout=(Sharding.DDP, None),
                     upper: int | None = None, hint: int | None = None) -> SettingTried:
         setting = _probe_setting(workload, backend, precision, checkpoint,
                                  upper or request.wanted_micro_batch, layout=layout,
-                                 world_size=world_size, hint=hint, sessions=sessions)
+                                 world_size=world_size, hint=hint)
         return evaluate_setting(setting, usable=usable, agree=agree,
                                 extra_bytes=setting_extra_bytes(setting, world_size,
                                                                 fingerprint.param_bytes))
@@ -204,10 +204,9 @@ def plan(
                           versions=current_versions(), created_at=created_at,
                           estimated_for=target.profile.name if target else None)
 
-    with sessions:
-        if precision == "auto" and target is None and backend.device.type == "cpu":
-            return _cpu_auto_precision(settings_in, build, bf16=supports_bf16(backend.device))
-        return build(chosen, settings_in(chosen))
+    if precision == "auto" and target is None and backend.device.type == "cpu":
+        return _cpu_auto_precision(settings_in, build, bf16=supports_bf16(backend.device))
+    return build(chosen, settings_in(chosen))
 
 
 def _cpu_auto_precision(settings_in, build, *, bf16: bool) -> Plan:
@@ -345,7 +344,7 @@ def _requested_blocks(value, fingerprint: WorkloadFingerprint):
 
 def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
                    layout=(Sharding.DDP, None), world_size: int = 1,
-                   hint: int | None = None, sessions: KeptSessions | None = None) -> SettingTried:
+                   hint: int | None = None) -> SettingTried:
     checkpoint = {"off": False, "on": True}.get(checkpoint, checkpoint)  # probe's bools, or K
     on = checkpoint is not False and checkpoint != 0
     blocks = checkpoint if isinstance(checkpoint, int) and not isinstance(checkpoint, bool) else None
@@ -355,7 +354,7 @@ def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
     # Replicated probes keep the call they always had (tests stand in for probe with it). A
     # sharded layout that does not fit is one of several tried: no extra step to say by how much.
     layout_args = (dict(sharding=sharding, world_size=world_size, shard_group=group, explain=False,
-                        hint=hint, sessions=sessions) if sharding.sharded else {})
+                        hint=hint) if sharding.sharded else {})
     try:
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
                        backend=backend, **layout_args)

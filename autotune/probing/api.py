@@ -39,7 +39,6 @@ def probe(
     shard_group: int | None = None,
     explain: bool = True,
     hint: int | None = None,
-    sessions: "KeptSessions | None" = None,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -58,8 +57,7 @@ def probe(
 
     ``hint`` (sharded probes in one process) is where a prediction puts the answer: the search
     tries it and the next micro-batch first (see ``search_largest_fitting``); the answer is the
-    same wherever it starts. ``sessions`` (a ``KeptSessions``) keeps a sharded session on fake
-    tensors open for the next probe of the same layout, which then only switches checkpointing.
+    same wherever it starts.
 
     Where nothing fits, ``explain`` runs one more step with the budget lifted (CPU and estimate
     backends) so that the error says how far over the budget the model is. The error is a
@@ -75,7 +73,7 @@ def probe(
                           "memory); use --sharding fsdp or auto")
     if max_micro_batch is not None and (not isinstance(max_micro_batch, int) or max_micro_batch < 1):
         raise ProbeError(f"max_micro_batch must be a positive int or None, got {max_micro_batch!r}")
-    backend = requested_backend = backend or backend_for(device, memory_limit)
+    backend = backend or backend_for(device, memory_limit)
     info = backend.info()
     if sharding.sharded and not torch.distributed.is_initialized() and not isinstance(
             backend, EstimateMemoryBackend):
@@ -95,35 +93,16 @@ def probe(
         return fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
 
     setting = setting_label(precision, checkpointing)
-    # On fake tensors the estimate's session counts the same bytes for less work (see
-    # EstimateSession): it sets up the optimizer state without a step and measures the optimizer
-    # phase once per session.
-    session_type = EstimateSession if estimating else TrialSession
-
-    def open_session(stack: contextlib.ExitStack) -> TrialSession:
-        step_workload = stack.enter_context(sharded_step(
-            run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
-            precision=precision, device_type=backend.device.type))
-        return session_type(step_workload, backend, precision=precision,
-                            checkpointing=checkpointing, sharded=sharding.sharded)
-
-    # The backend asked for, not the estimate backend made for it above (a new one each call).
-    layout = (workload, requested_backend, precision, sharding, world_size, shard_group)
-    keep = (sessions if sessions is not None and sharding.sharded and estimating and not explain
-            else None)
-    if sessions is not None and keep is None:
-        sessions.close()  # its fake process group is no part of this probe
-    with contextlib.ExitStack() as stack:
-        session = keep.session(layout, checkpointing) if keep is not None else None
-        if session is not None:
-            entered = keep.using(session)
-        elif keep is not None:
-            session = open_session(keep.stack(layout))
-            entered = keep.using(session, enter=True)
-        else:
-            session = entered = open_session(stack)
+    with sharded_step(run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
+                      precision=precision, device_type=backend.device.type) as step_workload:
+        # On fake tensors the estimate's session counts the same bytes for less work (see
+        # EstimateSession): it sets up the optimizer state without a step and measures the
+        # optimizer phase once per session.
+        session_type = EstimateSession if estimating else TrialSession
+        session = session_type(step_workload, backend, precision=precision,
+                               checkpointing=checkpointing, sharded=sharding.sharded)
         try:
-            with limits(), entered, progress.bar(f"probe {setting}", unit=" trial") as shown:
+            with limits(), session, progress.bar(f"probe {setting}", unit=" trial") as shown:
                 run = progress.watch_trials(session.run, shown, fake=estimating)
                 best, trials, model = search_largest_fitting(
                     run, budget=info.budget_bytes, upper=max_micro_batch,
@@ -170,64 +149,6 @@ def probe(
     )
 
 
-class KeptSessions:
-    """The last sharded probe session on fake tensors, kept open for the next probe of the same
-    layout (model, backend, precision, sharding, world and shard group).
-
-    Setting up a sharded step (build the model, ``fully_shard`` every block, allocate the
-    optimizer state, a warm-up step for FSDP2's lazy initialisation) costs more than a trial, and
-    the planner probes each layout with checkpointing off and then on, which only changes the
-    blocks' forward: the next probe switches checkpointing on the live model instead. Each trial
-    still measures a full steady-state step. One session at a time; close() (or leaving the
-    ``with`` block) tears it down.
-    """
-
-    def __init__(self):
-        self._layout = None
-        self._stack: contextlib.ExitStack | None = None
-        self._session: TrialSession | None = None
-
-    def session(self, layout, checkpointing) -> TrialSession | None:
-        """The kept session of ``layout``, switched to ``checkpointing``; None (and whatever was
-        kept closed) for another layout."""
-        if self._session is None or layout != self._layout:
-            self.close()
-            return None
-        self._session.checkpointing = checkpointing
-        self._session.set_checkpointing(checkpointing)
-        return self._session
-
-    def stack(self, layout) -> contextlib.ExitStack:
-        """Where a new session of ``layout`` enters its contexts (kept open until close())."""
-        self.close()
-        self._layout, self._stack = layout, contextlib.ExitStack()
-        return self._stack
-
-    @contextlib.contextmanager
-    def using(self, session: TrialSession, *, enter: bool = False):
-        """Uses ``session`` (entering and keeping it where ``enter``); a failure, in set-up or
-        in a trial, closes it rather than keep a session in an unknown state."""
-        try:
-            if enter:
-                self._stack.enter_context(session)
-                self._session = session
-            yield session
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        stack, self._stack, self._session, self._layout = self._stack, None, None, None
-        if stack is not None:
-            stack.close()
-
-    def __enter__(self) -> "KeptSessions":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
 def _peak_without_budget(session: TrialSession, backend) -> int | None:
     """On the CPU, measure the real need at micro-batch 1 with the budget lifted.
 
@@ -272,4 +193,4 @@ def _does_not_fit_message(workload, info, precision, session: TrialSession, tria
             f"What would help: {'; '.join(helps)}.")
 
 
-__all__ = ["KeptSessions", "MemoryModel", "ProbeResult", "Trial", "fit_memory_model", "probe", "search_largest_fitting"]
+__all__ = ["MemoryModel", "ProbeResult", "Trial", "fit_memory_model", "probe", "search_largest_fitting"]
