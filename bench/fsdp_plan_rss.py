@@ -2,8 +2,10 @@
 
 Runs `autotune plan bench/llama_like.py --gpu h100-80gb` in a fresh process for Llama-shaped
 models of 1B (world 8), 8B (world 8) and 70B (world 64) parameters, target batch 256, and prints the
-child's peak resident memory (getrusage), its wall and CPU seconds, and the plan (sharding, shard
-group, split, checkpointing). The targets: RSS under 2 GiB, under 2 minutes.
+child's peak resident memory (getrusage), its wall and CPU seconds, the settings probed and the
+measured fake steps the plan took (warm-up steps not counted; a measure of the work that does not
+depend on the machine's load), and the plan (sharding, shard group, split, checkpointing). The
+targets: RSS under 2 GiB, under 2 minutes.
 
     python bench/fsdp_plan_rss.py [--shapes 1b 8b 70b]
 """
@@ -48,8 +50,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(WORLD), choices=list(WORLD))
     args = parser.parse_args()
-    print("| model | world | params | peak RSS | CPU s | wall s | sharding | split | ckpt |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | world | params | peak RSS | CPU s | wall s | settings | fake steps | "
+          "sharding | split | ckpt |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
@@ -57,9 +60,11 @@ def main() -> int:
             plan = found["plan"]
             group = f" / {plan['shard_group']}" if plan.get("shard_group") else ""
             split = f"{plan['derived']['micro_batch']} × {plan['derived']['accumulation_steps']}"
+            probes = plan["settings"]
+            steps = sum(len((s.get("probe") or {}).get("trials", [])) for s in probes)
             print(f"| {shape} | {WORLD[shape]} | {plan['workload']['param_count'] / 1e9:.2f}B | "
                   f"{found['rss_gib']:.2f} GiB | {found['cpu_s']:.0f} | {found['wall_s']:.0f} | "
-                  f"{plan['sharding']}{group} | {split} | "
+                  f"{len(probes)} | {steps} | {plan['sharding']}{group} | {split} | "
                   f"{'on' if plan['checkpointing'] else 'off'} |", flush=True)
             ok = ok and found["rss_gib"] < 2
     return 0 if ok else 1

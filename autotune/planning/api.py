@@ -27,7 +27,8 @@ from ..memory import backend_for
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
                       cpu_precision, ddp_bucket_bytes, evaluate_setting, fewest_steps,
-                      predicted_blocks, setting_extra_bytes, settings_below_fewest,
+                      first_shard_group, predicted_blocks, predicted_group_max, setting_extra_bytes,
+                      settings_below_fewest,
                       sharding_worth_estimating, split_for, usable_bytes)
 from ..sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, scaler_settings, supports_bf16
@@ -99,8 +100,10 @@ def plan(
     within groups of that many ranks and replicates across groups (default: the world size).
     Under "auto" a replica is probed first; where it leaves accumulation steps to save (or fits
     nowhere) and there is more than one rank, FSDP2 is estimated per rank on fake tensors with a
-    fake process group, on the full world first and then on smaller shard groups, and the plan
-    takes the fewest steps, the least communication among equals. ``plan.reasons["sharding"]``
+    fake process group, on the full world first and then on smaller shard groups (the smallest
+    that reaches as few steps, searched from where the world's probe predicts it: a rank holds
+    more the smaller its group), and the plan takes the fewest steps, the least communication
+    among equals. ``plan.reasons["sharding"]``
     says why.
     """
     workload = load_workload(workload)
@@ -156,19 +159,22 @@ def plan(
     first = "off" if checkpointing == "auto" else checkpointing
 
     def try_setting(checkpoint, precision: Precision = chosen, layout=(Sharding.DDP, None),
-                    upper: int | None = None) -> SettingTried:
+                    upper: int | None = None, hint: int | None = None) -> SettingTried:
         setting = _probe_setting(workload, backend, precision, checkpoint,
                                  upper or request.wanted_micro_batch, layout=layout,
-                                 world_size=world_size)
+                                 world_size=world_size, hint=hint)
         return evaluate_setting(setting, usable=usable, agree=agree,
                                 extra_bytes=setting_extra_bytes(setting, world_size,
                                                                 fingerprint.param_bytes))
 
-    def try_layout(layout, upper: int | None = None, *, precision_: Precision = chosen) -> list[SettingTried]:
+    def try_layout(layout, upper: int | None = None, *, precision_: Precision = chosen,
+                   hints=()) -> list[SettingTried]:
+        # hints: where each probe's search starts, in the order the settings are tried.
+        hints = [*hints, None, None]
         request_ = dataclasses.replace(request, precision=precision_)
-        found = [try_setting(first, precision_, layout=layout, upper=upper)]
+        found = [try_setting(first, precision_, layout=layout, upper=upper, hint=hints[0])]
         if checkpointing_worth_probing(found[0], request_, fingerprint, upper=upper):
-            found.append(try_setting("on", precision_, layout=layout, upper=upper))
+            found.append(try_setting("on", precision_, layout=layout, upper=upper, hint=hints[1]))
             # The fewest blocks are proved by local trials on a replica; ranks would have to agree.
             if not distributed and not layout[0].sharded:
                 fewest = _fewest_blocks_setting(workload, backend, request_, found[0], found[1],
@@ -191,7 +197,7 @@ def plan(
     def settings_in(precision_: Precision) -> list[SettingTried]:
         return _probe_layouts(functools.partial(try_layout, precision_=precision_),
                               dataclasses.replace(request, precision=precision_), sharding,
-                              shard_group, world_size)
+                              shard_group, world_size, usable)
 
     def build(precision_: Precision, settings: list[SettingTried], reason: str | None = None) -> Plan:
         request_ = dataclasses.replace(request, precision=precision_,
@@ -227,7 +233,8 @@ def _cpu_auto_precision(settings_in, build, *, bf16: bool) -> Plan:
     return build(chosen, tried[chosen], reason)
 
 
-def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group, world_size: int):
+def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group, world_size: int,
+                   usable: int):
     """Every setting probed, ddp first, then fsdp on growing shard groups, then fsdp-offload where
     nothing else fits (the planner's order of preference among plans with equally few
     accumulation steps)."""
@@ -241,17 +248,25 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
     groups = ([shard_group] if shard_group is not None
               else [g for g in range(2, world_size + 1) if world_size % g == 0])
     # The whole world first: it holds the least per rank, so it gives the fewest steps any shard
-    # group can reach; then the smaller groups, smallest first, until one reaches as few.
-    by_group = {groups[-1]: try_layout((Sharding.FSDP, groups[-1]))}
-    best = fewest_steps(by_group[groups[-1]], request)
+    # group can reach; then the smallest group that reaches as few.
+    world = try_layout((Sharding.FSDP, groups[-1]))
+    by_group = {groups[-1]: world}
+    best = fewest_steps(world, request)
     if best is not None and best < (fewest_steps(settings, request) or math.inf):
         # A smaller group is only worth it at the micro-batch that reaches as few steps: the
         # probe need not look further.
         needed = min(request.wanted_micro_batch, math.ceil(request.share / best))
-        for group in groups[:-1]:
-            by_group[group] = try_layout((Sharding.FSDP, group), upper=needed)
-            if fewest_steps(by_group[group], request) == best:
-                break
+
+        def reaches(group: int) -> bool:
+            # Each probe starts where the whole world's probe of the same checkpointing predicts.
+            hints = [predicted_group_max(s.probe, world_size=groups[-1], group=group, upper=needed)
+                     for s in world]
+            by_group[group] = try_layout((Sharding.FSDP, group), upper=needed, hints=hints)
+            return fewest_steps(by_group[group], request) == best
+
+        first = first_shard_group(world, groups[:-1], micro_batch=needed, usable=usable,
+                                  world_size=groups[-1])
+        _smallest_passing(groups[:-1], reaches, first=first)
     sharded = [s for group in sorted(by_group) for s in by_group[group]]
     offloaded = []
     if fewest_steps(settings + sharded, request) is None:
@@ -272,6 +287,25 @@ def _with_blocks_below_fewest(settings: list[SettingTried], *, usable: int, extr
         return settings
     fewer = [s for s in settings if not s.checkpointing]
     return settings + settings_below_fewest(fewest, fewer, usable=usable, extra_bytes=extra)
+
+
+def _smallest_passing(candidates: list, passes, *, first: int):
+    """The first of ``candidates`` that ``passes``, where passing is monotone (once one passes,
+    every later one does) and a passing one lies beyond the list; None where none passes.
+
+    Starts at index ``first`` (a prediction), then its neighbour on the side the answer lies,
+    then halves what is left: with a good prediction two calls prove the answer."""
+    lo, hi = -1, len(candidates)  # candidates[lo] fails, candidates[hi] passes (or lies beyond)
+    index, calls = first, 0
+    while hi - lo > 1:
+        index = min(max(index, lo + 1), hi - 1)
+        if passes(candidates[index]):
+            hi = index
+        else:
+            lo = index
+        calls += 1
+        index = (index - 1 if index == hi else index + 1) if calls == 1 else (lo + hi) // 2
+    return candidates[hi] if hi < len(candidates) else None
 
 
 def _supported_precisions(device) -> list[Precision]:
@@ -331,7 +365,8 @@ def _requested_blocks(value, fingerprint: WorkloadFingerprint):
 
 
 def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
-                   layout=(Sharding.DDP, None), world_size: int = 1) -> SettingTried:
+                   layout=(Sharding.DDP, None), world_size: int = 1,
+                   hint: int | None = None) -> SettingTried:
     checkpoint = {"off": False, "on": True}.get(checkpoint, checkpoint)  # probe's bools, or K
     on = checkpoint is not False and checkpoint != 0
     blocks = checkpoint if isinstance(checkpoint, int) and not isinstance(checkpoint, bool) else None
@@ -340,8 +375,8 @@ def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
                  shard_group=group)
     # Replicated probes keep the call they always had (tests stand in for probe with it). A
     # sharded layout that does not fit is one of several tried: no extra step to say by how much.
-    layout_args = (dict(sharding=sharding, world_size=world_size, shard_group=group, explain=False)
-                   if sharding.sharded else {})
+    layout_args = (dict(sharding=sharding, world_size=world_size, shard_group=group, explain=False,
+                        hint=hint) if sharding.sharded else {})
     try:
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
                        backend=backend, **layout_args)

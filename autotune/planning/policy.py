@@ -249,6 +249,45 @@ def sharding_worth_estimating(settings: list[SettingTried], request: PlanRequest
     return max((s.allowed_micro_batch for s in settings), default=0) < request.wanted_micro_batch
 
 
+def predicted_group_peak(probe: ProbeResult, micro_batch: int, *, world_size: int, group: int) -> float:
+    """One rank's peak on shard groups of ``group`` ranks, predicted from a probe on groups of
+    ``world_size``: what a rank holds of the sharded state grows by world_size / group (the
+    parameters and optimizer state of the steps' baseline everywhere, the sharded gradients in
+    the optimizer step too); gathered blocks and activations do not depend on the group. A guess
+    for where to look, never a proof."""
+    last = probe.trials[-1] if probe.trials else None
+    base = (last.baseline_bytes or 0) if last else 0
+    grads = (last.gradient_bytes or 0) if last else 0
+    more = world_size / group - 1
+    (a, b, c), (d, e) = probe.memory_model.activation, probe.memory_model.step
+    n = micro_batch
+    return max(a + b * n + c * n * n + base * more, d + e * n + (base + grads) * more)
+
+
+def predicted_group_max(probe: ProbeResult | None, *, world_size: int, group: int,
+                        upper: int) -> int | None:
+    """The largest micro-batch up to ``upper`` predicted to fit the probe's budget on shard
+    groups of ``group`` (0: not even 1); None without a probe to predict from."""
+    if probe is None or probe.max_micro_batch < 1:
+        return None
+    return next((n for n in range(upper, 0, -1)
+                 if predicted_group_peak(probe, n, world_size=world_size, group=group)
+                 <= probe.budget_bytes), 0)
+
+
+def first_shard_group(settings: list[SettingTried], groups: list[int], *, micro_batch: int,
+                      usable: int, world_size: int) -> int:
+    """Index into ``groups`` (ascending, all smaller than the world) of the smallest group
+    predicted to reach ``micro_batch`` within ``usable`` from ``settings`` probed on the whole
+    world (the largest group where none is)."""
+    probes = [s.probe for s in settings if s.probe is not None and s.allowed_micro_batch >= micro_batch]
+    for i, group in enumerate(groups):
+        if any(predicted_group_peak(p, micro_batch, world_size=world_size, group=group) <= usable
+               for p in probes):
+            return i
+    return len(groups) - 1
+
+
 def fewest_steps(settings: list[SettingTried], request: PlanRequest) -> int | None:
     """The fewest accumulation steps any of ``settings`` allows (None: none fits)."""
     splits = [split_for(s.allowed_micro_batch, request) for s in settings]
@@ -357,7 +396,11 @@ def _sharding_reason(setting: SettingTried, split: list[int], chosen: list, layo
         tried = sorted({s.shard_group for (sh, _), group in layouts.items() if sh.sharded
                         for s in group if s.shard_group is not None})
         return (f"auto: {setting.layout}, because {why}; the smallest shard group that reaches "
-                f"{len(split)} step(s) among those tried ({', '.join(map(str, tried))})")
+                f"{len(split)} step(s) among those tried ({', '.join(map(str, tried))}); "
+                f"fsdp-offload is tried only where nothing fits on the device (it copies every "
+                f"shard to the device in each forward and backward and steps the optimizer on "
+                f"the CPU, which fewer accumulation steps rarely pay for; --sharding fsdp-offload "
+                f"plans it)")
     return (f"auto: ddp; sharding was estimated and needs as many accumulation steps "
             f"({len(split)}), with more communication")
 

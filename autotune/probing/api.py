@@ -18,6 +18,7 @@ from ..units import format_bytes
 from ..workload.checkpoint_count import describe_blocks, parse_checkpointing
 from ..workload.contract import load_workload
 from .result import MemoryModel, ProbeResult, Trial, setting_label
+from .estimate import EstimateSession
 from .search import fit_memory_model, search_largest_fitting
 from .seed import estimate_seed
 from .trial import SetupOutOfMemory, TrialSession
@@ -37,6 +38,7 @@ def probe(
     world_size: int = 1,
     shard_group: int | None = None,
     explain: bool = True,
+    hint: int | None = None,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -52,6 +54,10 @@ def probe(
     ``shard_group`` ranks). Under torchrun every rank measures with real FSDP2 on the real process
     group; in one process the step runs on fake tensors with a fake process group against the
     device's budget (estimated, and ``notes`` says so).
+
+    ``hint`` (sharded probes in one process) is where a prediction puts the answer: the search
+    tries it and the next micro-batch first (see ``search_largest_fitting``); the answer is the
+    same wherever it starts.
 
     Where nothing fits, ``explain`` runs one more step with the budget lifted (CPU and estimate
     backends) so that the error says how far over the budget the model is. The error is a
@@ -89,7 +95,11 @@ def probe(
     setting = setting_label(precision, checkpointing)
     with sharded_step(run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
                       precision=precision, device_type=backend.device.type) as step_workload:
-        session = TrialSession(step_workload, backend, precision=precision,
+        # On fake tensors the estimate's session counts the same bytes for less work (see
+        # EstimateSession): it sets up the optimizer state without a step and measures the
+        # optimizer phase once per session.
+        session_type = EstimateSession if estimating else TrialSession
+        session = session_type(step_workload, backend, precision=precision,
                                checkpointing=checkpointing, sharded=sharding.sharded,
                                offload=sharding.offload)
         try:
@@ -97,7 +107,7 @@ def probe(
                 run = progress.watch_trials(session.run, shown, fake=estimating)
                 best, trials, model = search_largest_fitting(
                     run, budget=info.budget_bytes, upper=max_micro_batch,
-                    hint=seed.hint if seed is not None else None,
+                    hint=seed.hint if seed is not None else hint,
                 )
         except SetupOutOfMemory as exc:
             detail, trials, best = str(exc), [], 0

@@ -112,6 +112,8 @@ class EstimateSession(TrialSession):
         host = self.backend.tracker if self.offload else None  # fsdp-offload: the step is the host's
         layout = _gradient_layout(self.params)
         if self._step_cost is not None and self._step_cost[0] == layout:
+            # A budgeted search (the probe's) must still see the phase run out of memory.
+            self.backend.tracker.check_growth(self._step_cost[1])
             if host is not None:
                 host.host_peak = max(host.host_peak, host.host_current + self._step_cost[2])
             self.optimizer.zero_grad(set_to_none=True)

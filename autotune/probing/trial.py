@@ -107,9 +107,11 @@ class TrialSession:
         with self._outside_budget():
             with self.backend.on_host():
                 self._allocate_optimizer_state()
-            if self.sharded:
-                self._warm_up()
         if self.sharded:
+            # State that does not fit before the warm-up step cannot fit after it: skip the step.
+            self._check_state_fits()
+            with self._outside_budget():
+                self._warm_up()
             self._check_state_fits()
 
     def _allocate_optimizer_state(self):
