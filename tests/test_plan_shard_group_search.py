@@ -115,3 +115,19 @@ def test_the_probe_on_fake_tensors_counts_what_the_plain_session_counts(examples
     plain = trials()
     assert estimated == plain
     assert any(not fits for _, fits, *_ in plain[1])  # the budget was hit: the check is exercised
+
+
+def test_a_setting_that_fits_nowhere_on_the_whole_world_is_not_probed_on_smaller_groups():
+    from autotune.planning.api import _no_fit_on_smaller_group
+    from autotune.planning.types import SettingTried
+    from autotune.sharding import Sharding
+    from plan_helpers import linear_probe
+
+    failed = SettingTried(precision="fp32", checkpointing=False, error="does not fit at micro-batch 1",
+                          sharding=Sharding.FSDP, shard_group=8)
+    known = _no_fit_on_smaller_group(failed, 4)
+    assert known.probe is None and known.shard_group == 4 and known.sharding is Sharding.FSDP
+    assert "fitted nowhere on shard group 8" in known.error and not known.checkpointing
+    fitted = SettingTried(precision="fp32", checkpointing=False, probe=linear_probe(3),
+                          sharding=Sharding.FSDP, shard_group=8)
+    assert _no_fit_on_smaller_group(fitted, 4) is None  # it must be probed: it may fit less

@@ -79,3 +79,24 @@ def test_a_sharded_setup_is_not_charged_for_the_full_model_it_replaced(examples_
                    world_size=8, max_micro_batch=2)
     assert result.max_micro_batch >= 1
     assert backend.current_bytes() == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("sharding", ["fsdp", "fsdp-offload"])
+def test_stepping_the_local_shards_counts_what_the_dtensor_step_counts(examples_dir, one_thread,
+                                                                      monkeypatch, precision, sharding):
+    # The estimate steps the optimizer on each DTensor's local shard (DTensor's dispatch of
+    # multi-tensor ops is slow); every byte of the optimizer phase must stay the same.
+    import autotune.probing.estimate as estimate
+
+    def trial():
+        return estimate._estimate_trials(examples_dir / "mlp.py", [2], precision=estimate.Precision.parse(precision),
+                                         checkpointing=False, sharding=sharding, world_size=4,
+                                         shard_group=None)[2]
+
+    local = trial()
+    monkeypatch.setattr(estimate.EstimateSession, "_optimizer_step", estimate.EstimateSession._step_by_runs)
+    on_dtensors = trial()
+    assert local.step_peak_bytes > local.baseline_bytes  # the step's transient is counted
+    assert (local.peak_bytes, local.step_peak_bytes, local.host_peak_bytes) == (
+        on_dtensors.peak_bytes, on_dtensors.step_peak_bytes, on_dtensors.host_peak_bytes)

@@ -168,11 +168,12 @@ def plan(
                                                                 fingerprint.param_bytes))
 
     def try_layout(layout, upper: int | None = None, *, precision_: Precision = chosen,
-                   hints=()) -> list[SettingTried]:
+                   hints=(), known_first: SettingTried | None = None) -> list[SettingTried]:
         # hints: where each probe's search starts, in the order the settings are tried.
+        # known_first: the first setting's answer where it is already known without a probe.
         hints = [*hints, None, None]
         request_ = dataclasses.replace(request, precision=precision_)
-        found = [try_setting(first, precision_, layout=layout, upper=upper, hint=hints[0])]
+        found = [known_first or try_setting(first, precision_, layout=layout, upper=upper, hint=hints[0])]
         if checkpointing_worth_probing(found[0], request_, fingerprint, upper=upper):
             found.append(try_setting("on", precision_, layout=layout, upper=upper, hint=hints[1]))
             # The fewest blocks are proved by local trials on a replica; ranks would have to agree.
@@ -261,7 +262,8 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
             # Each probe starts where the whole world's probe of the same checkpointing predicts.
             hints = [predicted_group_max(s.probe, world_size=groups[-1], group=group, upper=needed)
                      for s in world]
-            by_group[group] = try_layout((Sharding.FSDP, group), upper=needed, hints=hints)
+            by_group[group] = try_layout((Sharding.FSDP, group), upper=needed, hints=hints,
+                                         known_first=_no_fit_on_smaller_group(world[0], group))
             return fewest_steps(by_group[group], request) == best
 
         first = first_shard_group(world, groups[:-1], micro_batch=needed, usable=usable,
@@ -276,6 +278,18 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
         # estimating it would cost every large model's plan one more search).
         offloaded = try_layout((Sharding.FSDP_OFFLOAD, groups[-1]))
     return settings + sharded + offloaded
+
+
+def _no_fit_on_smaller_group(on_world: SettingTried, group: int) -> SettingTried | None:
+    """The answer for a smaller shard group of a setting that fitted nowhere on the whole world,
+    without a probe: a rank of a smaller group holds more (larger shards, the same gathered blocks
+    and activations), so it cannot fit either. None where the whole world's setting fitted."""
+    if on_world.probe is not None:
+        return None
+    return dataclasses.replace(
+        on_world, shard_group=group,
+        error=(f"does not fit at micro-batch 1: it fitted nowhere on shard group "
+               f"{on_world.shard_group}, and a rank of a smaller group holds more (not estimated)"))
 
 
 def _with_blocks_below_fewest(settings: list[SettingTried], *, usable: int, extra: int) -> list[SettingTried]:
