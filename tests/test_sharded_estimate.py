@@ -37,7 +37,9 @@ def test_estimate_matches_a_real_gloo_fsdp_run(examples_dir, tmp_path, monkeypat
     # A real gloo run's peak varies from repeat to repeat: gloo's worker thread sometimes lets go
     # of a collective's buffers after the main thread has gone on. The estimate holds them until
     # the next collective: it must cover every peak seen (bench/README.md: within 3% of the
-    # largest). Without that late release it is the steady peak, which every run shows.
+    # largest). Without that late release it is at most the steady peak (a rank's smallest):
+    # one-sided, because a rank may show the late release in every repeat (gpt_varlen at world 4
+    # did, once in CI).
     from autotune.memory.fake import _GlooCollectiveBuffers
 
     sizes = [1, 2, 4]
@@ -47,7 +49,7 @@ def test_estimate_matches_a_real_gloo_fsdp_run(examples_dir, tmp_path, monkeypat
     prompt = estimate_peaks(model_file, sizes, sharding="fsdp", world_size=world_size)
     real = real_fsdp_peaks(model_file, world_size, sizes, tmp_path)
     for n in sizes:
-        assert prompt[n] == pytest.approx(steady_peak(real[n]), rel=0.03), (n, real[n])
+        assert prompt[n] <= steady_peak(real[n]) * 1.03, (n, real[n])
         assert estimated[n] >= worst_peak(real[n]) / 1.03, (n, real[n])
         assert estimated[n] >= prompt[n]
 
