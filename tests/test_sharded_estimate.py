@@ -85,14 +85,19 @@ def test_a_sharded_setup_is_not_charged_for_the_full_model_it_replaced(examples_
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("sharding", ["fsdp", "fsdp-offload"])
+@pytest.mark.parametrize("model", ["mlp", "hf_t5"])
 def test_stepping_the_local_shards_counts_what_the_dtensor_step_counts(examples_dir, one_thread,
-                                                                      monkeypatch, precision, sharding):
+                                                                      monkeypatch, precision, sharding,
+                                                                      model):
     # The estimate steps the optimizer on each DTensor's local shard (DTensor's dispatch of
     # multi-tensor ops is slow); every byte of the optimizer phase must stay the same.
     import autotune.probing.estimate as estimate
+    from real_models import real_path
+
+    model_file = real_path("t5") if model == "hf_t5" else examples_dir / "mlp.py"
 
     def trial():
-        return estimate._estimate_trials(examples_dir / "mlp.py", [2], precision=estimate.Precision.parse(precision),
+        return estimate._estimate_trials(model_file, [2], precision=estimate.Precision.parse(precision),
                                          checkpointing=False, sharding=sharding, world_size=4,
                                          shard_group=None)[2]
 
