@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from autotune.collectives import settle
 from autotune.training import distributed, train
 from train_helpers import OOMOnce, build_mlp, make_plan, mlp_workload, params_of, token_workload
 
@@ -56,4 +57,5 @@ for name, (workload, micro_batches) in runs.items():
         torch.save(params_of(result.model), out / f"{name}.pt")
 if rank == 0:
     (out / "report.json").write_text(json.dumps(report))
+settle()  # gloo's workers let go of every tensor before this rank exits
 dist.destroy_process_group()

@@ -15,6 +15,7 @@ import sys
 
 import torch.distributed as dist
 
+from autotune.collectives import settle
 from autotune.memory.cpu import CPUMemoryBackend
 from autotune.precision import Precision
 from autotune.probing.trial import TrialSession
@@ -44,4 +45,5 @@ with sharded_step(load_workload(model_file), sharding="fsdp", world_size=world,
 if dist.get_rank() == 0:
     with open(out, "w") as f:
         json.dump({"world_size": world, "peaks": peaks, "fits": fits}, f)
+settle()  # gloo's workers let go of every tensor before this rank exits
 dist.destroy_process_group()

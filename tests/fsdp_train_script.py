@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
+from autotune.collectives import settle
 from autotune.training import train
 from autotune.workload.contract import load_workload
 from train_helpers import make_plan, mean_loss, mlp_workload, token_workload
@@ -175,6 +176,7 @@ def main():
               "sigterm": lambda: run_sigterm(rank, world_size), "kill": lambda: run_kill(rank, world_size)}
     for stage in STAGES:
         stages[stage]()
+    settle()  # gloo's workers let go of every tensor before this rank exits
     dist.destroy_process_group()
 
 

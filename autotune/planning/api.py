@@ -21,6 +21,7 @@ from ..workload.checkpoint_count import describe_blocks, parse_checkpointing, re
 from ..version import __version__
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .. import collectives
 from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError
 from ..memory.fake import fake_tensor_limits
 from ..memory import backend_for
@@ -154,7 +155,7 @@ def plan(
     )
     usable = usable_bytes(info.budget_bytes, headroom)
     extra = ddp_bucket_bytes(world_size, fingerprint.param_bytes)
-    agree = _min_across_ranks if distributed else None
+    agree = collectives.min_across_ranks if distributed else None
 
     first = "off" if checkpointing == "auto" else checkpointing
 
@@ -208,8 +209,12 @@ def plan(
                           estimated_for=target.profile.name if target else None)
 
     if precision == "auto" and target is None and backend.device.type == "cpu":
-        return _cpu_auto_precision(settings_in, build, bf16=supports_bf16(backend.device))
-    return build(chosen, settings_in(chosen))
+        result = _cpu_auto_precision(settings_in, build, bf16=supports_bf16(backend.device))
+    else:
+        result = build(chosen, settings_in(chosen))
+    if distributed:
+        collectives.settle()  # every rank got here: the caller may exit right away
+    return result
 
 
 def _cpu_auto_precision(settings_in, build, *, bf16: bool) -> Plan:
@@ -526,9 +531,3 @@ def _resolve_world_size(world_size: int | None, distributed: bool) -> int:
     return value
 
 
-def _min_across_ranks(value: int) -> int:
-    backend = torch.distributed.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
-    return int(tensor.item())

@@ -126,8 +126,10 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
         result = session.run(resume=resume, checkpoint_every=checkpoint_every,
                              metrics_path=metrics_path, num_workers=num_workers, progress=progress,
                              measure_noise=measure_noise_scale)
-        if save_path is not None:
-            save_model(result, save_path)
+        state = _model_state(result) if save_path is not None else None  # every rank gathers
+        distributed.settle(ctx)  # the ranks' last collective: rank 0 may write long after
+        if state is not None:
+            _write_model(result, state, save_path)
         return result
     finally:
         distributed.teardown(ctx)
@@ -403,7 +405,14 @@ def save_model(result: TrainResult, path) -> None:
     CPU tensors that load into the model file's ``build_model()`` without torch.distributed),
     which needs the process group ``train`` tore down: pass ``save_path`` to ``train`` instead.
     """
-    state = full_state_dict(result.model) if is_sharded(result.model) else result.model.state_dict()
+    _write_model(result, _model_state(result), path)
+
+
+def _model_state(result: TrainResult) -> dict:
+    return full_state_dict(result.model) if is_sharded(result.model) else result.model.state_dict()
+
+
+def _write_model(result: TrainResult, state: dict, path) -> None:
     if result.rank != 0:
         return
     try:

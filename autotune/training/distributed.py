@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..errors import ConfigError
 from ..memory import resolve_device
 from ..sharding import wrap as sharding
@@ -96,6 +97,12 @@ def _environment_int(name: str, default: str) -> int:
     return value
 
 
+def settle(ctx: DistContext) -> None:
+    """After the ranks' last collective, on every rank: see ``collectives.settle``."""
+    if ctx.distributed:
+        collectives.settle()
+
+
 def teardown(ctx: DistContext) -> None:
     if ctx.initialized_here and dist.is_initialized():
         dist.destroy_process_group()
@@ -147,7 +154,7 @@ def local_grads(model: torch.nn.Module, params) -> list[torch.Tensor]:
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     if ctx.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        collectives.all_reduce(tensor, dist.ReduceOp.SUM)
     return tensor
 
 
@@ -156,8 +163,7 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
     if not ctx.distributed:
         return flag
     value = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return bool(collectives.all_reduce(value, dist.ReduceOp.MAX).item())
 
 
 def gather_objects(obj, ctx: DistContext) -> list:

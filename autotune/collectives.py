@@ -1,0 +1,70 @@
+"""Small collectives on the real process group (torchrun) that leave no tensor of this process in
+the hands of gloo's worker threads.
+
+A gloo collective is run by a worker thread, which drops its references to the work's tensors
+only after the call has returned to Python, and freeing a tensor that Python has already let go
+of takes the GIL. If the interpreter is shutting down by then (a rank whose last act was a
+collective, on a loaded machine), the thread cannot take the GIL and the process aborts
+("terminate called without an active exception", SIGABRT) after its work is done. So every
+tensor handed to a collective here stays alive in Python until the worker has let go of it, and
+``settle()`` lets each worker finish what it holds before the caller goes on to exit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+_RELEASE_TIMEOUT_S = 10.0
+_POLL_S = 0.0005
+
+
+def min_across_ranks(value: int) -> int:
+    return int(_all_reduce(torch.tensor([value], dtype=torch.int64, device=_device()),
+                           dist.ReduceOp.MIN).item())
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``dist.all_reduce`` in place, returning once no worker thread holds ``tensor`` any more."""
+    return _all_reduce(tensor, op)
+
+
+def settle() -> None:
+    """Wait until gloo's worker threads hold nothing of this process: call on every rank (it is a
+    collective) after the last one, before the process may exit."""
+    if not (dist.is_available() and dist.is_initialized()) or "gloo" not in dist.get_backend():
+        return
+    # Each worker lets go of its last work before it takes the next: one small collective per
+    # worker thread, each waited for until released, leaves none of them holding an older one.
+    for _ in range(_worker_threads()):
+        _all_reduce(torch.zeros(1, device=_device()), dist.ReduceOp.SUM)
+
+
+def _all_reduce(tensor: torch.Tensor, op) -> torch.Tensor:
+    dist.all_reduce(tensor, op=op)
+    if tensor.device.type == "cpu":
+        _wait_released(tensor)
+    return tensor
+
+
+def _wait_released(tensor: torch.Tensor) -> None:
+    # Sleeping releases the GIL, which the worker may need to let go of the work.
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    while tensor._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _worker_threads() -> int:
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return max(1, int(backend.options._threads))
+    except (AttributeError, RuntimeError, ValueError):
+        return 2  # gloo's default
