@@ -22,7 +22,7 @@ _POLL_S = 0.0005
 
 
 def min_across_ranks(value: int) -> int:
-    return int(_all_reduce(torch.tensor([value], dtype=torch.int64, device=_device()),
+    return int(_all_reduce(torch.tensor([value], dtype=torch.int64, device=collective_device()),
                            dist.ReduceOp.MIN).item())
 
 
@@ -39,7 +39,7 @@ def settle() -> None:
     # Each worker lets go of its last work before it takes the next: one small collective per
     # worker thread, each waited for until released, leaves none of them holding an older one.
     for _ in range(_worker_threads()):
-        _all_reduce(torch.zeros(1, device=_device()), dist.ReduceOp.SUM)
+        _all_reduce(torch.zeros(1, device=collective_device()), dist.ReduceOp.SUM)
 
 
 def _all_reduce(tensor: torch.Tensor, op) -> torch.Tensor:
@@ -56,7 +56,8 @@ def _wait_released(tensor: torch.Tensor) -> None:
         time.sleep(_POLL_S)
 
 
-def _device() -> torch.device:
+def collective_device() -> torch.device:
+    """Where the process group's collectives take their tensors: the current GPU under NCCL."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

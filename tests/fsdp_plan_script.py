@@ -13,6 +13,5 @@ model_file, out = sys.argv[1:]
 dist.init_process_group("gloo")
 result = plan(model_file, target_batch=64, device="cpu", memory_limit="40MiB", precision="fp32",
               checkpointing="off", sharding="fsdp")
-if dist.get_rank() == 0:
-    save_plan(result, out)
+save_plan(result, out if dist.get_rank() == 0 else f"{out}.rank{dist.get_rank()}")
 dist.destroy_process_group()

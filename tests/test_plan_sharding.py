@@ -1,6 +1,7 @@
 """Sharding as a planning setting: the pure choice, the plan() flow, the CLI and the plan file."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -205,21 +206,47 @@ def test_verify_runs_a_sharded_plan_as_one_of_its_ranks(examples_dir, one_thread
     assert checked.measured_peak_bytes == pytest.approx(result.predicted_peak_bytes, rel=0.01)
 
 
-@pytest.mark.slow
-def test_under_torchrun_every_rank_measures_real_fsdp2(examples_dir, tmp_path):
+def _plan_under_torchrun(model_file, out):
+    """fsdp_plan_script.py on 2 gloo ranks: every rank's plan (rank 0's at ``out``)."""
     import os
     import subprocess
     import sys
 
-    out = tmp_path / "plan.json"
-    tests = examples_dir.parent / "tests"
+    tests = Path(__file__).resolve().parent
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-               str(tests / "fsdp_plan_script.py"), str(examples_dir / "mlp.py"), str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+               str(tests / "fsdp_plan_script.py"), str(model_file), str(out)]
+    # A timeout here is ranks left waiting in each other's collectives.
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    planned = load_plan(out)
+    return load_plan(out), load_plan(f"{out}.rank1")
+
+
+@pytest.mark.slow
+def test_ranks_whose_peaks_differ_run_the_same_trials_and_take_the_larger_peak(examples_dir, tmp_path):
+    # Rank 1 holds an extra 512 KiB per sample through its loss: alone, its search would stop
+    # short of rank 0's in the middle of a step, and leave rank 0 waiting in FSDP2's collectives.
+    model_file = tmp_path / "uneven_mlp.py"
+    model_file.write_text((examples_dir / "mlp.py").read_text() + (
+        "\n\ndef loss_fn(model, batch):\n"
+        "    import torch.distributed as dist\n"
+        "    x, y = batch\n"
+        "    extra = x.repeat(1, 256) if dist.get_rank() == 1 else x[:, :0]\n"
+        "    return nn.functional.cross_entropy(model(x), y) + 0 * extra.sum()\n"))
+    rank0, rank1 = _plan_under_torchrun(model_file, tmp_path / "plan.json")
+    trials = [[(t.micro_batch, t.fits, t.peak_bytes) for t in s.probe.trials]
+              for s in (rank0.chosen_setting, rank1.chosen_setting)]
+    assert trials[0] == trials[1]
+    assert rank0.micro_batches == rank1.micro_batches
+    budget = rank0.chosen_setting.probe.device.budget_bytes
+    assert any(not fits and peak > budget for _, fits, peak in trials[0])  # measured to the end
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_measures_real_fsdp2(examples_dir, tmp_path):
+    out = tmp_path / "plan.json"
+    planned, _ = _plan_under_torchrun(examples_dir / "mlp.py", out)
     assert planned.distributed and planned.sharding is Sharding.FSDP and planned.shard_group == 2
     chosen = planned.chosen_setting
     assert not any("fake tensors" in note for note in chosen.probe.notes)  # measured, not estimated

@@ -227,9 +227,10 @@ class CPUMemoryBackend(MemoryBackend):
         return self.tracker.peak
 
     @contextlib.contextmanager
-    def unlimited(self):
-        """Measure without enforcing the budget (used to say how far over budget a model is)."""
-        saved, self.tracker.budget_bytes = self.tracker.budget_bytes, None
+    def unlimited(self, ceiling: int | None = None):
+        """Measure without enforcing the budget (used to say how far over budget a model is);
+        ``ceiling``: raise the out-of-memory error there instead of nowhere."""
+        saved, self.tracker.budget_bytes = self.tracker.budget_bytes, ceiling
         try:
             yield
         finally:

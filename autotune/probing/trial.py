@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ..collectives import all_reduce, collective_device
 from ..errors import ProbeError, WorkloadError
 from ..units import format_bytes
 from ..workload.activation_checkpointing import (checkpointable_blocks, disable_checkpointing,
@@ -53,6 +54,14 @@ class TrialSession:
         self.device = backend.device
         self.checkpointed_blocks = 0
         self.total_blocks = 0
+        self.ranks_agree = sharded and _real_ranks() > 1
+        """Sharded under torchrun: each rank's trial runs FSDP2's collectives with the others, so
+        every rank must run the same trials. A rank stopping mid-step at its budget would leave
+        the others waiting in a collective (their peaks differ by a few percent, with when
+        gloo's worker threads let go of buffers), so the step runs to its end with the budget
+        lifted (up to ``_SOFT_CEILING`` times it, where the backend can lift it), and the ranks
+        agree on each trial: the largest peak, and fitting only where every rank fitted. The
+        search, fed the same trials, then takes the same steps on every rank."""
 
     def __enter__(self) -> "TrialSession":
         self._saved = None
@@ -179,12 +188,15 @@ class TrialSession:
         start = time.perf_counter()
         out_of_memory = False
         try:
-            activation_peak, step_peak = self._step(n)
+            with self._soft_budget():
+                activation_peak, step_peak = self._step(n)
         except Exception as exc:  # noqa: BLE001 - re-raised untouched unless it is an OOM
             if not is_oom_error(exc):
                 raise
             out_of_memory = True
         seconds = time.perf_counter() - start
+        if self.ranks_agree and not out_of_memory:
+            return self._agreed_trial(n, activation_peak, step_peak, baseline, seconds)
         if out_of_memory:
             # Outside the except block: the traceback no longer pins the failed step's tensors.
             peak = self.backend.peak_bytes()
@@ -208,6 +220,25 @@ class TrialSession:
             gradient_bytes=self.gradient_bytes,
             **self.backend.memory_picture(),
         )
+
+    def _soft_budget(self):
+        unlimited = getattr(self.backend, "unlimited", None)
+        if not self.ranks_agree or unlimited is None:
+            return contextlib.nullcontext()
+        return unlimited(ceiling=int(self.backend.budget_bytes * _SOFT_CEILING))
+
+    def _agreed_trial(self, n: int, activation_peak: int, step_peak: int, baseline: int,
+                      seconds: float) -> Trial:
+        peak = max(activation_peak, step_peak)
+        fits = self.backend.within_budget() and peak <= self.backend.budget_bytes
+        agreed = all_reduce(torch.tensor([activation_peak, step_peak, 0 if fits else 1],
+                                         dtype=torch.int64, device=collective_device()),
+                            torch.distributed.ReduceOp.MAX).tolist()
+        activation_peak, step_peak, misfits = agreed
+        return Trial(micro_batch=n, fits=misfits == 0, peak_bytes=max(activation_peak, step_peak),
+                     seconds=seconds, activation_peak_bytes=activation_peak, step_peak_bytes=step_peak,
+                     baseline_bytes=baseline, gradient_bytes=self.gradient_bytes,
+                     **self.backend.memory_picture())
 
     def _step(self, n: int) -> tuple[int, int]:
         batch = move_batch(self.workload.batch(n), self.device)
@@ -272,6 +303,19 @@ class TrialSession:
             if self._saved is not None:
                 saved, self._saved = self._saved, None
                 _restore_module_state(self.workload.model, saved)
+
+
+_SOFT_CEILING = 2.0
+"""How far past its budget a trial of ranks that agree may go before the error is raised: a
+search's next trial at most doubles the activations of one that fitted."""
+
+
+def _real_ranks() -> int:
+    """The ranks of a real process group (torchrun); 1 without one, or with the estimate's fake one."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "fake":
+        return 1
+    return dist.get_world_size()
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
