@@ -42,3 +42,18 @@ def test_settle_runs_one_collective_per_worker_thread(gloo_group, monkeypatch):
 def test_settle_without_a_process_group_does_nothing():
     assert not dist.is_initialized()
     collectives.settle()
+
+
+def test_only_the_ranks_of_a_real_process_group_agree_on_trials(gloo_group):
+    # The estimate's fake process group (one process standing for N ranks) has no other ranks
+    # to agree with; its trials keep raising at the budget, which is what makes them quick.
+    from autotune.probing.trial import _real_ranks
+    from autotune.sharding.ranks import fake_process_group
+
+    assert _real_ranks() == 1  # a real group, but of one rank
+    dist.destroy_process_group()
+    try:
+        with fake_process_group(4):
+            assert dist.get_world_size() == 4 and _real_ranks() == 1
+    finally:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
