@@ -22,13 +22,16 @@ _POLL_S = 0.0005
 
 
 def min_across_ranks(value: int) -> int:
-    return int(_all_reduce(torch.tensor([value], dtype=torch.int64, device=collective_device()),
-                           dist.ReduceOp.MIN).item())
+    return int(all_reduce(torch.tensor([value], dtype=torch.int64, device=collective_device()),
+                          dist.ReduceOp.MIN).item())
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """``dist.all_reduce`` in place, returning once no worker thread holds ``tensor`` any more."""
-    return _all_reduce(tensor, op)
+    dist.all_reduce(tensor, op=op)
+    if tensor.device.type == "cpu":
+        _wait_released(tensor)
+    return tensor
 
 
 def settle() -> None:
@@ -39,14 +42,7 @@ def settle() -> None:
     # Each worker lets go of its last work before it takes the next: one small collective per
     # worker thread, each waited for until released, leaves none of them holding an older one.
     for _ in range(_worker_threads()):
-        _all_reduce(torch.zeros(1, device=collective_device()), dist.ReduceOp.SUM)
-
-
-def _all_reduce(tensor: torch.Tensor, op) -> torch.Tensor:
-    dist.all_reduce(tensor, op=op)
-    if tensor.device.type == "cpu":
-        _wait_released(tensor)
-    return tensor
+        all_reduce(torch.zeros(1, device=collective_device()))
 
 
 def _wait_released(tensor: torch.Tensor) -> None:

@@ -195,8 +195,6 @@ class TrialSession:
                 raise
             out_of_memory = True
         seconds = time.perf_counter() - start
-        if self.ranks_agree and not out_of_memory:
-            return self._agreed_trial(n, activation_peak, step_peak, baseline, seconds)
         if out_of_memory:
             # Outside the except block: the traceback no longer pins the failed step's tensors.
             peak = self.backend.peak_bytes()
@@ -209,9 +207,12 @@ class TrialSession:
             self.backend.disown_since(owned)
             return Trial(micro_batch=n, fits=False, peak_bytes=peak, seconds=seconds,
                          baseline_bytes=baseline, gradient_bytes=self.gradient_bytes, **picture)
+        fits = self.backend.within_budget()
+        if self.ranks_agree:
+            activation_peak, step_peak, fits = self._agree(activation_peak, step_peak, fits)
         return Trial(
             micro_batch=n,
-            fits=self.backend.within_budget(),
+            fits=fits,
             peak_bytes=max(activation_peak, step_peak),
             seconds=seconds,
             activation_peak_bytes=activation_peak,
@@ -227,18 +228,14 @@ class TrialSession:
             return contextlib.nullcontext()
         return unlimited(ceiling=int(self.backend.budget_bytes * _SOFT_CEILING))
 
-    def _agreed_trial(self, n: int, activation_peak: int, step_peak: int, baseline: int,
-                      seconds: float) -> Trial:
-        peak = max(activation_peak, step_peak)
-        fits = self.backend.within_budget() and peak <= self.backend.budget_bytes
-        agreed = all_reduce(torch.tensor([activation_peak, step_peak, 0 if fits else 1],
-                                         dtype=torch.int64, device=collective_device()),
-                            torch.distributed.ReduceOp.MAX).tolist()
-        activation_peak, step_peak, misfits = agreed
-        return Trial(micro_batch=n, fits=misfits == 0, peak_bytes=max(activation_peak, step_peak),
-                     seconds=seconds, activation_peak_bytes=activation_peak, step_peak_bytes=step_peak,
-                     baseline_bytes=baseline, gradient_bytes=self.gradient_bytes,
-                     **self.backend.memory_picture())
+    def _agree(self, activation_peak: int, step_peak: int, fits: bool) -> tuple[int, int, bool]:
+        """Every rank's largest peaks, and whether every rank fitted (its budget was lifted)."""
+        fits = fits and max(activation_peak, step_peak) <= self.backend.budget_bytes
+        activation_peak, step_peak, misfits = all_reduce(
+            torch.tensor([activation_peak, step_peak, 0 if fits else 1], dtype=torch.int64,
+                         device=collective_device()),
+            torch.distributed.ReduceOp.MAX).tolist()
+        return activation_peak, step_peak, misfits == 0
 
     def _step(self, n: int) -> tuple[int, int]:
         batch = move_batch(self.workload.batch(n), self.device)
