@@ -13,6 +13,17 @@ class WorkloadError(AutotuneError):
     """The model file or workload objects do not meet the contract."""
 
 
+class UserCodeError(WorkloadError):
+    """A function of the model file (``build_model``, ``make_batch``, ``loss_fn``, the model's
+    forward, ...) raised. The message is one line naming the function and the file;
+    ``user_traceback`` holds the traceback's frames of the user's own code (not autotune's or
+    torch's), which the CLI prints under it; the original exception is the ``__cause__``."""
+
+    def __init__(self, message: str, *, user_traceback: str = ""):
+        super().__init__(message)
+        self.user_traceback = user_traceback
+
+
 class ProbeError(AutotuneError):
     """The probe could not find a micro-batch that fits (or was asked something impossible)."""
 

@@ -10,7 +10,7 @@ import sys
 import click
 
 from ..version import __version__
-from ..errors import AutotuneError, ConfigError
+from ..errors import AutotuneError, ConfigError, WorkloadError
 from ..precision import Precision
 from ..units import format_bytes, parse_bytes
 from ..planning.export import TARGETS as EXPORT_TARGETS
@@ -63,6 +63,11 @@ def _errors_to_exit_codes(command):
             return command(*args, **kwargs)
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from exc
+        except WorkloadError as exc:  # the model file's fault: its own frames under the message
+            from ..workload.contract import user_traceback
+
+            frames = user_traceback(exc)
+            raise click.ClickException(str(exc) + (f"\n{frames}" if frames else "")) from exc
         except AutotuneError as exc:
             raise click.ClickException(str(exc)) from exc
 

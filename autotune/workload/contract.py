@@ -11,10 +11,14 @@ plan)`` and the constants ``BASE_LR`` / ``BASE_BATCH``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import math
+import os
 import sys
+import sysconfig
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +26,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import WorkloadError
+from ..errors import AutotuneError, UserCodeError, WorkloadError
+from ..oom import is_oom_error
 from .dataset_batch import LargestExamples
 
 REQUIRED = ("build_model",)
@@ -117,7 +122,9 @@ class Workload:
         if self.loss_fn is not None:
             out = self.loss_fn(model, batch)
         else:
-            out = _loss_from_output(call_model(model, batch), self.source)
+            with user_code("the model's forward", self.source):
+                out = call_model(model, batch)
+            out = _loss_from_output(out, self.source)
         if isinstance(out, (tuple, list)):
             if len(out) != 2 or not isinstance(out[0], torch.Tensor):
                 raise WorkloadError(
@@ -280,9 +287,9 @@ def _load_file(path: Path, check_sha256=None) -> Workload:
     if base_batch is not None and (not isinstance(base_batch, int) or base_batch <= 0):
         raise WorkloadError(f"model file {source}: BASE_BATCH must be a positive int, got {base_batch!r}")
     return Workload(
-        model=names["build_model"],
-        make_batch=names.get("make_batch") if callable(names.get("make_batch")) else None,
-        **{name: names.get(name) for name in OPTIONAL},
+        model=_named(names["build_model"], source),
+        make_batch=_named(names["make_batch"], source) if callable(names.get("make_batch")) else None,
+        **{name: _named(names.get(name), source) for name in OPTIONAL},
         base_lr=float(base_lr) if base_lr is not None else None,
         base_batch=base_batch,
         source=source,
@@ -299,3 +306,86 @@ def _prepended_sys_path(entry: str):
     finally:
         with contextlib.suppress(ValueError):
             sys.path.remove(entry)
+
+
+# --- the user's functions raising: one line naming the function, then the user's frames -----------
+
+_ARGUMENTS = {"build_model": "", "make_batch": "batch_size", "loss_fn": "model, batch",
+              "build_optimizer": "params", "build_dataset": "", "collate_fn": "examples",
+              "build_scheduler": "optimizer, plan"}
+
+
+def _named(function, source: str):
+    """``function`` of the model file, raising ``UserCodeError`` (naming it and the file) where it
+    raises; None and non-callables are returned as they are (the contract checks them)."""
+    if not callable(function):
+        return function
+    name = getattr(function, "__name__", "?")
+    label = f"{name}({_ARGUMENTS.get(name, '...')})"
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with user_code(label, source):
+            return function(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def user_code(function: str, source: str):
+    """Inside: the user's ``function`` of ``source`` runs; an error it raises becomes a
+    ``UserCodeError`` (the original as ``__cause__``). Left untouched: out-of-memory (a trial's
+    answer), autotune's own errors, torch.distributed's (a peer that failed, not this code),
+    anything raised on fake tensors (the estimate decides what a fake-tensor limit is) and
+    interrupts (not ``Exception``)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised untouched unless it is the user's own error
+        if not _is_user_failure(exc):
+            raise
+        text = str(exc).strip()
+        detail = text.splitlines()[0] if text else ""
+        raise UserCodeError(
+            f"{function} in {source} raised {type(exc).__name__}{': ' + detail if detail else ''}",
+            user_traceback=user_traceback(exc)) from exc
+
+
+def _is_user_failure(exc: Exception) -> bool:
+    if isinstance(exc, AutotuneError) or is_oom_error(exc):
+        return False
+    distributed_error = getattr(torch.distributed, "DistError", None)
+    if distributed_error is not None and isinstance(exc, distributed_error):
+        return False
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
+
+
+_LIBRARY_DIRS = tuple(os.path.abspath(p) + os.sep for p in {
+    *(sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # autotune itself
+    os.path.dirname(os.path.abspath(torch.__file__)),
+} if p)
+
+
+def _is_user_frame(filename: str) -> bool:
+    return not filename.startswith("<") and not os.path.abspath(filename).startswith(_LIBRARY_DIRS)
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` (or of the error it was raised from, through autotune's own
+    errors) with only the user's frames: the model file and code beside it, not autotune, torch,
+    the standard library or installed packages. Empty when none of the frames is the user's."""
+    while isinstance(exc, AutotuneError) and exc.__cause__ is not None:
+        if isinstance(exc, UserCodeError) and exc.user_traceback:
+            return exc.user_traceback
+        exc = exc.__cause__
+    if isinstance(exc, AutotuneError):
+        return ""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_frame(f.filename)]
+    if not frames:
+        return ""
+    lines = ["Traceback of your code (autotune's and libraries' frames left out):\n",
+             *traceback.format_list(frames), *traceback.format_exception_only(exc)]
+    return "".join(lines).rstrip("\n")
