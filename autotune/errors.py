@@ -13,6 +13,12 @@ class WorkloadError(AutotuneError):
     """The model file or workload objects do not meet the contract."""
 
 
+class StepError(WorkloadError):
+    """A training step of the workload failed with an error that is not out-of-memory (a bug in
+    the model file, or a setting the model does not support). The message names the setting, the
+    micro-batch and the model file; the original exception is chained as ``__cause__``."""
+
+
 class UserCodeError(WorkloadError):
     """A function of the model file (``build_model``, ``make_batch``, ``loss_fn``, the model's
     forward, ...) raised. The message is one line naming the function and the file;

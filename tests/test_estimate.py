@@ -9,7 +9,7 @@ from click.testing import CliRunner
 import autotune
 from autotune.workload.activation_checkpointing import repeated_blocks
 from autotune.cli.main import cli
-from autotune.errors import ConfigError, EstimateUnavailable
+from autotune.errors import ConfigError, EstimateUnavailable, StepError
 from autotune.memory import CPUMemoryBackend
 from autotune.probing.estimate import estimate_peaks
 from autotune.precision import Precision
@@ -132,9 +132,12 @@ def test_custom_kernel_without_fake_impl_raises_estimate_unavailable():
 
 
 def test_a_bug_in_the_model_is_not_disguised_as_unavailable():
-    with pytest.raises(RuntimeError) as info:
+    # A bug fails the same way on real tensors: a StepError (the model's step failed), not
+    # "cannot be estimated", with the model's own error as its cause.
+    with pytest.raises(StepError) as info:
         autotune.estimate_peak(_workload(_ShapeBug), 8)
     assert not isinstance(info.value, EstimateUnavailable)
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

@@ -111,17 +111,18 @@ def test_parameters_alone_over_budget_is_a_probe_error_with_the_measured_need():
     assert "micro-batch 1 needs" in message and "x the 100.00 KiB budget" in message
 
 
-def test_errors_that_are_not_out_of_memory_propagate_untouched():
+def test_errors_that_are_not_out_of_memory_are_not_swallowed_and_keep_their_cause():
     class Broken(Blocks):
         def forward(self, x):
             if x.shape[0] > 3:
                 return torch.mm(x, torch.ones(3, 3))  # a genuine shape error from torch
             return super().forward(x)
 
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(autotune.errors.StepError) as info:
         probe(small_workload(model=Broken), device="cpu", memory_limit=LIMIT)
-    assert not autotune.is_oom_error(info.value)
-    frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    cause = info.value.__cause__
+    assert isinstance(cause, RuntimeError) and not autotune.is_oom_error(cause)
+    frames = [frame.name for frame in traceback.extract_tb(cause.__traceback__)]
     assert "forward" in frames  # the user's frame is still in the original traceback
 
 

@@ -560,8 +560,11 @@ def test_a_shape_bug_is_not_preceded_by_torchs_fake_tensor_log(tmp_path, capfd):
                     "    return nn.Sequential(nn.Linear(8, 16), nn.Linear(17, 2))\n\n"
                     "def make_batch(n):\n    return torch.randn(n, 8)\n\n"
                     "def loss_fn(model, batch):\n    return model(batch).sum()\n")
-    with pytest.raises(RuntimeError, match="same reduction dim"):
+    from autotune.errors import StepError
+
+    with pytest.raises(StepError, match="same reduction dim") as caught:
         estimate_peak(str(path), 4)
+    assert isinstance(caught.value.__cause__, RuntimeError)
     assert "failed while attempting to run meta" not in capfd.readouterr().err
 
 

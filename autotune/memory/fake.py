@@ -295,7 +295,7 @@ def fake_tensor_limits(workload):
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - re-raised untouched unless it is a fake-tensor limit
-        if not _is_fake_tensor_limit(exc):
+        if not is_fake_tensor_limit(exc):
             raise
         raise EstimateUnavailable(_unavailable_message(workload, exc)) from exc
     finally:
@@ -360,7 +360,7 @@ def _fake_copy(model: torch.nn.Module, source: str) -> torch.nn.Module:
         ) from exc
 
 
-def _is_fake_tensor_limit(exc: BaseException) -> bool:
+def is_fake_tensor_limit(exc: BaseException) -> bool:
     if isinstance(exc, _FAKE_LIMITS):
         return True
     return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _FAKE_LIMIT_MESSAGES)
@@ -376,9 +376,9 @@ def _unavailable_message(workload, exc: BaseException) -> str:
         why = f"the op {detail} has no fake-tensor (meta) implementation, e.g. a custom kernel"
     else:
         why = f"{type(exc).__name__}: {detail}"
-    where = _where(exc, workload.source)
     return (f"{workload.source}: peak memory cannot be estimated under fake tensors, because {why}"
-            f"{where}. Measure it with real trials instead (autotune probe), which need the device.")
+            f"{failure_site(exc, workload.source)}. Measure it with real trials instead (autotune "
+            f"probe), which need the device.")
 
 
 # The phase of the probe's step that a frame of autotune's own code is in (innermost wins).
@@ -394,7 +394,7 @@ _AUTOTUNE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-def _where(exc: BaseException, source: str) -> str:
+def failure_site(exc: BaseException, source: str) -> str:
     """", while building the model, at model.py:12 (in build_model) via timm/vit.py:40" for the
     message: the phase, the innermost frame of the model file, and the innermost frame of other
     code (a library the file uses), whichever are found in the traceback."""
@@ -416,4 +416,5 @@ def _where(exc: BaseException, source: str) -> str:
     return (", " + " ".join(parts)) if parts else ""
 
 
-__all__ = ["EstimateMemoryBackend", "checked_micro_batch", "fake_tensor_limits", "on_fake_tensors"]
+__all__ = ["EstimateMemoryBackend", "checked_micro_batch", "failure_site", "fake_tensor_limits",
+           "is_fake_tensor_limit", "on_fake_tensors"]

@@ -25,6 +25,7 @@ from ..oom import free_memory, is_oom_error
 from ..precision import Precision, autocast, grad_scaler
 from ..workload.contract import Workload, move_batch
 from .result import Trial
+from .step_errors import is_step_failure, original, step_failed
 
 CLIP_NORM = 1.0
 """Gradient clipping in a trial: the norm's buffers are part of a real step's memory."""
@@ -77,6 +78,8 @@ class TrialSession:
             self._setup()
         except BaseException as exc:
             self._teardown()
+            if is_step_failure(exc):
+                raise step_failed(self, exc, None) from original(exc)
             if not is_oom_error(exc):
                 raise
             out_of_memory = True
@@ -190,7 +193,9 @@ class TrialSession:
         try:
             with self._soft_budget():
                 activation_peak, step_peak = self._step(n)
-        except Exception as exc:  # noqa: BLE001 - re-raised untouched unless it is an OOM
+        except Exception as exc:  # noqa: BLE001 - an OOM is the trial's answer; others are raised
+            if is_step_failure(exc):
+                raise step_failed(self, exc, n) from original(exc)
             if not is_oom_error(exc):
                 raise
             out_of_memory = True

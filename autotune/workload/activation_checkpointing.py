@@ -8,9 +8,9 @@ run under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``.
 A model with its own switch (Hugging Face's ``supports_gradient_checkpointing`` with
 ``activation_checkpointing_enable`` / ``gradient_checkpointing_enable``) is switched with it when
 every block is checkpointed, so the probe measures what HF Trainer runs; for K of N its blocks are
-wrapped here. Either way its key-value cache is turned off as HF Trainer does: recomputing with the
-cache on breaks (T5: "a different number of tensors was saved") or costs memory the trainer would
-not spend.
+wrapped here. Either way every key-value cache the model keeps (each module's ``config.use_cache``:
+T5's decoder keeps its own config) is turned off as HF Trainer does: recomputing with a cache on
+breaks (T5: "a different number of tensors was saved") or costs memory the trainer would not spend.
 
 Recomputation runs a block's forward again in backward; BatchNorm layers would update their
 running statistics a second time, so their buffers are put back after each recomputation.
@@ -28,9 +28,9 @@ from ..errors import WorkloadError
 
 _MARK = "_autotune_checkpointed"
 _HF_MARK = "_autotune_hf_checkpointing"
-"""Set on a model switched with its own checkpointing switch: the use_cache it had before."""
+"""Set on a model switched with its own checkpointing switch."""
 _CACHE_MARK = "_autotune_cache_off"
-"""Set on a model with its own switch whose blocks are wrapped here (K of N): its use_cache before."""
+"""Set on a checkpointed model: each config its modules keep, with the use_cache it had before."""
 
 
 def repeated_blocks(model: torch.nn.Module, *, skip=()) -> list[torch.nn.Module]:
@@ -90,6 +90,7 @@ def enable_checkpointing(model: torch.nn.Module, *, source: str = "model", block
             f"{source}: activation checkpointing needs repeated blocks to wrap (an nn.ModuleList or "
             f"nn.Sequential of layers with parameters), and this model has none; use checkpointing off"
         )
+    _cache_off(model)
     if blocks is None or blocks == len(candidates):
         count = sum(_enable_own_switch(m) for m in switched)
         chosen = [b for b in repeated_blocks(model, skip=switched) if any(True for _ in b.parameters())]
@@ -99,8 +100,6 @@ def enable_checkpointing(model: torch.nn.Module, *, source: str = "model", block
                                 f"{len(candidates)} repeated blocks (use 0 to {len(candidates)})")
         count = 0
         chosen = [candidates[i] for i in spread_evenly(blocks, len(candidates))]
-        for m in switched:
-            _cache_off(m)
     for block in chosen:
         if getattr(block, _MARK, False):
             continue
@@ -147,10 +146,7 @@ def _checkpointed_forward(forward, context_fn, *args, **kwargs):
 
 def _enable_own_switch(model) -> int:
     if not hasattr(model, _HF_MARK):
-        config = getattr(model, "config", None)
-        setattr(model, _HF_MARK, getattr(config, "use_cache", None))
-        if config is not None and hasattr(config, "use_cache"):
-            config.use_cache = False
+        setattr(model, _HF_MARK, True)
         kwargs = {"use_reentrant": False}
         context_fn = _context_fn(model)
         if context_fn is not None:
@@ -167,17 +163,24 @@ def _enable_own_switch(model) -> int:
 
 
 def _cache_off(model) -> None:
-    # K of N blocks are wrapped here, not by the model's all-or-nothing switch; the cache must be
-    # off all the same, as the switch would turn it off.
-    config = getattr(model, "config", None)
-    if hasattr(model, _CACHE_MARK) or config is None or not hasattr(config, "use_cache"):
+    # Every config the model's modules keep, not only the model's own: T5's decoder keeps a copy
+    # of the config with use_cache=True, and its K-of-N blocks then saved 57 tensors in forward and
+    # 53 in recomputation (CheckpointError). HF's own switch covers only all blocks, not K of N.
+    if hasattr(model, _CACHE_MARK):
         return
-    setattr(model, _CACHE_MARK, config.use_cache)
-    config.use_cache = False
+    before: list[tuple[object, object]] = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if (config is not None and hasattr(config, "use_cache")
+                and not any(config is seen for seen, _ in before)):
+            before.append((config, config.use_cache))
+            config.use_cache = False
+    setattr(model, _CACHE_MARK, before)
 
 
 def _restore_cache(model) -> None:
-    model.config.use_cache = getattr(model, _CACHE_MARK)
+    for config, use_cache in getattr(model, _CACHE_MARK):
+        config.use_cache = use_cache
     delattr(model, _CACHE_MARK)
 
 
@@ -187,15 +190,11 @@ def _is_layer(module) -> bool:
 
 
 def _disable_own_switch(model) -> None:
-    use_cache = getattr(model, _HF_MARK)
     if callable(getattr(model, "activation_checkpointing_disable", None)):
         model.activation_checkpointing_disable()
     else:
         model.gradient_checkpointing_disable()
-    config = getattr(model, "config", None)
-    if use_cache is not None and config is not None:
-        config.use_cache = use_cache
-    delattr(model, _HF_MARK)
+    delattr(model, _HF_MARK)  # the caches are put back by _restore_cache
 
 
 def _context_fn(scope: torch.nn.Module):
