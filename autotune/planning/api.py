@@ -43,6 +43,7 @@ from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, check_storage, 
                                 search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
 from ..workload.contract import Workload, load_workload
+from ..workload.dataset_batch import check_default_collate
 
 PRECISION_CHOICES = ("auto", *(p.value for p in Precision))
 OPTIMIZE_CHOICES = ("memory", "throughput")
@@ -494,6 +495,9 @@ def _dataset_size(workload: Workload) -> int | None:
     if workload.build_dataset is None:
         return None
     dataset = workload.build_dataset()
+    if workload.collate_fn is None:
+        # Before any probe: `autotune train` would fail in its first step otherwise.
+        check_default_collate(dataset, source=workload.source)
     try:
         return len(dataset)
     except TypeError:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..workload.activation_checkpointing import enable_checkpointing
+from ..workload.dataset_batch import check_default_collate
 from ..planning.planfile import load_planned_workload
 from ..precision import Precision, grad_scaler, scaler_settings
 from ..sharding import Sharding
@@ -107,6 +108,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     scaler = scaler_settings(grad_scaler, plan.grad_scaler)
     dataset = workload.build_dataset() if workload.build_dataset is not None else None
     size = None if dataset is None else dataset_size(dataset, source=workload.source)
+    if dataset is not None and workload.collate_fn is None:
+        check_default_collate(dataset, source=workload.source)
     if size is not None:
         checks.check_dataset_size(size, plan, source=workload.source)
     total = checks.total_steps(steps=steps, epochs=epochs, source=workload.source,

@@ -48,11 +48,66 @@ class LargestExamples:
             if count == 0:
                 raise WorkloadError(f"{self.source}: build_dataset() is empty; the probe needs "
                                     f"examples (or define make_batch(batch_size))")
+            if self.collate_fn is None:
+                check_default_collate(dataset, source=self.source)
             sizes = [example_size(dataset[i]) for i in range(count)]
             # Stable: among equal sizes the dataset's own order, so the batch is reproducible.
             self._dataset = dataset
             self._order = sorted(range(count), key=lambda i: -sizes[i])
         return self._dataset, self._order
+
+
+CHECKED_EXAMPLES = 256
+"""How many of the dataset's examples (spread evenly) ``check_default_collate`` compares."""
+
+
+def check_default_collate(dataset, *, source: str) -> None:
+    """Without a ``collate_fn``, the training loop batches ``build_dataset()``'s examples with
+    torch's default_collate, which stacks them: examples of different shapes (variable-length
+    sequences) fail there, in the first step of ``autotune train``, after a plan made from
+    ``make_batch`` looked fine. Checked before planning and before training, on up to
+    ``CHECKED_EXAMPLES`` examples spread over the dataset; a dataset without a length is left to
+    the loop."""
+    try:
+        count = len(dataset)
+    except TypeError:
+        return
+    if count < 2:
+        return
+    checked = min(count, CHECKED_EXAMPLES)
+    indices = sorted({i * count // checked for i in range(checked)})
+    first = dataset[indices[0]]
+    shape = _shapes(first)
+    other = next((i for i in indices[1:] if _shapes(dataset[i]) != shape), indices[1])
+    try:
+        default_collate([first, dataset[other]])
+    except (RuntimeError, TypeError, ValueError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise WorkloadError(
+            f"{source}: build_dataset()'s examples cannot be batched without a collate_fn: torch's "
+            f"default_collate, which the training loop uses then, fails on examples {indices[0]} "
+            f"and {other} ({type(exc).__name__}: {detail}; their shapes: {_describe(shape)} and "
+            f"{_describe(_shapes(dataset[other]))}). Define collate_fn(examples) in the model file, "
+            f"e.g. padding sequences to the longest of the list (see examples/gpt_varlen.py); "
+            f"the probe then measures those padded batches too"
+        ) from exc
+
+
+def _shapes(example):
+    """The tensor shapes of an example's structure (what default_collate must stack)."""
+    if isinstance(example, torch.Tensor):
+        return tuple(example.shape)
+    if isinstance(example, dict):
+        return tuple((key, _shapes(value)) for key, value in example.items())
+    if isinstance(example, (list, tuple)):
+        return tuple(_shapes(value) for value in example)
+    shape = getattr(example, "shape", None)  # numpy arrays
+    return tuple(shape) if isinstance(shape, tuple) else type(example).__name__
+
+
+def _describe(shapes) -> str:
+    text = repr(shapes)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def example_size(example) -> int:
