@@ -93,13 +93,18 @@ def _temporary_prefix(path: Path) -> str:
 
 
 def _owner() -> str:
-    return f"{socket.gethostname().replace('.', '_')}-{os.getpid()}"
+    return f"{host_name()}-{os.getpid()}"
+
+
+def host_name() -> str:
+    """This machine's name as writers record it (dots replaced: it is part of file names)."""
+    return socket.gethostname().replace(".", "_")
 
 
 def _remove_stale_temporaries(path: Path) -> None:
     """Remove the temporaries of ``path`` whose writer (on this host) is no longer running."""
     prefix = _temporary_prefix(path)
-    host = socket.gethostname().replace(".", "_")
+    host = host_name()
     try:
         candidates = [p for p in path.parent.iterdir()
                       if p.name.startswith(prefix) and p.name.endswith(".tmp")]
@@ -108,7 +113,7 @@ def _remove_stale_temporaries(path: Path) -> None:
     for candidate in candidates:
         owner = candidate.name[len(prefix):].split(".", 1)[0]
         name, _, pid = owner.rpartition("-")
-        if name != host or not pid.isdigit() or _alive(int(pid)):
+        if name != host or not pid.isdigit() or process_alive(int(pid)):
             continue
         try:
             candidate.unlink()
@@ -116,7 +121,8 @@ def _remove_stale_temporaries(path: Path) -> None:
             pass
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -3,9 +3,13 @@
 ``AUTOTUNE_TEST_OOM=RANK:CALL:PHASE`` makes rank RANK run out of memory (torch.OutOfMemoryError,
 what the CUDA allocator and the CPU memory backend raise) in the CALL-th forward of the middle
 block (PHASE ``forward``) or in its backward (``backward``), in torchrun's first attempt only.
+``AUTOTUNE_TEST_KILL=RANK:CALL`` makes rank RANK SIGKILL itself in its CALL-th forward of the
+model (first attempt only); ``AUTOTUNE_TEST_SLOW=S`` sleeps S seconds in every forward.
 """
 
 import os
+import signal
+import time
 
 import torch
 from fsdp_model import build_optimizer, loss_fn  # noqa: F401 - the model-file contract's other two
@@ -58,7 +62,22 @@ class Model(nn.Module):
         self.head = nn.Linear(16, 3)
 
     def forward(self, x):
+        _kill_or_slow()
         return self.head(self.blocks(x))
+
+
+_forwards = []
+
+
+def _kill_or_slow():
+    time.sleep(float(os.environ.get("AUTOTUNE_TEST_SLOW", "0")))
+    spec = os.environ.get("AUTOTUNE_TEST_KILL")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    rank, call = map(int, spec.split(":"))
+    _forwards.append(1)
+    if rank == int(os.environ.get("RANK", "0")) and len(_forwards) == call:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def build_model():

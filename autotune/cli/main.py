@@ -372,10 +372,16 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
                    progress=not quiet, grad_scaler=grad_scaler, **clip)
     if result.rank != 0:
         return
-    last = result.metrics[-1]["loss"] if result.metrics else float("nan")
-    click.echo(f"trained {result.steps} optimizer steps (skipped {result.skipped_steps}, "
-               f"out-of-memory recoveries {result.oom_recoveries}); last loss {last:.4f}"
-               + (f"; model saved to {save_path}" if save_path else ""))
+    if result.metrics or result.interrupted:
+        last = f"; last loss {result.metrics[-1]['loss']:.4f}" if result.metrics else ""
+        click.echo(f"trained {result.steps} optimizer steps (skipped {result.skipped_steps}, "
+                   f"out-of-memory recoveries {result.oom_recoveries}){last}"
+                   + (f"; model saved to {save_path}" if save_path else ""))
+    else:  # resumed at or past the steps asked for
+        click.echo(f"nothing to train: the checkpoint is at step {result.steps}, which "
+                   f"{'--steps ' + str(steps) if steps is not None else 'the epochs asked for'} "
+                   f"already reach; give more to train on"
+                   + (f"; its model saved to {save_path}" if save_path else ""))
     if result.interrupted:
         click.echo(f"interrupted at step {result.steps}; continue with --resume", err=True)
         click.get_current_context().exit(130)

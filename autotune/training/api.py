@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,9 +16,10 @@ from ..precision import Precision, grad_scaler, scaler_settings
 from ..sharding import Sharding
 from ..sharding.settings import resolve_shard_group
 from ..sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
-from . import checks, distributed, restart, sharded_checkpoint
-from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_resumable, checkpoint_path,
-                         load, plan_record, rng_state, save_atomic, set_rng_state)
+from . import checkpoint_lock, checks, distributed, restart, sharded_checkpoint
+from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_resumable, check_train_state,
+                         checkpoint_path, load, plan_record, rng_state, save_atomic, set_rng_state)
+from .checkpoint import written_by as checkpoint_written_by
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
 from ..errors import AutotuneError, OutputError
@@ -92,13 +95,18 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          resume=resume, clip_grad_norm=clip, num_workers=num_workers, seed=seed)
     sharding = Sharding.parse(plan.sharding, option="plan sharding")
+    restarts = restart.Restarts.from_environment()
+    main_process = _launched_as_main()
+    if checkpoint_dir is not None and main_process:  # before "already holds a checkpoint"
+        checkpoint_lock.check_free(checkpoint_dir, restarts)
     oom_record = restart.read_record(checkpoint_dir)
-    restarted = restart.restarted_by_torchrun(oom_record)
+    ours = _written_by_this_run(checkpoint_dir, sharding, restarts)
+    restarted = ours or restart.restarted_by_torchrun(oom_record, restarts)
     if restarted:
-        # torchrun relaunched the ranks after one ran out of memory inside a collective: the same
-        # command (--overwrite or not) continues from this run's last checkpoint, if it wrote one.
-        resume = resume or (oom_record.get("from_step") is not None
-                            and _holds_checkpoint(checkpoint_dir, sharding))
+        # torchrun relaunched the ranks (a rank killed, out of memory inside a collective, any
+        # failure): the same command, --overwrite or not, continues from the last checkpoint this
+        # torchrun run wrote, if it wrote one; a checkpoint of another run is left to the command.
+        resume = resume or ours
         overwrite = overwrite and not resume
     elif overwrite:
         oom_record = None
@@ -115,17 +123,21 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     total = checks.total_steps(steps=steps, epochs=epochs, source=workload.source,
                                windows_per_epoch=windows_per_epoch(size, plan.effective_batch,
                                                                    plan.world_size))
-    if overwrite and not restarted:
-        restart.remove_record(checkpoint_dir)
-    ctx = distributed.setup(device, sharded=sharding.sharded)
+    if checkpoint_dir is not None and sharding.sharded:
+        sharded_checkpoint.check_folder(checkpoint_dir)
+    lock = checkpoint_lock.acquire(checkpoint_dir, restarts) if checkpoint_dir is not None and main_process else None
+    ctx = None
     try:
+        if overwrite and not restarted:
+            restart.remove_record(checkpoint_dir)
+        ctx = distributed.setup(device, sharded=sharding.sharded)
         checks.check_world_size(plan, ctx.world_size)
         shard_group = resolve_shard_group(plan.shard_group, ctx.world_size, option="plan shard_group")
         checks.check_precision(precision, ctx.device)
         session = _Session(plan=plan, workload=workload, ctx=ctx, precision=precision, clip=clip,
                            sharding=sharding, shard_group=shard_group, seed=seed, dataset=dataset,
                            dataset_size=size, total_steps=total, checkpoint_dir=checkpoint_dir,
-                           scaler=scaler, oom_record=oom_record)
+                           scaler=scaler, oom_record=oom_record, attempt=restarts.tag())
         result = session.run(resume=resume, checkpoint_every=checkpoint_every,
                              metrics_path=metrics_path, num_workers=num_workers, progress=progress,
                              measure_noise=measure_noise_scale)
@@ -135,14 +147,17 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
             _write_model(result, state, save_path)
         return result
     finally:
-        distributed.teardown(ctx)
+        if ctx is not None:
+            distributed.teardown(ctx)
+        if lock is not None:
+            lock.release()
 
 
 class _Session:
     """The objects of one run, and how they are checkpointed and restored."""
 
     def __init__(self, *, plan, workload, ctx, precision, clip, sharding, shard_group, seed, dataset,
-                 dataset_size, total_steps, checkpoint_dir, scaler, oom_record=None):
+                 dataset_size, total_steps, checkpoint_dir, scaler, oom_record=None, attempt=None):
         self.plan, self.workload, self.ctx, self.precision = plan, workload, ctx, precision
         self.clip, self.seed, self.dataset, self.dataset_size = clip, seed, dataset, dataset_size
         self.total_steps, self.sharding, self.shard_group = total_steps, sharding, shard_group
@@ -172,10 +187,14 @@ class _Session:
         """The step of the last checkpoint written or resumed from (None: none yet)."""
         self.oom_record = oom_record
         """The split recorded by a rank that ran out of memory inside a collective (restart.py)."""
+        self.attempt = attempt
+        """The torchrun attempt this is (``Restarts.tag``), recorded in its checkpoints."""
 
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
             measure_noise=True) -> TrainResult:
         rng = self._restore() if resume else None
+        if self.state.step >= self.total_steps:
+            return self._nothing_to_train(progress)
         if self.ctx.distributed:
             # Every rank must split its windows alike, even where the record is in a folder not
             # every node sees: the finest split any rank read wins.
@@ -226,6 +245,20 @@ class _Session:
             micro_batches=_current_split(self.plan, self.state), interrupted=interrupted,
             checkpoint=self.path, rank=self.ctx.rank, world_size=self.ctx.world_size,
             noise_scale=noise, noise_scale_note=note, warnings=warnings)
+
+    def _nothing_to_train(self, progress: bool) -> TrainResult:
+        """The checkpoint is at or past the last step asked for: no step is run and nothing is
+        written but ``--save`` (the checkpoint's model), the same on every rank."""
+        if progress and self.ctx.is_main:
+            print(f"nothing to train: the checkpoint in {self.checkpoint_dir} is at step {self.state.step} "
+                  f"and this run asks for {self.total_steps} steps in all; give --steps (or --epochs) "
+                  f"beyond {self.state.step} to train on", file=sys.stderr, flush=True)
+        return TrainResult(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+            steps=self.state.step, metrics=[], skipped_steps=self.state.skipped_steps,
+            oom_recoveries=self.state.split.recoveries, micro_batches=_current_split(self.plan, self.state),
+            interrupted=False, checkpoint=self.path, rank=self.ctx.rank, world_size=self.ctx.world_size,
+            noise_scale_note="nothing was trained")
 
     def _noise_advice(self, measured: bool) -> tuple[float | None, str | None, list[str]]:
         """(B_noise, why it is None, warnings) at the end of the run."""
@@ -311,7 +344,7 @@ class _Session:
             sharded_checkpoint.save(self.checkpoint_dir, step=self.state.step,
                                     world_size=self.ctx.world_size, model=self.model,
                                     optimizer=self.optimizer, train_state=self._train_state(rng),
-                                    is_main=self.ctx.is_main)
+                                    is_main=self.ctx.is_main, run=self.attempt)
         elif self.ctx.is_main:
             save_atomic({"format": FORMAT_VERSION, "model": self.model.state_dict(),
                          "optimizer": self.optimizer.state_dict(), **self._train_state(rng)}, self.path)
@@ -331,6 +364,7 @@ class _Session:
             "noise_scale": self.state.noise.to_dict(),
             "data": self._data_position(),
             "plan": plan_record(self.plan, self.workload),  # plain types: loadable with weights_only
+            "run": self.attempt,
         }
 
     def _last_good(self) -> str:
@@ -356,6 +390,7 @@ class _Session:
             saved = load(self.path)
         check_resumable(saved, self.plan, self.workload, path=self.path,
                         required=TRAIN_STATE_KEYS if self.sharding.sharded else REQUIRED_KEYS)
+        check_train_state(saved, path=self.path, rank=self.ctx.rank)
         data = saved["data"]
         for option, name, value in (("--seed", "seed", self.seed),
                                     ("the plan's effective batch", "effective_batch", self.plan.effective_batch),
@@ -373,20 +408,41 @@ class _Session:
                                  f"({str(exc).splitlines()[0]} ...); resume with the model it was "
                                  f"trained with, or start a new --checkpoint-dir") from None
             self.optimizer.load_state_dict(saved["optimizer"])
-        self.scaler.load_state_dict(saved["scaler"])
-        self.scheduler.load_state_dict(saved["scheduler"])
+        for name, restore in (("scaler", self.scaler.load_state_dict),
+                               ("scheduler", self.scheduler.load_state_dict),
+                               ("split", self.state.split.load_state_dict),
+                               ("noise_scale", self._restore_noise)):
+            if name in saved:  # noise_scale is absent from checkpoints written before it was measured
+                try:
+                    restore(saved[name])
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+                    raise TrainError(f"--resume: in checkpoint {self.path}, the field {name!r} cannot be "
+                                     f"restored ({type(exc).__name__}: {exc}); the checkpoint is damaged "
+                                     f"or was edited. Start a new --checkpoint-dir (or --overwrite)") from None
         self.state.step = self.saved_step = saved["step"]
         self.state.skipped_steps = saved["skipped_steps"]
-        self.state.split.load_state_dict(saved["split"])
-        if "noise_scale" in saved:  # absent from checkpoints written before it was measured
-            self.state.noise = NoiseScaleEMA.from_dict(saved["noise_scale"])
         ranks = saved["rng"]
         return ranks[self.ctx.rank] if self.ctx.rank < len(ranks) else None
 
 
-def _holds_checkpoint(directory, sharding: Sharding) -> bool:
-    return (sharded_checkpoint.exists(directory) if sharding.sharded
-            else checkpoint_path(directory).is_file())
+    def _restore_noise(self, saved: dict) -> None:
+        self.state.noise = NoiseScaleEMA.from_dict(saved)
+
+
+def _written_by_this_run(directory, sharding: Sharding, restarts: restart.Restarts) -> bool:
+    """True when ``directory`` holds a checkpoint an earlier attempt of this torchrun run wrote."""
+    if directory is None or not restarts.count:
+        return False
+    tag = (sharded_checkpoint.written_by(directory) if sharding.sharded
+           else checkpoint_written_by(checkpoint_path(directory)))
+    return restarts.later_attempt_of(tag)
+
+
+def _launched_as_main() -> bool:
+    """Rank 0 of the run about to start (before its process group exists, when it makes one)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return os.environ.get("RANK", "0") in ("", "0")
 
 
 def _inputs(plan_source, workload) -> dict:

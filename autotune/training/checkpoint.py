@@ -61,6 +61,51 @@ def load(path: Path) -> dict:
     return state
 
 
+def written_by(path: Path) -> dict | None:
+    """The torchrun attempt that wrote the checkpoint at ``path`` (``Restarts.tag``; None: none
+    recorded, or no readable checkpoint, which ``load`` reports when it is resumed)."""
+    try:  # mmap: the tensors are mapped, not read, to look at one small field
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError):
+        return None
+    run = state.get("run") if isinstance(state, dict) else None
+    return run if isinstance(run, dict) else None
+
+
+def check_train_state(saved: dict, *, path, rank: int) -> None:
+    """Refuse a checkpoint whose counters or random state are not what autotune writes (a
+    tampered or damaged file) before any of it is used, naming the field."""
+    step, skipped = saved["step"], saved["skipped_steps"]
+    for name, value in (("step", step), ("skipped_steps", skipped)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _damaged(path, name, f"{value!r}, not a non-negative integer")
+    if skipped > step:
+        raise _damaged(path, "skipped_steps", f"{skipped}, more than its step {step}")
+    ranks = saved["rng"]
+    if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
+        raise _damaged(path, "rng", "not one random state per rank")
+    if rank < len(ranks):
+        _check_rng(ranks[rank], path=path, rank=rank)
+
+
+def _check_rng(state: dict, *, path, rank: int) -> None:
+    """Apply ``state`` once (then put back the current one): what torch, random and numpy accept
+    is the only complete check of their states."""
+    current = rng_state()
+    try:
+        set_rng_state(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError, OverflowError) as exc:
+        raise _damaged(path, "rng", f"rank {rank}'s random state, which is rejected ({type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    finally:
+        set_rng_state(current)
+
+
+def _damaged(path, field: str, what: str) -> TrainError:
+    return TrainError(f"--resume: in checkpoint {path}, the field {field!r} is {what}; the checkpoint is "
+                      f"damaged or was edited. Start a new --checkpoint-dir (or --overwrite)")
+
+
 TRAIN_STATE_KEYS = ("scaler", "scheduler", "rng", "step", "skipped_steps", "split", "data", "plan")
 """What every checkpoint holds besides the weights (a sharded one keeps the weights in its shards)."""
 REQUIRED_KEYS = ("model", "optimizer", *TRAIN_STATE_KEYS)

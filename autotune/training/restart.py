@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomicfile import write_atomic
+from ..atomicfile import host_name, write_atomic
 from .errors import OOMRestart, TrainError
 from .recovery import SplitPolicy
 
@@ -22,6 +22,8 @@ RECORD_NAME = "oom-restart.json"
 """In the checkpoint folder: the split a run must use after an out-of-memory exit (see below)."""
 
 _MAX_LEVEL = 30
+_DEFAULT_RUN_ID = "none"
+"""torchrun's run id when it is given no --rdzv-id: shared by unrelated runs."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,25 @@ class Restarts:
     @property
     def left(self) -> int:
         return 0 if self.count is None else max(0, self.maximum - self.count)
+
+    def tag(self) -> dict | None:
+        """What a file written by this attempt records (a checkpoint, the folder's lock), so a
+        later attempt of the same torchrun run knows it (None: not launched by torchrun)."""
+        if self.count is None:
+            return None
+        return {"run_id": self.run_id, "restart": self.count, "host": host_name(), "agent": os.getppid()}
+
+    def later_attempt_of(self, tag) -> bool:
+        """True when this process is torchrun's restart of the attempt that wrote ``tag``.
+
+        torchrun without --rdzv-id gives every run the id "none": then the same agent process on
+        the same host must have launched both attempts, or they are unrelated runs."""
+        if not isinstance(tag, dict) or not self.count or self.run_id is None:
+            return False
+        count = tag.get("restart")
+        if tag.get("run_id") != self.run_id or not isinstance(count, int) or not count < self.count:
+            return False
+        return self.run_id != _DEFAULT_RUN_ID or (tag.get("host"), tag.get("agent")) == (host_name(), os.getppid())
 
 
 def _int_or_none(text):
