@@ -57,6 +57,18 @@ def write_atomic(path, write: Callable[[BinaryIO], None]) -> Path:
     return path
 
 
+def try_writing_beside(path: Path, folder: Path | None = None) -> None:
+    """Create and remove a temporary file where ``write_atomic(path)`` would make its own (in
+    ``folder``, default ``path``'s), so a folder that cannot take files (read-only, a procfs or
+    sysfs, a quota) fails now, before the work, as root too (``os.access`` is always true for
+    root). Nothing is left behind. Raises ``OSError``."""
+    folder = path.parent if folder is None else folder
+    fd, temporary = tempfile.mkstemp(prefix=f"{_temporary_prefix(path)}{_owner()}.", suffix=".tmp",
+                                     dir=folder)
+    os.close(fd)
+    os.unlink(temporary)
+
+
 def refuse_unsafe_target(path: Path, existing: os.stat_result | None = None) -> None:
     """Raise ``OutputError`` for a path that must not be replaced: a symlink, a folder, a block
     device or a socket (character devices and FIFOs are written through instead)."""

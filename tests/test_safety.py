@@ -147,7 +147,7 @@ def test_no_output_replaces_an_input_of_the_same_command(tmp_path, model_file):
     model_text, plan_text = model_file.read_text(), plan.read_text()
     for args, name in ((("plan", model_file, "--target-batch", "8", "-o", model_file), "MODEL_FILE"),
                        (("train", model_file, "--plan", plan, "--steps", "1", "--save", model_file),
-                        "MODEL_FILE"),
+                        "model file"),
                        (("train", model_file, "--plan", plan, "--steps", "1", "--metrics", plan),
                         "--plan"),
                        (("export", plan, "--to", "hf", "-o", plan), "PLAN_FILE"),

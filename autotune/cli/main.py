@@ -228,7 +228,7 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
                  gpu, even, sharding, shard_group, output, as_json, grad_scaler):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
-    from ..outputs import check_output
+    from ..outputs import check_outputs
     from ..planning.planfile import plan_to_json, save_plan
     from ..planning.api import plan as make_plan
     from .format import format_plan
@@ -237,7 +237,7 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
         if value is not None and optimize != "throughput":
             raise click.UsageError(f"{option} applies to --optimize throughput only; add "
                                    f"--optimize throughput or drop {option}")
-    check_output(output, option="-o", inputs={"MODEL_FILE": model_file})
+    check_outputs({"-o": output}, inputs={"MODEL_FILE": model_file})
     with _stdout_to_stderr(as_json):
         result = make_plan(model_file, target_batch=target_batch, world_size=world_size, device=device,
                            precision=precision.lower(), checkpointing=checkpointing,
@@ -265,13 +265,13 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
 def show(files, as_json, plot_path):
     """Print the summary of a saved plan, or plot it or metrics files (autotune train --metrics)."""
     from ..planning.planfile import load_plan, plan_to_json
-    from ..outputs import check_output
+    from ..outputs import check_outputs
     from ..report.plots import load_metrics, plot_metrics, plot_plan
     from .format import format_metrics, format_plan
 
-    check_output(plot_path, option="--plot",
-                 inputs={f"input {i + 1}" if len(files) > 1 else "input": f for i, f in enumerate(files)})
+    inputs = {f"input {i + 1}" if len(files) > 1 else "input": f for i, f in enumerate(files)}
     if all(f.endswith(".jsonl") for f in files):
+        check_outputs({"--plot": plot_path}, inputs=inputs)
         if plot_path is not None:
             plot_metrics(files, plot_path)
             click.echo(f"plot written to {plot_path}", err=True)
@@ -281,10 +281,18 @@ def show(files, as_json, plot_path):
     if len(files) > 1:
         raise click.UsageError("show takes one plan file, or one or more metrics files (.jsonl)")
     result = load_plan(files[0])
+    check_outputs({"--plot": plot_path}, inputs=_plan_inputs(result, files[0], "input"))
     if plot_path is not None:
         plot_plan(result, plot_path)
         click.echo(f"plot written to {plot_path}", err=True)
     click.echo(plan_to_json(result) if as_json else format_plan(result), nl=not as_json)
+
+
+def _plan_inputs(plan, plan_file, name: str = "PLAN_FILE") -> dict:
+    """A plan file and the model file it names: what no output of a command reading it may replace."""
+    from ..planning.planfile import planned_model_file
+
+    return {name: plan_file, "model file (the plan's)": planned_model_file(plan, plan_file)}
 
 
 @cli.command()
@@ -295,12 +303,13 @@ def show(files, as_json, plot_path):
 def report(plan_file, output):
     """Write a self-contained HTML page of a plan: summary, settings, memory plot, throughput,
     warnings (inline SVG; opens without a network)."""
-    from ..outputs import check_output
+    from ..outputs import check_outputs
     from ..planning.planfile import load_plan
     from ..report.html import write_report
 
-    check_output(output, option="-o", inputs={"PLAN_FILE": plan_file})
-    write_report(load_plan(plan_file), output)
+    plan = load_plan(plan_file)
+    check_outputs({"-o": output}, inputs=_plan_inputs(plan, plan_file))
+    write_report(plan, output)
     click.echo(f"report written to {output}", err=True)
 
 
@@ -314,12 +323,13 @@ def report(plan_file, output):
 def export(plan_file, target, output):
     """Export a plan as another runner's configuration (or the torchrun command line)."""
     from ..atomicfile import write_atomic
-    from ..outputs import check_output
+    from ..outputs import check_outputs
     from ..planning.export import export_plan
     from ..planning.planfile import load_plan
 
-    check_output(output, option="-o", inputs={"PLAN_FILE": plan_file})
-    exported = export_plan(load_plan(plan_file), target, plan_path=plan_file)
+    plan = load_plan(plan_file)
+    check_outputs({"-o": output}, inputs=_plan_inputs(plan, plan_file))
+    exported = export_plan(plan, target, plan_path=plan_file)
     for note in exported.notes:
         click.echo(f"note: {note}", err=True)
     if output is None:
@@ -360,11 +370,8 @@ def export(plan_file, target, output):
 def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
                   overwrite, save_path, metrics_path, clip_grad_norm, seed, device, quiet, grad_scaler):
     """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP or FSDP2)."""
-    from ..outputs import check_output
     from ..training import train
 
-    check_output(save_path, option="--save", create_folder=True,
-                 inputs={"MODEL_FILE": model_file, "--plan": plan_file})
     clip = {} if clip_grad_norm is None else {"clip_grad_norm": clip_grad_norm or None}
     result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,
@@ -473,12 +480,13 @@ def profiles(profile, as_json):
 @_errors_to_exit_codes
 def verify(plan_file, model_file, device, memory_limit, steps, output):
     """Run a plan's micro-batch for a few real steps here: exit 0 when it fits, 1 when re-planned."""
-    from ..outputs import check_output
-    from ..planning.planfile import save_plan
+    from ..outputs import check_outputs
+    from ..planning.planfile import load_plan, save_plan
     from ..planning.verify import verify_plan
     from .format import format_verify
 
-    check_output(output, option="-o", inputs={"PLAN_FILE": plan_file, "--model": model_file})
+    check_outputs({"-o": output}, inputs={**_plan_inputs(load_plan(plan_file), plan_file),
+                                          "--model": model_file})
     result = verify_plan(plan_file, workload=model_file, device=device, memory_limit=memory_limit,
                          steps=steps)
     click.echo(format_verify(result))

@@ -83,6 +83,12 @@ def decide_lr(
     lr = base_lr * scale
     if not math.isfinite(lr):
         raise ConfigError(f"--base-lr {base_lr:g} × {scale:.4g} overflows to {lr}; give a sane --base-lr")
+    if lr <= 0:  # a float underflow: a plan with lr 0 would train nothing (and is not readable)
+        raise ConfigError(
+            f"--base-lr {base_lr:g} at --base-batch {base_batch} scaled by --lr-rule {rule} to "
+            f"--target-batch {target_batch} is {base_lr:g} × {scale:.4g}, which underflows to "
+            f"{lr:g}; give a larger --base-lr (or BASE_LR in the model file), a --base-batch "
+            f"nearer the target batch, or --lr-rule none")
     notes = [why] if why else []
     notes.append(f"lr = {base_lr:g} × {rule}({target_batch}/{base_batch}) = {base_lr:g} × "
                  f"{scale:.4g} = {lr:.4g}")

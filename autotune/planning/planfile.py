@@ -10,6 +10,7 @@ so a crash leaves either the old plan or the new one, never half of one.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import warnings
@@ -19,8 +20,14 @@ from pathlib import Path
 from ..atomicfile import write_atomic
 from ..errors import PlanFileError
 from ..memory.base import DeviceInfo
+from ..outputs import check_outputs
 from .types import READABLE_SCHEMA_VERSIONS, Plan
 from ..workload.contract import Workload, load_workload
+
+
+MAX_PLAN_BYTES = 4 * 1024 * 1024
+"""Plan files are a few KiB (long splits are stored compactly); past this, a file is no plan and
+is not read further (``/dev/zero`` would otherwise be read until memory runs out)."""
 
 
 class PlanFileWarning(UserWarning):
@@ -43,6 +50,10 @@ def plan_to_json(plan: Plan) -> str:
 def plan_from_json(text: str, *, source: str = "<plan>") -> Plan:
     try:
         data = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise PlanFileError(f"plan file {source} holds JSON nested deeper than Python reads; it is "
+                            f"no autotune plan (their nesting is a few levels). Re-create it with "
+                            f"autotune plan") from None
     except _NonFiniteNumber as exc:
         raise PlanFileError(f"plan file {source} holds {exc}, which is not a JSON number; "
                             f"re-create it with autotune plan") from None
@@ -99,9 +110,17 @@ def _semantic_error(data: dict) -> str | None:
 
 
 def save_plan(plan: Plan, path) -> Path:
-    """Write ``plan`` to ``path`` atomically; returns the path."""
+    """Write ``plan`` to ``path`` atomically; returns the path. The model file the plan names is
+    never replaced (``OutputError``)."""
+    check_plan_output(plan, path)
     data = plan_to_json(plan).encode("utf-8")
     return write_atomic(path, lambda handle: handle.write(data))
+
+
+def check_plan_output(plan: Plan, path, *, option: str = "output") -> None:
+    """``check_outputs`` for a file written from ``plan`` (the plan, its report, a plot), whose
+    model file it must never replace."""
+    check_outputs({option: path}, inputs={"model file (the plan's)": planned_model_file(plan)})
 
 
 def load_plan(path, *, workload=None, device: DeviceInfo | None = None) -> Plan:
@@ -114,18 +133,53 @@ def load_plan(path, *, workload=None, device: DeviceInfo | None = None) -> Plan:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_PLAN_BYTES + 1)
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise PlanFileError(f"plan file {path} does not exist; create it with "
                             f"autotune plan MODEL.py --target-batch N -o {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise PlanFileError(f"plan file {path} cannot be read: {exc}") from None
+    if len(data) > MAX_PLAN_BYTES:
+        raise PlanFileError(f"plan file {path} is larger than {MAX_PLAN_BYTES // 1024**2} MiB (it was "
+                            f"not read further); plan files are a few KiB: is it a plan? Re-create "
+                            f"it with autotune plan")
     plan = plan_from_json(text, source=str(path))
     if workload is not None:
         load_planned_workload(plan, workload, source=str(path))
     if device is not None:
         check_device(plan, device, source=str(path))
     return plan
+
+
+def planned_model_file(plan: Plan, plan_path=None) -> Path | None:
+    """The model file ``plan`` names, as the plan file sees it: a relative path is looked for
+    beside the plan file first, then from the current folder (where ``autotune plan`` ran when
+    the plan was written elsewhere); where both exist, the one with the plan's sha256 wins.
+    None when the plan names no file (Python objects) or neither exists."""
+    source = Path(plan.workload.source)
+    if plan.workload.source.startswith("<"):
+        return None
+    candidates = [source] if source.is_absolute() or plan_path is None else [
+        Path(plan_path).parent / source, source]
+    found = [c for c in dict.fromkeys(candidates) if c.is_file()]
+    planned = plan.workload.file_sha256
+    for candidate in found:
+        try:
+            if planned is not None and hashlib.sha256(candidate.read_bytes()).hexdigest() == planned:
+                return candidate
+        except OSError:
+            continue
+    return found[0] if found else None
+
+
+def model_file_not_found(plan: Plan, plan_path) -> PlanFileError:
+    source = Path(plan.workload.source)
+    where = (f"{source}" if source.is_absolute() or plan_path is None else
+             f"{Path(plan_path).parent / source} (beside the plan) nor {source} (from the current folder)")
+    return PlanFileError(f"plan file {plan_path or '<plan>'} names the model file {source}, which is "
+                         f"not at {where}; pass the model file's path with --model PATH (workload= from Python)")
 
 
 def load_planned_workload(plan: Plan, workload, *, source: str = "<plan>") -> Workload:

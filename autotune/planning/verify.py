@@ -16,7 +16,7 @@ from ..memory import backend_for
 from ..memory.base import DeviceInfo
 from .api import plan as make_plan
 from .types import Plan
-from .planfile import load_plan, load_planned_workload
+from .planfile import load_plan, load_planned_workload, model_file_not_found, planned_model_file
 from .policy import usable_bytes
 from ..precision import Precision
 from ..probing.trial import SetupOutOfMemory, TrialSession
@@ -65,9 +65,15 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
     """Check ``plan`` (a ``Plan`` or a plan file path) on this device; re-plan when it fails.
 
     ``workload`` defaults to the model file the plan records (a changed file is a
-    ``PlanFileError``). ``replan=False`` only reports.
+    ``PlanFileError``); a relative path is looked for beside the plan file, then from the current
+    folder. ``replan=False`` only reports.
     """
+    plan_path = None if isinstance(plan, Plan) else plan
     plan = load_plan(plan) if not isinstance(plan, Plan) else plan
+    if workload is None:
+        workload = planned_model_file(plan, plan_path)
+        if workload is None and not plan.workload.source.startswith("<"):
+            raise model_file_not_found(plan, plan_path)
     workload = load_planned_workload(plan, workload if workload is not None else plan.workload.source)
     backend = backend_for(device, memory_limit)
     info = backend.info()

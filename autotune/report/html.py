@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..atomicfile import write_atomic
 from ..errors import ReportError
+from ..planning.planfile import check_plan_output
 from ..units import format_bytes
 from . import plots
 
@@ -150,6 +151,8 @@ def report_page(plan, *, title: str | None = None) -> str:
 
 
 def write_report(plan, path) -> Path:
-    """Write the self-contained report page of ``plan`` to ``path`` (atomically)."""
+    """Write the self-contained report page of ``plan`` to ``path`` (atomically); the model file
+    the plan names is never replaced."""
+    check_plan_output(plan, path)
     data = report_page(plan).encode("utf-8")
     return write_atomic(Path(path), lambda handle: handle.write(data))

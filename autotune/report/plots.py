@@ -13,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+from .. import jsonlines
 from ..atomicfile import write_atomic
 from ..errors import ReportError
 from ..probing.result import setting_label
@@ -137,23 +138,25 @@ def probe_figure(probe):
 def load_metrics(path) -> list[dict]:
     """The records of a metrics file written by ``autotune train --metrics`` (one JSON per line)."""
     path = Path(path)
+    records = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        for number, line in jsonlines.read_lines(path):
+            if not line.strip():
+                continue
+            try:
+                record = jsonlines.loads(line)
+            except json.JSONDecodeError:
+                raise ReportError(f"{path}, line {number}: not JSON (or nested too deeply); is it "
+                                  f"a metrics file written by autotune train --metrics?") from None
+            if not isinstance(record, dict) or "step" not in record:
+                raise ReportError(f"{path}, line {number}: no \"step\" field; is it a metrics "
+                                  f"file written by autotune train --metrics?")
+            records.append(record)
     except OSError as exc:
         raise ReportError(f"cannot read the metrics file {path}: {exc.strerror}") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise ReportError(f"{path}, line {number}: not JSON; is it a metrics file written by "
-                              f"autotune train --metrics?") from None
-        if not isinstance(record, dict) or "step" not in record:
-            raise ReportError(f"{path}, line {number}: no \"step\" field; is it a metrics file "
-                              f"written by autotune train --metrics?")
-        records.append(record)
+    except (jsonlines.LineTooLong, UnicodeDecodeError) as exc:
+        raise ReportError(f"{path}: {exc}; is it a metrics file written by autotune train "
+                          f"--metrics?") from None
     if not records:
         raise ReportError(f"{path} holds no metrics records; train with --metrics {path} first")
     return records

@@ -11,7 +11,7 @@ import torch
 
 from ..workload.activation_checkpointing import enable_checkpointing
 from ..workload.dataset_batch import check_default_collate
-from ..planning.planfile import load_planned_workload
+from ..planning.planfile import load_planned_workload, planned_model_file
 from ..precision import Precision, grad_scaler, scaler_settings
 from ..sharding import Sharding
 from ..sharding.settings import resolve_shard_group
@@ -93,7 +93,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     workload = load_planned_workload(plan, workload, source=str(plan_source))
     clip = plan.clip_grad_norm if clip_grad_norm is _FROM_PLAN else clip_grad_norm
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                         resume=resume, clip_grad_norm=clip, num_workers=num_workers, seed=seed)
+                         resume=resume, clip_grad_norm=clip, num_workers=num_workers, seed=seed,
+                         overwrite=overwrite)
     sharding = Sharding.parse(plan.sharding, option="plan sharding")
     restarts = restart.Restarts.from_environment()
     main_process = _launched_as_main()
@@ -111,7 +112,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     elif overwrite:
         oom_record = None
     checks.check_outputs(checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
-                         metrics_path=metrics_path, inputs=_inputs(plan_source, workload))
+                         metrics_path=metrics_path, save_path=save_path,
+                         inputs=_inputs(plan, plan_source, workload))
     precision = Precision.parse(plan.precision, option="plan precision")
     scaler = scaler_settings(grad_scaler, plan.grad_scaler)
     dataset = workload.build_dataset() if workload.build_dataset is not None else None
@@ -445,11 +447,13 @@ def _launched_as_main() -> bool:
     return os.environ.get("RANK", "0") in ("", "0")
 
 
-def _inputs(plan_source, workload) -> dict:
-    """The files this run reads, which no output of it may replace."""
+def _inputs(plan, plan_source, workload) -> dict:
+    """The files this run reads, which no output of it may replace (the model file the plan
+    names too, where it is another path to the file trained)."""
     inputs = {"model file": workload.source if workload.file_sha256 is not None else None}
     if isinstance(plan_source, (str, Path)):
         inputs["--plan"] = plan_source
+        inputs["model file (the plan's)"] = planned_model_file(plan, plan_source)
     return inputs
 
 

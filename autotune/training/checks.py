@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..errors import ConfigError, OutputError, PlanFileError, WorkloadError
-from ..outputs import check_output
+from ..outputs import check_outputs as check_all_outputs
 from ..planning.types import Plan
 from ..planning.planfile import load_plan as read_plan_file
 from ..precision import Precision, supports_bf16
-from .checkpoint import checkpoint_path
-from .sharded_checkpoint import pointer_path
+from .checkpoint import CHECKPOINT_NAME, checkpoint_path
+from .restart import RECORD_NAME
+from .sharded_checkpoint import POINTER_NAME, pointer_path
 from .errors import TrainError
+
+
+def kept_in_checkpoint_dir(name: str) -> bool:
+    """Whether autotune writes ``name`` in a --checkpoint-dir: its checkpoint, a sharded
+    checkpoint's pointer and step folders, the out-of-memory record, and their temporaries
+    (".checkpoint.pt.<host>-<pid>.….tmp", ".step-00000007.tmp")."""
+    own = "|".join([*(re.escape(n) for n in (CHECKPOINT_NAME, POINTER_NAME, RECORD_NAME)), r"step-\d{8}"])
+    return re.fullmatch(rf"(?:{own})|\.(?:{own})\..*tmp", name) is not None
 
 
 def load_plan(plan) -> Plan:
@@ -85,7 +95,10 @@ def check_dataset_size(size: int, plan: Plan, *, source: str) -> None:
 
 
 def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, num_workers,
-                  seed: int = 0) -> None:
+                  seed: int = 0, overwrite: bool = False) -> None:
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: --resume continues the "
+                          "checkpoint in --checkpoint-dir, --overwrite replaces it; give one of them")
     if checkpoint_every is not None:
         if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every must be a positive integer, got {checkpoint_every!r}")
@@ -101,13 +114,17 @@ def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, n
         raise ConfigError(f"--seed {seed!r} must be an integer from 0 to 2**63 - 1")
 
 
-def check_outputs(*, checkpoint_dir, resume: bool, overwrite: bool, metrics_path, inputs: dict) -> None:
-    """Every place the run writes, checked before the first step (not after hours of training)."""
-    check_output(metrics_path, option="--metrics", inputs=inputs, create_folder=True)
+def check_outputs(*, checkpoint_dir, resume: bool, overwrite: bool, metrics_path, inputs: dict,
+                  save_path=None) -> None:
+    """Every place the run writes, checked before the first step (not after hours of training),
+    against its inputs and each other: ``--metrics``, ``--save`` and what ``--checkpoint-dir``
+    keeps."""
+    path = None if checkpoint_dir is None else checkpoint_path(checkpoint_dir)
+    check_all_outputs({"--metrics": metrics_path, "--save": save_path, "--checkpoint-dir": path},
+                      inputs=inputs, create_folders={"--metrics", "--save", "--checkpoint-dir"},
+                      folders={"--checkpoint-dir": (checkpoint_dir, kept_in_checkpoint_dir)})
     if checkpoint_dir is None:
         return
-    path = checkpoint_path(checkpoint_dir)
-    check_output(path, option="--checkpoint-dir", inputs=inputs, create_folder=True)
     # A sharded run's checkpoint is its pointer file (sharded_checkpoint.py), refused the same way.
     found = next((p for p in (path, pointer_path(checkpoint_dir)) if p.exists()), None)
     if found is not None and not resume and not overwrite:

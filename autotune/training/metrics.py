@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from .. import progress as progress_bars
+from .. import jsonlines, progress as progress_bars
 from ..memory.cpu import StorageTracker, counting
 from ..atomicfile import write_atomic
+from ..errors import OutputError
 from ..units import format_bytes
 
 FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s",
@@ -206,12 +207,16 @@ def _keep_steps_before(path: Path, resume_step: int) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(step, int) and step <= resume_step:
-            kept.append(line)
+    try:
+        for _, line in jsonlines.read_lines(path):
+            try:
+                step = jsonlines.loads(line).get("step")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(step, int) and step <= resume_step:
+                kept.append(line)
+    except (jsonlines.LineTooLong, UnicodeDecodeError) as exc:
+        raise OutputError(f"--metrics {path}: {exc}, so it is not a metrics file autotune wrote; "
+                          f"resuming would rewrite it. Give another --metrics path") from None
     text = "".join(line + "\n" for line in kept).encode("utf-8")
     write_atomic(path, lambda handle: handle.write(text))
