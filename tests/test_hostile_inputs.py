@@ -118,6 +118,7 @@ def test_outputs_never_replace_each_other_or_what_the_checkpoint_dir_keeps(tmp_p
             (("--checkpoint-dir", ckpt, "--metrics", ckpt / "checkpoint.pt"), "keeps its own checkpoint.pt"),
             (("--checkpoint-dir", ckpt, "--metrics", ckpt / "checkpoint.json"), "keeps its own checkpoint.json"),
             (("--checkpoint-dir", ckpt, "--save", ckpt / "oom-restart.json"), "keeps its own oom-restart.json"),
+            (("--checkpoint-dir", ckpt, "--metrics", ckpt / "autotune.lock"), "keeps its own autotune.lock"),
             (("--checkpoint-dir", ckpt, "--metrics", ckpt / "step-00000002"), "keeps its own step-00000002")):
         result = _cli(*train_args, *args)
         assert result.exit_code == 1 and message in result.output, (args, result.output)

@@ -11,6 +11,7 @@ from ..planning.types import Plan
 from ..planning.planfile import load_plan as read_plan_file
 from ..precision import Precision, supports_bf16
 from .checkpoint import CHECKPOINT_NAME, checkpoint_path
+from .checkpoint_lock import LOCK_NAME
 from .restart import RECORD_NAME
 from .sharded_checkpoint import POINTER_NAME, pointer_path
 from .errors import TrainError
@@ -18,9 +19,10 @@ from .errors import TrainError
 
 def kept_in_checkpoint_dir(name: str) -> bool:
     """Whether autotune writes ``name`` in a --checkpoint-dir: its checkpoint, a sharded
-    checkpoint's pointer and step folders, the out-of-memory record, and their temporaries
-    (".checkpoint.pt.<host>-<pid>.….tmp", ".step-00000007.tmp")."""
-    own = "|".join([*(re.escape(n) for n in (CHECKPOINT_NAME, POINTER_NAME, RECORD_NAME)), r"step-\d{8}"])
+    checkpoint's pointer and step folders, the out-of-memory record, the run's lock, and their
+    temporaries (".checkpoint.pt.<host>-<pid>.….tmp", ".step-00000007.tmp")."""
+    names = (CHECKPOINT_NAME, POINTER_NAME, RECORD_NAME, LOCK_NAME)
+    own = "|".join([*(re.escape(n) for n in names), r"step-\d{8}"])
     return re.fullmatch(rf"(?:{own})|\.(?:{own})\..*tmp", name) is not None
 
 
