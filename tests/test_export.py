@@ -2,17 +2,22 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
+import torch
 
 from autotune.planning import export
 from autotune.errors import ConfigError
 from autotune.sharding import Sharding
 from autotune.planning.export import TARGETS, even_split, export_plan
 from plan_helpers import device, make_plan
+
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -139,14 +144,16 @@ def test_accelerate(even):
     assert exported.config["num_processes"] == 1
     assert exported.script["accelerator"]["gradient_accumulation_steps"] == 4
     assert exported.script["dataloader"]["batch_size"] == 32
-    assert any("Accelerator(gradient_accumulation_steps=4)" in n and "batch_size=32" in n
+    assert exported.script["accelerator"]["cpu"] is True  # a CPU plan
+    assert any("Accelerator(gradient_accumulation_steps=4, cpu=True)" in n and "batch_size=32" in n
                for n in exported.notes)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_accelerate_launch_loads_the_file_as_written(tmp_path, world_size):
     # The file used to nest the launch config under "config", which `accelerate launch
-    # --config_file` refused ("A distributed_type must be specified").
+    # --config_file` refused ("A distributed_type must be specified"). Several CPU processes take
+    # the multi-process launcher (MULTI_GPU): MULTI_CPU started one process on one machine.
     pytest.importorskip("accelerate")
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -158,12 +165,12 @@ def test_accelerate_launch_loads_the_file_as_written(tmp_path, world_size):
     assert loaded.num_processes == world_size and loaded.use_cpu is True
     assert str(getattr(loaded.mixed_precision, "value", loaded.mixed_precision)) == "bf16"
     assert str(getattr(loaded.distributed_type, "value", loaded.distributed_type)) == (
-        "NO" if world_size == 1 else "MULTI_CPU")
+        "NO" if world_size == 1 else "MULTI_GPU")
 
 
 def test_accelerate_builds_an_accelerator(even):
     accelerate = pytest.importorskip("accelerate")
-    accelerator = accelerate.Accelerator(**export_plan(even, "accelerate").script["accelerator"], cpu=True)
+    accelerator = accelerate.Accelerator(**export_plan(even, "accelerate").script["accelerator"])
     assert accelerator.gradient_accumulation_steps == 4
 
 
@@ -218,7 +225,17 @@ def test_torchrun_command(even):
 
 
 def test_torchrun_takes_uneven_plans_without_a_note(uneven):
-    assert export_plan(uneven, "torchrun").notes == []
+    assert not any("uneven" in note for note in export_plan(uneven, "torchrun").notes)
+
+
+@pytest.mark.parametrize("has_dataset", [True, False])
+def test_torchrun_gives_steps_to_a_model_file_without_a_dataset(even, has_dataset):
+    # `autotune train` without a dataset refuses to start without --steps: the export failed as
+    # written.
+    even.workload.has_dataset = has_dataset
+    exported = export_plan(even, "torchrun")
+    assert exported.config.endswith("--steps 1000") is not has_dataset
+    assert any("no build_dataset()" in note for note in exported.notes) is not has_dataset
 
 
 @pytest.mark.parametrize("target", ["hf", "deepspeed", "lightning", "accelerate"])
@@ -292,6 +309,8 @@ def test_accelerate_fsdp2_config_is_read_by_accelerate(sharded, tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.utils import FullyShardedDataParallelPlugin
 
+    sharded.device = device(kind="cuda")  # Accelerate runs FSDP on accelerators only
+
     exported = export_plan(sharded, "accelerate").config
     path = tmp_path / "accelerate.json"
     path.write_text(json.dumps(exported))
@@ -324,3 +343,82 @@ def test_lightning_fsdp_strategy_arguments(sharded):
     assert exported.config["fsdp_strategy"]["sharding_strategy"] == "HYBRID_SHARD"
     assert strategy.sharding_strategy.name == "HYBRID_SHARD"
     assert any("hybrid" in note for note in exported.notes)
+
+
+def test_accelerate_refuses_a_cpu_sharded_plan(sharded):
+    # Accelerate never runs FSDP on the CPU: the export trained unsharded replicas.
+    with pytest.raises(ConfigError, match=r"Accelerate runs FSDP only on accelerators.*--to torchrun"):
+        export_plan(sharded, "accelerate")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro_batch, target", [(32, 64), (16, 64)])
+def test_accelerate_launch_trains_two_cpu_processes_with_the_target_batch(tmp_path, micro_batch,
+                                                                          target):
+    # Each process ran alone (distributed_type NO), each optimizer step 32 samples for a target
+    # of 64. The export, launched as written, trains one group with the target effective batch.
+    pytest.importorskip("accelerate")
+    plan = make_plan(target, micro_batch, world_size=2)
+    exported = export_plan(plan, "accelerate")
+    config, script = tmp_path / "accelerate.json", tmp_path / "script.json"
+    config.write_text(exported.render())
+    script.write_text(json.dumps(exported.script))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(["accelerate", "launch", "--config_file", str(config),
+                           str(TESTS / "accelerate_train_script.py"), str(script), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["distributed_type"] == "MULTI_CPU" and report["processes"] == 2
+        assert report["samples_per_step"] == [target] * 4
+    assert reports[0]["weights"] == reports[1]["weights"]
+    # One model trained on 64 samples per step: what one process makes of the same windows.
+    from accelerate_train_script import build
+
+    model, data = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = data[step * target:(step + 1) * target]
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    reference = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.testing.assert_close(torch.tensor(reports[0]["weights"]), reference, rtol=1e-5, atol=1e-6)
+
+
+TINY_WITHOUT_DATASET = """
+import torch
+from torch import nn
+BASE_LR, BASE_BATCH = 1e-2, 8
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 8), torch.randint(0, 2, (batch_size,))
+
+def loss_fn(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_export_of_a_file_without_a_dataset_runs_as_written(tmp_path):
+    # It omitted --steps, and `autotune train` refused to start ("give --steps N").
+    from autotune import plan as make_real_plan
+    from autotune.planning.planfile import save_plan
+
+    (tmp_path / "tiny.py").write_text(TINY_WITHOUT_DATASET)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    planned = make_real_plan(str(tmp_path / "tiny.py"), target_batch=16, world_size=2,
+                             memory_limit="64MiB", precision="fp32", checkpointing="off")
+    assert planned.workload.has_dataset is False
+    save_plan(planned, tmp_path / "plan.json")
+    script = tmp_path / "run.sh"
+    script.write_text(export_plan(planned, "torchrun", plan_path=str(tmp_path / "plan.json")).render())
+    done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "trained 1000 optimizer steps" in done.stdout + done.stderr

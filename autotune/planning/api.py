@@ -487,6 +487,7 @@ def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerpr
         batchnorm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         checkpointable=bool(blocks),
         repeated_blocks=len(blocks),
+        has_dataset=workload.build_dataset is not None,
     )
 
 

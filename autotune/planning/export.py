@@ -24,6 +24,9 @@ from .types import Plan
 
 TARGETS = ("hf", "deepspeed", "lightning", "accelerate", "torchrun")
 
+TORCHRUN_STEPS = 1000
+"""Optimizer steps of the torchrun export of a model file without build_dataset() (no epochs)."""
+
 
 @dataclass(kw_only=True)
 class EvenSplit:
@@ -264,10 +267,16 @@ def to_accelerate(plan: Plan) -> Export:
     and DataLoader arguments, which that file cannot hold, go to ``script`` and the notes."""
     even = even_split(plan)
     cpu = _on_cpu(plan)
-    if plan.world_size == 1:
-        distributed = "NO"
-    else:
-        distributed = "MULTI_CPU" if cpu else "MULTI_GPU"
+    if cpu and plan.sharding.sharded and plan.world_size > 1:
+        raise ConfigError(
+            f"--to accelerate: the plan shards with {plan.sharding} on the CPU, and Accelerate runs "
+            f"FSDP only on accelerators (on the CPU its processes train unsharded replicas, each "
+            f"holding what the plan shards); export --to torchrun (autotune's own loop shards on "
+            f"the CPU), or plan with --sharding ddp for Accelerate")
+    # Several processes on one machine: Accelerate's MULTI_CPU type starts one process unless
+    # launched by mpirun, so the CPU plan takes the multi-process launcher (MULTI_GPU, torchrun
+    # inside) and the script's Accelerator(cpu=True) makes the ranks one gloo group (MULTI_CPU).
+    distributed = "NO" if plan.world_size == 1 else "MULTI_GPU"
     mixed = _ACCELERATE_PRECISION[plan.precision]
     config = {
         "compute_environment": "LOCAL_MACHINE",
@@ -289,12 +298,21 @@ def to_accelerate(plan: Plan) -> Export:
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         }
     accelerator = {"gradient_accumulation_steps": even.accumulation_steps, "mixed_precision": mixed}
+    if cpu:
+        accelerator["cpu"] = True
     notes = _common_notes(plan, "Accelerate")
     if plan.sharding.sharded:
         notes += _sharding_notes(plan)
+    arguments = ", ".join(f"{key}={value!r}" for key, value in accelerator.items()
+                          if key != "mixed_precision")
     notes.append(f"launch config for `accelerate launch --config_file FILE.json`; in the script use "
-                 f"Accelerator(gradient_accumulation_steps={even.accumulation_steps}) with "
-                 f"accelerator.accumulate(model), and DataLoader(..., batch_size={even.micro_batch})")
+                 f"Accelerator({arguments}) with accelerator.accumulate(model), and "
+                 f"DataLoader(..., batch_size={even.micro_batch})")
+    if cpu and plan.world_size > 1:
+        notes.append(f"on the CPU the file starts {plan.world_size} processes with Accelerate's "
+                     f"multi-process launcher (distributed_type MULTI_GPU); Accelerator(cpu=True) "
+                     f"makes them one gloo group (MULTI_CPU) that trains {even.effective_batch} "
+                     f"samples per optimizer step; without it each process trains alone")
     if plan.checkpointing:
         notes.append("the plan uses activation checkpointing: apply it in the model "
                      "(torch.utils.checkpoint); Accelerate has no switch for it")
@@ -308,6 +326,14 @@ def to_torchrun(plan: Plan, *, plan_path: str = "plan.json", model_file: str | N
     command = ["torchrun", "--standalone", f"--nproc_per_node={plan.world_size}", "-m", "autotune",
                "train", model, "--plan", plan_path]
     notes = []
+    if plan.workload.has_dataset is False:
+        # Without a dataset there are no epochs: `autotune train` refuses to start without --steps.
+        command += ["--steps", str(TORCHRUN_STEPS)]
+        notes.append(f"{model} has no build_dataset(), so the run trains make_batch's batches for "
+                     f"--steps optimizer steps: {TORCHRUN_STEPS} here, set it to the run you want")
+    elif plan.workload.has_dataset is None:
+        notes.append("add --steps N if the model file has no build_dataset() (this plan does not "
+                     "say whether it has one); with a dataset it trains one epoch, or --epochs N")
     if plan.device is not None and plan.device.kind == "cpu" and plan.world_size > 1:
         notes.append("CPU processes communicate over gloo; this runs all ranks on one machine")
     if plan.sharding.sharded:

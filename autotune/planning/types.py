@@ -83,6 +83,9 @@ class WorkloadFingerprint:
     """Whether the model has repeated blocks that activation checkpointing can wrap."""
     repeated_blocks: int | None = None
     """How many repeated blocks checkpointing can wrap (None: not recorded, older files)."""
+    has_dataset: bool | None = None
+    """Whether the model file defines build_dataset() (None: not recorded, older files). Without
+    one, ``autotune train`` trains make_batch's batches and needs --steps."""
 
 
 @dataclass(kw_only=True)
