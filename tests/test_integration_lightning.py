@@ -98,3 +98,49 @@ def test_callback_plans_at_setup(examples_dir):
     trainer.fit(module)
     assert callback.plan.micro_batches == [4, 4, 4]
     assert module.hparams.batch_size == 4 and trainer.accumulate_grad_batches == 3
+
+
+def test_callback_checkpoints_the_plans_k_of_n_blocks():
+    # It checkpointed every block (HF's own switch) for a plan of 1 of 2.
+    workload = real_model("gpt2_varlen")
+    plan = make_plan(8, 4)
+    plan.checkpointing, plan.checkpointed_blocks, plan.workload.repeated_blocks = True, 1, 2
+    module = Module(workload.model())
+    _trainer(plan, AutotuneCallback(plan)).fit(module, datamodule=Data(workload))
+    wrapped = [m for m in module.modules() if getattr(m, "_autotune_checkpointed", False)]
+    assert len(wrapped) == 1 and wrapped[0] is module.model.transformer.h[0]
+    assert not module.model.is_activation_checkpointing
+    assert module.model.config.use_cache is False  # recomputation needs the cache off
+
+
+def test_callback_refuses_k_of_n_on_a_module_with_other_blocks():
+    workload = real_model("gpt2_varlen")
+    plan = make_plan(8, 4)
+    plan.checkpointing, plan.checkpointed_blocks, plan.workload.repeated_blocks = True, 1, 3
+    with pytest.raises(ConfigError, match="checkpoints 1 of the 3 repeated blocks.*has 2"):
+        _trainer(plan, AutotuneCallback(plan)).fit(Module(workload.model()), datamodule=Data(workload))
+
+
+class ScheduledModule(Module):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize("module_type", [Module, ScheduledModule])
+def test_callback_trains_at_the_plans_lr(module_type):
+    # configure_optimizers' own LR (1e-3, 0.5) was kept whatever the plan said.
+    workload = real_model("gpt2_varlen")
+    plan = make_plan(8, 4, base_lr=1e-2, base_batch=4)  # linear or sqrt rule: not 1e-3 nor 0.5
+    lr = plan.lr.lr
+    assert lr is not None and lr not in (1e-3, 0.5)
+    module = module_type(workload.model())
+    trainer = _trainer(plan, AutotuneCallback(plan))
+    trainer.fit(module, datamodule=Data(workload))
+    group = trainer.optimizers[0].param_groups[0]
+    if module_type is ScheduledModule:
+        assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [lr]
+        assert group["lr"] == pytest.approx(lr / 3)  # the schedule's factor after 2 steps
+    else:
+        assert group["lr"] == pytest.approx(lr)

@@ -5,7 +5,10 @@
 At ``setup`` the callback applies the plan: the micro-batch to ``batch_size`` on the datamodule or
 the module (or its ``hparams``, as Lightning's batch-size finder looks for it),
 ``accumulate_grad_batches`` and gradient clipping to the Trainer, and checkpointing to the
-module's repeated blocks (a Hugging Face model inside switched with its own switch). Precision is
+module's repeated blocks (every block: a Hugging Face model inside switched with its own switch;
+K of N: the same K blocks the plan measured). At ``on_fit_start``, once ``configure_optimizers``
+has run, every optimizer's learning rate becomes the plan's (schedulers keep their shape and
+start from it), as in autotune's own loop. Precision is
 fixed when the Trainer is built, so it is checked, not changed: ``trainer_arguments(plan)`` gives
 it. Without a plan, ``AutotuneCallback(workload="model.py", target_batch=256, ...)`` plans at
 ``setup`` (``autotune.plan`` with the remaining keyword arguments).
@@ -21,7 +24,7 @@ from ..planning.api import plan as make_plan
 from ..planning.export import even_split, to_lightning
 from ..planning.types import Plan
 from ..training.checks import load_plan
-from ..workload.activation_checkpointing import enable_checkpointing
+from ..workload.activation_checkpointing import checkpointable_blocks, enable_checkpointing
 
 
 def trainer_arguments(plan) -> dict:
@@ -51,6 +54,9 @@ class AutotuneCallback(Callback):
             self.plan = make_plan(workload, target_batch=target_batch, **options)
         apply_plan(self.plan, trainer, pl_module)
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        apply_plan_lr(self.plan, trainer)
+
 
 def apply_plan(plan: Plan, trainer, pl_module) -> None:
     """Set the plan's batch size, accumulation, clipping and checkpointing; check its precision."""
@@ -76,4 +82,42 @@ def apply_plan(plan: Plan, trainer, pl_module) -> None:
     trainer.gradient_clip_val = plan.clip_grad_norm
     trainer.gradient_clip_algorithm = "norm" if plan.clip_grad_norm is not None else None
     if plan.checkpointing:
-        enable_checkpointing(pl_module, source=type(pl_module).__name__)
+        enable_checkpointing(pl_module, source=type(pl_module).__name__,
+                             blocks=_planned_blocks(plan, pl_module))
+
+
+def _planned_blocks(plan: Plan, pl_module) -> int | None:
+    """The plan's K of N blocks on the module (None: every block)."""
+    blocks, total = plan.blocks, plan.total_blocks
+    if blocks is None or total is None or blocks >= total:
+        return None
+    found = len(checkpointable_blocks(pl_module))
+    if found != total:
+        raise ConfigError(
+            f"the plan checkpoints {blocks} of the {total} repeated blocks of "
+            f"{plan.workload.source}'s model, and the {type(pl_module).__name__} has {found}; "
+            f"checkpoint the model's blocks in the module (autotune.workload.activation_checkpointing"
+            f".enable_checkpointing(model, blocks={blocks})) and build the plan's Trainer without "
+            f"checkpointing, or plan the module itself")
+    return blocks
+
+
+def apply_plan_lr(plan: Plan, trainer) -> None:
+    """Every parameter group of the Trainer's optimizers at the plan's LR (none: left as it is).
+
+    ``configure_optimizers`` has already made the schedulers, which remember the LR they start
+    from: each one is moved to the plan's LR, keeping the factor it has applied so far."""
+    lr = plan.lr.lr
+    if lr is None:
+        return
+    schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            start = group.get("initial_lr", group["lr"])
+            factor = group["lr"] / start if start else 1.0
+            group["lr"] = lr * factor
+            if "initial_lr" in group:
+                group["initial_lr"] = lr
+        for scheduler in schedulers:
+            if getattr(scheduler, "optimizer", None) is optimizer and hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs = [lr] * len(optimizer.param_groups)
