@@ -3,7 +3,9 @@ search, training), drawn by tqdm.
 
 A bar shows only where someone watches it: stderr is a terminal, this is rank 0, and nobody asked
 for quiet (``--quiet``, or ``quiet()`` around the call). Everywhere else ``bar()`` returns a tqdm
-that draws nothing, so callers never branch on it.
+that draws nothing, so callers never branch on it. Where stderr is no terminal (a log file, a
+pipe, a batch job), a probe's trials are logged as plain lines instead, one as each starts: a
+trial that hangs is the last line.
 """
 
 from __future__ import annotations
@@ -50,11 +52,18 @@ def shown() -> bool:
     return not _QUIET.get() and _rank() == 0 and stderr_is_terminal()
 
 
+def lines_shown() -> bool:
+    """Whether plain lines stand in for a bar: not quiet, rank 0, stderr no terminal."""
+    return not _QUIET.get() and _rank() == 0 and not stderr_is_terminal()
+
+
 def bar(desc: str, *, total: float | None = None, unit: str = "it") -> tqdm:
     """A tqdm bar on stderr, drawn only when ``shown()``; close it (or use it as a context)."""
     # disable=False, not tqdm's None (its own isatty check): shown() has decided already.
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not shown(),
-                leave=False, dynamic_ncols=True)
+    progress = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not shown(),
+                    leave=False, dynamic_ncols=True)
+    progress.desc = desc  # a disabled tqdm keeps none; the plain lines name the work with it
+    return progress
 
 
 def write(message: str) -> None:
@@ -68,6 +77,8 @@ def watch_trials(run_trial, progress: tqdm, *, fake: bool):
 
     def run(n: int):
         progress.set_postfix_str(f"trying micro-batch {n} ({where})", refresh=True)
+        if lines_shown():
+            write(f"{progress.desc}: trying micro-batch {n} ({where})")
         trial = run_trial(n)
         verdict = "fits" if trial.fits else "out of memory"
         progress.set_postfix_str(f"micro-batch {n}: {verdict}, peak {format_bytes(trial.peak_bytes)} "

@@ -25,7 +25,7 @@ def test_probe_prints_the_trials_and_the_answer():
 def test_probe_json_is_the_probe_result():
     result = run("probe", MLP, "--memory-limit", "52MiB", "--max-micro-batch", "8", "--json")
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)  # stderr logs the trials
     assert data["max_micro_batch"] == 8 and data["capped"] is True
     assert data["device"]["budget_bytes"] == 52 * 1024**2
     assert {"micro_batch", "fits", "peak_bytes", "seconds"} <= set(data["trials"][0])

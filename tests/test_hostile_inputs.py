@@ -20,6 +20,7 @@ from test_train_errors import _plan_file
 
 RAISING_MODEL = textwrap.dedent("""
     import os
+    import time
     import torch
     from torch import nn
 
@@ -29,6 +30,9 @@ RAISING_MODEL = textwrap.dedent("""
             self.layer = nn.Linear(4, 2)
 
         def forward(self, x):
+            if os.environ.get("FAIL") == "hang" and x.shape[0] >= 3 \
+                    and not isinstance(x, torch._subclasses.FakeTensor):
+                time.sleep(3600)  # waits on something that never comes
             if os.environ.get("FAIL") == "forward":
                 return self.layer(x.view(-1, 3)).sum()
             return self.layer(x).pow(2).mean()
@@ -254,3 +258,32 @@ def test_json_nested_too_deep_is_a_message(tmp_path, model_file):
     result = _cli(*run, "--steps", "2", "--resume")
     assert result.exit_code == 0, result.output
     assert [line.count("[") for line in (tmp_path / "m.jsonl").read_text().splitlines()] == [0, 0]
+
+
+# -- 7. a trial that hangs: a line per trial where stderr is no terminal, and --trial-timeout ----
+def test_a_hanging_trial_is_logged_and_stopped_by_trial_timeout(tmp_path, raising_model, monkeypatch):
+    import signal
+    import time
+
+    model = raising_model
+    monkeypatch.setenv("FAIL", "hang")
+    handler = signal.getsignal(signal.SIGALRM)
+    started = time.perf_counter()
+    result = CliRunner().invoke(cli, ["probe", str(model), "--device", "cpu", "--memory-limit",
+                                      "64MiB", "--max-micro-batch", "8", "--trial-timeout", "1"])
+    assert result.exit_code == 1, result.output
+    assert time.perf_counter() - started < 60
+    # stderr is no terminal here: each trial is a line as it starts, the hanging one last.
+    lines = result.stderr.splitlines()
+    assert lines[-2] == "probe fp32, checkpointing off: trying micro-batch 8 (real)", lines
+    assert lines[-1].startswith(f"Error: {model}: the trial at micro-batch 8 (fp32, checkpointing "
+                                f"off) ran past --trial-timeout 1 s and was stopped")
+    # verify runs the plan's micro-batch under the same limit.
+    plan = _plan_naming(tmp_path, model, model)
+    result = _cli("verify", plan, "--device", "cpu", "--steps", "1", "--trial-timeout", "0.5")
+    assert result.exit_code == 1 and "at micro-batch 4" in result.output, result.output
+    assert "ran past --trial-timeout 0.5 s" in result.output
+    # The timer is disarmed and the handler restored, every time.
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    for bad in ("0", "-1", "nan", "inf"):
+        assert _cli("probe", model, "--trial-timeout", bad).exit_code == 2

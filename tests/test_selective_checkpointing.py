@@ -249,7 +249,7 @@ def test_cli_probe_and_estimate_take_a_count(one_thread, examples_dir):
     probed = runner.invoke(cli, ["probe", path, "--device", "cpu", "--memory-limit", "64MiB",
                                  "--checkpointing", "1", "--max-micro-batch", "4", "--json"])
     assert probed.exit_code == 0, probed.output
-    result = json.loads(probed.output)
+    result = json.loads(probed.stdout)  # stderr logs the trials
     assert (result["checkpointing"], result["checkpointed_blocks"], result["total_blocks"]) == (True, 1, 2)
     estimated = runner.invoke(cli, ["estimate", path, "--micro-batch", "24", "--checkpointing", "1/2",
                                     "--json"])

@@ -88,6 +88,21 @@ def _quiet_option(command):
                         help="No progress bars on stderr (drawn only when it is a terminal).")(wrapper)
 
 
+def _trial_timeout_option(command):
+    """--trial-timeout: a trial past it stops with a message naming it (probing/deadline.py)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, trial_timeout, **kwargs):
+        from ..probing.deadline import trial_timeout as limit
+
+        with limit(trial_timeout):
+            return command(*args, **kwargs)
+
+    return click.option("--trial-timeout", type=float, default=None, metavar="SECONDS",
+                        help="Stop a trial (one measured training step) that runs longer than "
+                             "this, naming its micro-batch and setting (default: no limit).")(wrapper)
+
+
 def _scaler_options(command):
     """The fp16 GradScaler's knobs, gathered into ``grad_scaler`` (only those given)."""
 
@@ -142,6 +157,7 @@ def _model_file(function):
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_quiet_option
 @_errors_to_exit_codes
+@_trial_timeout_option
 def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_batch, as_json):
     """Find the exact largest micro-batch whose full training step fits."""
     from ..probing.api import probe as run_probe
@@ -224,6 +240,7 @@ def devices(memory_limit, as_json):
 @_scaler_options
 @_quiet_option
 @_errors_to_exit_codes
+@_trial_timeout_option
 def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
                  gpu, even, sharding, shard_group, output, as_json, grad_scaler):
@@ -478,6 +495,7 @@ def profiles(profile, as_json):
               help="Write the re-planned plan here when the plan is not confirmed.")
 @_quiet_option
 @_errors_to_exit_codes
+@_trial_timeout_option
 def verify(plan_file, model_file, device, memory_limit, steps, output):
     """Run a plan's micro-batch for a few real steps here: exit 0 when it fits, 1 when re-planned."""
     from ..outputs import check_outputs

@@ -24,6 +24,7 @@ from ..memory.base import MemoryBackend
 from ..oom import free_memory, is_oom_error
 from ..precision import Precision, autocast, grad_scaler
 from ..workload.contract import Workload, move_batch
+from .deadline import deadline
 from .result import Trial
 from .step_errors import is_step_failure, original, step_failed
 
@@ -191,7 +192,7 @@ class TrialSession:
         start = time.perf_counter()
         out_of_memory = False
         try:
-            with self._soft_budget():
+            with self._soft_budget(), deadline(self, n):  # --trial-timeout
                 activation_peak, step_peak = self._step(n)
         except Exception as exc:  # noqa: BLE001 - an OOM is the trial's answer; others are raised
             if is_step_failure(exc):
