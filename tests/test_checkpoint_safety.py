@@ -222,7 +222,7 @@ def _lock(folder, **fields):
     return record
 
 
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
 def test_a_second_run_on_a_folder_in_use_is_refused_naming_the_first(tmp_path, other_process, sharded):
     plan = _sharded() if sharded else make_plan([4], lr=0.1)
     _lock(tmp_path, pid=other_process.pid)
@@ -290,7 +290,7 @@ class _FailsOnce(torch.nn.Module):
         return self.inner(x)
 
 
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
 def test_a_torchrun_restart_resumes_from_its_runs_checkpoint_whatever_the_failure(
         tmp_path, monkeypatch, sharded):
     plan = _sharded((4, 4)) if sharded else make_plan([4, 4], lr=0.1)
@@ -327,7 +327,7 @@ def test_a_torchrun_restart_never_resumes_another_runs_checkpoint(tmp_path, monk
 
 
 # -- 6. tampered fields --------------------------------------------------------------------------
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
 @pytest.mark.parametrize("edit, message", [
     (lambda s: s.update(step="abc"), "the field 'step' is 'abc', not a non-negative integer"),
     (lambda s: s.update(step=-5), "the field 'step' is -5, not a non-negative integer"),
@@ -370,3 +370,65 @@ def test_resume_at_or_past_the_steps_asked_for_says_there_is_nothing_to_train(tm
     checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
     assert saved["steps"] == 2
     assert all(torch.equal(saved["model"][k], checkpoint["model"][k]) for k in saved["model"])
+
+
+# -- under torchrun (slow: a few launches of 2 gloo ranks) ---------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_a_rank_killed_with_sigkill_is_recovered_by_torchruns_restart(tmp_path, monkeypatch, sharding):
+    """kill -9 of rank 1 in step 3 under --max-restarts 1: torchrun relaunches both ranks with the
+    same command (no --resume); they continue from the checkpoint of step 2 and end with the
+    parameters of an uninterrupted run."""
+    from test_train_oom_restart import _plan, _saved, _torchrun
+
+    monkeypatch.setenv("AUTOTUNE_TEST_KILL", "1:5")  # rank 1's 5th forward: step 3, first micro-step
+    code, log = _torchrun(tmp_path, "killed", _plan([4, 4], sharding), "--checkpoint-dir", tmp_path / "ckpt",
+                          "--checkpoint-every", 1, "--save", tmp_path / "recovered.pt", "--metrics",
+                          tmp_path / "metrics.jsonl", max_restarts=1)
+    assert code == 0, log[-6000:]
+    assert "(exitcode: -9) local_rank: 1" in log, log[-6000:]
+    assert "torchrun restart 1: resumed from the checkpoint of step 2 in" in log
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert not (tmp_path / "ckpt" / LOCK_NAME).exists()
+    monkeypatch.delenv("AUTOTUNE_TEST_KILL")
+    code, log = _torchrun(tmp_path, "reference", _plan([4, 4], sharding), "--save", tmp_path / "reference.pt")
+    assert code == 0, log[-6000:]
+    assert relative_error(_saved(tmp_path / "recovered.pt"), _saved(tmp_path / "reference.pt")) <= 1e-12
+
+
+@pytest.mark.slow
+def test_a_torchrun_run_holds_its_folder_against_a_second_run(tmp_path):
+    """Run A (2 ranks, slowed) holds the lock for its whole run; run B on the same folder is
+    refused naming A's rank 0; after A ends the lock is gone and B may continue A's checkpoint."""
+    from test_train_oom_restart import MODEL, STEPS, TESTS as HERE, _plan
+
+    plan = save_plan(_plan([4, 4], "ddp"), tmp_path / "plan.json")
+    folder = tmp_path / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", AUTOTUNE_TEST_SLOW="0.5",
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    train_args = ["train", str(MODEL), "--plan", str(plan), "--steps", str(STEPS), "--checkpoint-dir", str(folder)]
+    first = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "--standalone", "--no-python", sys.executable, "-c",
+                              "from autotune.cli import main; main()", *train_args],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (folder / LOCK_NAME).exists() and time.time() < deadline and first.poll() is None:
+            time.sleep(0.1)
+        held = json.loads((folder / LOCK_NAME).read_text())
+        second = subprocess.run([sys.executable, "-m", "autotune", *train_args, "--resume"], env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert first.poll() is None  # A was still running, so the refusal was tested against it
+        output, _ = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert second.returncode == 1, second.stderr
+    assert f"is in use by another run: pid {held['pid']} on {held['host']}, started {held['started']}" \
+        in second.stderr
+    assert first.returncode == 0, output[-6000:]
+    assert not (folder / LOCK_NAME).exists()
+    again = subprocess.run([sys.executable, "-m", "autotune", *train_args, "--resume"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and "is in use" not in again.stderr  # the plan's 2 ranks, not the lock
+    assert "world_size 2 but this run has 1" in again.stderr

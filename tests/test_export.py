@@ -15,7 +15,7 @@ from autotune.planning import export
 from autotune.errors import ConfigError
 from autotune.sharding import Sharding
 from autotune.planning.export import TARGETS, even_split, export_plan
-from plan_helpers import device, make_plan
+from plan_helpers import device, fingerprint, make_plan
 
 TESTS = Path(__file__).resolve().parent
 
@@ -260,9 +260,61 @@ def test_unknown_target():
 
 def test_missing_lr_is_noted():
     plan = make_plan(64, 64)
+    plan.workload.optimizer_lr = None
     exported = export_plan(plan, "hf")
     assert "learning_rate" not in exported.config
     assert any("no learning rate is exported" in n for n in exported.notes)
+
+
+def test_a_plan_that_keeps_the_optimizers_lr_exports_it():
+    # Trainer's default (5e-5) would not keep the model file's optimizer LR.
+    plan = make_plan(64, 64)
+    assert plan.lr.lr is None and plan.workload.optimizer_lr == 1e-3
+    assert export_plan(plan, "hf").config["learning_rate"] == 1e-3
+    assert export_plan(plan, "deepspeed").config["optimizer"]["params"]["lr"] == 1e-3
+    assert any("optimizer LR 0.001 is exported as it is" in n for n in export_plan(plan, "hf").notes)
+
+
+def _sgd_plan():
+    plan = make_plan(128, 32, base_lr=0.1, base_batch=32, lr_rule="auto",
+                     workload=fingerprint(optimizer="SGD", optimizer_lr=0.1,
+                                          optimizer_settings={"momentum": 0.9, "dampening": 0,
+                                                              "nesterov": False, "weight_decay": 5e-4}))
+    assert plan.lr.lr == pytest.approx(0.4)  # the linear rule for SGD: 0.1 × 128 / 32
+    return plan
+
+
+def test_hf_trains_the_plans_optimizer_at_its_lr(tmp_path):
+    # An SGD plan's linear-rule LR landed in TrainingArguments with Trainer's default AdamW.
+    transformers = pytest.importorskip("transformers")
+    config = export_plan(_sgd_plan(), "hf").config
+    assert config["optim"] == "sgd" and config["learning_rate"] == pytest.approx(0.4)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), **config)
+    cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args)
+    assert cls is torch.optim.SGD and kwargs["lr"] == pytest.approx(0.4)
+    assert kwargs["momentum"] == 0.9 and not kwargs["nesterov"]
+    assert args.weight_decay == 5e-4  # Trainer puts it in the parameter groups
+    assert args.lr_scheduler_type == "constant"  # not Trainer's linear decay to 0
+
+
+def test_hf_adamw_takes_the_files_betas_and_decay(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    plan = make_plan(64, 32, workload=fingerprint(
+        optimizer="AdamW", optimizer_settings={"betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), **export_plan(plan, "hf").config)
+    assert (args.optim, args.adam_beta2, args.adam_epsilon, args.weight_decay) == (
+        "adamw_torch", 0.95, 1e-6, 0.1)
+
+
+def test_deepspeed_has_the_plans_optimizer_block():
+    # The DeepSpeed config had no optimizer block: DeepSpeed then needs one from the script.
+    optimizer = export_plan(_sgd_plan(), "deepspeed").config["optimizer"]
+    assert optimizer == {"type": "SGD", "params": {"lr": pytest.approx(0.4), "momentum": 0.9,
+                                                   "dampening": 0, "nesterov": False,
+                                                   "weight_decay": 5e-4}}
+    getattr(torch.optim, optimizer["type"])([torch.zeros(1, requires_grad=True)], **optimizer["params"])
+    adam = export_plan(make_plan(64, 32, workload=fingerprint(optimizer="Adam")), "deepspeed")
+    assert adam.config["optimizer"]["params"]["adam_w_mode"] is False  # torch's Adam: L2 decay
 
 
 def test_lightning_uses_gpu_for_cuda_plans(even):
@@ -422,3 +474,16 @@ def test_torchrun_export_of_a_file_without_a_dataset_runs_as_written(tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "trained 1000 optimizer steps" in done.stdout + done.stderr
+
+
+def test_the_plan_records_the_optimizers_hyperparameters(examples_dir):
+    from autotune.planning.api import fingerprint_workload
+    from autotune.planning.planfile import plan_from_json, plan_to_json
+    from autotune.workload.contract import load_workload
+
+    recorded = fingerprint_workload(load_workload(examples_dir / "mlp.py"))
+    assert recorded.optimizer == "AdamW"
+    assert recorded.optimizer_settings["betas"] == [0.9, 0.999]
+    assert recorded.optimizer_settings["weight_decay"] == 0.01
+    plan = make_plan(64, 32, workload=recorded)
+    assert plan_from_json(plan_to_json(plan)).workload.optimizer_settings == recorded.optimizer_settings

@@ -484,11 +484,32 @@ def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerpr
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
         # A NaN or infinite LR is no LR to keep (and JSON cannot hold it).
         optimizer_lr=float(lr) if isinstance(lr, (int, float)) and math.isfinite(lr) else None,
+        optimizer_settings=optimizer_settings(optimizer) if optimizer is not None else None,
         batchnorm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         checkpointable=bool(blocks),
         repeated_blocks=len(blocks),
         has_dataset=workload.build_dataset is not None,
     )
+
+
+_OPTIMIZER_SETTINGS = ("momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "amsgrad",
+                       "alpha", "centered", "lr_decay")
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict:
+    """Param group 0's hyperparameters that other runners' optimizers take (finite numbers,
+    bools and pairs of them; JSON holds nothing else)."""
+    group = optimizer.param_groups[0]
+
+    def plain(value):
+        if isinstance(value, bool):
+            return True
+        if isinstance(value, (int, float)):
+            return math.isfinite(value)
+        return isinstance(value, (tuple, list)) and all(plain(v) and not isinstance(v, bool) for v in value)
+
+    return {key: (list(group[key]) if isinstance(group[key], tuple) else group[key])
+            for key in _OPTIMIZER_SETTINGS if key in group and plain(group[key])}
 
 
 def _dataset_size(workload: Workload) -> int | None:

@@ -96,9 +96,15 @@ def _selective_notes(plan: Plan, target: str) -> list[str]:
             f"model, blocks={blocks})) or train with autotune's own loop"]
 
 
-def _common_notes(plan: Plan, target: str, *, carries_warmup: bool = False) -> list[str]:
+def _common_notes(plan: Plan, target: str, *, carries_warmup: bool = False,
+                  carries_optimizer: bool = False) -> list[str]:
+    """``carries_optimizer``: the export sets the optimizer and its LR (the plan's, else the
+    optimizer's own)."""
     notes = [n for n in _even_notes(plan, target) if n] + _selective_notes(plan, target)
-    if plan.lr.lr is None:
+    if plan.lr.lr is None and carries_optimizer and plan.workload.optimizer_lr is not None:
+        notes.append(f"the model file's optimizer LR {plan.workload.optimizer_lr:g} is exported "
+                     f"as it is: {plan.lr.note}")
+    elif plan.lr.lr is None:
         notes.append("no learning rate is exported: " + plan.lr.note)
     elif plan.lr.warmup_steps and not carries_warmup:
         notes.append(f"warm the LR up linearly over {plan.lr.warmup_steps} optimizer steps (the "
@@ -109,6 +115,69 @@ def _common_notes(plan: Plan, target: str, *, carries_warmup: bool = False) -> l
                      f"size / {plan.target_batch}); no step count is exported because the plan does "
                      f"not know the dataset size (define build_dataset() in the model file)")
     return notes
+
+
+def _optimizer(plan: Plan) -> tuple[str | None, float | None, dict]:
+    """The model file's optimizer (class name), the LR to train at (the plan's, else the
+    optimizer's own) and its other hyperparameters as the plan recorded them."""
+    lr = plan.lr.lr if plan.lr.lr is not None else plan.workload.optimizer_lr
+    return plan.workload.optimizer, lr, dict(plan.workload.optimizer_settings or {})
+
+
+_HF_OPTIM = {"AdamW": "adamw_torch", "Adam": "adamw_torch", "SGD": "sgd", "Adagrad": "adagrad",
+             "RMSprop": "rmsprop"}
+"""torch optimizers TrainingArguments(optim=...) builds (Adam: AdamW, the same without weight decay)."""
+_HF_OPTIM_ARGS = {"SGD": ("momentum", "dampening", "nesterov"), "Adagrad": ("lr_decay", "eps"),
+                  "RMSprop": ("momentum", "alpha", "eps", "centered")}
+"""What Trainer reads from optim_args ("key=value,...") for them; weight decay is its own field
+(Trainer puts it in the parameter groups, over optim_args)."""
+
+
+def _hf_optimizer(plan: Plan, config: dict) -> list[str]:
+    """TrainingArguments' optimizer fields for the model file's optimizer; notes for the rest."""
+    name, lr, settings = _optimizer(plan)
+    if name is None:
+        return []
+    optim = _HF_OPTIM.get(name)
+    if optim is None:
+        return [f"TrainingArguments cannot build the model file's {name}: pass it to "
+                f"Trainer(optimizers=(optimizer, None)) with lr={lr:g}" if lr is not None else
+                f"TrainingArguments cannot build the model file's {name}: pass it to "
+                f"Trainer(optimizers=(optimizer, None))"]
+    config["optim"] = optim
+    config["weight_decay"] = settings.get("weight_decay", 0.0)
+    notes = []
+    if config["weight_decay"]:
+        notes.append("Trainer leaves biases and LayerNorm weights out of weight decay; the model "
+                     "file's optimizer decays every parameter of its groups")
+    if optim == "adamw_torch":
+        betas = settings.get("betas")
+        if betas is not None:
+            config["adam_beta1"], config["adam_beta2"] = betas
+        if "eps" in settings:
+            config["adam_epsilon"] = settings["eps"]
+        if name == "Adam" and config["weight_decay"]:
+            notes.append(f"the model file's Adam adds weight decay {config['weight_decay']:g} to the "
+                         f"gradient (L2); Trainer's adamw_torch decays the weights instead (AdamW): "
+                         f"for the same updates pass torch.optim.Adam to Trainer(optimizers=...)")
+    else:
+        args = {key: settings[key] for key in _HF_OPTIM_ARGS[name] if key in settings}
+        if args:
+            config["optim_args"] = ",".join(f"{key}={value}" for key, value in args.items())
+    return notes
+
+
+def _deepspeed_optimizer(plan: Plan) -> dict | None:
+    """DeepSpeed's optimizer block for the model file's optimizer (None: none recorded). Adam and
+    AdamW are DeepSpeed's own (Adam in its L2 mode, as torch's); other names DeepSpeed takes from
+    torch.optim."""
+    name, lr, settings = _optimizer(plan)
+    if name is None:
+        return None
+    params = {**({"lr": lr} if lr is not None else {}), **settings}
+    if name == "Adam":
+        params["adam_w_mode"] = False
+    return {"type": name, "params": params}
 
 
 def _on_cpu(plan: Plan) -> bool:
@@ -149,11 +218,16 @@ def to_hf(plan: Plan) -> Export:
     if _on_cpu(plan):
         # Without it TrainingArguments refuses bf16/fp16 on a machine with no GPU.
         config["use_cpu"] = True
-    if plan.lr.lr is not None:
-        config["learning_rate"] = plan.lr.lr
-        if plan.lr.warmup_steps:
-            config["warmup_steps"] = plan.lr.warmup_steps
-    notes = _common_notes(plan, "TrainingArguments", carries_warmup=True)
+    _, lr, _ = _optimizer(plan)
+    if lr is not None:
+        config["learning_rate"] = lr
+    if plan.lr.lr is not None and plan.lr.warmup_steps:
+        config["warmup_steps"] = plan.lr.warmup_steps
+    # autotune's loop keeps the LR constant after the warmup; Trainer's default decays it to 0.
+    config["lr_scheduler_type"] = ("constant_with_warmup" if config.get("warmup_steps")
+                                   else "constant")
+    notes = _common_notes(plan, "TrainingArguments", carries_warmup=True, carries_optimizer=True)
+    notes += _hf_optimizer(plan, config)
     if checkpointing_field is None:
         notes.append(f"transformers could not be imported here, so the checkpointing switch is "
                      f"exported as '{_HF_CHECKPOINTING_OLD}' (the name transformers 4.x takes); "
@@ -190,6 +264,9 @@ def to_deepspeed(plan: Plan) -> Export:
     }
     if plan.clip_grad_norm is not None:
         config["gradient_clipping"] = plan.clip_grad_norm
+    optimizer = _deepspeed_optimizer(plan)
+    if optimizer is not None:
+        config["optimizer"] = optimizer
     if plan.lr.lr is not None and plan.lr.warmup_steps:
         config["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": plan.lr.base_lr, "warmup_max_lr": plan.lr.lr,
@@ -200,7 +277,7 @@ def to_deepspeed(plan: Plan) -> Export:
         if plan.sharding.offload:
             zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
         config["zero_optimization"] = zero
-    notes = _common_notes(plan, "DeepSpeed", carries_warmup=True)
+    notes = _common_notes(plan, "DeepSpeed", carries_warmup=True, carries_optimizer=True)
     if plan.precision == "fp16":
         notes += _deepspeed_loss_scale(plan.grad_scaler, config["fp16"])
     if plan.sharding.sharded:

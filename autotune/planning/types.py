@@ -77,6 +77,9 @@ class WorkloadFingerprint:
     """Class name of the optimizer ``build_optimizer`` returns (drives the "auto" LR rule)."""
     optimizer_lr: float | None = None
     """The optimizer's own learning rate (param group 0), kept when no base LR is given."""
+    optimizer_settings: dict | None = None
+    """The optimizer's other hyperparameters (param group 0: momentum, betas, eps, weight_decay,
+    ...), for the exports to other runners (None: not recorded, older files)."""
     batchnorm: bool = False
     """Whether the model has BatchNorm layers (they see only the micro-batch)."""
     checkpointable: bool = True

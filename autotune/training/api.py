@@ -22,7 +22,7 @@ from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_
 from .checkpoint import written_by as checkpoint_written_by
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
-from ..errors import AutotuneError, OutputError
+from ..errors import AutotuneError, OutputError, UserCodeError
 from .errors import NonFiniteError, OOMRestart, TrainError
 from .loop import StepRunner, TrainState, run_steps
 from .metrics import MetricsLog
@@ -209,6 +209,9 @@ class _Session:
         try:
             if progress:
                 metrics.note(self._describe())
+            if progress and resume and self.attempt and self.attempt["restart"]:
+                metrics.note(f"torchrun restart {self.attempt['restart']}: resumed from the checkpoint of "
+                             f"step {self.state.step} in {self.checkpoint_dir}")
             if recorded:
                 metrics.note(self._describe_recorded_split())
             runner = StepRunner(model=distributed.wrap_model(self.model, self.ctx),
@@ -319,6 +322,8 @@ class _Session:
     def _peer_out_of_memory(self, exc: Exception) -> OOMRestart | None:
         """Why a collective failed on this rank, when another rank has just recorded an
         out-of-memory exit (its process ended, so gloo's read from it failed)."""
+        if isinstance(exc, UserCodeError) and exc.__cause__ is not None:
+            exc = exc.__cause__  # the collective failed inside the model's forward (FSDP2's all-gathers)
         if isinstance(exc, AutotuneError) or not self.ctx.distributed or self.checkpoint_dir is None:
             return None
         record = restart.new_record(self.checkpoint_dir, self.oom_record)
