@@ -90,7 +90,7 @@ def _model_file(tmp_path):
 
 
 def _fake_probe(monkeypatch, max_micro):
-    def fake(workload, *, precision, checkpointing, max_micro_batch, backend):
+    def fake(workload, *, precision, checkpointing, max_micro_batch, backend, **_):
         return linear_probe(min(max_micro, max_micro_batch), precision=precision,
                             checkpointing=checkpointing, upper=max_micro_batch)
 

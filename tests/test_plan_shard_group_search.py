@@ -40,9 +40,9 @@ def _counting(monkeypatch):
         probes.append((kwargs.get("sharding"), kwargs.get("shard_group"), kwargs.get("checkpointing")))
         return probe(*args, **kwargs)
 
-    def counted_run(self, n):
+    def counted_run(self, n, **kwargs):
         steps.append(n)
-        return run(self, n)
+        return run(self, n, **kwargs)
 
     monkeypatch.setattr(api, "probe", counted_probe)
     monkeypatch.setattr(TrialSession, "run", counted_run)

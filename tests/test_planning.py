@@ -24,7 +24,7 @@ def probes(monkeypatch):
     """Fake probes: micro-batch 10 fits without checkpointing, 64 with; records the calls."""
     calls = []
 
-    def fake(workload, *, precision, checkpointing, max_micro_batch, backend):
+    def fake(workload, *, precision, checkpointing, max_micro_batch, backend, **_):
         calls.append((precision, checkpointing, max_micro_batch))
         found = min(64 if checkpointing else 10, max_micro_batch)
         return linear_probe(found, precision=precision, checkpointing=checkpointing, upper=max_micro_batch)
@@ -68,7 +68,7 @@ def test_auto_precision_on_cpu_is_fp32_when_bf16_buys_nothing(probes, monkeypatc
 def test_auto_precision_on_cpu_is_bf16_where_it_buys_accumulation_steps(monkeypatch):
     monkeypatch.setattr("autotune.planning.api.supports_bf16", lambda device: True)
 
-    def fake(workload, *, precision, checkpointing, max_micro_batch, backend):
+    def fake(workload, *, precision, checkpointing, max_micro_batch, backend, **_):
         found = min(20 if precision == "bf16" else 10, max_micro_batch)
         return linear_probe(found, precision=precision, checkpointing=checkpointing, upper=max_micro_batch)
 

@@ -26,15 +26,16 @@ from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError
 from ..memory.fake import fake_tensor_limits
 from ..memory import backend_for
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
-from .policy import (PlanRequest, build_plan, checkpointing_worth_probing, choose_precision,
-                      cpu_precision, ddp_bucket_bytes, evaluate_setting, fewest_steps,
+from .policy import (PlanRequest, SyncOnLast, build_plan, checkpointing_worth_probing,
+                      choose_precision, cpu_precision, ddp_bucket_bytes, evaluate_setting, fewest_steps,
                       first_shard_group, predicted_blocks, predicted_group_max, setting_extra_bytes,
                       settings_below_fewest,
                       sharding_worth_estimating, split_for, usable_bytes)
 from ..sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
-from ..probing.api import probe
+from ..probing.api import probe, window_trial
+from ..probing.share import window_steps
 from ..probing.blocks import learn_block_model, prove_fewest_blocks
 from ..probing.result import ProbeResult
 from ..probing.trial import SetupOutOfMemory
@@ -164,7 +165,7 @@ def plan(
                     upper: int | None = None, hint: int | None = None) -> SettingTried:
         setting = _probe_setting(workload, backend, precision, checkpoint,
                                  upper or request.wanted_micro_batch, layout=layout,
-                                 world_size=world_size, hint=hint)
+                                 world_size=world_size, hint=hint, share=request.share)
         return evaluate_setting(setting, usable=usable, agree=agree,
                                 extra_bytes=setting_extra_bytes(setting, world_size,
                                                                 fingerprint.param_bytes))
@@ -202,12 +203,30 @@ def plan(
                               dataclasses.replace(request, precision=precision_), sharding,
                               shard_group, world_size, usable)
 
+    sync_estimates: dict = {}
+
     def build(precision_: Precision, settings: list[SettingTried], reason: str | None = None) -> Plan:
         request_ = dataclasses.replace(request, precision=precision_,
                                        precision_reason=reason or request.precision_reason)
-        return build_plan(request_, workload=fingerprint, settings=settings, device=info,
-                          versions=current_versions(), created_at=created_at,
-                          estimated_for=target.profile.name if target else None)
+
+        def made(sync_on_last=None) -> Plan:
+            return build_plan(request_, workload=fingerprint, settings=settings, device=info,
+                              versions=current_versions(), created_at=created_at,
+                              estimated_for=target.profile.name if target else None,
+                              sync_on_last=sync_on_last)
+
+        planned = made()
+        if not distributed:
+            planned = _measure_planned(planned, made, workload, backend, world_size, usable,
+                                       fingerprint.param_bytes)
+        if not planned.sharding.sharded or planned.accumulation_steps < 2:
+            return planned
+        # The probe's sharded windows reduce-scattered every micro-step; the other option, holding
+        # the unsharded gradients until the last micro-step, is estimated for the chosen split.
+        key = (planned.label(), str(planned.sharding), planned.shard_group)
+        if key not in sync_estimates:
+            sync_estimates[key] = _sync_on_last(workload, backend, planned, world_size)
+        return made(sync_estimates[key])
 
     if precision == "auto" and target is None and backend.device.type == "cpu":
         result = _cpu_auto_precision(settings_in, build, bf16=supports_bf16(backend.device))
@@ -371,6 +390,69 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
                       estimated_for=estimated_for)
 
 
+MEASURE_PLANNED = 4
+"""Trials ``plan()`` runs at most to measure the planned micro-batch where it was predicted."""
+
+
+def _measure_planned(planned: Plan, made, workload, backend, world_size: int, usable: int,
+                     param_bytes: int) -> Plan:
+    """The plan, with the peak of its own micro-batch measured where the probe only predicted it.
+
+    Below the largest micro-batch that fits, memory is convex in n (a max of affine pieces), so
+    a line fitted to the largest trials under-predicts there, by as much as the pieces'
+    intercepts (a window's in-place gradient add, a single step's end of backward): the plan's
+    own micro-batch is measured with the probe's trial (a window with accumulation). Where it
+    passes the budget less the headroom the setting allows no more than one micro-batch below,
+    and the plan is made again (at most ``MEASURE_PLANNED`` times; then the prediction stands)."""
+    for _ in range(MEASURE_PLANNED):
+        setting = planned.chosen_setting
+        probe_ = setting.probe if setting is not None else None
+        if probe_ is None or probe_.peak_at(planned.micro_batch) is not None:
+            return planned
+        try:
+            trial = window_trial(workload, backend, micro_batch=planned.micro_batch,
+                                 window=window_steps(planned.micro_batch, probe_.share),
+                                 precision=setting.precision,
+                                 checkpointing=planned.checkpointing_setting,
+                                 sharding=setting.sharding, world_size=world_size,
+                                 shard_group=setting.shard_group, reduce_every_micro_step=True)
+        except EstimateUnavailable:
+            return planned
+        if trial is None:
+            return planned
+        probe_.trials.append(trial)
+        extra = setting_extra_bytes(setting, world_size, param_bytes)
+        if not trial.fits or trial.peak_bytes + extra > usable:
+            setting.allowed_micro_batch = min(setting.allowed_micro_batch, planned.micro_batch - 1)
+        try:
+            planned = made(None)
+        except PlanError:
+            return planned
+    return planned
+
+
+def _sync_on_last(workload, backend, planned: Plan, world_size: int) -> SyncOnLast | None:
+    """The plan's window with gradient sync on its last micro-step only (None: no estimate).
+
+    A first micro-step at 1 (it leaves the same unsharded gradients), the largest micro-batch
+    with sync off (no smaller than any micro-step before the last, and with every gradient alive
+    at least what the real first one holds) and, with three or more, the last as it is planned
+    (sync on, reduce-scattering while the unsharded gradients are held)."""
+    split = planned.micro_batches
+    sizes = [1, max(split)] + ([split[-1]] if len(split) >= 3 else [])
+    try:
+        trial = window_trial(workload, backend, micro_batch=planned.micro_batch,
+                             window=planned.accumulation_steps, precision=planned.precision,
+                             checkpointing=planned.checkpointing_setting, sharding=planned.sharding,
+                             world_size=world_size, shard_group=planned.shard_group,
+                             reduce_every_micro_step=False, micro_batches=sizes)
+    except EstimateUnavailable:
+        return None
+    return SyncOnLast(micro_batch=planned.micro_batch, steps=planned.accumulation_steps,
+                      peak_bytes=trial.peak_bytes if trial is not None and trial.fits else None,
+                      held_gradient_bytes=trial.held_gradient_bytes if trial is not None else None)
+
+
 def _requested_blocks(value, fingerprint: WorkloadFingerprint):
     """"auto", "off", "on" or a count strictly between (a fraction resolved on the model)."""
     value = parse_checkpointing(value)
@@ -386,7 +468,7 @@ def _requested_blocks(value, fingerprint: WorkloadFingerprint):
 
 def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
                    layout=(Sharding.DDP, None), world_size: int = 1,
-                   hint: int | None = None) -> SettingTried:
+                   hint: int | None = None, share: int | None = None) -> SettingTried:
     checkpoint = {"off": False, "on": True}.get(checkpoint, checkpoint)  # probe's bools, or K
     on = checkpoint is not False and checkpoint != 0
     blocks = checkpoint if isinstance(checkpoint, int) and not isinstance(checkpoint, bool) else None
@@ -398,8 +480,9 @@ def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
     layout_args = (dict(sharding=sharding, world_size=world_size, shard_group=group, explain=False,
                         hint=hint) if sharding.sharded else {})
     try:
+        # share: micro-batches below it accumulate, and are probed as accumulation windows.
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
-                       backend=backend, **layout_args)
+                       backend=backend, share=share, **layout_args)
     except SetupOutOfMemory as exc:
         return SettingTried(**tried, error=str(exc), state_fits=False)
     except ProbeError as exc:
@@ -429,7 +512,7 @@ def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: Setting
     predicted = predicted_blocks(base, model, micro_batch, usable, extra) if model else None
     start = min(max(predicted or total - 1, 1), total)
     proof = prove_fewest_blocks(workload, backend, precision=precision, micro_batch=micro_batch,
-                                start=start, limit_bytes=usable - extra)
+                                start=start, limit_bytes=usable - extra, window=len(split))
     if not proof.blocks:
         return None
     if proof.blocks >= total:
@@ -447,6 +530,7 @@ def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: Setting
         memory_model=memory_model, device=on.probe.device, precision=on.precision,
         checkpointing=True, checkpointed_blocks=blocks, total_blocks=total, block_model=model,
         seconds=proof.seconds, oom_count=sum(not t.fits for t in proof.trials.values()),
+        share=request.share,
         notes=[f"checkpointing {describe_blocks(blocks, total)} at micro-batch {micro_batch}: {said}; "
                f"real trials by blocks checkpointed: {tried}"])
     setting = SettingTried(precision=on.precision, checkpointing=True, checkpointed_blocks=blocks,

@@ -152,13 +152,30 @@ def split_pinned(share: int, micro_batch: int) -> list[int]:
 # --- memory ----------------------------------------------------------------------------------------
 
 def predicted_peak(probe: ProbeResult, micro_batch: int, extra_bytes: int = 0) -> float:
-    """The peak of a step at ``micro_batch``: measured where a fitting trial ran there, otherwise
-    the memory model's prediction, never below a measured peak at a smaller micro-batch."""
+    """The peak of an optimizer step whose largest micro-batch is ``micro_batch``: one step at
+    the probe's share, an accumulation window below it (``ProbeResult.windowed``). Measured where
+    a fitting trial of that kind ran there, otherwise the memory model's prediction, never below
+    a measured peak of the same kind at a smaller micro-batch.
+
+    The memory model is the window trials' where there are any. Where the probe ran none (one
+    step at the share fitted), a window is predicted as one step plus the gradients held
+    through it, which bounds it from above (at any moment a window's micro-step holds what one
+    step holds, with every gradient instead of those computed so far: AccumulateGrad adds each
+    new gradient, which one step would keep, in place)."""
     measured = probe.peak_at(micro_batch)
     if measured is not None:
         return measured + extra_bytes
-    below = [t.peak_bytes for t in probe.trials if t.fits and t.micro_batch < micro_batch]
-    return max([probe.memory_model.predict(micro_batch), *below]) + extra_bytes
+    window = probe.windowed(micro_batch)
+    same = [t for t in probe.trials if t.fits and t.window == window]
+    below = [t.peak_bytes for t in same if t.micro_batch < micro_batch]
+    model = probe.memory_model.predict(micro_batch)
+    if window and not any(t.window for t in probe.trials):
+        model += _held_gradients_bound(probe)
+    return max([model, *below]) + extra_bytes
+
+
+def _held_gradients_bound(probe: ProbeResult) -> int:
+    return max((t.gradient_bytes or 0 for t in probe.trials), default=0)
 
 
 def usable_bytes(budget_bytes: int, headroom: float) -> int:
@@ -588,6 +605,27 @@ def allocator_warnings(setting: SettingTried | None) -> list[str]:
     return found
 
 
+@dataclass(kw_only=True)
+class SyncOnLast:
+    """A sharded plan's window estimated with this rank's unsharded gradients held until the last
+    micro-step (the probe reduce-scattered every micro-step): the planner's other option."""
+
+    micro_batch: int
+    """The largest micro-batch of the split it was estimated for."""
+    steps: int
+    """The accumulation steps it was estimated for."""
+    peak_bytes: int | None
+    """The window's peak (None: it ran out of memory)."""
+    held_gradient_bytes: int | None = None
+    """The unsharded gradients held between micro-steps."""
+
+
+def held_gradient_bytes(probe: ProbeResult | None) -> int | None:
+    """The gradients a probe's window trials held between micro-steps (None: no window ran)."""
+    held = [t.held_gradient_bytes for t in (probe.trials if probe else []) if t.held_gradient_bytes]
+    return max(held) if held else None
+
+
 def build_plan(
     request: PlanRequest,
     *,
@@ -599,6 +637,7 @@ def build_plan(
     considered: list[SettingTried] | None = None,
     throughput: ThroughputOutcome | None = None,
     estimated_for: str | None = None,
+    sync_on_last: SyncOnLast | None = None,
 ) -> Plan:
     """The plan, from settings whose ``allowed_micro_batch`` ``evaluate_setting`` filled in.
 
@@ -606,6 +645,9 @@ def build_plan(
     the plan when ``settings`` is only the one the throughput search chose. ``throughput``: the
     search's records and reason (the plan is then "optimize: throughput"). ``estimated_for``: the
     GPU profile whose memory was estimated on fake tensors rather than measured.
+    ``sync_on_last``: for a sharded plan with accumulation, its window estimated holding the
+    unsharded gradients until the last micro-step; the plan takes it (less communication) where
+    it fits the budget less the headroom, else reduce-scatters every micro-step as probed.
     """
     if not settings:
         raise PlanError("no setting was probed; nothing to plan from")
@@ -613,6 +655,10 @@ def build_plan(
     if throughput is not None:
         checkpoint_reason = f"{setting.checkpointing_label}: the fastest measured (see throughput)"
     extra = setting_extra_bytes(setting, request.world_size, workload.param_bytes)
+    peak = int(predicted_peak(setting.probe, max(split), extra))
+    reduce_every, peak, sync_reason = _gradient_sync(setting, split, peak, sync_on_last,
+                                                     usable_bytes(device.budget_bytes, request.headroom),
+                                                     extra)
     lr = decide_lr(rule=request.lr_rule, target_batch=request.target_batch, base_lr=request.base_lr,
                    base_batch=request.base_batch, optimizer=workload.optimizer,
                    optimizer_lr=workload.optimizer_lr, dataset_size=request.dataset_size)
@@ -621,9 +667,12 @@ def build_plan(
         "checkpointing": checkpoint_reason,
         "sharding": sharding_reason,
         "split": _split_reason(split, request, setting.allowed_micro_batch),
-        "memory": _memory_reason(setting, device, request.headroom, extra, request.world_size),
+        "memory": (_memory_reason(setting, device, request.headroom, extra, request.world_size)
+                   + _gradient_memory(setting, split, reduce_every, sync_on_last)),
         "lr": lr.note,
     }
+    if sync_reason:
+        reasons["gradient_sync"] = sync_reason
     if estimated_for is not None:
         reasons["memory"] += f"; peaks estimated on fake tensors for the {estimated_for} (nothing allocated)"
     if throughput is not None:
@@ -634,7 +683,7 @@ def build_plan(
         checkpointed_blocks=setting.blocks if setting.checkpointing else None, lr=lr, workload=workload,
         versions=dict(versions or {}), device=device, headroom=request.headroom,
         ddp_bucket_bytes=extra,
-        predicted_peak_bytes=int(predicted_peak(setting.probe, max(split), extra)),
+        predicted_peak_bytes=peak, reduce_every_micro_step=reduce_every,
         settings=list(considered if considered is not None else settings), reasons=reasons,
         distributed=request.distributed, created_at=created_at,
         optimize="throughput" if throughput is not None else "memory",
@@ -651,6 +700,57 @@ def build_plan(
         plan.warnings.append(f"estimated for the {estimated_for} without the device: check it there "
                              f"with autotune verify PLAN.json before a long run")
     return plan
+
+
+def _gradient_sync(setting: SettingTried, split: list[int], peak: int, on_last: SyncOnLast | None,
+                   usable: int, extra: int) -> tuple[bool, int, str]:
+    """(reduce every micro-step, the plan's peak, why) for a sharded plan with accumulation.
+
+    The probe measured windows that reduce-scatter every micro-step (sharded gradients held,
+    one reduce-scatter per micro-step); syncing only on the last micro-step communicates
+    ``len(split)`` times less but holds this rank's unsharded gradients through the window. The
+    plan syncs on the last where that window fits the budget less the headroom."""
+    if not setting.sharding.sharded or len(split) < 2:
+        return False, peak, ""
+    steps = len(split)
+    every = (f"reduce-scattering every micro-step ({steps} reduce-scatters per optimizer step) "
+             f"peaks at {format_bytes(peak)}")
+    sharded = held_gradient_bytes(setting.probe)
+    if sharded:
+        every += f", holding {format_bytes(sharded)} of sharded gradients"
+    if on_last is None or on_last.micro_batch != max(split) or on_last.steps != steps:
+        return True, peak, (f"every micro-step: {every}; holding the unsharded gradients until "
+                            f"the last micro-step was not estimated")
+    held = (f" ({format_bytes(on_last.held_gradient_bytes)} of unsharded gradients)"
+            if on_last.held_gradient_bytes else "")
+    if on_last.peak_bytes is not None and on_last.peak_bytes + extra <= usable:
+        last = on_last.peak_bytes + extra
+        return False, last, (f"last micro-step only: holding this rank's unsharded gradients through "
+                             f"the window{held} peaks at {format_bytes(last)}, within the "
+                             f"{format_bytes(usable)} the headroom leaves, with one reduce-scatter "
+                             f"per optimizer step instead of {steps}; {every}")
+    past = ("runs out of memory" if on_last.peak_bytes is None else
+            f"peaks at {format_bytes(on_last.peak_bytes + extra)}, past the {format_bytes(usable)} "
+            f"the headroom leaves")
+    return True, peak, (f"every micro-step: holding this rank's unsharded gradients until the last "
+                        f"micro-step{held} {past}; {every}")
+
+
+def _gradient_memory(setting: SettingTried, split: list[int], reduce_every: bool,
+                     on_last: SyncOnLast | None) -> str:
+    """What the plan's accumulation holds between micro-steps, for the memory reason."""
+    if len(split) < 2:
+        return "; one micro-step per optimizer step, so no gradients are held between micro-steps"
+    if setting.sharding.sharded and not reduce_every and on_last is not None:
+        held, what = on_last.held_gradient_bytes, "this rank's unsharded gradients (synced on the last micro-step)"
+    elif setting.sharding.sharded:
+        held, what = held_gradient_bytes(setting.probe), "this rank's sharded gradients (reduce-scattered every micro-step)"
+    else:
+        held, what = held_gradient_bytes(setting.probe), "the replica's gradients"
+    if not held:
+        return f"; the peak is a window's, with {what} held between its {len(split)} micro-steps"
+    return (f"; the peak is a window's: {format_bytes(held)} of {what} stay allocated between its "
+            f"{len(split)} micro-steps, counted in it")
 
 
 def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, extra: int,
@@ -678,7 +778,8 @@ def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, e
 __all__ = [
     "BATCHNORM_MIN_MICRO_BATCH", "MAX_QUIET_ACCUMULATION", "PlanRequest", "allowed_micro_batch",
     "allocator_warnings", "build_plan", "checkpointing_worth_probing", "choose_precision",
-    "cpu_precision", "ddp_bucket_bytes", "evaluate_setting", "fewest_steps",
+    "cpu_precision", "ddp_bucket_bytes", "evaluate_setting", "fewest_steps", "held_gradient_bytes",
+    "SyncOnLast",
     "largest_divisor_at_most", "per_device_share", "plan_warnings", "predicted_blocks",
     "predicted_peak", "setting_extra_bytes", "sharding_worth_estimating", "split_evenly",
     "split_for", "split_pinned",

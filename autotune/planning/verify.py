@@ -1,10 +1,12 @@
 """``autotune verify``: run a plan's micro-batch on the device at hand and confirm it, or re-plan.
 
 A plan's peak was predicted (from a probe elsewhere, or estimated for a GPU profile). Here the
-planned micro-batch runs for a few real steady-state steps — its precision and checkpointing, the
-optimizer state allocated — and its measured peak (plus the plan's DDP buckets) must stay within
-the budget less the plan's headroom. The budget is the smaller of the plan's and this device's:
-a plan made for a smaller GPU is checked against what that GPU offers.
+plan's optimizer step runs a few times for real — its precision and checkpointing, the optimizer
+state allocated, and with accumulation its window: the first micro-batch, the second with the
+first one's gradients alive (and, sharded with sync on the last micro-step only, the last one
+too), then the optimizer step, see ``plan_window`` — and its measured peak (plus the plan's DDP
+buckets) must stay within the budget less the plan's headroom. The budget is the smaller of the
+plan's and this device's: a plan made for a smaller GPU is checked against what that GPU offers.
 """
 
 from __future__ import annotations
@@ -87,8 +89,10 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
         try:
             with TrialSession(step_workload, backend, precision=Precision.parse(plan.precision),
                               checkpointing=plan.checkpointing_setting,
-                              sharded=plan.sharding.sharded) as session:
-                trials = [session.run(plan.micro_batch) for _ in range(steps)]
+                              sharded=plan.sharding.sharded,
+                              reduce_every_micro_step=plan.reduce_every_micro_step) as session:
+                window = plan_window(plan)
+                trials = [session.run(plan.micro_batch, micro_batches=window) for _ in range(steps)]
         except SetupOutOfMemory:
             trials = []  # parameters and optimizer state alone pass the budget: nothing fits
     fits = bool(trials) and all(t.fits for t in trials)
@@ -101,6 +105,19 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
         except PlanError as exc:  # nothing fits here: still an answer for the report
             result.replan_error = str(exc)
     return result
+
+
+def plan_window(plan: Plan) -> list[int]:
+    """The micro-steps that set a plan's window peak: the first (no gradients yet), the second
+    (every gradient alive; the ones after it are no larger, the split being sorted largest first)
+    and, sharded with gradient sync on the last micro-step only, the last (it reduce-scatters
+    while the unsharded gradients are held)."""
+    sizes = list(plan.micro_batches)
+    if len(sizes) <= 2:
+        return sizes
+    if plan.sharding.sharded and not plan.reduce_every_micro_step:
+        return [sizes[0], sizes[1], sizes[-1]]
+    return sizes[:2]
 
 
 def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
@@ -116,4 +133,4 @@ def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
     )
 
 
-__all__ = ["DEFAULT_STEPS", "VerifyResult", "verify_plan"]
+__all__ = ["DEFAULT_STEPS", "VerifyResult", "plan_window", "verify_plan"]

@@ -21,6 +21,7 @@ from .result import MemoryModel, ProbeResult, Trial, setting_label
 from .estimate import EstimateSession
 from .search import fit_memory_model, search_largest_fitting
 from .seed import estimate_seed
+from .share import search_with_share, window_steps
 from .trial import SetupOutOfMemory, TrialSession
 
 
@@ -39,6 +40,8 @@ def probe(
     shard_group: int | None = None,
     explain: bool = True,
     hint: int | None = None,
+    share: int | None = None,
+    reduce_every_micro_step: bool = True,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -59,6 +62,14 @@ def probe(
     tries it and the next micro-batch first (see ``search_largest_fitting``); the answer is the
     same wherever it starts.
 
+    ``share`` (the samples each rank takes per optimizer step, for a plan): a micro-batch
+    below it means gradient accumulation, so trials below the share measure the steady state of
+    an accumulation window (micro-steps that start with every gradient alive, see
+    ``TrialSession.window_micro_batches``) and the trial at the share one step (see
+    ``autotune.probing.share``); None: every trial is one step. Sharded windows reduce-scatter
+    every micro-step (``reduce_every_micro_step``, the least memory a sharded window needs;
+    the planner estimates holding unsharded gradients apart, see ``window_trial``).
+
     Where nothing fits, ``explain`` runs one more step with the budget lifted (CPU and estimate
     backends) so that the error says how far over the budget the model is. The error is a
     ``SetupOutOfMemory`` when parameters, buffers and optimizer state alone do not fit.
@@ -69,23 +80,14 @@ def probe(
     sharding = Sharding.parse(sharding)
     if max_micro_batch is not None and (not isinstance(max_micro_batch, int) or max_micro_batch < 1):
         raise ProbeError(f"max_micro_batch must be a positive int or None, got {max_micro_batch!r}")
-    backend = backend or backend_for(device, memory_limit)
+    backend = _layout_backend(backend or backend_for(device, memory_limit), sharding)
     info = backend.info()
-    if sharding.sharded and not torch.distributed.is_initialized() and not isinstance(
-            backend, EstimateMemoryBackend):
-        # The other ranks are not there to run with: the sharded step is counted on fake tensors.
-        backend = EstimateMemoryBackend(info.budget_bytes, for_cuda=backend.device.type == "cuda",
-                                        target=info, offload=sharding.offload)
-    elif sharding.offload and isinstance(backend, EstimateMemoryBackend) and not backend.offload:
-        # The device's budget, counted without what the offloaded rank holds in host memory.
-        backend = EstimateMemoryBackend(info.budget_bytes, for_cuda=backend.for_cuda, target=info,
-                                        offload=True)
     started = time.perf_counter()
     estimating = isinstance(backend, EstimateMemoryBackend)
     seed = None
     if use_estimate and not estimating and not sharding.sharded:
         seed = estimate_seed(workload, backend, precision=precision, checkpointing=checkpointing,
-                             upper=max_micro_batch)
+                             upper=max_micro_batch, share=share)
     # On the estimate backend the session's tensors are fake: the model is built inside the fake
     # mode, and a model that fake tensors cannot run raises EstimateUnavailable.
     run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
@@ -101,13 +103,21 @@ def probe(
         session_type = EstimateSession if estimating else TrialSession
         session = session_type(step_workload, backend, precision=precision,
                                checkpointing=checkpointing, sharded=sharding.sharded,
-                               offload=sharding.offload)
+                               offload=sharding.offload,
+                               reduce_every_micro_step=reduce_every_micro_step)
+
+        def run_trial(n: int) -> Trial:
+            return session.run(n, window=window_steps(n, share))
+
         try:
             with limits(), session, progress.bar(f"probe {setting}", unit=" trial") as shown:
-                run = progress.watch_trials(session.run, shown, fake=estimating)
-                best, trials, model = search_largest_fitting(
-                    run, budget=info.budget_bytes, upper=max_micro_batch,
+                run = progress.watch_trials(run_trial, shown, fake=estimating)
+                best, trials, model = search_with_share(
+                    run, budget=info.budget_bytes, upper=max_micro_batch, share=share,
                     hint=seed.hint if seed is not None else hint,
+                    # Real trials prove one step at the share unless the estimate, which ran
+                    # that very step on fake tensors, found it past the budget.
+                    try_share=seed is None or seed.share_fits is not False,
                 )
         except SetupOutOfMemory as exc:
             detail, trials, best = str(exc), [], 0
@@ -131,6 +141,12 @@ def probe(
     if seed is not None:
         notes.append(seed.note(best, trials))
         model = seed.memory_model(trials, model)
+        if seed.share_fits is False and share is not None and best < share:
+            notes.append(f"one step of the whole share ({share}) was estimated past the budget "
+                         f"and not tried for real")
+    if any(t.window for t in trials):
+        notes.append(f"trials below the share of {share} measured accumulation windows (the "
+                     f"micro-steps after the first start with every gradient alive)")
     return ProbeResult(
         max_micro_batch=best,
         upper_bound=max_micro_batch,
@@ -147,7 +163,55 @@ def probe(
         notes=notes,
         estimate_steps=seed.steps if seed is not None else 0,
         estimated_max_micro_batch=seed.answer if seed is not None else None,
+        share=share,
     )
+
+
+def _layout_backend(backend: MemoryBackend, sharding: Sharding) -> MemoryBackend:
+    """The backend a layout's trials run on: a sharded step outside torchrun is counted on fake
+    tensors (the other ranks are not there to run with), fsdp-offload's against the device's
+    budget without what the rank holds in host memory."""
+    info = backend.info()
+    if sharding.sharded and not torch.distributed.is_initialized() and not isinstance(
+            backend, EstimateMemoryBackend):
+        return EstimateMemoryBackend(info.budget_bytes, for_cuda=backend.device.type == "cuda",
+                                     target=info, offload=sharding.offload)
+    if sharding.offload and isinstance(backend, EstimateMemoryBackend) and not backend.offload:
+        return EstimateMemoryBackend(info.budget_bytes, for_cuda=backend.for_cuda, target=info,
+                                     offload=True)
+    return backend
+
+
+def window_trial(workload, backend: MemoryBackend, *, micro_batch: int, window: int, precision,
+                 checkpointing, sharding="ddp", world_size: int = 1, shard_group: int | None = None,
+                 reduce_every_micro_step: bool = False,
+                 micro_batches: list[int] | None = None) -> Trial | None:
+    """One trial of a plan's optimizer step: a window of ``window`` accumulation steps at most
+    ``micro_batch`` each (see ``TrialSession.window_micro_batches``), in the layout the probe
+    would run it in; None when parameters and optimizer state alone do not fit.
+
+    The planner runs it for a sharded plan with accumulation, whose probe reduce-scattered
+    every micro-step, to estimate holding the unsharded gradients until the last instead.
+    ``micro_batches``: run exactly these micro-steps (``TrialSession.run``)."""
+    workload = load_workload(workload)
+    precision = Precision.parse(precision)
+    sharding = Sharding.parse(sharding)
+    backend = _layout_backend(backend, sharding)
+    estimating = isinstance(backend, EstimateMemoryBackend)
+    run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
+    limits = fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
+    with sharded_step(run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
+                      precision=precision, device_type=backend.device.type) as step_workload:
+        session = (EstimateSession if estimating else TrialSession)(
+            step_workload, backend, precision=precision,
+            checkpointing=parse_checkpointing(checkpointing, allow_auto=False),
+            sharded=sharding.sharded, offload=sharding.offload,
+            reduce_every_micro_step=reduce_every_micro_step)
+        try:
+            with limits, session:
+                return session.run(micro_batch, window=window, micro_batches=micro_batches)
+        except SetupOutOfMemory:
+            return None
 
 
 def _peak_without_budget(session: TrialSession, backend) -> int | None:
@@ -196,4 +260,5 @@ def _does_not_fit_message(workload, info, precision, session: TrialSession, tria
             f"What would help: {'; '.join(helps)}.")
 
 
-__all__ = ["MemoryModel", "ProbeResult", "Trial", "fit_memory_model", "probe", "search_largest_fitting"]
+__all__ = ["MemoryModel", "ProbeResult", "Trial", "fit_memory_model", "probe", "search_largest_fitting",
+           "window_trial"]

@@ -80,9 +80,10 @@ class BlocksProof:
 
 
 def prove_fewest_blocks(workload, backend: MemoryBackend, *, precision: Precision, micro_batch: int,
-                        start: int, limit_bytes: float) -> BlocksProof:
+                        start: int, limit_bytes: float, window: int = 1) -> BlocksProof:
     """Real trials at ``micro_batch`` from ``start`` blocks: down while one block fewer still
-    fits within ``limit_bytes``, up until one fits."""
+    fits within ``limit_bytes``, up until one fits. ``window``: the plan's accumulation steps
+    (a window trial where more than one, see ``TrialSession.window_micro_batches``)."""
     started = time.perf_counter()
     # On the estimate backend (--gpu) the trials run on fake tensors, as the probe's do there.
     estimating = isinstance(backend, EstimateMemoryBackend)
@@ -96,7 +97,7 @@ def prove_fewest_blocks(workload, backend: MemoryBackend, *, precision: Precisio
 
             def fits(blocks: int) -> bool:
                 session.set_checkpointing(blocks)
-                trial = proof.trials[blocks] = session.run(micro_batch)
+                trial = proof.trials[blocks] = session.run(micro_batch, window=window)
                 return trial.fits and trial.peak_bytes <= limit_bytes
 
             blocks = min(max(start, 0), total)

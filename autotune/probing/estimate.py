@@ -20,7 +20,8 @@ from .trial import TrialSession, optimizer_state_tensors
 
 
 def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing=False,
-                  sharding="ddp", world_size: int = 1, shard_group: int | None = None) -> int:
+                  sharding="ddp", world_size: int = 1, shard_group: int | None = None,
+                  accumulation_steps: int = 1, reduce_every_micro_step: bool = False) -> int:
     """Bytes of one steady-state training step at ``micro_batch`` samples, without allocating.
 
     The step is the probe's (``TrialSession``): parameters, buffers and optimizer state, then
@@ -34,22 +35,29 @@ def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing
     fake process group (see ``autotune.sharding.ranks``). ``"fsdp-offload"`` gives that rank's
     *device* peak: its shards, sharded gradients, optimizer state and optimizer step live in
     host memory (``estimate_offload_host_peaks`` says how much).
+
+    ``accumulation_steps`` > 1 gives the peak of an accumulation window of that many
+    micro-steps at ``micro_batch`` (the micro-steps after the first start with every gradient
+    alive, see ``TrialSession.window_micro_batches``); sharded, its micro-steps hold this rank's
+    unsharded gradients until the last, or reduce-scatter each (``reduce_every_micro_step``).
     """
     return estimate_peaks(workload, [micro_batch], precision=precision, checkpointing=checkpointing,
-                          sharding=sharding, world_size=world_size,
-                          shard_group=shard_group)[micro_batch]
+                          sharding=sharding, world_size=world_size, shard_group=shard_group,
+                          accumulation_steps=accumulation_steps,
+                          reduce_every_micro_step=reduce_every_micro_step)[micro_batch]
 
 
 def estimate_peaks(workload, micro_batches, *, precision="fp32", checkpointing=False,
-                   sharding="ddp", world_size: int = 1,
-                   shard_group: int | None = None) -> dict[int, int]:
+                   sharding="ddp", world_size: int = 1, shard_group: int | None = None,
+                   accumulation_steps: int = 1, reduce_every_micro_step: bool = False) -> dict[int, int]:
     """``estimate_peak`` for several micro-batches, building the fake model and its state once.
 
     The optimizer phase (unscale, clip, step) is measured at the first size and its transient
     reused at the others while every gradient has the same layout (see ``EstimateSession``).
     """
     trials = _estimate_trials(workload, micro_batches, precision=precision, checkpointing=checkpointing,
-                              sharding=sharding, world_size=world_size, shard_group=shard_group)
+                              sharding=sharding, world_size=world_size, shard_group=shard_group,
+                              window=accumulation_steps, reduce_every=reduce_every_micro_step)
     return {n: trial.peak_bytes for n, trial in trials.items()}
 
 
@@ -65,7 +73,7 @@ def estimate_offload_host_peaks(workload, micro_batches, *, precision="fp32", ch
 
 
 def _estimate_trials(workload, micro_batches, *, precision, checkpointing, sharding, world_size,
-                     shard_group) -> dict:
+                     shard_group, window: int = 1, reduce_every: bool = False) -> dict:
     workload = load_workload(workload)
     precision = Precision.parse(precision)
     sharding = Sharding.parse(sharding)
@@ -75,10 +83,11 @@ def _estimate_trials(workload, micro_batches, *, precision, checkpointing, shard
                       shard_group=shard_group, precision=precision) as step_workload:
         session = EstimateSession(step_workload, EstimateMemoryBackend(offload=sharding.offload),
                                   precision=precision, checkpointing=checkpointing,
-                                  sharded=sharding.sharded, offload=sharding.offload)
+                                  sharded=sharding.sharded, offload=sharding.offload,
+                                  reduce_every_micro_step=reduce_every)
         with fake_tensor_limits(workload), session:
             for n in sizes:
-                trials[n] = session.run(n)
+                trials[n] = session.run(n, window=window)
     return trials
 
 

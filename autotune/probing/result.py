@@ -48,6 +48,19 @@ class Trial:
     nvml_used_bytes: int | None = None
     """CUDA: the device's used memory as NVML sees it after the trial (context and other
     processes included)."""
+    micro_steps: list[int] | None = None
+    """A window trial's micro-batches in the order they ran (the first one's gradients alive
+    in the others, then one optimizer phase); None: one step. A window trial's
+    ``baseline_bytes`` is what was live before its measured micro-steps, gradients included."""
+    held_gradient_bytes: int | None = None
+    """A window trial: the gradient bytes the first micro-step left alive for the others (this
+    rank's local gradients; FSDP2's unsharded ones with sync off, sharded ones when it
+    reduce-scatters every micro-step)."""
+
+    @property
+    def window(self) -> bool:
+        """Whether this trial measured an accumulation window rather than one step."""
+        return bool(self.micro_steps) and len(self.micro_steps) > 1
 
     @classmethod
     def from_dict(cls, data: dict) -> "Trial":
@@ -175,6 +188,10 @@ class ProbeResult:
     except on the estimate backend itself, where ``notes`` says every trial was estimated)."""
     estimated_max_micro_batch: int | None = None
     """What the estimate said the answer was (None: the probe did not use one)."""
+    share: int | None = None
+    """The samples per rank and optimizer step the probe planned for: trials below it measured
+    accumulation windows, and ``memory_model`` was fitted to them (None: every trial is one
+    step, as in files written before windows were measured)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
@@ -199,10 +216,17 @@ class ProbeResult:
         """Training steps executed (one forward pass each)."""
         return len(self.trials)
 
+    def windowed(self, micro_batch: int) -> bool:
+        """Whether a plan whose largest micro-batch is ``micro_batch`` accumulates (micro-batches
+        below the share), so that its peak is a window's."""
+        return self.share is not None and micro_batch < self.share
+
     def peak_at(self, micro_batch: int) -> int | None:
-        """Measured peak at ``micro_batch`` when a fitting trial ran there."""
+        """Measured peak at ``micro_batch`` when a fitting trial of the kind a plan at that
+        micro-batch runs (a window below the share, else one step) ran there."""
+        window = self.windowed(micro_batch)
         for trial in self.trials:
-            if trial.micro_batch == micro_batch and trial.fits:
+            if trial.micro_batch == micro_batch and trial.fits and trial.window == window:
                 return trial.peak_bytes
         return None
 

@@ -18,7 +18,7 @@ from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_ten
 from ..precision import Precision
 from .. import progress
 from .result import MemoryModel, Trial, setting_label
-from .search import search_largest_fitting
+from .share import search_with_share, window_steps
 from .trial import SetupOutOfMemory, TrialSession
 
 
@@ -35,6 +35,8 @@ class EstimateSeed:
     """The memory model fitted to the estimated trials."""
     unavailable: str | None = None
     """Why the model cannot be estimated (the EstimateUnavailable message)."""
+    share_fits: bool | None = None
+    """Whether one step at the probe's share fitted on fake tensors (None: not tried)."""
 
     @property
     def hint(self) -> int | None:
@@ -69,7 +71,7 @@ class EstimateSeed:
 
 
 def estimate_seed(workload, backend: MemoryBackend, *, precision: Precision, checkpointing,
-                  upper: int | None) -> EstimateSeed:
+                  upper: int | None, share: int | None = None) -> EstimateSeed:
     """Run the probe's search on fake tensors, against the real backend's budget."""
     budget = backend.info().budget_bytes
     # A CUDA step runs the optimizer's foreach path; estimate that one.
@@ -81,14 +83,16 @@ def estimate_seed(workload, backend: MemoryBackend, *, precision: Precision, che
         setting = setting_label(precision, checkpointing)
         with (fake_tensor_limits(workload), session,
               progress.bar(f"estimate {setting}", unit=" step") as shown):
-            run = progress.watch_trials(session.run, shown, fake=True)
-            best, trials, model = search_largest_fitting(run, budget=budget, upper=upper)
+            run = progress.watch_trials(
+                lambda n: session.run(n, window=window_steps(n, share)), shown, fake=True)
+            best, trials, model = search_with_share(run, budget=budget, upper=upper, share=share)
     except SetupOutOfMemory:
         best, trials, model = 0, [], None
     except EstimateUnavailable as exc:
         return EstimateSeed(unavailable=str(exc))
+    share_trial = next((t for t in trials if share is not None and t.micro_batch == share), None)
     return EstimateSeed(answer=best, steps=len(trials), seconds=time.perf_counter() - started,
-                        model=model)
+                        model=model, share_fits=share_trial.fits if share_trial else None)
 
 
 def _scaled(model: MemoryModel, factor: float) -> MemoryModel:

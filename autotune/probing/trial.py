@@ -3,8 +3,11 @@
 ``TrialSession`` sets up the model (fresh from the factory, or the user's instance with its state
 saved), the optimizer with its state already allocated, precision and checkpointing; ``run(n)``
 takes one full step — batch, forward, backward, unscale, clip, optimizer step, zero_grad — and
-reports its peak, or that it ran out of memory. Closing the session restores the user's model and
-returns memory to where it was.
+reports its peak, or that it ran out of memory. ``run(n, window=k)`` measures instead the steady
+state of an accumulation window of k micro-steps (see ``window_micro_batches``): the micro-steps
+after a window's first start with every gradient alive, so their peak is a single step's plus
+up to the gradients. Closing the session restores the user's model and returns memory to where
+it was.
 """
 
 from __future__ import annotations
@@ -38,10 +41,15 @@ class SetupOutOfMemory(ProbeError):
 
 class TrialSession:
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
-                 checkpointing=False, sharded: bool = False, offload: bool = False):
+                 checkpointing=False, sharded: bool = False, offload: bool = False,
+                 reduce_every_micro_step: bool = False):
         """``checkpointing``: off/on (or a bool), a block count K or a fraction of the blocks;
-        after set-up ``checkpointed_blocks`` says how many of ``total_blocks`` it is."""
+        after set-up ``checkpointed_blocks`` says how many of ``total_blocks`` it is.
+        ``reduce_every_micro_step`` (sharded): a window's micro-steps reduce-scatter their
+        gradients (sharded gradients are held between them) instead of holding this rank's
+        unsharded gradients until the last, as the plan's field of that name says."""
         self.workload = workload
+        self.reduce_every_micro_step = reduce_every_micro_step
         self.sharded = sharded
         """The workload's model factory shards the model (FSDP2). The full model it builds
         before sharding does not count against the budget (no rank of a real run holds it on
@@ -183,7 +191,12 @@ class TrialSession:
         else:
             self._release_memory()
 
-    def run(self, n: int) -> Trial:
+    def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> Trial:
+        """One step at micro-batch ``n`` (``window=1``), or the steady state of a window of
+        ``window`` accumulation steps whose micro-batches are at most ``n`` (see
+        ``window_micro_batches``); ``micro_batches`` runs exactly those micro-steps instead (a
+        plan's window, as ``verify`` checks it), ``n`` being the largest after the first."""
+        sizes = micro_batches or self.window_micro_batches(n, window)
         self.backend.release()
         baseline = self.backend.current_bytes()
         self.backend.begin_trial()
@@ -191,9 +204,10 @@ class TrialSession:
         self.backend.reset_peak()
         start = time.perf_counter()
         out_of_memory = False
+        self._held = None
         try:
             with self._soft_budget(), deadline(self, n):  # --trial-timeout
-                activation_peak, step_peak = self._step(n)
+                activation_peak, step_peak = self._window(sizes)
         except Exception as exc:  # noqa: BLE001 - an OOM is the trial's answer; others are raised
             if is_step_failure(exc):
                 raise step_failed(self, exc, n) from original(exc)
@@ -212,10 +226,16 @@ class TrialSession:
             # later trial's budget.
             self.backend.disown_since(owned)
             return Trial(micro_batch=n, fits=False, peak_bytes=peak, seconds=seconds,
-                         baseline_bytes=baseline, gradient_bytes=self.gradient_bytes, **picture)
+                         baseline_bytes=baseline, gradient_bytes=self.gradient_bytes,
+                         **self._window_fields(sizes), **picture)
         fits = self.backend.within_budget()
         if self.ranks_agree:
             activation_peak, step_peak, fits = self._agree(activation_peak, step_peak, fits)
+        window_fields = self._window_fields(sizes)
+        if window_fields:
+            # The measured micro-steps start from the first one's gradients: memory grows with n
+            # from there (the search's rays start at the baseline).
+            baseline = self._window_base
         return Trial(
             micro_batch=n,
             fits=fits,
@@ -225,8 +245,45 @@ class TrialSession:
             step_peak_bytes=step_peak,
             baseline_bytes=baseline,
             gradient_bytes=self.gradient_bytes,
+            **window_fields,
             **self.backend.memory_picture(),
         )
+
+    def window_micro_batches(self, n: int, window: int) -> list[int]:
+        """The micro-steps a window trial at ``n`` runs for a window of ``window`` steps.
+
+        ``[n]`` for one step. Otherwise a first micro-step at micro-batch 1 (gradients have the
+        same size at every micro-batch, so it leaves what the window's first micro-step leaves
+        alive, for a fraction of the work), then the measured micro-step at ``n`` with those
+        gradients alive, then the optimizer phase. Sharded with the gradients held unsharded
+        until the last micro-step, a window of 3 or more also has micro-steps at ``n`` with
+        sync off before the last (sync on, reduce-scattering while the unsharded gradients are
+        still held): both are measured, ``[1, n, n]``.
+
+        Why no micro-step at n without gradients is needed (the window's real first one):
+        a micro-step at n run with gradients alive runs the same ops on the same activations;
+        at every moment it holds what the first held, except that every gradient is there from
+        the start (the first only holds those computed so far) and AccumulateGrad adds each new
+        gradient in place (a transient of one parameter's gradient). So its peak is never below
+        the first's: tested in tests/test_window_trial.py. Sharded with sync only on the last
+        micro-step, the last one frees each block's unsharded gradients as it reduce-scatters
+        them, but at the start of its backward it holds every unsharded gradient and every
+        activation, which is at least what the first holds at any moment (its gradients so far
+        and the activations left); ``[1, n, n]`` covers windows of three or more exactly.
+
+        An uneven split is planned from its largest micro-batch: where that one runs only
+        first (``[17, 16]``), the window trial at 17 is an upper bound of the real peak
+        (``max(first at 17, second at 16)``) by at most one sample's activations."""
+        if window <= 1:
+            return [n]
+        if self.sharded and not self.reduce_every_micro_step and window >= 3:
+            return [1, n, n]
+        return [1, n]
+
+    def _window_fields(self, sizes: list[int]) -> dict:
+        if len(sizes) < 2:
+            return {}
+        return {"micro_steps": list(sizes), "held_gradient_bytes": self._held}
 
     def _soft_budget(self):
         unlimited = getattr(self.backend, "unlimited", None)
@@ -244,13 +301,46 @@ class TrialSession:
         return activation_peak, step_peak, misfits == 0
 
     def _step(self, n: int) -> tuple[int, int]:
-        batch = move_batch(self.workload.batch(n), self.device)
-        activation_peak = self._forward_backward(batch)
+        return self._window([n])
+
+    def _window(self, sizes: list[int]) -> tuple[int, int]:
+        """The micro-steps (gradients accumulating; sharded, synced on the last, or on every one
+        under ``reduce_every_micro_step``), then the optimizer phase; (activation, step) peaks."""
+        last = len(sizes) - 1
+        try:
+            for index, size in enumerate(sizes):
+                self._gradient_sync(index == last or self.reduce_every_micro_step)
+                batch = move_batch(self.workload.batch(size), self.device)
+                activation_peak = self._forward_backward(batch)
+                if index < last:
+                    del batch
+                if index == 0 and last:
+                    # What the window's first micro-step leaves for the others: its gradients
+                    # (unsharded under FSDP2 with sync off, sharded when it reduce-scatters).
+                    self._held = self._gradient_bytes_held()
+                    self._window_base = self.backend.current_bytes()
+        finally:
+            self._gradient_sync(True)
         self.backend.reset_peak()
         with self.backend.on_host() if self.offload else contextlib.nullcontext():
             step_peak = self._optimizer_phase()  # the batch is still alive here, as in training
         del batch
         return activation_peak, step_peak
+
+    def _gradient_bytes_held(self) -> int:
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        if self.sharded:
+            from ..sharding.wrap import local_unsharded_grads
+
+            grads += local_unsharded_grads(self.model)
+        storages = {g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in grads}
+        return sum(storages.values())
+
+    def _gradient_sync(self, enabled: bool) -> None:
+        if self.sharded:
+            from ..sharding.wrap import set_gradient_sync
+
+            set_gradient_sync(self.model, enabled)
 
     def _forward_backward(self, batch) -> int:
         """Forward under the precision and backward; the peak of the phase."""
@@ -282,6 +372,11 @@ class TrialSession:
 
     def _recover(self):
         self.optimizer.zero_grad(set_to_none=True)
+        if self.sharded:
+            # A window that failed with gradient sync off leaves FSDP2's unsharded gradients.
+            from ..sharding.wrap import drop_unsharded_grads
+
+            drop_unsharded_grads(self.model)
         # A step can fail between unscale_ and update; a fresh scaler forgets that half-done step.
         self.scaler = grad_scaler(self.precision, self.device)
         free_memory()

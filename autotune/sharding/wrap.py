@@ -90,6 +90,21 @@ def local_unsharded_grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return grads
 
 
+def drop_unsharded_grads(model: torch.nn.Module) -> None:
+    """Forget the unsharded gradients FSDP2 accumulated with gradient sync off (a window that
+    ran out of memory before its last micro-step): what ``zero_grad`` does for sharded ones."""
+    for module in model.modules():
+        if not is_sharded(module):
+            continue
+        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or ():
+            for fsdp_param in group.fsdp_params:
+                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                    fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+
+
 def full_state_dict(model: torch.nn.Module) -> dict:
     """The unsharded state dict of a sharded ``model`` on CPU, on rank 0 (empty elsewhere).
 
@@ -101,5 +116,5 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-__all__ = ["build_mesh", "fsdp_policies", "full_state_dict", "is_sharded", "local_unsharded_grads",
-           "set_gradient_sync", "shard_model"]
+__all__ = ["build_mesh", "drop_unsharded_grads", "fsdp_policies", "full_state_dict", "is_sharded",
+           "local_unsharded_grads", "set_gradient_sync", "shard_model"]

@@ -25,7 +25,7 @@ from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batc
 from ..errors import AutotuneError, OutputError, UserCodeError
 from .errors import NonFiniteError, OOMRestart, TrainError
 from .loop import StepRunner, TrainState, run_steps
-from .metrics import MetricsLog
+from .metrics import MetricsLog, PlanCheck
 from .noise_scale import NoiseScaleEMA, batch_advice, noise_scale, unavailable_reason
 from .schedule import apply_plan_lr, build_scheduler
 from .stop import StopRequest
@@ -228,7 +228,8 @@ class _Session:
                 try:
                     records, interrupted = run_steps(
                         runner, self.layout, batches, total_steps=self.total_steps, metrics=metrics,
-                        stop=stop, save_checkpoint=self._save, checkpoint_every=checkpoint_every)
+                        stop=stop, save_checkpoint=self._save, checkpoint_every=checkpoint_every,
+                        plan_check=self._plan_check())
                 except NonFiniteError as exc:
                     raise NonFiniteError(f"{exc}; {self._last_good()}", step=exc.step) from None
                 except Exception as exc:
@@ -264,6 +265,18 @@ class _Session:
             oom_recoveries=self.state.split.recoveries, micro_batches=_current_split(self.plan, self.state),
             interrupted=False, checkpoint=self.path, rank=self.ctx.rank, world_size=self.ctx.world_size,
             noise_scale_note="nothing was trained")
+
+    def _plan_check(self) -> PlanCheck:
+        """The plan's peak and budget for the loop to hold its steps to (see ``PeakMeter``): on the
+        CPU the budget is enforced as the probe enforced it, elsewhere a peak past the prediction
+        by more than the headroom is a warning. The CPU meter counts tensors, not DDP's buckets,
+        which the plan's peak includes."""
+        budget, cpu = self.plan.budget_bytes, self.ctx.device.type == "cpu"
+        buckets = cpu and self.ctx.distributed and not self.sharding.sharded
+        return PlanCheck(predicted_bytes=self.plan.predicted_peak_bytes,
+                         budget_bytes=budget if cpu else None,
+                         headroom_bytes=int(budget * self.plan.headroom) if budget else 0,
+                         untracked_bytes=self.plan.ddp_bucket_bytes if buckets else 0)
 
     def _noise_advice(self, measured: bool) -> tuple[float | None, str | None, list[str]]:
         """(B_noise, why it is None, warnings) at the end of the run."""

@@ -21,7 +21,7 @@ from .accumulate import WindowTotals, backward_scale, count_correction, scale_gr
 from .data import Window, slice_batch, split_micro_batches
 from ..errors import WorkloadError
 from .errors import NonFiniteError, TrainError
-from .metrics import PeakMeter
+from .metrics import PeakMeter, PlanCheck
 from .recovery import SplitPolicy
 
 
@@ -366,17 +366,20 @@ class DivergenceWatch:
 
 
 def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics, stop,
-              save_checkpoint, checkpoint_every: int | None) -> tuple[list[dict], bool]:
-    """Train from ``runner.state.step`` to ``total_steps``; returns (metrics records, interrupted)."""
+              save_checkpoint, checkpoint_every: int | None,
+              plan_check: PlanCheck | None = None) -> tuple[list[dict], bool]:
+    """Train from ``runner.state.step`` to ``total_steps``; returns (metrics records, interrupted).
+    ``plan_check``: each measured step's peak is checked against the plan's (see ``PeakMeter``)."""
     state = runner.state
     records: list[dict] = []
-    meter = PeakMeter(runner.device, total_steps=total_steps)
+    meter = PeakMeter(runner.device, total_steps=total_steps, check=plan_check)
+    warned = False
     divergence = DivergenceWatch()
     last = time.perf_counter()
     while state.step < total_steps:
         window = layout.window(state.step)
         batch = next(batches)
-        with meter.step(state.step + 1, runner.live_tensors()):
+        with meter.step(state.step + 1, runner.live_tensors(), batch):
             outcome = runner.step(window, batch, stop_requested=stop.requested)
         state.step += 1
         now = time.perf_counter()
@@ -391,6 +394,9 @@ def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics,
         }
         records.append(record)
         metrics.write(record)
+        if meter.warning is not None and not warned:
+            warned = True  # once: every step after it would say the same
+            metrics.note(f"warning: {meter.warning}")
         warning = divergence.check(state.step, outcome.loss)
         if warning is not None:
             metrics.note(f"warning: {warning}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 import json
 import math
 import resource
@@ -12,10 +13,11 @@ from pathlib import Path
 import torch
 
 from .. import jsonlines, progress as progress_bars
-from ..memory.cpu import StorageTracker, counting
+from ..memory.cpu import StorageTracker, counting, tracking_resizes
 from ..atomicfile import write_atomic
 from ..errors import OutputError
 from ..units import format_bytes
+from .errors import TrainError
 
 FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s",
           # The step's peak in the memory the plan predicted (peak_memory_kind: "allocated" by
@@ -37,6 +39,71 @@ COUNT_EVERY = 100
 """On the CPU, the peak is counted on the first two steps, every this many steps and the last."""
 
 
+@dataclass(kw_only=True)
+class PlanCheck:
+    """What the loop checks each counted step's peak against: the plan's prediction and budget."""
+
+    predicted_bytes: int | None
+    """The plan's predicted peak (DDP's buckets included where it has them)."""
+    budget_bytes: int | None
+    """The plan's device budget: on the CPU a step that passes it stops with a ``PlanExceeded``."""
+    headroom_bytes: int = 0
+    """The budget share the plan kept free: a peak above the prediction by more warns."""
+    untracked_bytes: int = 0
+    """Memory the plan counts that the meter does not see (DDP's gradient buckets on the CPU)."""
+
+    def over(self, step: int, peak: int, kind: str) -> str | None:
+        """The warning for a peak above the prediction by more than the headroom (None: fine)."""
+        if self.predicted_bytes is None:
+            return None
+        total = peak + self.untracked_bytes
+        if total <= self.predicted_bytes + self.headroom_bytes:
+            return None
+        return (f"step {step} peaked at {format_bytes(total)} ({kind}), above the plan's predicted "
+                f"{format_bytes(self.predicted_bytes)} by {format_bytes(total - self.predicted_bytes)}, "
+                f"more than the {format_bytes(self.headroom_bytes)} of headroom: the plan "
+                f"under-estimated this step (please report it with the plan file); re-plan with "
+                f"more --headroom or check it with autotune verify")
+
+
+class PlanExceeded(TrainError):
+    """On the CPU, a counted step passed the plan's budget: the plan did not predict that step,
+    which is a bug in the plan (an out-of-memory error the probe would have raised)."""
+
+
+class _StepTracker(StorageTracker):
+    """The CPU meter's tracker. The storages of the window's batch, made before the step, are not
+    counted: a micro-batch sliced from it is a view of the whole window's samples, and the plan
+    counted the one micro-batch a step moves to the device (a copy on CUDA)."""
+
+    def __init__(self, budget_bytes: int | None = None, *, ignored=frozenset()):
+        super().__init__(budget_bytes)
+        self.ignored = ignored
+
+    def add_storage(self, storage) -> None:
+        if storage._cdata not in self.ignored:
+            super().add_storage(storage)
+
+
+class _PlanBudget(_StepTracker):
+    """The CPU meter's tracker, holding a step to the plan's budget as the probe held its trials."""
+
+    def __init__(self, check: PlanCheck, step: int, *, ignored=frozenset()):
+        super().__init__(check.budget_bytes - check.untracked_bytes, ignored=ignored)
+        self.check, self.step = check, step
+
+    def _out_of_memory(self, delta: int) -> Exception:
+        check, need = self.check, self.current + delta + self.check.untracked_bytes
+        predicted = (format_bytes(check.predicted_bytes) if check.predicted_bytes is not None
+                     else "no peak")
+        return PlanExceeded(
+            f"step {self.step} needed {format_bytes(need)} of tensors (allocating "
+            f"{format_bytes(delta)} more), past the plan's budget of "
+            f"{format_bytes(check.budget_bytes)}, where the plan predicted {predicted}: the plan "
+            f"under-estimated this step, which is a bug in autotune; please report it with the "
+            f"plan file and the model file. To train meanwhile, re-plan with more --headroom")
+
+
 class PeakMeter:
     """The peak of an optimizer step, in the memory the plan predicted.
 
@@ -47,10 +114,17 @@ class PeakMeter:
     and the last; the others record None (and their samples/s is not slowed). The process's
     resident set (RSS) also holds the interpreter, libraries and allocator caches: it is recorded
     beside the peak, never in its place.
+
+    ``check`` (a ``PlanCheck``): each measured step is compared with the plan's prediction
+    (``warning`` says when it passes it by more than the headroom), and on the CPU a counted
+    step is held to the plan's budget as the probe held its trials (``PlanExceeded``).
     """
 
-    def __init__(self, device: torch.device, *, total_steps: int):
+    def __init__(self, device: torch.device, *, total_steps: int, check: PlanCheck | None = None):
         self.device = device
+        self.check = check
+        self.warning = None
+        """The last measured step's warning against the plan (None: within it)."""
         self.kind = "allocated" if device.type == "cuda" else "tensors"
         self.total_steps = total_steps
         self.counted = 0
@@ -61,31 +135,51 @@ class PeakMeter:
         return self.counted < 2 or step % COUNT_EVERY == 0 or step == self.total_steps
 
     @contextlib.contextmanager
-    def step(self, step: int, live_tensors):
+    def step(self, step: int, live_tensors, batch=None):
         """Measure optimizer step ``step`` (1-based), run inside the block; ``live_tensors`` were
-        allocated before it (parameters, buffers, optimizer state)."""
+        allocated before it (parameters, buffers, optimizer state); ``batch`` is the window's,
+        whose micro-batches the CPU counts as they are made, not as views of it."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
             self.peak = int(torch.cuda.max_memory_allocated(self.device))
             self.reserved = int(torch.cuda.max_memory_reserved(self.device))
+            self._compare(step)
             return
         if not self._counts(step):
             self.peak = None
             yield
             return
-        tracker = StorageTracker()
+        enforce = self.check is not None and self.check.budget_bytes is not None
+        ignored = frozenset(_storage_keys(batch))
+        tracker = (_PlanBudget(self.check, step, ignored=ignored) if enforce
+                   else _StepTracker(ignored=ignored))
         for tensor in live_tensors:
             tracker.add(tensor)
-        with counting(tracker):
+        # Resizes too, as the probe counts them: FSDP2 frees each gathered block by resizing its
+        # storage to 0, which no dispatch mode sees (counted without, every block stays).
+        with tracking_resizes(tracker), counting(tracker):
             yield
         self.counted += 1
         self.peak = tracker.peak
+        self._compare(step)
+
+    def _compare(self, step: int) -> None:
+        self.warning = (self.check.over(step, self.peak, self.kind)
+                        if self.check is not None and self.peak is not None else None)
 
     def fields(self) -> dict:
         return {"peak_memory_bytes": self.peak, "peak_memory_kind": self.kind,
                 "reserved_peak_bytes": self.reserved,
                 "rss_peak_bytes": rss_peak_bytes() if self.device.type == "cpu" else None}
+
+
+def _storage_keys(batch):
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+            yield leaf.untyped_storage()._cdata
 
 
 def rss_peak_bytes() -> int:
