@@ -240,3 +240,26 @@ def test_outputs_never_replace_the_input_or_a_link(plan, metrics_files, tmp_path
     assert linked.exit_code == 1 and "symlink" in linked.output
     assert (tmp_path / "plan.json").read_bytes() == before
     assert metrics_copy.read_bytes() == metrics_files[0].read_bytes()
+
+
+def test_every_block_and_the_planned_k_of_n_are_two_settings_in_the_plot(tmp_path):
+    # Both were labelled "checkpointing on (planned)" (and drawn with one SVG id).
+    from plan_helpers import linear_probe, setting
+
+    plan = make_plan(90, 50, headroom=0.1)
+    plan.workload.repeated_blocks = 6
+    every, some = linear_probe(80, checkpointing=True), linear_probe(60, checkpointing=True)
+    every.checkpointed_blocks, every.total_blocks = 6, 6
+    some.checkpointed_blocks, some.total_blocks = 2, 6
+    plan.settings += [setting(every, checkpointing=True), setting(some, checkpointing=True)]
+    plan.settings[-2].checkpointed_blocks, plan.settings[-1].checkpointed_blocks = 6, 2
+    plan.checkpointing, plan.checkpointed_blocks = True, 2
+    path = plot_plan(plan, tmp_path / "memory.svg")
+    ids = svg_ids(path)
+    assert "measured-fp32-checkpointing-on" in ids
+    assert "measured-fp32-checkpointing-2-of-6-blocks" in ids
+    text = ET.tostring(ET.parse(path).getroot(), encoding="unicode")
+    assert "fp32, checkpointing 2 of 6 blocks (planned)" in text
+    assert "fp32, checkpointing on (planned)" not in text
+    rows = [row for row in plan_html(plan).split("<tr>") if "planned" in row and "<td>" in row]
+    assert len(rows) == 1 and "2 of 6 blocks" in rows[0]  # the report's settings table too

@@ -75,11 +75,13 @@ def plan_summary(plan) -> list[tuple[str, str]]:
 
 def _settings_rows(plan):
     for s in plan.settings:
-        chosen = "planned" if (s.precision, s.checkpointing) == (plan.precision, plan.checkpointing) else ""
+        # By label: every block and the planned K of N are both "checkpointing" as a bool.
+        chosen = ("planned" if (s.precision, s.checkpointing_label)
+                  == (plan.precision, plan.checkpointing_label) else "")
         if s.probe is None:
-            yield [s.precision, _on_off(s.checkpointing), "-", "-", "-", s.error or "does not fit"]
+            yield [s.precision, s.checkpointing_label, "-", "-", "-", s.error or "does not fit"]
         else:
-            yield [s.precision, _on_off(s.checkpointing), s.raw_max_micro_batch, s.allowed_micro_batch,
+            yield [s.precision, s.checkpointing_label, s.raw_max_micro_batch, s.allowed_micro_batch,
                    s.probe.steps, chosen]
 
 

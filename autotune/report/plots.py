@@ -33,8 +33,9 @@ def _matplotlib():
     return matplotlib, Figure
 
 
-def _setting_name(precision: str, checkpointing: bool) -> str:
-    return f"{precision}-checkpointing-{'on' if checkpointing else 'off'}"
+def _setting_name(precision: str, checkpointing: str) -> str:
+    """An SVG id: "fp32-checkpointing-off", "bf16-checkpointing-2-of-6-blocks"."""
+    return f"{precision}-checkpointing-{checkpointing.replace(' ', '-')}"
 
 
 def _memory_axes(ax, *, settings, budget, headroom_bytes, planned, predicted, extra_bytes,
@@ -45,6 +46,8 @@ def _memory_axes(ax, *, settings, budget, headroom_bytes, planned, predicted, ex
     xmax = max(2, math.ceil(largest * 1.15))
     colors = [f"C{i}" for i in range(10)]
     measured = "estimated" if estimated else "measured"
+    # Settings are told apart by their checkpointing label ("off", "on", "K of N blocks"): every
+    # block and the planned K of N are different settings, both "checkpointing" as a bool.
     for index, ((precision, checkpointing), probe) in enumerate(settings):
         name = _setting_name(precision, checkpointing)
         color = colors[index % len(colors)]
@@ -89,10 +92,14 @@ def _throughput_axes(ax, plan):
     labels, speeds = [], []
     for index, c in enumerate(records):
         split = f"{c.micro_batch}×{c.accumulation_steps}"
-        labels.append(f"{c.precision}, ckpt {'on' if c.checkpointing else 'off'}, {split}")
+        blocks = (c.checkpointed_blocks if c.checkpointed_blocks is not None and plan.total_blocks
+                  and c.checkpointed_blocks < plan.total_blocks else None)
+        ckpt = f"{blocks} of {plan.total_blocks}" if blocks else ("on" if c.checkpointing else "off")
+        labels.append(f"{c.precision}, ckpt {ckpt}, {split}")
         speeds.append(c.samples_per_s if c.fits and c.samples_per_s is not None else 0.0)
-    chosen = [c.fits and (c.precision, c.checkpointing, list(c.micro_batches))
-              == (plan.precision, plan.checkpointing, list(plan.micro_batches)) for c in records]
+    chosen = [c.fits and (c.precision, c.checkpointing, c.checkpointed_blocks, list(c.micro_batches))
+              == (plan.precision, plan.checkpointing, plan.checkpointed_blocks, list(plan.micro_batches))
+              for c in records]
     ys = list(range(len(records)))[::-1]
     for index, (y, speed, label) in enumerate(zip(ys, speeds, labels)):
         ax.barh(y, speed, color="crimson" if chosen[index] else "C0", gid=f"throughput-{index}")
@@ -110,11 +117,12 @@ def plan_figure(plan):
     panels = 2 if plan.throughput else 1
     fig = Figure(figsize=(10, 4.8 * panels), layout="constrained")
     axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
-    settings = [((s.precision, s.checkpointing), s.probe) for s in plan.settings if s.probe is not None]
+    settings = [((s.precision, s.checkpointing_label), s.probe) for s in plan.settings
+                if s.probe is not None]
     _memory_axes(axes[0], settings=settings, budget=plan.budget_bytes,
                  headroom_bytes=plan.headroom_bytes, planned=plan.micro_batch,
                  predicted=plan.predicted_peak_bytes, extra_bytes=plan.ddp_bucket_bytes,
-                 chosen=(plan.precision, plan.checkpointing), estimated=plan.estimated)
+                 chosen=(plan.precision, plan.checkpointing_label), estimated=plan.estimated)
     axes[0].set_title(f"{Path(plan.workload.source).name}: "
                       f"{plan.device.name if plan.device else 'device unknown'}", fontsize="medium")
     if plan.throughput:
@@ -126,7 +134,7 @@ def probe_figure(probe):
     _, Figure = _matplotlib()
     fig = Figure(figsize=(10, 4.8), layout="constrained")
     ax = fig.subplots()
-    _memory_axes(ax, settings=[((probe.precision, probe.checkpointing), probe)],
+    _memory_axes(ax, settings=[((probe.precision, probe.checkpointing_label), probe)],
                  budget=probe.budget_bytes, headroom_bytes=0, planned=None, predicted=None,
                  extra_bytes=0, chosen=None)
     ax.axvline(probe.max_micro_batch, color="crimson", lw=1,
