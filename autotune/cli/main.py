@@ -372,7 +372,9 @@ def export(plan_file, target, output):
 @click.option("--overwrite", is_flag=True,
               help="Start over in a --checkpoint-dir that already holds a checkpoint (replacing it).")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the trained model's full (unsharded) state_dict here (torch.save).")
+              help='Write {"model": state_dict, "steps": n} here (torch.save): the trained model\'s '
+                   'full (unsharded) state dict and its optimizer steps; load with torch.load(PATH, '
+                   'weights_only=True)["model"].')
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None,
               help="Write one JSON line of metrics per optimizer step here.")
 @click.option("--clip-grad-norm", type=click.FloatRange(min=0), default=None,

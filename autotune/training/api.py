@@ -27,7 +27,7 @@ from .errors import NonFiniteError, OOMRestart, TrainError
 from .loop import StepRunner, TrainState, run_steps
 from .metrics import MetricsLog, PlanCheck
 from .noise_scale import NoiseScaleEMA, batch_advice, noise_scale, unavailable_reason
-from .schedule import apply_plan_lr, build_scheduler
+from .schedule import apply_plan_lr, build_scheduler, describe_warmup
 from .stop import StopRequest
 
 _FROM_PLAN = object()
@@ -291,7 +291,8 @@ class _Session:
             advice = batch_advice(value, self.plan.effective_batch)
             return value, None, [advice] if advice else []
         steps = len(_current_split(self.plan, self.state))
-        note = unavailable_reason(micro_steps=steps, world_size=self.ctx.world_size)
+        note = unavailable_reason(micro_steps=steps, world_size=self.ctx.world_size,
+                                  sharded=self.sharding.sharded)
         if note is None:
             note = (f"the gradient noise scale is not known yet ({self.state.noise.windows} "
                     f"windows measured; it needs more windows, or the gradient is still lost in "
@@ -315,9 +316,9 @@ class _Session:
                 f"{self.dataset_size} samples, {self.layout.windows_per_epoch} steps per epoch")
         return (f"{self.total_steps} optimizer steps from step {self.state.step}: micro-batches "
                 f"{plan.micro_batches} x {plan.world_size} rank(s) = effective batch "
-                f"{plan.effective_batch}; {self.precision.value}; lr {lr:g} (warmup "
-                f"{plan.lr.warmup_steps} steps); clip {self.clip}; {self._describe_sharding()}; "
-                f"data: {data}")
+                f"{plan.effective_batch}; {self.precision.value}; lr {lr:g} "
+                f"({describe_warmup(plan, self.workload)}); clip {self.clip}; "
+                f"{self._describe_sharding()}; data: {data}")
 
     def _describe_recorded_split(self) -> str:
         record, split = self.oom_record, _current_split(self.plan, self.state)

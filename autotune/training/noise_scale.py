@@ -108,14 +108,16 @@ def noise_scale(ema: NoiseScaleEMA, *, min_windows: int = MIN_WINDOWS) -> float 
     return trace / grad_sq
 
 
-def unavailable_reason(*, micro_steps: int, world_size: int) -> str | None:
-    """Why no window can be measured with this split, or None when it can."""
+def unavailable_reason(*, micro_steps: int, world_size: int, sharded: bool = False) -> str | None:
+    """Why no window can be measured with this split, or None when it can (``sharded``: FSDP2,
+    which reduce-scatters where DDP all-reduces)."""
     if micro_steps >= 2:
         return None
     if world_size >= 2:
-        return ("the gradient noise scale needs at least 2 micro-batches per rank in a window: "
-                "with one, DDP all-reduces the only gradient in place and the smaller batch's "
-                "gradient is never seen")
+        reduces = ("FSDP reduce-scatters the only gradient into each rank's shard" if sharded else
+                   "DDP all-reduces the only gradient in place")
+        return (f"the gradient noise scale needs at least 2 micro-batches per rank in a window: "
+                f"with one, {reduces} and the smaller batch's gradient is never seen")
     return ("the gradient noise scale needs gradient accumulation (2 or more micro-batches per "
             "window) or several ranks: with one micro-batch both batches of the two-batch "
             "estimator are the same")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import WorkloadError
+from ..planning.lr import WARMUP_EPOCHS
 
 
 def apply_plan_lr(optimizer: torch.optim.Optimizer, plan) -> None:
@@ -33,6 +34,22 @@ def build_scheduler(workload, optimizer: torch.optim.Optimizer, plan):
         return scheduler
     warmup = int(getattr(plan.lr, "warmup_steps", 0) or 0)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_then_constant(warmup))
+
+
+def describe_warmup(plan, workload) -> str:
+    """What the run does about warmup, for the start-of-run line: never "warmup 0 steps" where the
+    plan advised a warmup it could not count (no dataset size)."""
+    if workload.build_scheduler is not None:
+        return "the model file's build_scheduler"
+    steps = int(getattr(plan.lr, "warmup_steps", 0) or 0)
+    if steps:
+        return f"warmup {steps} steps"
+    if getattr(plan.lr, "lr", None) is not None and getattr(plan.lr, "scale", 1.0) > 1:
+        return (f"no warmup: the plan advises warming the ×{plan.lr.scale:.4g} LR up over about "
+                f"{WARMUP_EPOCHS} epochs, but it did not know the dataset size to count them; "
+                f"define build_dataset() and re-plan, or build_scheduler(optimizer, plan) in the "
+                f"model file")
+    return "no warmup"
 
 
 class _warmup_then_constant:
