@@ -197,7 +197,10 @@ def _failure_summary(exc: BaseException) -> str:
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    first = text[0] if len(text[0]) <= 160 else text[0].split(". ")[0][:160]  # torch's advice trimmed
+    return f"{type(exc).__name__}: {first}"
 
 
 def written_by(directory) -> dict | None:
