@@ -384,6 +384,19 @@ def test_hf_fsdp_fields_build_training_arguments(sharded, tmp_path):
     assert args.fsdp and args.fsdp_config["version"] == 2
 
 
+def test_hf_fsdp_checkpointing_goes_in_fsdp_config(sharded, tmp_path):
+    # It was the top-level training argument, which transformers refuses together with FSDP's own
+    # checkpointing and which costs a redundant all-gather in backward.
+    transformers = pytest.importorskip("transformers")
+    sharded.checkpointing = True
+    config = export_plan(sharded, "hf").config
+    assert config["fsdp_config"]["activation_checkpointing"] is True
+    assert config[export._hf_checkpointing_field()] is False
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), **{"use_cpu": True, **config})
+    assert args.fsdp_config["activation_checkpointing"] is True
+    assert not getattr(args, export._hf_checkpointing_field())
+
+
 def test_lightning_fsdp_strategy_arguments(sharded):
     _lightning()
     from lightning.pytorch.strategies import FSDPStrategy

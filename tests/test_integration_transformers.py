@@ -86,3 +86,23 @@ def test_first_step_problem_says_what_to_do():
     message = first_step_problem(plan, peak_bytes=120 * MiB, budget_bytes=100 * MiB)
     assert "passes 90.00 MiB" in message and "predicted 80.00 MiB on A100" in message
     assert "per_device_train_batch_size=8, gradient_accumulation_steps=8" in message
+
+
+def test_the_smaller_split_starts_from_the_micro_batch_that_ran():
+    # An uneven plan (43 + 43 + 42) runs in Trainer as its even split, 32 × 4: a peak 20% over
+    # at 32 suggested a split scaled down from 43 (35, which does not even divide 128 evenly).
+    plan = dataclasses.replace(make_plan(128, 50), headroom=0.0)
+    assert plan.micro_batches == [43, 43, 42]
+    message = first_step_problem(plan, peak_bytes=120 * MiB, budget_bytes=100 * MiB, micro_batch=32)
+    assert "per_device_train_batch_size=16, gradient_accumulation_steps=8" in message
+
+
+
+def test_fsdp_plans_checkpoint_through_fsdp_config(tmp_path):
+    from autotune.sharding import Sharding
+
+    plan = make_plan(64, 16, world_size=2)
+    plan.sharding, plan.shard_group, plan.checkpointing = Sharding.FSDP, 2, True
+    args = training_arguments(plan, output_dir=str(tmp_path))
+    assert args.fsdp_config["activation_checkpointing"] is True
+    assert not args.activation_checkpointing and not args.activation_checkpointing_kwargs

@@ -39,7 +39,7 @@ def training_arguments(plan, **overrides) -> TrainingArguments:
         logger.info("autotune: %s", note)
     values = dict(exported.config)
     names = {f.name for f in fields(TrainingArguments)}
-    if plan.checkpointing:
+    if plan.checkpointing and not plan.sharding.sharded:  # FSDP checkpoints in fsdp_config
         kwargs = "activation_checkpointing_kwargs" if "activation_checkpointing_kwargs" in names \
             else "gradient_checkpointing_kwargs"
         values[kwargs] = {"use_reentrant": False}
@@ -94,7 +94,8 @@ class PlanCallback(TrainerCallback):
         context.__exit__(None, None, None)
         self._measuring = None
         peak = meter.peak
-        problem = first_step_problem(self.plan, peak_bytes=peak, budget_bytes=self._budget)
+        problem = first_step_problem(self.plan, peak_bytes=peak, budget_bytes=self._budget,
+                                     micro_batch=args.per_device_train_batch_size)
         self.report = problem or (f"fits: the first step's peak {format_bytes(peak)} is within "
                                   f"{format_bytes(usable_bytes(self._budget, self.plan.headroom))}")
         (logger.warning if problem else logger.info)("autotune: %s", self.report)
@@ -118,14 +119,17 @@ def check_arguments(plan: Plan, args) -> None:
             f"process(es); build them with autotune.integrations.transformers.training_arguments(plan)")
 
 
-def first_step_problem(plan: Plan, *, peak_bytes: int, budget_bytes: int) -> str | None:
+def first_step_problem(plan: Plan, *, peak_bytes: int, budget_bytes: int,
+                       micro_batch: int | None = None) -> str | None:
     """What to do when the first step's peak passes this device's budget less the plan's headroom;
-    None when it fits."""
+    None when it fits. ``micro_batch``: the one that ran (Trainer runs the plan's even split,
+    which can be smaller than the plan's largest micro-batch; the default is that one)."""
     usable = usable_bytes(budget_bytes, plan.headroom)
     if peak_bytes <= usable:
         return None
     share = plan.per_device_batch
-    micro = max(plan.micro_batches)
+    # The smaller split scales the micro-batch that measured this peak, not the plan's.
+    micro = micro_batch or max(plan.micro_batches)
     smaller = largest_divisor_at_most(share, max(1, int(micro * usable / peak_bytes)))
     predicted = (f"; the plan predicted {format_bytes(plan.predicted_peak_bytes)} on "
                  f"{plan.device.name if plan.device else 'its device'}" if plan.predicted_peak_bytes else "")

@@ -237,7 +237,12 @@ def to_hf(plan: Plan) -> Export:
                      f"{plan.world_size}); TrainingArguments takes the per-device batch")
     if plan.sharding.sharded:
         config["fsdp"] = "full_shard auto_wrap" + (" offload" if plan.sharding.offload else "")
-        config["fsdp_config"] = {"version": 2, "reshard_after_forward": True}
+        # Under FSDP, transformers takes checkpointing in fsdp_config (FSDP's own, per wrapped
+        # layer); its training argument would add a redundant all-gather in backward, and the two
+        # together are refused.
+        config["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
+                                 "activation_checkpointing": plan.checkpointing}
+        config[checkpointing_field or _HF_CHECKPOINTING_OLD] = False
         notes += _sharding_notes(plan)
     return Export(target="hf", config=config, notes=notes)
 
