@@ -365,7 +365,9 @@ def export(plan_file, target, output):
               help="Epochs over build_dataset() (default: 1 when there is a dataset).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
               help="Folder for checkpoints (written at the end, every --checkpoint-every steps "
-                   "and on SIGINT/SIGTERM): checkpoint.pt, or one shard per rank for FSDP plans.")
+                   "and on SIGINT/SIGTERM): checkpoint.pt, or one shard per rank for FSDP plans. "
+                   "One run at a time (autotune.lock); under torchrun --max-restarts a restarted "
+                   "run continues from the checkpoint it wrote.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
               help="Checkpoint every K optimizer steps.")
 @click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir's checkpoint.")

@@ -80,6 +80,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     ``plan`` is a ``Plan`` or a plan-file path; ``workload`` a model-file path or ``Workload``.
     A ``checkpoint_dir`` that already holds a checkpoint is continued with ``resume=True`` or
     started over with ``overwrite=True``; without either it is refused (never replaced quietly).
+    One run at a time holds a ``checkpoint_dir`` (``autotune.lock``, taken by rank 0); torchrun's
+    restart of a failed attempt continues from the checkpoint an earlier attempt of its run wrote.
     ``clip_grad_norm`` defaults to the plan's (None: no clipping). Under torchrun each process
     calls this; rank 0 alone writes metrics and checkpoints. ``measure_noise_scale`` estimates
     the gradient noise scale from gradient norms the loop has anyway (it never changes training).
@@ -276,7 +278,8 @@ class _Session:
         return PlanCheck(predicted_bytes=self.plan.predicted_peak_bytes,
                          budget_bytes=budget if cpu else None,
                          headroom_bytes=int(budget * self.plan.headroom) if budget else 0,
-                         untracked_bytes=self.plan.ddp_bucket_bytes if buckets else 0)
+                         untracked_bytes=self.plan.ddp_bucket_bytes if buckets else 0,
+                         counted_at_step=2 if buckets else None)
 
     def _noise_advice(self, measured: bool) -> tuple[float | None, str | None, list[str]]:
         """(B_noise, why it is None, warnings) at the end of the run."""

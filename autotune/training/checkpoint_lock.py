@@ -88,7 +88,15 @@ def _own_record(restarts: Restarts) -> dict:
     pid = os.getpid()
     return {"pid": pid, "host": host_name(), "process_start": _process_start(pid),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv)[:500], **(restarts.tag() or {})}
+            "command": _command(), **(restarts.tag() or {})}
+
+
+def _command() -> str:
+    """The command line, as the user typed it where that can be told (``python -m autotune``)."""
+    words = list(sys.argv)
+    if words and Path(words[0]).name == "__main__.py":
+        words[0] = Path(words[0]).parent.name
+    return " ".join(words)[:500]
 
 
 def _stale(path: Path, held: dict | None, restarts: Restarts) -> bool:
