@@ -278,8 +278,7 @@ class _Session:
         return PlanCheck(predicted_bytes=self.plan.predicted_peak_bytes,
                          budget_bytes=budget if cpu else None,
                          headroom_bytes=int(budget * self.plan.headroom) if budget else 0,
-                         untracked_bytes=self.plan.ddp_bucket_bytes if buckets else 0,
-                         counted_at_step=2 if buckets else None)
+                         untracked_bytes=self.plan.ddp_bucket_bytes if buckets else 0)
 
     def _noise_advice(self, measured: bool) -> tuple[float | None, str | None, list[str]]:
         """(B_noise, why it is None, warnings) at the end of the run."""
