@@ -165,7 +165,8 @@ def test_torchrun_restart_resumes_by_itself_even_under_overwrite(tmp_path, monke
 
 
 def test_a_sharded_checkpoint_is_not_started_over_without_resume_or_overwrite(tmp_path):
-    """What a torchrun restart after any other failure meets: the checkpoint is refused, not lost."""
+    """A first launch into a folder holding a checkpoint: refused, not lost (a torchrun restart
+    continues its own run's checkpoint: tests/test_checkpoint_safety.py)."""
     train(_sharded([8, 8]), _wrapped(), steps=1, progress=False, checkpoint_dir=tmp_path / "c")
     with pytest.raises(OutputError, match="already holds a checkpoint .*checkpoint.json.*--resume"):
         train(_sharded([8, 8]), _wrapped(), steps=2, progress=False, checkpoint_dir=tmp_path / "c")

@@ -126,10 +126,6 @@ def _refuse_unless_ours(path: Path) -> None:
                           f"Move it and resume with --resume")
 
 
-def exists(directory) -> bool:
-    return pointer_path(directory).is_file()
-
-
 def load(directory, *, world_size: int, model, optimizer) -> dict:
     """Load the checkpoint into ``model`` and ``optimizer`` (every rank); returns the train state.
 
