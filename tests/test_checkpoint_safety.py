@@ -159,7 +159,7 @@ def test_a_sharded_checkpoint_still_resumes_to_the_parameters_of_an_uninterrupte
     ("truncate-shard", "cannot be read (rank 0: "),
     ("garbage-metadata", "is damaged (UnpicklingError"),
     ("pointer-escapes", "names the folder '../elsewhere', not a step-NNNNNNNN folder"),
-])
+], ids=["truncated-shard", "garbage-metadata", "pointer-escapes"])
 def test_a_damaged_sharded_checkpoint_is_a_train_error(tmp_path, damage, expected):
     train(_sharded(), mlp_workload(16), steps=1, checkpoint_dir=tmp_path, progress=False)
     (step,) = tmp_path.glob("step-*")
@@ -339,7 +339,8 @@ def test_a_torchrun_restart_never_resumes_another_runs_checkpoint(tmp_path, monk
     (lambda s: s.update(rng="garbage"), "the field 'rng' is not one random state per rank"),
     (lambda s: s.update(scheduler="garbage"), "the field 'scheduler' cannot be restored"),
     (lambda s: s.update(split={"level": "x"}), "the field 'split' cannot be restored"),
-])
+], ids=["step-text", "step-negative", "step-bool", "skipped-above-step", "rng-tensor", "rng-words", "rng-text",
+        "scheduler", "split"])
 def test_tampered_checkpoint_fields_are_named(tmp_path, edit, message, sharded):
     plan = _sharded() if sharded else make_plan([4], lr=0.1)
     first = train(plan, mlp_workload(16), steps=1, checkpoint_dir=tmp_path, progress=False)
@@ -347,10 +348,22 @@ def test_tampered_checkpoint_fields_are_named(tmp_path, edit, message, sharded):
     state = torch.load(path, weights_only=True)
     edit(state)
     torch.save(state, path)
-    before = torch.get_rng_state()
     with pytest.raises(TrainError, match=message.replace("(", r"\(")):
         train(plan, mlp_workload(16), steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)
-    assert torch.equal(torch.get_rng_state(), before) or "rng" not in message
+
+
+def test_a_rejected_random_state_leaves_the_processs_own_as_it_was():
+    import random
+
+    from autotune.training.checkpoint import check_train_state, rng_state
+
+    saved = {"step": 1, "skipped_steps": 0, "rng": [{**rng_state(), "numpy": {"name": "MT19937"}}]}
+    torch.manual_seed(123)
+    random.seed(123)
+    before = (torch.get_rng_state(), random.getstate())
+    with pytest.raises(TrainError, match="the field 'rng' is rank 0's random state, which is rejected"):
+        check_train_state(saved, path="ckpt", rank=0)  # torch and random were set before numpy failed
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
 
 
 @pytest.mark.parametrize("steps", [2, 1])
