@@ -97,11 +97,28 @@ def test_trial_measures_a_steady_state_step_with_optimizer_state():
 
 
 def test_a_model_that_does_not_fit_at_one_says_how_far_over_and_what_helps():
+    # Long sequences: the activations of one sample, not the weights, pass the budget.
+    def long_xy(n):
+        return torch.randn(n, 2048, 64), torch.randn(n, 2048, 1)
+
     with pytest.raises(ProbeError) as info:
-        probe(small_workload(), device="cpu", memory_limit="1.5MiB")
+        probe(small_workload(make_batch=long_xy), device="cpu", memory_limit="4MiB")
     message = str(info.value)
     assert "micro-batch 1" in message and "x the" in message
     assert "bf16" in message and "--checkpointing on" in message and "FSDP" in message
+
+
+def test_weights_gradients_and_state_over_budget_are_not_told_to_try_bf16_or_checkpointing():
+    # They were: autocast keeps fp32 weights, gradients and optimizer state, and checkpointing
+    # saves activations; neither shrinks what does not fit.
+    with pytest.raises(ProbeError) as info:
+        probe(small_workload(), device="cpu", memory_limit="1.5MiB")
+    message = str(info.value)
+    assert "micro-batch 1 needs" in message and "x the 1.50 MiB budget" in message
+    helps = message.split("What would help:")[1]
+    assert "bf16" not in helps and "--checkpointing" not in helps
+    assert "--sharding fsdp" in helps and "fsdp-offload" in helps
+    assert "an optimizer with less state" in helps
 
 
 def test_parameters_alone_over_budget_is_a_probe_error_with_the_measured_need():
