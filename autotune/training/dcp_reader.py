@@ -73,10 +73,12 @@ class SafeReader(FileSystemReader):
         rank = kwargs.get("rank")
         name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
         metadata = read_metadata(Path(self.path) / name)
-        # What FileSystemReader.read_metadata does after loading (torch 2.4 onwards).
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        # What FileSystemReader.read_metadata does after loading (torch 2.4 onwards; the guards
+        # are for releases where StorageMeta or load_id do not exist yet).
+        if hasattr(dcp_metadata, "StorageMeta") and hasattr(self, "load_id"):
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = dcp_metadata.StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
