@@ -32,7 +32,7 @@ Integrations (each imports its library; ``import autotune`` imports neither)::
 
 from .errors import (
     AutotuneError, ConfigError, EstimateUnavailable, OutputError, PlanError, PlanFileError, ProbeError,
-    ReportError, WorkloadError,
+    ReportError, UserCodeError, WorkloadError,
 )
 from .memory import DeviceInfo
 from .oom import is_oom_error
@@ -43,6 +43,7 @@ from .planning.types import LRDecision, Plan
 from .planning.verify import VerifyResult, verify_plan
 from .precision import Precision
 from .probing.api import probe
+from .probing.deadline import trial_timeout
 from .probing.estimate import estimate_peak
 from .probing.result import MemoryModel, ProbeResult, Trial
 from .report import plot_metrics, plot_plan, write_report
@@ -55,10 +56,10 @@ from .workload import Workload, load_workload
 __all__ = [
     "AutotuneError", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
-    "ProbeResult", "ReportError", "Sharding", "TrainError", "TrainResult", "Trial", "VerifyResult",
-    "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan", "is_oom_error",
-    "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan", "probe", "save_plan", "train",
-    "verify_plan", "write_report",
+    "ProbeResult", "ReportError", "Sharding", "TrainError", "TrainResult", "Trial", "UserCodeError",
+    "VerifyResult", "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan",
+    "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan", "probe",
+    "save_plan", "train", "trial_timeout", "verify_plan", "write_report",
 ]
 
 _register_display()  # Plan, ProbeResult and TrainResult show as HTML in Jupyter

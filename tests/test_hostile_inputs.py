@@ -287,3 +287,27 @@ def test_a_hanging_trial_is_logged_and_stopped_by_trial_timeout(tmp_path, raisin
     assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     for bad in ("0", "-1", "nan", "inf"):
         assert _cli("probe", model, "--trial-timeout", bad).exit_code == 2
+
+
+def test_the_python_api_trial_timeout_and_plots_check_their_outputs_too(tmp_path, raising_model,
+                                                                        monkeypatch):
+    import autotune
+    from autotune.errors import ConfigError, OutputError, ProbeError
+    from autotune.planning.planfile import load_plan
+
+    monkeypatch.setenv("FAIL", "hang")
+    with autotune.trial_timeout(0.5), pytest.raises(ProbeError, match="ran past --trial-timeout 0.5 s"):
+        autotune.probe(str(raising_model), device="cpu", memory_limit="64MiB", max_micro_batch=8)
+    with pytest.raises(ConfigError):
+        with autotune.trial_timeout(float("inf")):
+            pass
+    pytest.importorskip("matplotlib")
+    plan = load_plan(_plan_naming(tmp_path, raising_model, raising_model))
+    code = raising_model.read_text()
+    with pytest.raises(OutputError, match="model file"):
+        autotune.plot_plan(plan, raising_model)
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 1, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0}\n')
+    with pytest.raises(OutputError, match="metrics file"):
+        autotune.plot_metrics([metrics], metrics)
+    assert raising_model.read_text() == code and metrics.read_text().count("step") == 1

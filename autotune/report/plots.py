@@ -16,6 +16,7 @@ from pathlib import Path
 from .. import jsonlines
 from ..atomicfile import write_atomic
 from ..errors import ReportError
+from ..outputs import check_outputs
 from ..probing.result import setting_label
 
 MiB = 1024 * 1024
@@ -213,7 +214,11 @@ def svg_text(fig) -> str:
 
 
 def plot_plan(plan, path):
-    """Draw ``plan`` (a ``Plan``) to ``path`` (.svg, .png or .pdf); returns the path."""
+    """Draw ``plan`` (a ``Plan``) to ``path`` (.svg, .png or .pdf); returns the path. The model
+    file the plan names is never replaced."""
+    from ..planning.planfile import check_plan_output
+
+    check_plan_output(plan, path, option="--plot")
     return save_figure(plan_figure(plan), path)
 
 
@@ -222,7 +227,9 @@ def plot_probe(probe, path):
 
 
 def plot_metrics(paths, path):
-    """Draw one or more metrics files to ``path``: loss, LR and gradient norm per step."""
+    """Draw one or more metrics files to ``path``: loss, LR and gradient norm per step (never
+    onto one of them)."""
+    check_outputs({"--plot": path}, inputs={f"metrics file {source}": source for source in paths})
     runs = {}
     for source in paths:
         name = Path(source).name
