@@ -239,14 +239,14 @@ def _does_not_fit_message(workload, info, precision, session: TrialSession, tria
     else:
         need = (f"one training step at micro-batch 1 ran out of memory with "
                 f"{format_bytes(trial.peak_bytes)} in use against a {format_bytes(budget)} budget")
-    helps = []
     blocks, total = session.checkpointed_blocks, session.total_blocks
-    if _state_alone_too_big(budget, session, trial, detail):
-        return _state_does_not_fit_message(workload, info, precision, blocks, total, need,
-                                           sharding=sharding, world_size=world_size)
-    if precision is Precision.FP32:
+    # Where the weights, gradients and optimizer state alone pass the budget, bf16 autocast
+    # (it keeps them in fp32) and checkpointing (it saves activations) cannot help.
+    state_bound = _state_alone_too_big(budget, session, trial, detail)
+    helps = []
+    if precision is Precision.FP32 and not state_bound:
         helps.append("--precision bf16 (or fp16)")
-    if blocks < total or not total:
+    if (blocks < total or not total) and not state_bound:
         helps.append("--checkpointing on")
     helps.append("a device with more memory (or a larger --memory-limit)")
     if sharding.sharded:
@@ -255,9 +255,18 @@ def _does_not_fit_message(workload, info, precision, session: TrialSession, tria
             helps.append("the shards and optimizer state in host memory (--sharding fsdp-offload)")
         layout = f", one rank of {world_size} under {sharding}"
     else:
-        helps.append("sharding parameters and optimizer state with FSDP (--sharding fsdp, "
-                     "--world-size > 1) or DeepSpeed ZeRO-3")
+        helps.append("sharding weights, gradients and optimizer state over ranks with FSDP "
+                     "(--world-size N --sharding fsdp) or DeepSpeed ZeRO-3")
+        if state_bound:
+            helps.append("the shards and optimizer state in host memory (--world-size N "
+                         "--sharding fsdp-offload)")
         layout = ""
+    if state_bound:
+        helps.append("an optimizer with less state in build_optimizer (Adam and AdamW keep two "
+                     "values per parameter, SGD with momentum one, plain SGD none)")
+        need += ("; the weights, gradients and optimizer state alone pass the budget, which "
+                 "--precision bf16 (autocast keeps them in fp32) and --checkpointing (it saves "
+                 "activations) cannot change")
     return (f"{workload.source} does not fit on {info.name} "
             f"({setting_label(precision, describe_blocks(blocks, total))}{layout}): {need}. "
             f"What would help: {'; '.join(helps)}.")
@@ -273,32 +282,6 @@ def _state_alone_too_big(budget: int, session: TrialSession, trial: Trial | None
         return False
     gradients = trial.gradient_bytes or getattr(session, "gradient_bytes", 0) or 0
     return trial.baseline_bytes + gradients >= budget
-
-
-def _state_does_not_fit_message(workload, info, precision, blocks, total, need, *, sharding,
-                                world_size: int) -> str:
-    # bf16 autocast keeps fp32 weights, gradients and optimizer state, and checkpointing saves
-    # activations only: neither shrinks what does not fit here.
-    helps = []
-    if sharding.sharded:
-        helps.append(f"more ranks than --world-size {world_size} to shard over")
-        if not sharding.offload:
-            helps.append("the shards and optimizer state in host memory (--sharding fsdp-offload)")
-        layout = f", one rank of {world_size} under {sharding}"
-    else:
-        helps.append("sharding weights, gradients and optimizer state over ranks (--world-size N "
-                     "--sharding fsdp, or DeepSpeed ZeRO-3)")
-        helps.append("the shards and optimizer state in host memory (--world-size N --sharding "
-                     "fsdp-offload)")
-        layout = ""
-    helps.append("an optimizer with less state in build_optimizer (Adam and AdamW keep two values "
-                 "per parameter, SGD with momentum one, plain SGD none)")
-    helps.append("a device with more memory (or a larger --memory-limit)")
-    return (f"{workload.source} does not fit on {info.name} "
-            f"({setting_label(precision, describe_blocks(blocks, total))}{layout}): {need}; the "
-            f"weights, gradients and optimizer state alone pass the budget, which --precision "
-            f"bf16 (autocast keeps them in fp32) and --checkpointing (it saves activations) cannot "
-            f"change. What would help: {'; '.join(helps)}.")
 
 
 __all__ = ["MemoryModel", "ProbeResult", "Trial", "fit_memory_model", "probe", "search_largest_fitting",
