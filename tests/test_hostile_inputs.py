@@ -87,6 +87,26 @@ def test_a_raising_model_file_function_is_named_with_only_the_users_frames(
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+def test_an_error_raised_inside_torch_distributed_is_not_blamed_on_the_users_function():
+    # gloo reports a peer that died as a plain RuntimeError from inside a collective that the
+    # user's loss_fn reached through FSDP2/DDP: the peer failed, not the user's code, and the
+    # torchrun restart logic must see the original error.
+    import torch
+
+    from autotune.workload.contract import user_code
+
+    def loss_fn():
+        torch.distributed.all_reduce(torch.zeros(1))  # no process group: raised in torch.distributed
+
+    with pytest.raises(Exception) as info:
+        with user_code("loss_fn(model, batch)", "model.py"):
+            loss_fn()
+    assert not isinstance(info.value, UserCodeError)
+    with pytest.raises(UserCodeError):  # the user's own error still is the user's
+        with user_code("loss_fn(model, batch)", "model.py"):
+            raise RuntimeError("my bug")
+
+
 # -- 3. one check of all of a command's outputs, against its inputs and each other --------------
 @pytest.fixture
 def model_file(tmp_path):

@@ -356,10 +356,23 @@ def _is_user_failure(exc: Exception) -> bool:
     distributed_error = getattr(torch.distributed, "DistError", None)
     if distributed_error is not None and isinstance(exc, distributed_error):
         return False
+    if _raised_in_collective(exc):
+        return False
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
+
+
+_DISTRIBUTED_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "distributed") + os.sep
+
+
+def _raised_in_collective(exc: Exception) -> bool:
+    """gloo reports a peer that died as a plain RuntimeError ("Connection closed by peer") from
+    inside FSDP2's or DDP's collectives: the innermost frame is torch.distributed's, and the
+    failure is the peer's, not the user's code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_DISTRIBUTED_DIR)
 
 
 _LIBRARY_DIRS = tuple(os.path.abspath(p) + os.sep for p in {
