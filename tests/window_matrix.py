@@ -5,9 +5,11 @@
 Each row is planned in this process (sharded layouts estimated on fake tensors with a fake
 process group, as ``autotune plan --world-size W`` does), then trained for three optimizer steps
 by the built-in loop: in this process for one rank, under one torchrun launch per world size
-for the others (the rows of a world size share its process group). Every step of such a short
-run is counted on the CPU; a rank's measured peak is its largest, and a row's the largest
-rank's, plus DDP's gradient buckets where the plan counts them (the CPU meter counts tensors).
+for the others (the rows of a world size share its process group). A row's trained peak is the
+largest rank's peak in the last step, every layout's steady state (the first has no optimizer
+state yet, and DDP rebuilds its buckets in the second, where the CPU meter counts them), plus
+DDP's gradient buckets where the plan counts them (the CPU meter counts tensors, and the buckets
+were made before the step).
 """
 
 from __future__ import annotations
@@ -76,13 +78,12 @@ def make_plan(row: Row):
 
 
 def trained_peaks(plan_paths: dict[str, Path], world_size: int, out: Path) -> dict[str, int]:
-    """{row name: the largest rank's largest step peak} from training each plan."""
+    """{row name: the largest rank's peak in the last step} from training each plan."""
     if world_size == 1:
         from autotune.training.api import train
 
-        return {name: max(m["peak_memory_bytes"] for m in
-                          train(str(path), str(MODEL), steps=STEPS, progress=False).metrics)
-                for name, path in plan_paths.items()}
+        return {name: train(str(path), str(MODEL), steps=STEPS, progress=False).metrics[-1][
+                    "peak_memory_bytes"] for name, path in plan_paths.items()}
     spec = out / f"plans-{world_size}.json"
     spec.write_text(json.dumps({name: str(path) for name, path in plan_paths.items()}))
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -105,8 +106,7 @@ def _train_under_torchrun(spec: Path) -> None:
     dist.init_process_group("gloo")
     peaks = {}
     for name, path in json.loads(spec.read_text()).items():
-        mine = max(m["peak_memory_bytes"] for m in
-                   train(path, str(MODEL), steps=STEPS, progress=False).metrics)
+        mine = train(path, str(MODEL), steps=STEPS, progress=False).metrics[-1]["peak_memory_bytes"]
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         peaks[name] = max(every)

@@ -222,6 +222,7 @@ class _Session:
                                 clip_grad_norm=self.clip, state=self.state, notify=metrics.note,
                                 measure_noise=measure_noise,
                                 reduce_every_micro_step=self.plan.reduce_every_micro_step,
+                                offload=self.sharding.offload,
                                 restart_after_oom=self._restart_after_oom)
             batches = self._batches(num_workers)
             if rng is not None:
@@ -278,7 +279,8 @@ class _Session:
         return PlanCheck(predicted_bytes=self.plan.predicted_peak_bytes,
                          budget_bytes=budget if cpu else None,
                          headroom_bytes=int(budget * self.plan.headroom) if budget else 0,
-                         untracked_bytes=self.plan.ddp_bucket_bytes if buckets else 0)
+                         untracked_bytes=self.plan.ddp_bucket_bytes if buckets else 0,
+                         counted_at_step=2 if buckets else None)
 
     def _noise_advice(self, measured: bool) -> tuple[float | None, str | None, list[str]]:
         """(B_noise, why it is None, warnings) at the end of the run."""

@@ -6,6 +6,7 @@ and the checkpoints. Everything is built by ``autotune.training.api``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -70,7 +71,8 @@ class StepRunner:
     def __init__(self, *, model, optimizer, scheduler, scaler, precision: Precision, workload: Workload,
                  ctx: distributed.DistContext, clip_grad_norm: float | None, state: TrainState,
                  notify=lambda message: None, measure_noise: bool = True,
-                 reduce_every_micro_step: bool = False, restart_after_oom=_cannot_restart):
+                 reduce_every_micro_step: bool = False, restart_after_oom=_cannot_restart,
+                 offload: bool = False):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -91,6 +93,13 @@ class StepRunner:
         self.reduce_every_micro_step = reduce_every_micro_step and self.sharded
         self.measure_noise = measure_noise and not self.reduce_every_micro_step
         self.totals = WindowTotals(self.device)
+        self.offload = offload and self.sharded
+        self.host = _NoHost()
+        """fsdp-offload: what tells the CPU meter what lives in host memory (``run_steps`` sets it)."""
+        if self.offload:
+            # FSDP2 copies each sharded gradient to the host as it assigns it, then calls these.
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(lambda p: self.host.to_host(p.grad))
         self.skips_in_a_row = 0
         # BatchNorm updates its running statistics in forward; a window redone after an OOM must
         # start from the statistics it started with, or the redo would count its samples twice.
@@ -100,9 +109,19 @@ class StepRunner:
 
     def live_tensors(self):
         """What is allocated before a step: parameters, buffers and optimizer state. Not the
-        window's batch: it holds every micro-step's samples, and the probe counted one."""
-        yield from self.model.parameters()
+        window's batch: it holds every micro-step's samples, and the probe counted one.
+        Under fsdp-offload the shards and the optimizer state live in host memory
+        (``host_tensors``): buffers only."""
         yield from self.model.buffers()
+        if not self.offload:
+            yield from self._parameters_and_state()
+
+    def host_tensors(self):
+        """fsdp-offload: the shards and the optimizer state, in host memory (none otherwise)."""
+        return self._parameters_and_state() if self.offload else ()
+
+    def _parameters_and_state(self):
+        yield from self.model.parameters()
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
@@ -135,7 +154,8 @@ class StepRunner:
                 self.notify(f"ran out of memory {self.state.split.keep_after} times; keeping micro-batch "
                             f"{max(finer)} ({len(finer)} accumulation steps) for the rest of the run "
                             f"(effective batch and LR unchanged); re-plan with a smaller micro-batch")
-        return self._optimizer_step(window, sizes, stop_requested)
+        with self.host.on_host():  # fsdp-offload: the optimizer steps on the CPU
+            return self._optimizer_step(window, sizes, stop_requested)
 
     @staticmethod
     def _check_splittable(window: Window, sizes: list[int]) -> None:
@@ -336,6 +356,16 @@ class StepRunner:
         return _full(torch.nn.utils.get_total_norm(grads))
 
 
+class _NoHost:
+    """Host and device apart (CUDA), or no offload: nothing to tell the meter."""
+
+    def on_host(self):
+        return contextlib.nullcontext()
+
+    def to_host(self, tensor) -> None:
+        pass
+
+
 def _full(norm: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -373,13 +403,15 @@ def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics,
     state = runner.state
     records: list[dict] = []
     meter = PeakMeter(runner.device, total_steps=total_steps, check=plan_check)
+    if runner.offload and runner.device.type == "cpu":
+        runner.host = meter
     warned = False
     divergence = DivergenceWatch()
     last = time.perf_counter()
     while state.step < total_steps:
         window = layout.window(state.step)
         batch = next(batches)
-        with meter.step(state.step + 1, runner.live_tensors(), batch):
+        with meter.step(state.step + 1, runner.live_tensors(), batch, host=runner.host_tensors()):
             outcome = runner.step(window, batch, stop_requested=stop.requested)
         state.step += 1
         now = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 import json
 import math
@@ -13,7 +14,8 @@ from pathlib import Path
 import torch
 
 from .. import jsonlines, progress as progress_bars
-from ..memory.cpu import StorageTracker, counting, tracking_resizes
+# The CPU backend's own counting mode (private there): the meter counts what the probe counts.
+from ..memory.cpu import StorageTracker, _TrackingMode, tracking_resizes
 from ..atomicfile import write_atomic
 from ..errors import OutputError
 from ..units import format_bytes
@@ -50,13 +52,20 @@ class PlanCheck:
     headroom_bytes: int = 0
     """The budget share the plan kept free: a peak above the prediction by more warns."""
     untracked_bytes: int = 0
-    """Memory the plan counts that the meter does not see (DDP's gradient buckets on the CPU)."""
+    """Memory the plan counts that the meter does not see (DDP's gradient buckets on the CPU,
+    allocated when the model is wrapped)."""
+    counted_at_step: int | None = None
+    """The step that allocates the untracked memory anew, so that the meter counts it there
+    (DDP rebuilds its buckets in the first forward after a synced backward: step 2)."""
+
+    def untracked_at(self, step: int) -> int:
+        return 0 if step == self.counted_at_step else self.untracked_bytes
 
     def over(self, step: int, peak: int, kind: str) -> str | None:
         """The warning for a peak above the prediction by more than the headroom (None: fine)."""
         if self.predicted_bytes is None:
             return None
-        total = peak + self.untracked_bytes
+        total = peak + self.untracked_at(step)
         if total <= self.predicted_bytes + self.headroom_bytes:
             return None
         return (f"step {step} peaked at {format_bytes(total)} ({kind}), above the plan's predicted "
@@ -74,26 +83,50 @@ class PlanExceeded(TrainError):
 class _StepTracker(StorageTracker):
     """The CPU meter's tracker. The storages of the window's batch, made before the step, are not
     counted: a micro-batch sliced from it is a view of the whole window's samples, and the plan
-    counted the one micro-batch a step moves to the device (a copy on CUDA)."""
+    counted the one micro-batch a step moves to the device (a copy on CUDA).
+
+    fsdp-offload keeps the shards, their gradients and the optimizer state and step in host
+    memory, which on the CPU is the same memory as the "device": what FSDP2 puts on the host
+    (``to_host``) or makes inside ``on_host()`` is left out, as the plan's estimate leaves it out
+    of the device's peak (``memory.fake._HostDeviceTracker``)."""
 
     def __init__(self, budget_bytes: int | None = None, *, ignored=frozenset()):
         super().__init__(budget_bytes)
-        self.ignored = ignored
+        self.ignored = set(ignored)
+        self.making_host = False
+        self.aliasing = False
+        """The op being counted returns a view of (or writes into) a tensor it was given."""
 
     def add_storage(self, storage) -> None:
-        if storage._cdata not in self.ignored:
-            super().add_storage(storage)
+        key = storage._cdata
+        if key in self.ignored:
+            return
+        if (self.making_host or self.aliasing) and key not in self._live:
+            # An op that only aliases shows a storage the step did not allocate: memory made
+            # before the step and not among its live tensors (DDP's gradient buckets, which
+            # the plan counts apart, the window's batch). Counted, a step's peak would depend on
+            # whether the peak came before or after the first op touching it.
+            self.ignored.add(key)
+            return
+        super().add_storage(storage)
+
+    def to_host(self, tensor: torch.Tensor) -> None:
+        if hasattr(tensor, "to_local"):  # a DTensor: its local shard holds the storage
+            tensor = tensor.to_local()
+        key = tensor.untyped_storage()._cdata
+        self.disown([key])
+        self.ignored.add(key)
 
 
 class _PlanBudget(_StepTracker):
     """The CPU meter's tracker, holding a step to the plan's budget as the probe held its trials."""
 
     def __init__(self, check: PlanCheck, step: int, *, ignored=frozenset()):
-        super().__init__(check.budget_bytes - check.untracked_bytes, ignored=ignored)
+        super().__init__(check.budget_bytes - check.untracked_at(step), ignored=ignored)
         self.check, self.step = check, step
 
     def _out_of_memory(self, delta: int) -> Exception:
-        check, need = self.check, self.current + delta + self.check.untracked_bytes
+        check, need = self.check, self.current + delta + self.check.untracked_at(self.step)
         predicted = (format_bytes(check.predicted_bytes) if check.predicted_bytes is not None
                      else "no peak")
         return PlanExceeded(
@@ -123,6 +156,7 @@ class PeakMeter:
     def __init__(self, device: torch.device, *, total_steps: int, check: PlanCheck | None = None):
         self.device = device
         self.check = check
+        self._tracker = None
         self.warning = None
         """The last measured step's warning against the plan (None: within it)."""
         self.kind = "allocated" if device.type == "cuda" else "tensors"
@@ -135,10 +169,11 @@ class PeakMeter:
         return self.counted < 2 or step % COUNT_EVERY == 0 or step == self.total_steps
 
     @contextlib.contextmanager
-    def step(self, step: int, live_tensors, batch=None):
+    def step(self, step: int, live_tensors, batch=None, host=()):
         """Measure optimizer step ``step`` (1-based), run inside the block; ``live_tensors`` were
         allocated before it (parameters, buffers, optimizer state); ``batch`` is the window's,
-        whose micro-batches the CPU counts as they are made, not as views of it."""
+        whose micro-batches the CPU counts as they are made, not as views of it; ``host``: what
+        lives in host memory (fsdp-offload's shards and optimizer state), never counted."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
@@ -156,13 +191,37 @@ class PeakMeter:
                    else _StepTracker(ignored=ignored))
         for tensor in live_tensors:
             tracker.add(tensor)
+        for tensor in host:
+            tracker.to_host(tensor)
         # Resizes too, as the probe counts them: FSDP2 frees each gathered block by resizing its
         # storage to 0, which no dispatch mode sees (counted without, every block stays).
-        with tracking_resizes(tracker), counting(tracker):
-            yield
+        self._tracker = tracker
+        try:
+            with tracking_resizes(tracker), _MeterMode(tracker):
+                yield
+        finally:
+            self._tracker = None
         self.counted += 1
         self.peak = tracker.peak
         self._compare(step)
+
+    @contextlib.contextmanager
+    def on_host(self):
+        """fsdp-offload on the CPU: what the block makes is host memory, not counted."""
+        tracker = self._tracker
+        if tracker is None:
+            yield
+            return
+        saved, tracker.making_host = tracker.making_host, True
+        try:
+            yield
+        finally:
+            tracker.making_host = saved
+
+    def to_host(self, tensor) -> None:
+        """fsdp-offload on the CPU: this tensor now lives in host memory (not counted)."""
+        if self._tracker is not None and tensor is not None:
+            self._tracker.to_host(tensor)
 
     def _compare(self, step: int) -> None:
         self.warning = (self.check.over(step, self.peak, self.kind)
@@ -172,6 +231,22 @@ class PeakMeter:
         return {"peak_memory_bytes": self.peak, "peak_memory_kind": self.kind,
                 "reserved_peak_bytes": self.reserved,
                 "rss_peak_bytes": rss_peak_bytes() if self.device.type == "cpu" else None}
+
+
+class _MeterMode(_TrackingMode):
+    """The CPU backend's counting mode, telling the tracker which ops only alias their inputs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        saved, self.tracker.aliasing = self.tracker.aliasing, _aliases(func)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self.tracker.aliasing = saved
+
+
+@functools.lru_cache(maxsize=None)
+def _aliases(func) -> bool:
+    return any(r.alias_info is not None for r in func._schema.returns)
 
 
 def _storage_keys(batch):
