@@ -21,13 +21,18 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,limit,setting", CASES, ids=[c[0] for c in CASES])
-def test_estimate_seeded_probe_is_exact_with_two_real_trials(name, limit, setting):
+def test_estimate_seeded_probe_is_exact_with_two_or_three_real_trials(name, limit, setting):
     seeded = probe(EXAMPLES / name, device="cpu", memory_limit=limit, **setting)
     n = seeded.max_micro_batch
     assert seeded.estimated_max_micro_batch == n and seeded.estimate_steps > 0
     # Only real steps in trials: a fit at the answer and a failure one above prove it exact.
-    assert [(t.micro_batch, t.fits) for t in seeded.trials] == [(n, True), (n + 1, False)]
-    assert any("2 real trial(s) confirmed it" in note for note in seeded.notes)
+    # Where a hair of the budget (search.HAIR) spans two or more micro-batches (the MLP's 21 KB
+    # per sample against 67 KB), a step a hair below the estimate's answer comes first, so that
+    # an estimate a hair short never costs a second failure.
+    steps = [(t.micro_batch, t.fits) for t in seeded.trials]
+    assert steps[-2:] == [(n, True), (n + 1, False)] and len(steps) <= 3
+    assert all(fits for _, fits in steps[:-1])
+    assert any(f"{len(steps)} real trial(s) confirmed it" in note for note in seeded.notes)
 
 
 def test_same_answer_as_the_search_without_the_estimate():

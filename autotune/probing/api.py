@@ -115,6 +115,7 @@ def probe(
                 best, trials, model = search_with_share(
                     run, budget=info.budget_bytes, upper=max_micro_batch, share=share,
                     hint=seed.hint if seed is not None else hint,
+                    estimate=seed.estimate if seed is not None else None,
                     # Real trials prove one step at the share unless the estimate, which ran
                     # that very step on fake tensors, found it past the budget.
                     try_share=seed is None or seed.share_fits is not False,

@@ -42,6 +42,14 @@ class EstimateSeed:
     def hint(self) -> int | None:
         return self.answer
 
+    @property
+    def estimate(self):
+        """The estimated peak at n (the memory model fitted to the fake trials), for the real
+        search to rescale once a real step has fitted; None without one."""
+        if self.model is None or self.model.points < 2:
+            return None
+        return self.model.predict
+
     def note(self, best: int, trials: list[Trial]) -> str:
         """One line for ProbeResult.notes: what the estimate said and what the real trials found."""
         if self.answer is None:

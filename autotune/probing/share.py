@@ -28,14 +28,14 @@ def window_steps(n: int, share: int | None) -> int:
 
 
 def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: int | None,
-                      share: int | None, hint: int | None = None,
+                      share: int | None, hint: int | None = None, estimate=None,
                       try_share: bool = True) -> tuple[int, list[Trial], MemoryModel]:
     """``search_largest_fitting`` for a probe that plans for ``share`` samples per rank.
 
     Where ``upper`` reaches the share, one step at the share is tried first (unless
     ``try_share`` is False: the caller knows from an estimate that it does not fit) and is the
     answer when it fits; otherwise the search runs below the share, on window trials, and its
-    memory model is theirs."""
+    memory model is theirs. ``hint`` and ``estimate``: see ``search_largest_fitting``."""
     first: list[Trial] = []
     if share is not None and upper is not None and upper >= share:
         if try_share:
@@ -48,7 +48,8 @@ def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: 
             return 0, first, fit_memory_model([])
         if hint is not None:
             hint = min(hint, upper)
-    best, trials, model = search_largest_fitting(run_trial, budget=budget, upper=upper, hint=hint)
+    best, trials, model = search_largest_fitting(run_trial, budget=budget, upper=upper, hint=hint,
+                                                 estimate=estimate)
     return best, first + trials, model
 
 
