@@ -295,7 +295,7 @@ def test_real_side_by_side_comparison():
 
 
 def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path):
-    def fake_probe(workload, *, precision, checkpointing, max_micro_batch, backend):
+    def fake_probe(workload, *, precision, checkpointing, max_micro_batch, backend, **_):
         return linear_probe(min(32, max_micro_batch), precision=precision, upper=max_micro_batch)
 
     speeds = {(p, False, m): (300.0 if (p, m) == ("fp32", 22) else 100.0 + m)

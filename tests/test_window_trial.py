@@ -67,6 +67,19 @@ def test_window_trial_exceeds_one_step_by_about_the_gradients():
     assert window.baseline_bytes == single.baseline_bytes + session.gradient_bytes
 
 
+def test_an_uneven_split_is_planned_from_its_largest_micro_batch():
+    # [9, 8]: the largest runs only first, without gradients; the window trial at 9 (the second
+    # micro-step at 9 with the gradients alive) bounds the real window from above by at most one
+    # sample's activations.
+    workload = load_workload(TINY_LM)
+    with TrialSession(workload, backend_for("cpu", "256MiB"), precision=Precision.FP32) as session:
+        planned = session.run(9, window=2)
+        real = session.run(9, micro_batches=[9, 8])
+        one_more = session.run(8, window=2)
+    assert real.peak_bytes <= planned.peak_bytes
+    assert planned.peak_bytes - real.peak_bytes <= planned.peak_bytes - one_more.peak_bytes
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_first_micro_step_never_exceeds_the_second_on_fake_tensors(checkpointing):
     # The same claim, with checkpointing (the recomputation runs in backward), on the estimate.
