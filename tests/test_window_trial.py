@@ -188,3 +188,7 @@ def test_sharded_plan_decides_when_gradients_are_reduced():
         "(3.59 MiB of unsharded gradients) runs out of memory; reduce-scattering every micro-step")
     assert "sharded gradients (reduce-scattered every micro-step)" in tight.reasons["memory"]
     assert tight.predicted_peak_bytes < roomy.predicted_peak_bytes
+    # The CLI's summary says it.
+    from autotune.cli.format import format_plan
+
+    assert f"grad sync:    {tight.reasons['gradient_sync']}" in format_plan(tight).splitlines()

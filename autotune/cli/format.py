@@ -115,6 +115,8 @@ def format_plan(plan) -> str:
     if "sharding" in plan.reasons:
         group = f", shard group {plan.shard_group}" if plan.shard_group else ""
         lines.append(f"sharding:     {plan.sharding}{group} ({plan.reasons['sharding']})")
+    if "gradient_sync" in plan.reasons:  # sharded with accumulation: when gradients are reduced
+        lines.append(f"grad sync:    {plan.reasons['gradient_sync']}")
     if plan.predicted_peak_bytes is not None:
         lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "
                      f"{plan.micro_batch}")
