@@ -280,7 +280,8 @@ class _Session:
                          budget_bytes=budget if cpu else None,
                          headroom_bytes=int(budget * self.plan.headroom) if budget else 0,
                          untracked_bytes=self.plan.ddp_bucket_bytes if buckets else 0,
-                         counted_at_step=2 if buckets else None)
+                         # DDP rebuilds its buckets in this run's second step (after a resume too).
+                         counted_at_step=self.state.step + 2 if buckets else None)
 
     def _noise_advice(self, measured: bool) -> tuple[float | None, str | None, list[str]]:
         """(B_noise, why it is None, warnings) at the end of the run."""

@@ -56,7 +56,7 @@ class PlanCheck:
     allocated when the model is wrapped)."""
     counted_at_step: int | None = None
     """The step that allocates the untracked memory anew, so that the meter counts it there
-    (DDP rebuilds its buckets in the first forward after a synced backward: step 2)."""
+    (DDP rebuilds its buckets in the first forward after a synced backward: a run's second step)."""
 
     def untracked_at(self, step: int) -> int:
         return 0 if step == self.counted_at_step else self.untracked_bytes
