@@ -192,3 +192,12 @@ def test_sharded_plan_decides_when_gradients_are_reduced():
     from autotune.cli.format import format_plan
 
     assert f"grad sync:    {tight.reasons['gradient_sync']}" in format_plan(tight).splitlines()
+
+
+def test_a_probe_without_a_share_says_its_trials_are_single_steps():
+    from autotune.memory.fake import EstimateMemoryBackend
+
+    result = autotune.probe(TINY_LM, backend=EstimateMemoryBackend(64 << 20), max_micro_batch=4)
+    assert not any(t.window for t in result.trials)
+    assert ("each trial is one step: with gradient accumulation every micro-step after a window's "
+            "first also holds the gradients (3.59 MiB), which autotune plan measures") in result.notes

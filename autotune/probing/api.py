@@ -148,6 +148,11 @@ def probe(
     if any(t.window for t in trials):
         notes.append(f"trials below the share of {share} measured accumulation windows (the "
                      f"micro-steps after the first start with every gradient alive)")
+    elif share is None and trials and trials[-1].gradient_bytes:
+        grads = format_bytes(trials[-1].gradient_bytes)
+        notes.append(f"each trial is one step: with gradient accumulation every micro-step after a "
+                     f"window's first also holds the gradients ({grads}), which autotune plan "
+                     f"measures")
     return ProbeResult(
         max_micro_batch=best,
         upper_bound=max_micro_batch,
