@@ -1,8 +1,11 @@
 """fsdp-offload: the device's per-rank peak, counted on the same fake step as fsdp's, with the
 shards, sharded gradients, optimizer state and optimizer step in host memory."""
 
+import dataclasses
+
 import pytest
 
+from autotune.errors import ConfigError
 from autotune.planning.api import plan
 from autotune.planning.export import export_plan
 from autotune.probing.estimate import estimate_offload_host_peaks, estimate_peaks
@@ -93,7 +96,12 @@ def test_plan_offloads_a_model_that_fits_only_offloaded(examples_dir, one_thread
     zero = export_plan(result, "deepspeed").config["zero_optimization"]
     assert zero["offload_param"] == zero["offload_optimizer"] == {"device": "cpu"}
     assert export_plan(result, "lightning").config["fsdp_strategy"]["cpu_offload"] is True
-    assert export_plan(result, "accelerate").config["fsdp_config"]["fsdp_offload_params"] is True
+    # Accelerate shards only on accelerators: the CPU plan is refused, the same plan for CUDA
+    # devices offloads its parameters.
+    with pytest.raises(ConfigError, match="--to accelerate"):
+        export_plan(result, "accelerate")
+    on_gpus = dataclasses.replace(result, device=dataclasses.replace(result.device, kind="cuda"))
+    assert export_plan(on_gpus, "accelerate").config["fsdp_config"]["fsdp_offload_params"] is True
 
 
 @pytest.mark.parametrize("sharding", ["fsdp-offload"])
