@@ -12,6 +12,8 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from autotune.collectives import settle
+
 SAMPLES, FEATURES = 256, 8
 
 
@@ -47,6 +49,9 @@ def main(script_path: str, out: str) -> None:
         "distributed_type": str(accelerator.distributed_type).rsplit(".", 1)[-1],
         "processes": accelerator.num_processes, "samples_per_step": per_step,
         "weights": weights.tolist()}))
+    # gloo's worker threads may still hold the last collective's tensors; a rank that exits then
+    # aborts at interpreter shutdown ("terminate called without an active exception").
+    settle()
 
 
 if __name__ == "__main__":
