@@ -87,6 +87,19 @@ def test_a_raising_model_file_function_is_named_with_only_the_users_frames(
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+@pytest.mark.parametrize("where, named", [
+    ("build_model", "build_model()"), ("build_optimizer", "build_optimizer(params)")])
+def test_plan_names_a_raising_model_file_function_even_where_it_runs_on_fake_tensors(
+        tmp_path, raising_model, monkeypatch, where, named):
+    # plan fingerprints the model (and estimates) on fake tensors before any real trial: an
+    # error the user's own line raised there is still the user's, not a traceback.
+    monkeypatch.setenv("FAIL", where)
+    result = _cli("plan", raising_model, "--target-batch", "8", "--memory-limit", "64MiB", "-q")
+    assert result.exit_code == 1, result.output
+    assert f"{named} in {raising_model} raised RuntimeError" in result.output.splitlines()[0]
+    assert f'File "{raising_model}"' in result.output
+
+
 def test_an_error_raised_inside_torch_distributed_is_not_blamed_on_the_users_function():
     # gloo reports a peer that died as a plain RuntimeError from inside a collective that the
     # user's loss_fn reached through FSDP2/DDP: the peer failed, not the user's code, and the

@@ -361,7 +361,12 @@ def _is_user_failure(exc: Exception) -> bool:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
+    if not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack()):
+        return True
+    # On fake tensors an error raised inside torch may be a fake-tensor limit (the estimate's to
+    # judge); one the user's own line raised (build_model's KeyError) is the user's either way.
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and _is_user_frame(frames[-1].filename)
 
 
 _DISTRIBUTED_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "distributed") + os.sep
