@@ -523,7 +523,10 @@ def verify(plan_file, model_file, device, memory_limit, steps, output):
 
 
 def main(argv=None):
-    cli.main(args=argv, prog_name="autotune")
+    from ..training.stop import hold_termination
+
+    with hold_termination():  # a rank torchrun stops after another failed still says why it stopped
+        cli.main(args=argv, prog_name="autotune")
 
 
 if __name__ == "__main__":

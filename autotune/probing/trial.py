@@ -229,22 +229,23 @@ class TrialSession:
                          baseline_bytes=baseline, gradient_bytes=self.gradient_bytes,
                          **self._window_fields(sizes), **picture)
         fits = self.backend.within_budget()
-        if self.ranks_agree:
-            activation_peak, step_peak, fits = self._agree(activation_peak, step_peak, fits)
         window_fields = self._window_fields(sizes)
         if window_fields:
             # The measured micro-steps start from the first one's gradients: memory grows with n
             # from there (the search's rays start at the baseline).
             baseline = self._window_base
+        measured = {"activation_peak_bytes": activation_peak, "step_peak_bytes": step_peak,
+                    "baseline_bytes": baseline, "gradient_bytes": self.gradient_bytes}
+        if window_fields:
+            measured["held_gradient_bytes"] = window_fields.pop("held_gradient_bytes")
+        if self.ranks_agree:
+            fits = self._agree(measured, fits)
         return Trial(
             micro_batch=n,
             fits=fits,
-            peak_bytes=max(activation_peak, step_peak),
+            peak_bytes=max(measured["activation_peak_bytes"], measured["step_peak_bytes"]),
             seconds=seconds,
-            activation_peak_bytes=activation_peak,
-            step_peak_bytes=step_peak,
-            baseline_bytes=baseline,
-            gradient_bytes=self.gradient_bytes,
+            **measured,
             **window_fields,
             **self.backend.memory_picture(),
         )
@@ -291,14 +292,21 @@ class TrialSession:
             return contextlib.nullcontext()
         return unlimited(ceiling=int(self.backend.budget_bytes * _SOFT_CEILING))
 
-    def _agree(self, activation_peak: int, step_peak: int, fits: bool) -> tuple[int, int, bool]:
-        """Every rank's largest peaks, and whether every rank fitted (its budget was lifted)."""
-        fits = fits and max(activation_peak, step_peak) <= self.backend.budget_bytes
-        activation_peak, step_peak, misfits = all_reduce(
-            torch.tensor([activation_peak, step_peak, 0 if fits else 1], dtype=torch.int64,
-                         device=collective_device()),
+    def _agree(self, measured: dict, fits: bool) -> bool:
+        """Whether every rank fitted (its budget was lifted); ``measured`` becomes every rank's
+        largest value of each. Everything the search reads is agreed, not only the peaks: a
+        rank's own baseline differs by the buffers gloo's threads hold, and a search fed one
+        rank's baseline can take another step than its peers (seen in CI: 13 on one rank, 12
+        on the other, after the same agreed peaks)."""
+        fits = fits and max(measured["activation_peak_bytes"],
+                            measured["step_peak_bytes"]) <= self.backend.budget_bytes
+        keys = sorted(measured)  # the same keys on every rank: the same tensor to reduce
+        values = all_reduce(
+            torch.tensor([-1 if measured[k] is None else measured[k] for k in keys]
+                         + [0 if fits else 1], dtype=torch.int64, device=collective_device()),
             torch.distributed.ReduceOp.MAX).tolist()
-        return activation_peak, step_peak, misfits == 0
+        measured.update((k, None if v < 0 else v) for k, v in zip(keys, values))
+        return values[-1] == 0
 
     def _step(self, n: int) -> tuple[int, int]:
         return self._window([n])
