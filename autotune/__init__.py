@@ -35,12 +35,12 @@ from .errors import (
     ReportError, UserCodeError, WorkloadError,
 )
 from .memory import DeviceInfo
-from .oom import is_oom_error
-from .planning.api import plan
+from .memory.oom import is_oom_error
+from .orchestration.planner import plan
 from .planning.export import export_plan
 from .planning.planfile import load_plan, save_plan
 from .planning.types import LRDecision, Plan
-from .planning.verify import VerifyResult, verify_plan
+from .orchestration.verify import VerifyResult, verify_plan
 from .precision import Precision
 from .probing.api import probe
 from .probing.deadline import trial_timeout
@@ -48,7 +48,7 @@ from .probing.estimate import estimate_peak
 from .probing.result import MemoryModel, ProbeResult, Trial
 from .report import plot_metrics, plot_plan, write_report
 from .report.notebook import register_display as _register_display
-from .sharding import Sharding
+from .distributed.sharding import Sharding
 from .training import NonFiniteError, TrainError, TrainResult, train
 from .version import __version__
 from .workload import Workload, load_workload

@@ -59,3 +59,7 @@ class OutputError(AutotuneError, OSError):
     """An output path cannot or must not be written (a missing or read-only folder, a symlink, a
     folder, one of the command's own inputs, a full disk). An ``OSError`` too, so code that
     caught the file system's own error still catches it."""
+
+
+class TrainError(AutotuneError):
+    """Training cannot start or continue (resume mismatch, out of memory at micro-batch 1, ...)."""

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 import autotune
 from autotune.memory.cpu import CPUMemoryBackend, StorageTracker
-from autotune.oom import is_oom_error
+from autotune.memory.oom import is_oom_error
 from autotune.workload.contract import Workload, load_workload
 
 ROOT = Path(__file__).resolve().parent.parent

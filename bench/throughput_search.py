@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from autotune.memory import backend_for  # noqa: E402
 from autotune.planning.types import SettingTried  # noqa: E402
 from autotune.planning.policy import evaluate_setting, usable_bytes  # noqa: E402
-from autotune.planning.api import _probe_setting, _supported_precisions  # noqa: E402
+from autotune.orchestration.planner import _probe_setting, _supported_precisions  # noqa: E402
 from autotune.cli.format import table  # noqa: E402
 from autotune.tuning.search import build_candidates, search_throughput  # noqa: E402
 from autotune.tuning.measure import compare_configurations, measure_configuration  # noqa: E402

@@ -42,13 +42,14 @@ sys.path.insert(0, str(ROOT))
 from autotune.planning.types import LRDecision, Plan, WorkloadFingerprint  # noqa: E402
 from autotune.precision import Precision, autocast  # noqa: E402
 from autotune.training import metrics as train_metrics  # noqa: E402
-from autotune.training import distributed, train  # noqa: E402
+from autotune.distributed import process_group as distributed  # noqa: E402
+from autotune.training import train  # noqa: E402
 from autotune.training.data import Window  # noqa: E402
 from autotune.training.loop import StepRunner, TrainState  # noqa: E402
 from autotune.training.schedule import build_scheduler  # noqa: E402
 from autotune.precision import grad_scaler  # noqa: E402
 from autotune.workload.contract import load_workload  # noqa: E402
-from autotune.sharding.wrap import build_mesh, shard_model  # noqa: E402
+from autotune.distributed.sharding.wrap import build_mesh, shard_model  # noqa: E402
 
 CASES = [  # (model file, micro-batch, accumulation steps, precision)
     ("examples/cnn_bn.py", 32, 4, "fp32"),

@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from autotune.collectives import settle
+from autotune.distributed.collectives import settle
 
 SAMPLES, FEATURES = 256, 8
 

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from autotune.collectives import settle
-from autotune.training import distributed, train
+from autotune.distributed.collectives import settle
+from autotune.distributed import process_group as distributed
+from autotune.training import train
 from train_helpers import OOMOnce, build_mlp, make_plan, mlp_workload, params_of, token_workload
 
 out = Path(sys.argv[1])

@@ -15,11 +15,11 @@ import sys
 
 import torch.distributed as dist
 
-from autotune.collectives import settle
+from autotune.distributed.collectives import settle
 from autotune.memory.cpu import CPUMemoryBackend
 from autotune.precision import Precision
 from autotune.probing.trial import TrialSession
-from autotune.sharding.ranks import sharded_step
+from autotune.distributed.sharding.ranks import sharded_step
 from autotune.workload import load_workload
 
 REPEATS = int(os.environ.get("FSDP_REPEATS", "3"))

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
-from autotune.collectives import settle
+from autotune.distributed.collectives import settle
 from autotune.training import train
 from autotune.workload.contract import load_workload
 from train_helpers import make_plan, mean_loss, mlp_workload, token_workload

@@ -149,7 +149,7 @@ def test_a_sharded_checkpoint_still_resumes_to_the_parameters_of_an_uninterrupte
     train(plan, mlp_workload(32, optimizer="adamw"), steps=1, checkpoint_dir=tmp_path, progress=False)
     resumed = train(plan, mlp_workload(32, optimizer="adamw"), steps=3, checkpoint_dir=tmp_path,
                     resume=True, progress=False)
-    from autotune.sharding.wrap import full_state_dict
+    from autotune.distributed.sharding.wrap import full_state_dict
 
     a, b = full_state_dict(whole.model), full_state_dict(resumed.model)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -306,7 +306,7 @@ def test_a_torchrun_restart_resumes_from_its_runs_checkpoint_whatever_the_failur
     _torchrun_env(monkeypatch, 1)  # the same command, no --resume
     resumed = train(plan, workload(), **common)
     assert [m["step"] for m in resumed.metrics] == [3]
-    from autotune.sharding.wrap import full_state_dict
+    from autotune.distributed.sharding.wrap import full_state_dict
 
     a, b = full_state_dict(reference.model), full_state_dict(resumed.model)
     assert all(torch.equal(a[k], b[k]) for k in a)

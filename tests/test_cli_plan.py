@@ -94,7 +94,7 @@ def _fake_probe(monkeypatch, max_micro):
         return linear_probe(min(max_micro, max_micro_batch), precision=precision,
                             checkpointing=checkpointing, upper=max_micro_batch)
 
-    monkeypatch.setattr("autotune.planning.api.probe", fake)
+    monkeypatch.setattr("autotune.orchestration.planner.probe", fake)
 
 
 def test_plan_summary_shows_warnings(monkeypatch, tmp_path):

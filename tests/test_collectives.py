@@ -1,4 +1,4 @@
-"""Collectives that leave nothing of this process with gloo's worker threads (autotune.collectives).
+"""Collectives that leave nothing of this process with gloo's worker threads (autotune.distributed.collectives).
 
 A rank whose last act was a plain gloo collective could abort at exit ("terminate called without an
 active exception"): the worker thread still held the tensor and needed the GIL to free it while the
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autotune import collectives
+from autotune.distributed import collectives
 
 
 @pytest.fixture
@@ -47,8 +47,8 @@ def test_settle_without_a_process_group_does_nothing():
 def test_only_the_ranks_of_a_real_process_group_agree_on_trials(gloo_group):
     # The estimate's fake process group (one process standing for N ranks) has no other ranks
     # to agree with; its trials keep raising at the budget, which is what makes them quick.
-    from autotune.probing.trial import _real_ranks
-    from autotune.sharding.ranks import fake_process_group
+    from autotune.distributed.environment import real_ranks as _real_ranks
+    from autotune.distributed.sharding.ranks import fake_process_group
 
     assert _real_ranks() == 1  # a real group, but of one rank
     dist.destroy_process_group()

@@ -13,7 +13,7 @@ import torch
 
 from autotune.planning import export
 from autotune.errors import ConfigError
-from autotune.sharding import Sharding
+from autotune.distributed.sharding import Sharding
 from autotune.planning.export import TARGETS, even_split, export_plan
 from plan_helpers import device, fingerprint, make_plan
 
@@ -490,7 +490,7 @@ def test_torchrun_export_of_a_file_without_a_dataset_runs_as_written(tmp_path):
 
 
 def test_the_plan_records_the_optimizers_hyperparameters(examples_dir):
-    from autotune.planning.api import fingerprint_workload
+    from autotune.orchestration.planner import fingerprint_workload
     from autotune.planning.planfile import plan_from_json, plan_to_json
     from autotune.workload.contract import load_workload
 

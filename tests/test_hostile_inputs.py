@@ -188,7 +188,7 @@ def test_no_command_replaces_the_model_file_its_plan_names(tmp_path, model_file)
 
 
 def test_an_output_where_no_file_can_be_made_fails_before_the_work(tmp_path, model_file, monkeypatch):
-    import autotune.planning.api as planning_api
+    import autotune.orchestration.planner as planning_api
 
     def no_planning(*args, **kwargs):
         raise AssertionError("planned although the output cannot be written")
@@ -242,7 +242,7 @@ def test_an_lr_that_underflows_to_zero_is_refused_when_planning(tmp_path, exampl
 def test_verify_finds_a_relative_model_file_beside_the_plan_from_another_folder(
         tmp_path, model_file, monkeypatch):
     from autotune.errors import PlanFileError
-    from autotune.planning.verify import verify_plan
+    from autotune.orchestration.verify import verify_plan
 
     plan = _plan_naming(tmp_path, model_file, "model.py")  # as `autotune plan model.py` records it
     elsewhere = tmp_path / "elsewhere"

@@ -101,7 +101,7 @@ def test_the_smaller_split_starts_from_the_micro_batch_that_ran():
 
 
 def test_fsdp_plans_checkpoint_through_fsdp_config(tmp_path):
-    from autotune.sharding import Sharding
+    from autotune.distributed.sharding import Sharding
 
     plan = make_plan(64, 16, world_size=2)
     plan.sharding, plan.shard_group, plan.checkpointing = Sharding.FSDP, 2, True

@@ -59,26 +59,64 @@ def test_no_module_imports_itself_back():
     assert not cycles, " -> ".join(cycles[0])
 
 
-# Stage -> stages it must not import (the arrows point one way: cli on top, memory at the bottom).
-LOWER_MUST_NOT_IMPORT = {
-    "autotune.memory": ("probing", "planning", "tuning", "training", "gpus", "cli"),
-    "autotune.workload": ("memory", "probing", "planning", "tuning", "training", "gpus", "cli"),
-    "autotune.probing": ("planning", "tuning", "training", "gpus", "cli"),
-    "autotune.planning.types": ("planning.api", "tuning", "training", "gpus", "cli"),
-    "autotune.planning.policy": ("planning.api", "probing.api", "probing.trial", "tuning", "training", "cli"),
-    "autotune.planning.lr": ("probing", "tuning", "training", "gpus", "cli"),
-    "autotune.training": ("tuning", "cli", "planning.api"),
-    "autotune.tuning": ("cli", "planning.api"),
-}
+# The packages from the bottom up: each may import only those before it (and the basics).
+# orchestration (plan(), verify_plan(): probe, tune, build) sits above the pure planning package.
+PACKAGE_ORDER = ("files", "memory", "workload", "distributed", "probing", "gpus", "planning",
+                 "training", "report", "tuning", "orchestration", "integrations", "cli")
+BASICS = ("errors", "units", "version", "choices", "precision", "progress")
+"""Flat modules at autotune/*.py: cross-cutting basics any package may import; they import only
+one another (and torch)."""
 
 
-@pytest.mark.parametrize("lower", sorted(LOWER_MUST_NOT_IMPORT))
-def test_imports_point_one_way(lower):
-    graph = _imports()
-    forbidden = tuple(f"autotune.{stage}" for stage in LOWER_MUST_NOT_IMPORT[lower])
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "autotune"
+
+
+def test_every_package_and_flat_module_has_a_place():
+    placed = set(PACKAGE_ORDER) | set(BASICS) | {"autotune", "__main__"}
+    assert {_package(m) for m in _imports()} <= placed, sorted({_package(m) for m in _imports()} - placed)
+
+
+def test_packages_import_only_packages_below_them():
+    graph, level = _imports(), {name: i for i, name in enumerate(PACKAGE_ORDER)}
+    for name in BASICS:
+        level[name] = -1
+    bad = []
     for module, edges in graph.items():
-        if module == lower or module.startswith(lower + "."):
-            bad = sorted(e for e in edges if e.startswith(forbidden))
+        source = _package(module)
+        if source in ("autotune", "__main__"):
+            continue
+        for edge in edges:
+            target = _package(edge)
+            if target == source:
+                continue
+            if source in BASICS and target not in BASICS or level.get(target, 99) > level[source]:
+                bad.append(f"{module} -> {edge}")
+    assert not bad, bad
+
+
+def test_no_package_imports_itself_back():
+    graph = _imports()
+    packages = {}
+    for module, edges in graph.items():
+        packages.setdefault(_package(module), set()).update(_package(e) for e in edges)
+    for name in packages:
+        packages[name].discard(name)
+        packages[name] &= set(packages)
+    cycles = [c for c in (_cycle_from(packages, p) for p in sorted(packages)) if c]
+    assert not cycles, " -> ".join(cycles[0])
+
+
+def test_planning_is_pure():
+    # The policy, the plan file and the exports run without a device: nothing in planning probes,
+    # trains or measures.
+    graph = _imports()
+    for module, edges in graph.items():
+        if module.startswith("autotune.planning"):
+            bad = sorted(e for e in edges if e.startswith(("autotune.probing.api", "autotune.probing.trial",
+                                                           "autotune.memory.cuda", "autotune.memory.cpu",
+                                                           "autotune.training", "autotune.tuning")))
             assert not bad, f"{module} imports {bad}"
 
 

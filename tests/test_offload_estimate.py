@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 
 from autotune.errors import ConfigError
-from autotune.planning.api import plan
+from autotune.orchestration.planner import plan
 from autotune.planning.export import export_plan
 from autotune.probing.estimate import estimate_offload_host_peaks, estimate_peaks
-from autotune.sharding import Sharding
+from autotune.distributed.sharding import Sharding
 from autotune.units import format_bytes
 from autotune.workload import load_workload
 from plan_helpers import linear_probe, setting

@@ -6,10 +6,10 @@ import itertools
 import pytest
 
 from autotune.errors import PlanError
-from autotune.planning import api
-from autotune.planning.api import _smallest_passing, plan
+from autotune.orchestration import planner as api
+from autotune.orchestration.planner import _smallest_passing, plan
 from autotune.probing.trial import TrialSession
-from autotune.sharding import Sharding
+from autotune.distributed.sharding import Sharding
 
 
 @pytest.mark.parametrize("size", range(0, 7))
@@ -118,9 +118,9 @@ def test_the_probe_on_fake_tensors_counts_what_the_plain_session_counts(examples
 
 
 def test_a_setting_that_fits_nowhere_on_the_whole_world_is_not_probed_on_smaller_groups():
-    from autotune.planning.api import _no_fit_on_smaller_group
+    from autotune.orchestration.planner import _no_fit_on_smaller_group
     from autotune.planning.types import SettingTried
-    from autotune.sharding import Sharding
+    from autotune.distributed.sharding import Sharding
     from plan_helpers import linear_probe
 
     failed = SettingTried(precision="fp32", checkpointing=False, error="does not fit at micro-batch 1",

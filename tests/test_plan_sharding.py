@@ -8,11 +8,11 @@ from click.testing import CliRunner
 
 from autotune.cli.main import cli
 from autotune.errors import ConfigError, PlanError
-from autotune.planning.api import fingerprint_workload, plan
+from autotune.orchestration.planner import fingerprint_workload, plan
 from autotune.planning.planfile import load_plan, save_plan
 from autotune.planning.policy import PlanRequest, build_plan, sharding_worth_estimating
 from autotune.planning.types import SettingTried
-from autotune.sharding import Sharding
+from autotune.distributed.sharding import Sharding
 from autotune.workload import Workload, load_workload
 from plan_helpers import device, fingerprint, linear_probe, setting
 
@@ -196,7 +196,7 @@ def test_a_memory_limited_fsdp_plan_fits_a_real_four_rank_gloo_run(examples_dir,
 
 
 def test_verify_runs_a_sharded_plan_as_one_of_its_ranks(examples_dir, one_thread):
-    from autotune.planning.verify import verify_plan
+    from autotune.orchestration.verify import verify_plan
 
     result = plan(examples_dir / "mlp.py", target_batch=64, world_size=4, device="cpu",
                   memory_limit="40MiB", precision="fp32", checkpointing="off")

@@ -5,7 +5,7 @@ import torch
 
 import autotune
 from autotune.errors import ConfigError
-from autotune.planning.api import _resolve_world_size
+from autotune.distributed.environment import resolve_world_size as _resolve_world_size
 from autotune.workload.contract import Workload
 from plan_helpers import linear_probe
 
@@ -29,7 +29,7 @@ def probes(monkeypatch):
         found = min(64 if checkpointing else 10, max_micro_batch)
         return linear_probe(found, precision=precision, checkpointing=checkpointing, upper=max_micro_batch)
 
-    monkeypatch.setattr("autotune.planning.api.probe", fake)
+    monkeypatch.setattr("autotune.orchestration.planner.probe", fake)
     return calls
 
 
@@ -56,7 +56,7 @@ def test_pinned_micro_batch_is_the_probe_bound(probes):
 
 def test_auto_precision_on_cpu_is_fp32_when_bf16_buys_nothing(probes, monkeypatch):
     # bf16 autocast trained T5 10x slower on a CPU that reports bf16, for no larger micro-batch.
-    monkeypatch.setattr("autotune.planning.api.supports_bf16", lambda device: True)
+    monkeypatch.setattr("autotune.orchestration.planner.supports_bf16", lambda device: True)
     plan = autotune.plan(_workload(), target_batch=8, device="cpu", checkpointing="off")
     assert plan.precision == "fp32" and probes == [("fp32", False, 8)]
     assert "fp32 on the CPU" in plan.reasons["precision"]
@@ -66,13 +66,13 @@ def test_auto_precision_on_cpu_is_fp32_when_bf16_buys_nothing(probes, monkeypatc
 
 
 def test_auto_precision_on_cpu_is_bf16_where_it_buys_accumulation_steps(monkeypatch):
-    monkeypatch.setattr("autotune.planning.api.supports_bf16", lambda device: True)
+    monkeypatch.setattr("autotune.orchestration.planner.supports_bf16", lambda device: True)
 
     def fake(workload, *, precision, checkpointing, max_micro_batch, backend, **_):
         found = min(20 if precision == "bf16" else 10, max_micro_batch)
         return linear_probe(found, precision=precision, checkpointing=checkpointing, upper=max_micro_batch)
 
-    monkeypatch.setattr("autotune.planning.api.probe", fake)
+    monkeypatch.setattr("autotune.orchestration.planner.probe", fake)
     plan = autotune.plan(_workload(), target_batch=40, device="cpu", checkpointing="off", headroom=0.0)
     assert plan.precision == "bf16" and plan.micro_batches == [20, 20]
     assert "fp32 needs 4 accumulation steps and bf16 needs 2" in plan.reasons["precision"]

@@ -436,7 +436,7 @@ def test_a_checkpoint_missing_keys_is_a_train_error(tmp_path):
 
 # -- 8. output locations are checked before the work -----------------------------------------------
 def test_outputs_in_missing_or_impossible_folders_fail_before_any_work(tmp_path, model_file, monkeypatch):
-    import autotune.planning.api as planning_api
+    import autotune.orchestration.planner as planning_api
 
     def no_probing(*args, **kwargs):
         raise AssertionError("planned although the output cannot be written")
@@ -476,7 +476,7 @@ def test_a_save_that_fails_after_training_says_where_the_model_is(tmp_path):
 def test_a_full_disk_is_one_line_and_the_old_file_stays(tmp_path):
     import errno
 
-    from autotune.atomicfile import write_atomic
+    from autotune.files.outputs import write_atomic
 
     path = tmp_path / "plan.json"
     path.write_text("old")
@@ -514,7 +514,7 @@ def test_a_bad_world_size_variable_is_a_usage_error(tmp_path, model_file):
 
 @pytest.mark.parametrize("storage", ["bogus", "http://example.invalid/x", "sqlite:///missing/dir/x.db"])
 def test_a_bad_storage_url_is_a_usage_error_before_any_probing(tmp_path, examples_dir, storage, monkeypatch):
-    import autotune.planning.api as planning_api
+    import autotune.orchestration.planner as planning_api
 
     def no_probing(*args, **kwargs):
         raise AssertionError("probed before opening the storage")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from autotune.errors import ConfigError
-from autotune.sharding import Sharding
-from autotune.sharding.settings import mesh_shape, resolve_shard_group
+from autotune.distributed.sharding import Sharding
+from autotune.distributed.sharding.settings import mesh_shape, resolve_shard_group
 
 
 def test_parse_and_properties():
@@ -31,7 +31,7 @@ def test_shard_model_shards_every_repeated_block_and_the_root(examples_dir):
     from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autotune.sharding.wrap import build_mesh, shard_model
+    from autotune.distributed.sharding.wrap import build_mesh, shard_model
     from autotune.workload import load_workload
     from autotune.workload.activation_checkpointing import repeated_blocks
 

@@ -14,7 +14,7 @@ TESTS = Path(__file__).resolve().parent
 
 _CHILD = """
 import os, signal
-from autotune.training import distributed
+from autotune.distributed import process_group as distributed
 
 real_teardown = distributed.teardown
 

@@ -300,11 +300,11 @@ def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path)
 
     speeds = {(p, False, m): (300.0 if (p, m) == ("fp32", 22) else 100.0 + m)
               for p in ("fp32", "bf16") for m in split_choices(64)}
-    monkeypatch.setattr("autotune.planning.api.probe", fake_probe)
+    monkeypatch.setattr("autotune.orchestration.planner.probe", fake_probe)
     fake = FakeMeasure(speeds)
-    monkeypatch.setattr("autotune.planning.api.measure_configuration",
+    monkeypatch.setattr("autotune.orchestration.planner.measure_configuration",
                         lambda workload, backend, config: fake(config))
-    monkeypatch.setattr("autotune.planning.api.compare_configurations",
+    monkeypatch.setattr("autotune.orchestration.planner.compare_configurations",
                         lambda workload, backend, configs, seconds: fake.compare(configs, seconds))
     plan = autotune.plan(_tiny_workload(), target_batch=64, device="cpu", headroom=0.0,
                          optimize="throughput", budget="10s", checkpointing="off")

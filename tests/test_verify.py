@@ -6,7 +6,7 @@ from click.testing import CliRunner
 import autotune
 from autotune.cli.main import cli
 from autotune.planning.planfile import load_plan, save_plan
-from autotune.planning.verify import verify_plan
+from autotune.orchestration.verify import verify_plan
 
 from conftest import EXAMPLES
 

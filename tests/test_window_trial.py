@@ -14,7 +14,7 @@ import pytest
 
 import autotune
 from autotune.memory import backend_for
-from autotune.planning.verify import plan_window, verify_plan
+from autotune.orchestration.verify import plan_window, verify_plan
 from autotune.precision import Precision
 from autotune.probing.estimate import estimate_peak
 from autotune.probing.result import Trial

@@ -100,7 +100,7 @@ def _train_under_torchrun(spec: Path) -> None:
     """Every plan of one world size, one after the other, in one process group."""
     import torch.distributed as dist
 
-    from autotune.collectives import settle
+    from autotune.distributed.collectives import settle
     from autotune.training.api import train
 
     dist.init_process_group("gloo")

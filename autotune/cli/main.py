@@ -15,10 +15,10 @@ from ..precision import Precision
 from ..units import format_bytes, parse_bytes
 from ..planning.export import TARGETS as EXPORT_TARGETS
 from ..planning.lr import RULES as LR_RULES
-from ..planning.api import PRECISION_CHOICES as PLAN_PRECISIONS
+from ..orchestration.planner import PRECISION_CHOICES as PLAN_PRECISIONS
 from ..workload.checkpoint_count import parse_checkpointing
-from ..planning.api import OPTIMIZE_CHOICES as PLAN_GOALS
-from ..sharding import Sharding
+from ..orchestration.planner import OPTIMIZE_CHOICES as PLAN_GOALS
+from ..distributed.sharding import Sharding
 
 SHARDINGS = [s.value for s in Sharding]
 
@@ -245,9 +245,9 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
                  gpu, even, sharding, shard_group, output, as_json, grad_scaler):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
-    from ..outputs import check_outputs
+    from ..files.outputs import check_outputs
     from ..planning.planfile import plan_to_json, save_plan
-    from ..planning.api import plan as make_plan
+    from ..orchestration.planner import plan as make_plan
     from .format import format_plan
 
     for option, value in (("--budget", budget), ("--storage", storage)):
@@ -282,7 +282,7 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
 def show(files, as_json, plot_path):
     """Print the summary of a saved plan, or plot it or metrics files (autotune train --metrics)."""
     from ..planning.planfile import load_plan, plan_to_json
-    from ..outputs import check_outputs
+    from ..files.outputs import check_outputs
     from ..report.plots import load_metrics, plot_metrics, plot_plan
     from .format import format_metrics, format_plan
 
@@ -320,7 +320,7 @@ def _plan_inputs(plan, plan_file, name: str = "PLAN_FILE") -> dict:
 def report(plan_file, output):
     """Write a self-contained HTML page of a plan: summary, settings, memory plot, throughput,
     warnings (inline SVG; opens without a network)."""
-    from ..outputs import check_outputs
+    from ..files.outputs import check_outputs
     from ..planning.planfile import load_plan
     from ..report.html import write_report
 
@@ -339,8 +339,8 @@ def report(plan_file, output):
 @_errors_to_exit_codes
 def export(plan_file, target, output):
     """Export a plan as another runner's configuration (or the torchrun command line)."""
-    from ..atomicfile import write_atomic
-    from ..outputs import check_outputs
+    from ..files.outputs import write_atomic
+    from ..files.outputs import check_outputs
     from ..planning.export import export_plan
     from ..planning.planfile import load_plan
 
@@ -502,9 +502,9 @@ def profiles(profile, as_json):
 @_trial_timeout_option
 def verify(plan_file, model_file, device, memory_limit, steps, output):
     """Run a plan's micro-batch for a few real steps here: exit 0 when it fits, 1 when re-planned."""
-    from ..outputs import check_outputs
+    from ..files.outputs import check_outputs
     from ..planning.planfile import load_plan, save_plan
-    from ..planning.verify import verify_plan
+    from ..orchestration.verify import verify_plan
     from .format import format_verify
 
     check_outputs({"-o": output}, inputs={**_plan_inputs(load_plan(plan_file), plan_file),

@@ -20,7 +20,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
 from ..errors import ConfigError
-from ..planning.api import plan as make_plan
+from ..orchestration.planner import plan as make_plan
 from ..planning.export import even_split, to_lightning
 from ..planning.types import Plan
 from ..training.checks import load_plan

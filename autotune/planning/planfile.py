@@ -17,10 +17,10 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-from ..atomicfile import write_atomic
+from ..files.outputs import write_atomic
 from ..errors import PlanFileError
 from ..memory.base import DeviceInfo
-from ..outputs import check_outputs
+from ..files.outputs import check_outputs
 from .types import READABLE_SCHEMA_VERSIONS, Plan
 from ..workload.contract import Workload, load_workload
 

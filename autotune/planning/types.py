@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from ..memory.base import DeviceInfo
 from ..precision import GradScalerSettings, Precision
 from ..probing.result import ProbeResult, Trial, setting_label
-from ..sharding.settings import Sharding
+from ..distributed.sharding.settings import Sharding
 from ..units import format_bytes
 from ..workload.checkpoint_count import describe_blocks
 

@@ -12,8 +12,8 @@ from ..memory import MemoryBackend, backend_for
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from .. import progress
-from ..sharding.ranks import sharded_step
-from ..sharding.settings import Sharding, resolve_shard_group
+from ..distributed.sharding.ranks import sharded_step
+from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..units import format_bytes
 from ..workload.checkpoint_count import describe_blocks, parse_checkpointing
 from ..workload.contract import load_workload

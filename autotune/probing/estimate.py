@@ -13,8 +13,8 @@ import torch
 
 from ..memory.fake import EstimateMemoryBackend, checked_micro_batch, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
-from ..sharding.ranks import sharded_step
-from ..sharding.settings import Sharding
+from ..distributed.sharding.ranks import sharded_step
+from ..distributed.sharding.settings import Sharding
 from ..workload.contract import load_workload
 from .trial import TrialSession, optimizer_state_tensors
 
@@ -32,7 +32,7 @@ def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing
 
     ``sharding="fsdp"`` gives the peak of one rank of ``world_size`` under FSDP2, in shard
     groups of ``shard_group`` ranks (default: all of them), counted in this one process with a
-    fake process group (see ``autotune.sharding.ranks``). ``"fsdp-offload"`` gives that rank's
+    fake process group (see ``autotune.distributed.sharding.ranks``). ``"fsdp-offload"`` gives that rank's
     *device* peak: its shards, sharded gradients, optimizer state and optimizer step live in
     host memory (``estimate_offload_host_peaks`` says how much).
 

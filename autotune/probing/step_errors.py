@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..errors import AutotuneError, StepError, UserCodeError
 from ..memory.fake import failure_site, is_fake_tensor_limit
-from ..oom import is_oom_error
+from ..memory.oom import is_oom_error
 from ..workload.checkpoint_count import describe_blocks
 from .result import setting_label
 

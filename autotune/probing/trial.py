@@ -17,14 +17,15 @@ import time
 
 import torch
 
-from ..collectives import all_reduce, collective_device
+from ..distributed.collectives import max_across_ranks
+from ..distributed.environment import real_ranks
 from ..errors import ProbeError, WorkloadError
 from ..units import format_bytes
 from ..workload.activation_checkpointing import (checkpointable_blocks, disable_checkpointing,
                                                  enable_checkpointing)
 from ..workload.checkpoint_count import parse_checkpointing, resolve_blocks
 from ..memory.base import MemoryBackend
-from ..oom import free_memory, is_oom_error
+from ..memory.oom import free_memory, is_oom_error
 from ..precision import Precision, autocast, grad_scaler
 from ..workload.contract import Workload, move_batch
 from .deadline import deadline
@@ -64,7 +65,7 @@ class TrialSession:
         self.device = backend.device
         self.checkpointed_blocks = 0
         self.total_blocks = 0
-        self.ranks_agree = sharded and _real_ranks() > 1
+        self.ranks_agree = sharded and real_ranks() > 1
         """Sharded under torchrun: each rank's trial runs FSDP2's collectives with the others, so
         every rank must run the same trials. A rank stopping mid-step at its budget would leave
         the others waiting in a collective (their peaks differ by a few percent, with when
@@ -301,10 +302,8 @@ class TrialSession:
         fits = fits and max(measured["activation_peak_bytes"],
                             measured["step_peak_bytes"]) <= self.backend.budget_bytes
         keys = sorted(measured)  # the same keys on every rank: the same tensor to reduce
-        values = all_reduce(
-            torch.tensor([-1 if measured[k] is None else measured[k] for k in keys]
-                         + [0 if fits else 1], dtype=torch.int64, device=collective_device()),
-            torch.distributed.ReduceOp.MAX).tolist()
+        values = max_across_ranks([-1 if measured[k] is None else measured[k] for k in keys]
+                                  + [0 if fits else 1])
         measured.update((k, None if v < 0 else v) for k, v in zip(keys, values))
         return values[-1] == 0
 
@@ -338,7 +337,7 @@ class TrialSession:
     def _gradient_bytes_held(self) -> int:
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         if self.sharded:
-            from ..sharding.wrap import local_unsharded_grads
+            from ..distributed.sharding.wrap import local_unsharded_grads
 
             grads += local_unsharded_grads(self.model)
         storages = {g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in grads}
@@ -346,7 +345,7 @@ class TrialSession:
 
     def _gradient_sync(self, enabled: bool) -> None:
         if self.sharded:
-            from ..sharding.wrap import set_gradient_sync
+            from ..distributed.sharding.wrap import set_gradient_sync
 
             set_gradient_sync(self.model, enabled)
 
@@ -382,7 +381,7 @@ class TrialSession:
         self.optimizer.zero_grad(set_to_none=True)
         if self.sharded:
             # A window that failed with gradient sync off leaves FSDP2's unsharded gradients.
-            from ..sharding.wrap import drop_unsharded_grads
+            from ..distributed.sharding.wrap import drop_unsharded_grads
 
             drop_unsharded_grads(self.model)
         # A step can fail between unscale_ and update; a fresh scaler forgets that half-done step.
@@ -414,14 +413,6 @@ class TrialSession:
 _SOFT_CEILING = 2.0
 """How far past its budget a trial of ranks that agree may go before the error is raised: a
 search's next trial at most doubles the activations of one that fitted."""
-
-
-def _real_ranks() -> int:
-    """The ranks of a real process group (torchrun); 1 without one, or with the estimate's fake one."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "fake":
-        return 1
-    return dist.get_world_size()
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

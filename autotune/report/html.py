@@ -7,7 +7,7 @@ import datetime
 from html import escape
 from pathlib import Path
 
-from ..atomicfile import write_atomic
+from ..files.outputs import write_atomic
 from ..errors import ReportError
 from ..planning.planfile import check_plan_output
 from ..units import format_bytes

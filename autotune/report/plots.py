@@ -13,10 +13,10 @@ import json
 import math
 from pathlib import Path
 
-from .. import jsonlines
-from ..atomicfile import write_atomic
+from ..files import jsonlines
+from ..files.outputs import write_atomic
 from ..errors import ReportError
-from ..outputs import check_outputs
+from ..files.outputs import check_outputs
 from ..probing.result import setting_label
 
 MiB = 1024 * 1024

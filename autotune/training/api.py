@@ -13,10 +13,11 @@ from ..workload.activation_checkpointing import enable_checkpointing
 from ..workload.dataset_batch import check_default_collate
 from ..planning.planfile import load_planned_workload, planned_model_file
 from ..precision import Precision, grad_scaler, scaler_settings
-from ..sharding import Sharding
-from ..sharding.settings import resolve_shard_group
-from ..sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
-from . import checkpoint_lock, checks, distributed, restart, sharded_checkpoint
+from ..distributed.sharding import Sharding
+from ..distributed.sharding.settings import resolve_shard_group
+from ..distributed.sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
+from . import checkpoint_lock, checks, restart, sharded_checkpoint
+from ..distributed import process_group as distributed
 from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_resumable, check_train_state,
                          checkpoint_path, load, plan_record, rng_state, save_atomic, set_rng_state)
 from .checkpoint import written_by as checkpoint_written_by
@@ -37,7 +38,7 @@ _FROM_PLAN = object()
 class TrainResult:
     model: torch.nn.Module
     """The trained model (unwrapped from DDP; still sharded under FSDP2: its parameters are
-    DTensors, ``autotune.sharding.wrap.full_state_dict`` gathers them)."""
+    DTensors, ``autotune.distributed.sharding.wrap.full_state_dict`` gathers them)."""
     optimizer: torch.optim.Optimizer
     scheduler: object
     scaler: torch.amp.GradScaler

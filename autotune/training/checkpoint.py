@@ -1,6 +1,6 @@
 """Checkpoints written atomically, and the random-number state they carry.
 
-A checkpoint is written with ``autotune.atomicfile.write_atomic`` (temporary file in the same
+A checkpoint is written with ``autotune.files.outputs.write_atomic`` (temporary file in the same
 folder, fsync, ``os.replace``, folder fsync): a crash at any point leaves either the old
 checkpoint or the new one, never half a file.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomicfile import write_atomic
+from ..files.outputs import write_atomic
 from ..errors import OutputError
 from ..planning.planfile import plan_to_json
 from .errors import TrainError

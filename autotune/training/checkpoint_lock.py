@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomicfile import host_name, process_alive
+from ..files.outputs import host_name, process_alive
 from ..errors import OutputError
 from .errors import TrainError
 from .restart import Restarts

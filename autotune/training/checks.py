@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError, OutputError, PlanFileError, WorkloadError
-from ..outputs import check_outputs as check_all_outputs
+from ..files.outputs import check_outputs as check_all_outputs
 from ..planning.types import Plan
 from ..planning.planfile import load_plan as read_plan_file
 from ..precision import Precision, supports_bf16

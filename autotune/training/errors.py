@@ -1,10 +1,6 @@
-"""The training loop's own error kind (``autotune.errors`` is shared; this subclass lives here)."""
+"""The training loop's own errors (``TrainError``, their base, is in the shared hierarchy)."""
 
-from ..errors import AutotuneError
-
-
-class TrainError(AutotuneError):
-    """Training cannot start or continue (resume mismatch, out of memory at micro-batch 1, ...)."""
+from ..errors import TrainError
 
 
 class NonFiniteError(TrainError):

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..oom import free_memory, is_oom_error
+from ..memory.oom import free_memory, is_oom_error
 from ..precision import Precision, autocast
-from ..sharding import wrap as sharding
+from ..distributed.sharding import wrap as sharding
 from ..workload.contract import Workload, move_batch
-from . import distributed, noise_scale
+from . import noise_scale
+from ..distributed import process_group as distributed
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
 from .data import Window, slice_batch, split_micro_batches
 from ..errors import WorkloadError

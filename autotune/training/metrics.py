@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from .. import jsonlines, progress as progress_bars
+from .. import progress as progress_bars
+from ..files import jsonlines
 # The CPU backend's own counting mode (private there): the meter counts what the probe counts.
 from ..memory.cpu import StorageTracker, _TrackingMode, tracking_resizes
-from ..atomicfile import write_atomic
+from ..files.outputs import write_atomic
 from ..errors import OutputError
 from ..units import format_bytes
 from .errors import TrainError

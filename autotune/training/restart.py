@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomicfile import host_name, write_atomic
+from ..files.outputs import host_name, write_atomic
 from .errors import OOMRestart, TrainError
 from .recovery import SplitPolicy
 

@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..atomicfile import fsync_directory, write_atomic
+from ..files.outputs import fsync_directory, write_atomic
 from ..errors import OutputError
 from .dcp_reader import METADATA_NAME, SafeLoadPlanner, SafeReader, UnsafeCheckpoint, read_metadata
 from .errors import TrainError

@@ -21,12 +21,12 @@ import torch
 
 from ..workload.activation_checkpointing import disable_checkpointing
 from ..memory.base import MemoryBackend
-from ..oom import free_memory
+from ..memory.oom import free_memory
 from ..planning.types import SplitArithmetic
 from ..precision import Precision, grad_scaler
 from ..probing.trial import CLIP_NORM, SetupOutOfMemory, TrialSession
 from ..training.data import Window
-from ..training.distributed import DistContext
+from ..distributed.process_group import DistContext
 from ..training.errors import TrainError
 from ..training.loop import StepRunner, TrainState
 from ..workload.contract import Workload

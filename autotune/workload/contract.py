@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import AutotuneError, UserCodeError, WorkloadError
-from ..oom import is_oom_error
+from ..memory.oom import is_oom_error
 from .dataset_batch import LargestExamples
 
 REQUIRED = ("build_model",)

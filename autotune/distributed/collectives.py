@@ -26,6 +26,12 @@ def min_across_ranks(value: int) -> int:
                           dist.ReduceOp.MIN).item())
 
 
+def max_across_ranks(values: list[int]) -> list[int]:
+    """Each of ``values``, the largest any rank holds (every rank passes as many, in one order)."""
+    return all_reduce(torch.tensor(values, dtype=torch.int64, device=collective_device()),
+                      dist.ReduceOp.MAX).tolist()
+
+
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """``dist.all_reduce`` in place, returning once no worker thread holds ``tensor`` any more."""
     dist.all_reduce(tensor, op=op)

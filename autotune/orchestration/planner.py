@@ -12,7 +12,6 @@ import dataclasses
 import datetime
 import functools
 import math
-import os
 
 import torch
 
@@ -21,17 +20,17 @@ from ..workload.checkpoint_count import describe_blocks, parse_checkpointing, re
 from ..version import __version__
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .. import collectives
+from ..distributed import collectives, environment
 from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError
 from ..memory.fake import fake_tensor_limits
 from ..memory import backend_for
-from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
-from .policy import (PlanRequest, SyncOnLast, build_plan, checkpointing_worth_probing,
+from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
+from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointing_worth_probing,
                       choose_precision, cpu_precision, ddp_bucket_bytes, evaluate_setting, fewest_steps,
                       first_shard_group, predicted_blocks, predicted_group_max, setting_extra_bytes,
                       settings_below_fewest,
                       sharding_worth_estimating, split_for, usable_bytes)
-from ..sharding.settings import Sharding, resolve_shard_group
+from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
 from ..probing.api import probe, window_trial
@@ -124,11 +123,11 @@ def plan(
     budget_s = parse_duration(budget) if optimize == "throughput" else None
     if optimize == "throughput":
         check_storage(storage)
-    distributed = _distributed()
+    distributed = environment.torchrun_group()
     if distributed and optimize == "throughput":
         raise ConfigError("--optimize throughput measures in one process; run autotune plan without "
                           "torchrun (the plan is the same on every rank of identical devices)")
-    world_size = _resolve_world_size(world_size, distributed)
+    world_size = environment.resolve_world_size(world_size, distributed)
     if shard_group is not None:
         resolve_shard_group(shard_group, world_size)
     if optimize == "throughput" and sharding not in ("auto", "ddp"):
@@ -613,31 +612,5 @@ def _dataset_size(workload: Workload) -> int | None:
 def current_versions() -> dict:
 
     return {"autotune": __version__, "torch": torch.__version__, "cuda": torch.version.cuda}
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _resolve_world_size(world_size: int | None, distributed: bool) -> int:
-    if distributed:
-        ranks = torch.distributed.get_world_size()
-        if world_size is not None and world_size != ranks:
-            raise ConfigError(f"--world-size {world_size} differs from the {ranks} ranks torchrun "
-                              f"started; omit --world-size or launch {world_size} processes")
-        return ranks
-    if world_size is not None:
-        return world_size
-    env = os.environ.get("WORLD_SIZE")
-    if env is None:
-        return 1
-    try:
-        value = int(env)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ConfigError(f"environment variable WORLD_SIZE={env!r} is not a positive int; "
-                          f"unset it or pass --world-size N")
-    return value
 
 

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import collectives
-from ..errors import ConfigError
+from . import collectives
+from ..errors import ConfigError, TrainError
 from ..memory import resolve_device
-from ..sharding import wrap as sharding
-from .errors import TrainError
+from .sharding import wrap as sharding
 
 
 @dataclass

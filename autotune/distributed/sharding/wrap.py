@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..precision import Precision
-from ..workload.activation_checkpointing import repeated_blocks
+from ...precision import Precision
+from ...workload.activation_checkpointing import repeated_blocks
 from .settings import Sharding, mesh_shape
 
 MESH_DIM_NAMES = {1: ("shard",), 2: ("replicate", "shard")}

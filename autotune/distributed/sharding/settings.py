@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..choices import Choice
-from ..errors import ConfigError
+from ...choices import Choice
+from ...errors import ConfigError
 
 
 class Sharding(Choice):

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .settings import Sharding, resolve_shard_group
 from .wrap import build_mesh, shard_model
 

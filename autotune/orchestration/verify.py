@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from ..errors import PlanError
 from ..memory import backend_for
 from ..memory.base import DeviceInfo
-from .api import plan as make_plan
-from .types import Plan
-from .planfile import load_plan, load_planned_workload, model_file_not_found, planned_model_file
-from .policy import usable_bytes
+from .planner import plan as make_plan
+from ..planning.types import Plan
+from ..planning.planfile import load_plan, load_planned_workload, model_file_not_found, planned_model_file
+from ..planning.policy import usable_bytes
 from ..precision import Precision
 from ..probing.trial import SetupOutOfMemory, TrialSession
-from ..sharding.ranks import sharded_step
+from ..distributed.sharding.ranks import sharded_step
 
 DEFAULT_STEPS = 3
 
