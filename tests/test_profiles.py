@@ -136,7 +136,9 @@ def test_cli_checks_a_user_file(tmp_path):
 
 
 def test_profiles_live_in_one_place_with_their_field_guide():
-    assert not (ROOT / "profiles").exists(), "profiles live in autotune/gpus/profiles only"
+    assert not (ROOT / "autotune" / "gpus" / "profiles").exists(), "profiles live in profiles/ only"
+    assert not (ROOT / "autotune" / "profiles").exists(), "profiles live in profiles/ only"
+    assert {p.stem for p in (ROOT / "profiles").glob("*.toml")} == set(REQUIRED)
     assert bundled_profiles_dir().joinpath("a100-40gb.toml").is_file()
     assert "memory_bytes" in bundled_profiles_dir().joinpath("README.md").read_text()
 
@@ -145,15 +147,17 @@ def test_built_wheel_ships_the_profiles(tmp_path):
     # About 3 s, so not marked slow. Build from a copy: an in-tree build would write build/ and *.egg-info into the shared tree.
     src = tmp_path / "src"
     src.mkdir()
-    shutil.copy(ROOT / "pyproject.toml", src)
-    shutil.copy(ROOT / "README.md", src)
-    shutil.copytree(ROOT / "autotune", src / "autotune", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, src)
+    for name in ("autotune", "profiles"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "--no-index", "-q", "-w", str(out), str(src)], check=True, timeout=300)
     (wheel,) = out.glob("autotune-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in REQUIRED:
-        assert f"autotune/gpus/profiles/{name}.toml" in names
+        assert f"autotune/profiles/{name}.toml" in names
+    assert "autotune/profiles/README.md" in names
     assert "autotune/gpus/catalog.py" in names
     assert "autotune/planning/schemas/plan.schema.json" in names

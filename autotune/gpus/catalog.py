@@ -1,8 +1,8 @@
 """GPU profiles: what a GPU offers, as data (TOML), for planning on a device you do not have.
 
-The bundled profiles are ``autotune/profiles/*.toml`` (package data, so a wheel ships them; this
-module and that folder share a name, and Python imports the module). A profile is named by its
-file's stem (``a100-40gb``); a user's own profile is passed by path.
+The bundled profiles are the repository's top-level ``profiles/*.toml``, installed as the package
+``autotune.profiles`` (package data, so a wheel ships them; an editable install reads the folder).
+A profile is named by its file's stem (``a100-40gb``); a user's own profile is passed by path.
 """
 
 from __future__ import annotations
@@ -84,7 +84,12 @@ _FIELDS = {
 
 def bundled_profiles_dir():
     """The folder of bundled profiles, wherever the package is installed."""
-    return importlib.resources.files("autotune.gpus").joinpath("profiles")
+    try:
+        return importlib.resources.files("autotune.profiles")
+    except ModuleNotFoundError:
+        # An editable install made before profiles/ moved to the top level maps only autotune/;
+        # the folder is then the checkout's own (reinstalling maps it as the package).
+        return Path(__file__).resolve().parents[2] / "profiles"
 
 
 def list_profiles() -> list[GPUProfile]:
