@@ -1,6 +1,7 @@
 """The Dockerfile parses, installs autotune with the README's own command, defaults to JupyterLab
-on CUDA PyTorch and makes SSH optional. No daemon or network is needed: the file is parsed and
-every shell step is syntax-checked with bash -n."""
+on CUDA PyTorch new enough for FSDP planning and makes SSH optional. No daemon or network is
+needed: the file is parsed and every shell step is syntax-checked with bash -n. The image is built
+and run for real by tests/test_container_build.py (slow, needs buildah)."""
 
 import json
 import pathlib
@@ -46,6 +47,17 @@ def test_base_is_cuda_pytorch(instructions):
     assert re.fullmatch(r"pytorch/pytorch:[\d.]+-cuda[\d.]+-cudnn\d+-(runtime|devel)", image), image
 
 
+def test_default_base_and_the_build_meet_the_torch_floor(instructions):
+    """FSDP planning fails on torch 2.6-2.10: the default base carries 2.11 or newer, and the build
+    stops on a base below TORCH_MIN."""
+    args = dict(v.split("=", 1) for v in values(instructions, "ARG") if "=" in v)
+    version = re.match(r"pytorch/pytorch:(\d+)\.(\d+)", args["BASE_IMAGE"])
+    floor = tuple(int(p) for p in args["TORCH_MIN"].split("."))
+    assert floor >= (2, 11) and (int(version[1]), int(version[2])) >= floor, (args["BASE_IMAGE"], floor)
+    (check,) = [run for run in values(instructions, "RUN") if "$TORCH_MIN" in run]
+    assert check.startswith('if ! python3 -c "import torch"') and "sys.exit(" in check
+
+
 def test_installs_autotune_with_the_readmes_command(instructions):
     command = readme_install_command()
     assert any(command in run for run in values(instructions, "RUN")), command
@@ -64,7 +76,7 @@ def test_ssh_is_optional(instructions):
     (ssh,) = [run for run in values(instructions, "RUN") if "openssh-server" in run]
     assert ssh.startswith('if [ "$WITH_SSH" = "1" ]')
     entrypoint = (ROOT / "docker" / "entrypoint.sh").read_text()
-    assert 'exec "$@"' in entrypoint and "SSH_PUBLIC_KEY" in entrypoint
+    assert 'exec "$@"' in entrypoint and "SSH_PUBLIC_KEY" in entrypoint and "SSH_PORT" in entrypoint
 
 
 def test_copied_files_exist_and_shell_steps_parse(instructions):
