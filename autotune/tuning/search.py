@@ -36,9 +36,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable
-
-import optuna
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import ConfigError
 from ..precision import Precision
@@ -47,6 +45,21 @@ from ..planning.policy import predicted_peak, split_pinned, split_share
 from .measure import Configuration, Measurement
 from ..units import format_bytes
 from .. import progress
+
+if TYPE_CHECKING:
+    import optuna
+else:
+    class _Optuna:
+        """optuna, imported when the search first uses it: ``import autotune`` does not load it
+        (with SQLAlchemy behind it, a large share of the import time); a memory plan never
+        does, only ``--optimize throughput``."""
+
+        def __getattr__(self, name):
+            import optuna
+
+            return getattr(optuna, name)
+
+    optuna = _Optuna()
 
 DEFAULT_BUDGET_S = 60.0
 GRID_LIMIT = 16
@@ -64,12 +77,6 @@ STALE_LIMIT = 30
 
 # Optuna stores categorical choices as plain strings: the enum's values.
 PRECISIONS = tuple(p.value for p in Precision)
-try:  # optuna's relational storage; absent, no database URL can be opened anyway
-    from sqlalchemy.exc import SQLAlchemyError
-
-    _DATABASE_ERRORS: tuple = (SQLAlchemyError,)
-except ImportError:
-    _DATABASE_ERRORS = ()
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|sec|m|min|h)?\s*$", re.IGNORECASE)
 _SECONDS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
 
@@ -424,6 +431,15 @@ def check_storage(storage: str | None) -> None:
             optuna.storages.get_storage(storage)
 
 
+def _database_errors() -> tuple:
+    """optuna's relational storage's errors; absent, no database URL can be opened anyway."""
+    try:
+        from sqlalchemy.exc import SQLAlchemyError
+    except ImportError:
+        return ()
+    return (SQLAlchemyError,)
+
+
 def _open_study(name: str, storage: str | None, *, sampler) -> optuna.Study:
     with _storage_errors(storage):
         return optuna.create_study(study_name=name, storage=storage, sampler=sampler,
@@ -434,7 +450,7 @@ def _open_study(name: str, storage: str | None, *, sampler) -> optuna.Study:
 def _storage_errors(storage: str | None):
     try:
         yield
-    except (ValueError, ImportError, optuna.exceptions.StorageInternalError, *_DATABASE_ERRORS) as exc:
+    except (ValueError, ImportError, optuna.exceptions.StorageInternalError, *_database_errors()) as exc:
         # Optuna and SQLAlchemy report a malformed URL, an unknown scheme, a missing database
         # driver or a folder that does not exist this way.
         reason = str(exc).splitlines()[0]
