@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from .errors import ConfigError
+from .errors import ConfigError, given
 
 
 class Choice(str, enum.Enum):
@@ -28,7 +28,8 @@ class Choice(str, enum.Enum):
         except ValueError:
             noun = cls.__name__.lower()
             choices = ", ".join(member.value for member in cls)
-            raise ConfigError(f"{option or '--' + noun} {value!r} is not a {noun}; use one of "
+            said = f"{option} {value!r}" if option else given(noun, value)
+            raise ConfigError(f"{said} is not a {noun}; use one of "
                               f"{choices}") from None
 
 

@@ -1,8 +1,41 @@
 """One exception hierarchy for everything autotune reports to a user.
 
 The CLI maps ``AutotuneError`` to exit code 1 and prints only the message, so every message
-names the option or file involved, the values seen and the fix.
+names the option or file involved, the values seen and the fix: in the words of the caller
+(``option``/``given``): ``--target-batch 130`` from the command line, ``target_batch=130`` from
+Python.
 """
+
+import contextlib
+import contextvars
+
+_CLI_WORDS = contextvars.ContextVar("autotune_cli_words", default=False)
+
+
+@contextlib.contextmanager
+def cli_words():
+    """Inside: messages name options as the command line spells them (the CLI's commands)."""
+    token = _CLI_WORDS.set(True)
+    try:
+        yield
+    finally:
+        _CLI_WORDS.reset(token)
+
+
+def option(name: str) -> str:
+    """``name`` (a keyword argument, e.g. "target_batch") as the caller wrote it: "--target-batch"
+    on the command line, "target_batch" from Python."""
+    if name.startswith("--"):
+        return name
+    return "--" + name.replace("_", "-") if _CLI_WORDS.get() else name
+
+
+def given(name: str, value) -> str:
+    """An option and its value as the caller wrote them: "--target-batch 130" or "target_batch=130"
+    (a string quoted in both: "--precision 'fp8'"). A name already spelled "--name" is kept."""
+    if name.startswith("--") or _CLI_WORDS.get():
+        return f"{option(name)} {value!r}"
+    return f"{option(name)}={value!r}"
 
 
 class AutotuneError(Exception):

@@ -3,7 +3,7 @@
 import math
 import re
 
-from .errors import ConfigError
+from .errors import ConfigError, given
 
 _UNITS = {
     "": 1,
@@ -15,24 +15,26 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value, *, option="--memory-limit") -> int:
-    """Parse an int or a string with an optional SI/IEC unit into a positive number of bytes."""
+def parse_bytes(value, *, option=None) -> int:
+    """Parse an int or a string with an optional SI/IEC unit into a positive number of bytes
+    (``option``: the option named in errors, memory_limit by default)."""
+    said = given(option or "memory_limit", value)
     if isinstance(value, bool):
-        raise ConfigError(f"{option} {value!r} is not a size; write e.g. 8GiB, 512MiB or 1000000")
+        raise ConfigError(f"{said} is not a size; write e.g. 8GiB, 512MiB or 1000000")
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
     else:
         match = _PATTERN.match(str(value))
         if not match or match.group(2).lower() not in _UNITS:
             raise ConfigError(
-                f"{option} {value!r} is not a size; write e.g. 8GiB, 512MiB, 1.5GB or 1000000 (bytes)"
+                f"{said} is not a size; write e.g. 8GiB, 512MiB, 1.5GB or 1000000 (bytes)"
             )
         number, unit = float(match.group(1)), match.group(2).lower()
     if not math.isfinite(number * _UNITS[unit]):
-        raise ConfigError(f"{option} {value!r} is not a finite size; write e.g. 8GiB or 512MiB")
+        raise ConfigError(f"{said} is not a finite size; write e.g. 8GiB or 512MiB")
     result = int(number * _UNITS[unit])
     if result <= 0:
-        raise ConfigError(f"{option} {value!r} must be more than 0 bytes; write e.g. 512MiB")
+        raise ConfigError(f"{said} must be more than 0 bytes; write e.g. 512MiB")
     return result
 
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autotune.errors import ConfigError, PlanError
+from autotune.errors import ConfigError, PlanError, cli_words
 from autotune.planning.policy import (PlanRequest, allowed_micro_batch, build_plan,
                               checkpointing_worth_probing, choose_precision, cpu_precision,
                               per_device_share, predicted_peak, split_evenly, split_pinned, split_share)
@@ -43,8 +43,10 @@ def test_indivisible_world_size_suggests_nearest_targets():
     with pytest.raises(PlanError) as info:
         per_device_share(130, 4)
     message = str(info.value)
-    assert "--target-batch 130 is not divisible by --world-size 4" in message
+    assert "target_batch=130 is not divisible by world_size=4" in message  # plan() from Python
     assert "use 128 or 132" in message
+    with cli_words(), pytest.raises(PlanError, match="--target-batch 130 is not divisible by --world-size 4"):
+        per_device_share(130, 4)
 
 
 def test_indivisible_small_target_suggests_only_positive():
@@ -62,7 +64,7 @@ def test_pinned_split_keeps_the_micro_batch():
 def test_pinned_micro_batch_larger_than_share_is_an_error():
     with pytest.raises(PlanError) as info:
         PlanRequest(target_batch=64, world_size=2, micro_batch=40)
-    assert "--micro-batch 40 is larger than the per-device share 32" in str(info.value)
+    assert "micro_batch=40 is larger than the per-device share 32" in str(info.value)
 
 
 @pytest.mark.parametrize("field,value,option", [("target_batch", 0, "--target-batch"),
@@ -72,7 +74,10 @@ def test_request_rejects_bad_values_naming_the_option(field, value, option):
     values = {"target_batch": 8, field: value}
     with pytest.raises(ConfigError) as info:
         PlanRequest(**values)
-    assert option in str(info.value)
+    assert field in str(info.value) and option not in str(info.value)  # the keyword, from Python
+    with cli_words(), pytest.raises(ConfigError) as info:
+        PlanRequest(**values)
+    assert option in str(info.value)  # the flag, from the CLI
 
 
 @settings(max_examples=300, deadline=None)

@@ -108,3 +108,20 @@ def test_ranks_agree_through_all_reduce(probes, tmp_path):
         dist.destroy_process_group()
     assert plan.distributed is True and plan.world_size == 1
     assert not any("one process" in w for w in plan.warnings)
+
+
+def test_errors_name_options_as_the_caller_wrote_them(examples_dir):
+    # plan() from Python names its keyword arguments; the CLI names its flags, for the same mistake.
+    from click.testing import CliRunner
+
+    from autotune.cli.main import cli
+    from autotune.errors import PlanError
+
+    with pytest.raises(PlanError, match="target_batch=130 is not divisible by world_size=4; use 128 or 132"):
+        autotune.plan(examples_dir / "mlp.py", target_batch=130, world_size=4, device="cpu")
+    with pytest.raises(ConfigError, match=r"optimize='fastest' is not a goal"):
+        autotune.plan(examples_dir / "mlp.py", target_batch=8, optimize="fastest", device="cpu")
+    result = CliRunner().invoke(cli, ["plan", str(examples_dir / "mlp.py"), "--target-batch", "130",
+                                      "--world-size", "4", "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "--target-batch 130 is not divisible by --world-size 4; use 128 or 132" in result.output

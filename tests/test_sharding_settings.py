@@ -6,20 +6,25 @@ import torch
 from autotune.errors import ConfigError
 from autotune.distributed.sharding import Sharding
 from autotune.distributed.sharding.settings import mesh_shape, resolve_shard_group
+from autotune.errors import cli_words
 
 
 def test_parse_and_properties():
     assert Sharding.parse("FSDP-offload") is Sharding.FSDP_OFFLOAD
     assert f"{Sharding.FSDP}" == "fsdp" and Sharding.FSDP == "fsdp"
     assert Sharding.FSDP.sharded and not Sharding.DDP.sharded and Sharding.FSDP_OFFLOAD.offload
-    with pytest.raises(ConfigError, match="--sharding 'zero3' is not a sharding; use one of ddp, fsdp, fsdp-offload"):
+    with pytest.raises(ConfigError, match="sharding='zero3' is not a sharding; use one of ddp, fsdp, fsdp-offload"):
+        Sharding.parse("zero3")
+    with cli_words(), pytest.raises(ConfigError, match="--sharding 'zero3' is not a sharding"):
         Sharding.parse("zero3")
 
 
 def test_shard_group_must_divide_the_world_size():
     assert resolve_shard_group(None, 8) == 8
     assert resolve_shard_group(2, 8) == 2
-    with pytest.raises(ConfigError, match="--shard-group 3 does not divide --world-size 8; use one of 1, 2, 4, 8"):
+    with pytest.raises(ConfigError, match="shard_group=3 does not divide world_size=8; use one of 1, 2, 4, 8"):
+        resolve_shard_group(3, 8)
+    with cli_words(), pytest.raises(ConfigError, match="--shard-group 3 does not divide --world-size 8"):
         resolve_shard_group(3, 8)
     with pytest.raises(ConfigError, match="positive int"):
         resolve_shard_group(0, 8)

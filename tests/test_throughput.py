@@ -222,7 +222,11 @@ def test_budget_parsing(text, seconds):
 
 @pytest.mark.parametrize("text", ["soon", "-5s", "0", "10x"])
 def test_bad_budget_names_the_option(text):
-    with pytest.raises(ConfigError, match="--budget"):
+    from autotune.errors import cli_words
+
+    with pytest.raises(ConfigError, match=f"budget={text!r}"):  # plan(budget=...) from Python
+        parse_duration(text)
+    with cli_words(), pytest.raises(ConfigError, match=f"--budget {text!r}"):
         parse_duration(text)
 
 

@@ -10,14 +10,14 @@ import sys
 import click
 
 from ..version import __version__
-from ..errors import AutotuneError, ConfigError, WorkloadError
+from ..errors import AutotuneError, ConfigError, WorkloadError, cli_words
 from ..precision import Precision
 from ..units import format_bytes, parse_bytes
 from ..planning.export import TARGETS as EXPORT_TARGETS
 from ..planning.lr import RULES as LR_RULES
-from ..orchestration.planner import PRECISION_CHOICES as PLAN_PRECISIONS
+from ..orchestration.request import PRECISION_CHOICES as PLAN_PRECISIONS
 from ..workload.checkpoint_count import parse_checkpointing
-from ..orchestration.planner import OPTIMIZE_CHOICES as PLAN_GOALS
+from ..orchestration.request import OPTIMIZE_CHOICES as PLAN_GOALS
 from ..distributed.sharding import Sharding
 
 SHARDINGS = [s.value for s in Sharding]
@@ -60,7 +60,8 @@ def _errors_to_exit_codes(command):
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            return command(*args, **kwargs)
+            with cli_words():  # the library's messages name --options, not keyword arguments
+                return command(*args, **kwargs)
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from exc
         except WorkloadError as exc:  # the model file's fault: its own frames under the message

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, given, option
 
 
 def torchrun_group() -> bool:
@@ -20,8 +20,8 @@ def resolve_world_size(world_size: int | None, distributed: bool) -> int:
     if distributed:
         ranks = torch.distributed.get_world_size()
         if world_size is not None and world_size != ranks:
-            raise ConfigError(f"--world-size {world_size} differs from the {ranks} ranks torchrun "
-                              f"started; omit --world-size or launch {world_size} processes")
+            raise ConfigError(f"{given('world_size', world_size)} differs from the {ranks} ranks "
+                              f"torchrun started; omit {option('world_size')} or launch {world_size} processes")
         return ranks
     if world_size is not None:
         return world_size
@@ -34,7 +34,7 @@ def resolve_world_size(world_size: int | None, distributed: bool) -> int:
         value = 0
     if value < 1:
         raise ConfigError(f"environment variable WORLD_SIZE={env!r} is not a positive int; "
-                          f"unset it or pass --world-size N")
+                          f"unset it or pass {option('world_size')} N")
     return value
 
 

@@ -20,8 +20,8 @@ from ..workload.checkpoint_count import describe_blocks, parse_checkpointing, re
 from ..version import __version__
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..distributed import collectives, environment
-from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError
+from ..distributed import collectives
+from ..errors import EstimateUnavailable, PlanError, ProbeError
 from ..memory.fake import fake_tensor_limits
 from ..memory import backend_for
 from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
@@ -39,14 +39,13 @@ from ..probing.blocks import learn_block_model, prove_fewest_blocks
 from ..probing.result import ProbeResult
 from ..probing.trial import SetupOutOfMemory
 from ..units import format_bytes
-from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates, check_storage, parse_duration,
+from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates,
                                 search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
+from .request import PlanOptions
 from ..workload.contract import Workload, load_workload
 from ..workload.dataset_batch import check_default_collate
 
-PRECISION_CHOICES = ("auto", *(p.value for p in Precision))
-OPTIMIZE_CHOICES = ("memory", "throughput")
 
 
 def plan(
@@ -109,131 +108,136 @@ def plan(
     says why.
     """
     workload = load_workload(workload)
-    if sharding != "auto":
-        Sharding.parse(sharding)
-    if precision not in PRECISION_CHOICES:
-        raise ConfigError(f"--precision {precision!r} is not a precision; use one of "
-                          f"{', '.join(PRECISION_CHOICES)}")
-    if optimize not in OPTIMIZE_CHOICES:
-        raise ConfigError(f"--optimize {optimize!r} is not a goal; use one of {', '.join(OPTIMIZE_CHOICES)}")
-    if even and optimize == "throughput":
-        raise ConfigError("--even with --optimize throughput: the throughput search measures uneven "
-                          "splits too; use --optimize memory --even, or --micro-batch N with N "
-                          "dividing the per-device share")
-    budget_s = parse_duration(budget) if optimize == "throughput" else None
-    if optimize == "throughput":
-        check_storage(storage)
-    distributed = environment.torchrun_group()
-    if distributed and optimize == "throughput":
-        raise ConfigError("--optimize throughput measures in one process; run autotune plan without "
-                          "torchrun (the plan is the same on every rank of identical devices)")
-    world_size = environment.resolve_world_size(world_size, distributed)
-    if shard_group is not None:
-        resolve_shard_group(shard_group, world_size)
-    if optimize == "throughput" and sharding not in ("auto", "ddp"):
-        raise ConfigError(f"--optimize throughput measures replicated (ddp) configurations in one "
-                          f"process; use --optimize memory with --sharding {sharding}")
-    # --gpu: plan for a profile's device on fake tensors, without it (see autotune.gpus.target).
-    target = (profile_target(gpu, device=device, memory_limit=memory_limit, optimize=optimize)
-              if gpu is not None else None)
-    backend = target.backend if target else backend_for(device, memory_limit)
-    info = backend.info()
-    chosen, precision_reason = target.choose_precision(precision) if target else choose_precision(
-        precision, device_kind=backend.device.type, bf16_supported=supports_bf16(backend.device))
-    if target:
-        target.check_estimable(workload, chosen)
-    fingerprint = fingerprint_workload(workload)
-    checkpointing = _requested_blocks(checkpointing, fingerprint)
-    request = PlanRequest(
-        target_batch=target_batch, world_size=world_size, precision=chosen,
-        precision_reason=precision_reason, checkpointing=checkpointing, headroom=headroom,
-        micro_batch=micro_batch, lr_rule=lr_rule,
-        base_lr=base_lr if base_lr is not None else workload.base_lr,
-        base_batch=base_batch if base_batch is not None else workload.base_batch,
-        dataset_size=_dataset_size(workload), distributed=distributed, even=even,
-        grad_scaler=scaler_settings(grad_scaler),
-        sharding="ddp" if optimize == "throughput" else str(sharding),
-    )
-    usable = usable_bytes(info.budget_bytes, headroom)
-    extra = ddp_bucket_bytes(world_size, fingerprint.param_bytes)
-    agree = collectives.min_across_ranks if distributed else None
+    options = PlanOptions(
+        target_batch=target_batch, world_size=world_size, device=device, precision=precision,
+        checkpointing=checkpointing, memory_limit=memory_limit, headroom=headroom,
+        micro_batch=micro_batch, base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
+        optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
+        even=even, sharding=sharding, shard_group=shard_group)
+    return _Planner(workload, options).run()
 
-    first = "off" if checkpointing == "auto" else checkpointing
 
-    def try_setting(checkpoint, precision: Precision = chosen, layout=(Sharding.DDP, None),
+class _Planner:
+    """One ``plan()`` call: the device, the request and what was probed so far; its methods probe
+    settings and layouts and hand them to the pure policy."""
+
+    def __init__(self, workload: Workload, options: PlanOptions):
+        self.workload = workload
+        self.options = options
+        self.distributed = options.distributed
+        self.world_size = options.world_size
+        # --gpu: plan for a profile's device on fake tensors, without it (see autotune.gpus.target).
+        self.target = (profile_target(options.gpu, device=options.device, memory_limit=options.memory_limit,
+                                      optimize=options.optimize) if options.gpu is not None else None)
+        self.backend = self.target.backend if self.target else backend_for(options.device, options.memory_limit)
+        self.info = self.backend.info()
+        self.chosen, precision_reason = (
+            self.target.choose_precision(options.precision) if self.target else choose_precision(
+                options.precision, device_kind=self.backend.device.type,
+                bf16_supported=supports_bf16(self.backend.device)))
+        if self.target:
+            self.target.check_estimable(workload, self.chosen)
+        self.fingerprint = fingerprint_workload(workload)
+        self.checkpointing = _requested_blocks(options.checkpointing, self.fingerprint)
+        self.request = PlanRequest(
+            target_batch=options.target_batch, world_size=self.world_size, precision=self.chosen,
+            precision_reason=precision_reason, checkpointing=self.checkpointing,
+            headroom=options.headroom, micro_batch=options.micro_batch, lr_rule=options.lr_rule,
+            base_lr=options.base_lr if options.base_lr is not None else workload.base_lr,
+            base_batch=options.base_batch if options.base_batch is not None else workload.base_batch,
+            dataset_size=_dataset_size(workload), distributed=self.distributed, even=options.even,
+            grad_scaler=scaler_settings(options.grad_scaler),
+            sharding="ddp" if options.optimize == "throughput" else str(options.sharding),
+        )
+        self.usable = usable_bytes(self.info.budget_bytes, options.headroom)
+        self.extra = ddp_bucket_bytes(self.world_size, self.fingerprint.param_bytes)
+        self.agree = collectives.min_across_ranks if self.distributed else None
+        self.first = "off" if self.checkpointing == "auto" else self.checkpointing
+        self.created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.sync_estimates: dict = {}
+
+    @property
+    def estimated_for(self) -> str | None:
+        return self.target.profile.name if self.target else None
+
+    def run(self) -> Plan:
+        options = self.options
+        if options.optimize == "throughput":
+            return self._fastest()
+        if options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
+            result = _cpu_auto_precision(self.settings_in, self.build, bf16=supports_bf16(self.backend.device))
+        else:
+            result = self.build(self.chosen, self.settings_in(self.chosen))
+        if self.distributed:
+            collectives.settle()  # every rank got here: the caller may exit right away
+        return result
+
+    def _fastest(self) -> Plan:
+        precisions = ([self.chosen] if self.options.precision != "auto"
+                      else _supported_precisions(self.backend.device))
+        # Replicas only: the search measures in this one process (it is refused under torchrun).
+        settings = [s for candidate in precisions
+                    for s in _with_blocks_below_fewest(self.try_layout((Sharding.DDP, None), precision_=candidate),
+                                                      usable=self.usable, extra=self.extra)]
+        return _fastest_plan(self.workload, self.backend, self.request, self.fingerprint, settings, self.info,
+                             usable=self.usable, extra=self.extra, budget_s=self.options.budget_s,
+                             storage=self.options.storage, created_at=self.created_at,
+                             estimated_for=self.estimated_for)
+
+    def try_setting(self, checkpoint, precision: Precision | None = None, layout=(Sharding.DDP, None),
                     upper: int | None = None, hint: int | None = None) -> SettingTried:
-        setting = _probe_setting(workload, backend, precision, checkpoint,
-                                 upper or request.wanted_micro_batch, layout=layout,
-                                 world_size=world_size, hint=hint, share=request.share)
-        return evaluate_setting(setting, usable=usable, agree=agree,
-                                extra_bytes=setting_extra_bytes(setting, world_size,
-                                                                fingerprint.param_bytes))
+        setting = _probe_setting(self.workload, self.backend, precision or self.chosen, checkpoint,
+                                 upper or self.request.wanted_micro_batch, layout=layout,
+                                 world_size=self.world_size, hint=hint, share=self.request.share)
+        return evaluate_setting(setting, usable=self.usable, agree=self.agree,
+                                extra_bytes=setting_extra_bytes(setting, self.world_size,
+                                                                self.fingerprint.param_bytes))
 
-    def try_layout(layout, upper: int | None = None, *, precision_: Precision = chosen,
+    def try_layout(self, layout, upper: int | None = None, *, precision_: Precision | None = None,
                    hints=(), known_first: SettingTried | None = None) -> list[SettingTried]:
         # hints: where each probe's search starts, in the order the settings are tried.
         # known_first: the first setting's answer where it is already known without a probe.
+        precision_ = precision_ or self.chosen
         hints = [*hints, None, None]
-        request_ = dataclasses.replace(request, precision=precision_)
-        found = [known_first or try_setting(first, precision_, layout=layout, upper=upper, hint=hints[0])]
-        if checkpointing_worth_probing(found[0], request_, fingerprint, upper=upper):
-            found.append(try_setting("on", precision_, layout=layout, upper=upper, hint=hints[1]))
+        request_ = dataclasses.replace(self.request, precision=precision_)
+        found = [known_first or self.try_setting(self.first, precision_, layout=layout, upper=upper,
+                                                 hint=hints[0])]
+        if checkpointing_worth_probing(found[0], request_, self.fingerprint, upper=upper):
+            found.append(self.try_setting("on", precision_, layout=layout, upper=upper, hint=hints[1]))
             # The fewest blocks are proved by local trials on a replica; ranks would have to agree.
-            if not distributed and not layout[0].sharded:
-                fewest = _fewest_blocks_setting(workload, backend, request_, found[0], found[1],
-                                                usable=usable, extra=extra)
+            if not self.distributed and not layout[0].sharded:
+                fewest = _fewest_blocks_setting(self.workload, self.backend, request_, found[0], found[1],
+                                                usable=self.usable, extra=self.extra)
                 if fewest is not None:
                     found.append(fewest)
         return found
 
-    created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    if optimize == "throughput":
-        precisions = [chosen] if precision != "auto" else _supported_precisions(backend.device)
-        # Replicas only: the search measures in this one process (it is refused under torchrun).
-        settings = [s for candidate in precisions
-                    for s in _with_blocks_below_fewest(try_layout((Sharding.DDP, None), precision_=candidate),
-                                                      usable=usable, extra=extra)]
-        return _fastest_plan(workload, backend, request, fingerprint, settings, info, usable=usable,
-                             extra=extra, budget_s=budget_s, storage=storage, created_at=created_at,
-                             estimated_for=target.profile.name if target else None)
+    def settings_in(self, precision_: Precision) -> list[SettingTried]:
+        return _probe_layouts(functools.partial(self.try_layout, precision_=precision_),
+                              dataclasses.replace(self.request, precision=precision_),
+                              self.options.sharding, self.options.shard_group, self.world_size, self.usable)
 
-    def settings_in(precision_: Precision) -> list[SettingTried]:
-        return _probe_layouts(functools.partial(try_layout, precision_=precision_),
-                              dataclasses.replace(request, precision=precision_), sharding,
-                              shard_group, world_size, usable)
-
-    sync_estimates: dict = {}
-
-    def build(precision_: Precision, settings: list[SettingTried], reason: str | None = None) -> Plan:
-        request_ = dataclasses.replace(request, precision=precision_,
-                                       precision_reason=reason or request.precision_reason)
+    def build(self, precision_: Precision, settings: list[SettingTried], reason: str | None = None) -> Plan:
+        request_ = dataclasses.replace(self.request, precision=precision_,
+                                       precision_reason=reason or self.request.precision_reason)
 
         def made(sync_on_last=None) -> Plan:
-            return build_plan(request_, workload=fingerprint, settings=settings, device=info,
-                              versions=current_versions(), created_at=created_at,
-                              estimated_for=target.profile.name if target else None,
-                              sync_on_last=sync_on_last)
+            return build_plan(request_, workload=self.fingerprint, settings=settings, device=self.info,
+                              versions=current_versions(), created_at=self.created_at,
+                              estimated_for=self.estimated_for, sync_on_last=sync_on_last)
 
         planned = made()
-        if not distributed:
-            planned = _measure_planned(planned, made, workload, backend, world_size, usable,
-                                       fingerprint.param_bytes)
+        if not self.distributed:
+            planned = _measure_planned(planned, made, self.workload, self.backend, self.world_size,
+                                       self.usable, self.fingerprint.param_bytes)
         if not planned.sharding.sharded or planned.accumulation_steps < 2:
             return planned
         # The probe's sharded windows reduce-scattered every micro-step; the other option, holding
         # the unsharded gradients until the last micro-step, is estimated for the chosen split.
         key = (planned.label(), str(planned.sharding), planned.shard_group)
-        if key not in sync_estimates:
-            sync_estimates[key] = _sync_on_last(workload, backend, planned, world_size)
-        return made(sync_estimates[key])
-
-    if precision == "auto" and target is None and backend.device.type == "cpu":
-        result = _cpu_auto_precision(settings_in, build, bf16=supports_bf16(backend.device))
-    else:
-        result = build(chosen, settings_in(chosen))
-    if distributed:
-        collectives.settle()  # every rank got here: the caller may exit right away
-    return result
+        if key not in self.sync_estimates:
+            self.sync_estimates[key] = _sync_on_last(self.workload, self.backend, planned, self.world_size)
+        return made(self.sync_estimates[key])
 
 
 def _cpu_auto_precision(settings_in, build, *, bf16: bool) -> Plan:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import ConfigError, PlanError
+from ..errors import ConfigError, PlanError, given, option
 from .lr import decide_lr, lr_warnings
 from ..memory.base import DeviceInfo
 from ..precision import GradScalerSettings, Precision
@@ -64,20 +64,21 @@ class PlanRequest:
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision)
-        _check_positive_int(self.target_batch, "--target-batch", MAX_BATCH)
-        _check_positive_int(self.world_size, "--world-size", MAX_WORLD_SIZE)
+        _check_positive_int(self.target_batch, "target_batch", MAX_BATCH)
+        _check_positive_int(self.world_size, "world_size", MAX_WORLD_SIZE)
         if self.micro_batch is not None:
-            _check_positive_int(self.micro_batch, "--micro-batch")
+            _check_positive_int(self.micro_batch, "micro_batch")
         if not (isinstance(self.headroom, (int, float)) and 0 <= self.headroom < 1):
-            raise ConfigError(f"--headroom {self.headroom!r} must be a fraction in [0, 1), e.g. 0.1 for 10%")
+            raise ConfigError(f"{given('headroom', self.headroom)} must be a fraction in [0, 1), e.g. 0.1 "
+                              f"for 10%")
         if self.base_lr is not None and not (isinstance(self.base_lr, (int, float))
                                              and math.isfinite(self.base_lr) and self.base_lr > 0):
-            raise ConfigError(f"--base-lr {self.base_lr!r} must be a finite number more than 0, "
-                              f"e.g. --base-lr 3e-4")
+            raise ConfigError(f"{given('base_lr', self.base_lr)} must be a finite number more than 0, "
+                              f"e.g. {given('base_lr', 3e-4)}")
         if self.checkpointing not in ("auto", "on", "off") and (
                 isinstance(self.checkpointing, bool) or not isinstance(self.checkpointing, int)
                 or self.checkpointing < 0):
-            raise ConfigError(f"--checkpointing {self.checkpointing!r} must be auto, on, off or a "
+            raise ConfigError(f"{given('checkpointing', self.checkpointing)} must be auto, on, off or a "
                               f"block count K >= 0")
         if self.micro_batch is not None:
             split_pinned(self.share, self.micro_batch)  # raises when it exceeds the share
@@ -92,11 +93,11 @@ class PlanRequest:
         return self.micro_batch if self.micro_batch is not None else self.share
 
 
-def _check_positive_int(value, option: str, maximum: int | None = None) -> None:
+def _check_positive_int(value, name: str, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{option} must be a positive int, got {value!r}")
+        raise ConfigError(f"{option(name)} must be a positive int, got {value!r}")
     if maximum is not None and value > maximum:
-        raise ConfigError(f"{option} {value} is more than {maximum}, the largest autotune plans for; "
+        raise ConfigError(f"{given(name, value)} is more than {maximum}, the largest autotune plans for; "
                           f"check the number")
 
 
@@ -108,7 +109,8 @@ def per_device_share(target_batch: int, world_size: int) -> int:
         lower = target_batch - target_batch % world_size
         upper = lower + world_size
         options = f"{lower} or {upper}" if lower > 0 else f"{upper}"
-        raise PlanError(f"--target-batch {target_batch} is not divisible by --world-size {world_size}; "
+        raise PlanError(f"{given('target_batch', target_batch)} is not divisible by "
+                        f"{given('world_size', world_size)}; "
                         f"use {options} (every rank must take the same number of samples per step)")
     return target_batch // world_size
 
@@ -143,8 +145,8 @@ def split_evenly(share: int, max_micro_batch: int) -> list[int]:
 def split_pinned(share: int, micro_batch: int) -> list[int]:
     """Micro-batches of exactly ``micro_batch``, the last one taking the remainder."""
     if micro_batch > share:
-        raise PlanError(f"--micro-batch {micro_batch} is larger than the per-device share {share} of "
-                        f"the target batch; use --micro-batch {share} or less")
+        raise PlanError(f"{given('micro_batch', micro_batch)} is larger than the per-device share {share} of "
+                        f"the target batch; use {given('micro_batch', share)} or less")
     full, rest = divmod(share, micro_batch)
     return [micro_batch] * full + ([rest] if rest else [])
 

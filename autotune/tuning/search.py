@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, given
 from ..precision import Precision
 from ..planning.types import ConfigurationMeasured, SettingTried
 from ..planning.policy import predicted_peak, split_pinned, split_share
@@ -81,17 +81,17 @@ _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|sec|m|min|h)?\s*$", re.IGNOR
 _SECONDS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
 
 
-def parse_duration(value, *, option: str = "--budget") -> float:
+def parse_duration(value, *, option: str | None = None) -> float:
     """Seconds from "60s", "2m", "1h" or plain seconds ("90", 90)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     else:
         match = _DURATION.match(str(value))
         if match is None:
-            raise ConfigError(f"{option} {value!r} is not a duration; write e.g. 60s, 2m or 90 (seconds)")
+            raise ConfigError(f"{given(option or 'budget', value)} is not a duration; write e.g. 60s, 2m or 90 (seconds)")
         seconds = float(match.group(1)) * _SECONDS[match.group(2) and match.group(2).lower()]
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(f"{option} {value!r} must be more than 0 seconds; write e.g. 60s or 2m")
+        raise ConfigError(f"{given(option or 'budget', value)} must be more than 0 seconds; write e.g. 60s or 2m")
     return seconds
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...choices import Choice
-from ...errors import ConfigError
+from ...errors import ConfigError, given
 
 
 class Sharding(Choice):
@@ -29,7 +29,7 @@ class Sharding(Choice):
         return self is Sharding.FSDP_OFFLOAD
 
 
-def resolve_shard_group(shard_group, world_size: int, *, option: str = "--shard-group") -> int:
+def resolve_shard_group(shard_group, world_size: int, *, option: str | None = None) -> int:
     """The number of ranks that share one copy of the model (the world size when not given).
 
     Hybrid sharding shards within groups of ``shard_group`` ranks and replicates across the
@@ -38,11 +38,11 @@ def resolve_shard_group(shard_group, world_size: int, *, option: str = "--shard-
     if shard_group is None:
         return world_size
     if isinstance(shard_group, bool) or not isinstance(shard_group, int) or shard_group < 1:
-        raise ConfigError(f"{option} {shard_group!r} is not a number of ranks; give a positive int "
+        raise ConfigError(f"{given(option or 'shard_group', shard_group)} is not a number of ranks; give a positive int "
                           f"that divides the world size {world_size}")
     if world_size % shard_group:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(f"{option} {shard_group} does not divide --world-size {world_size}; "
+        raise ConfigError(f"{given(option or 'shard_group', shard_group)} does not divide {given('world_size', world_size)}; "
                           f"use one of {', '.join(map(str, divisors))}")
     return shard_group
 
