@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import ConfigError, OutputError, PlanFileError, WorkloadError
+from ..errors import ConfigError, OutputError, PlanFileError, WorkloadError, given, option
 from ..files.outputs import check_outputs as check_all_outputs
 from ..planning.types import Plan
 from ..planning.planfile import load_plan as read_plan_file
@@ -67,19 +67,20 @@ def check_precision(precision: Precision, device) -> None:
 def total_steps(*, steps, epochs, windows_per_epoch, source: str) -> int:
     """Optimizer steps to train: ``steps``, or ``epochs`` × windows per epoch (one epoch by default)."""
     if steps is not None and epochs is not None:
-        raise ConfigError("--steps and --epochs are exclusive; give one of them")
-    for option, value in (("--steps", steps), ("--epochs", epochs)):
+        raise ConfigError(f"{option('steps')} and {option('epochs')} are exclusive; give one of them")
+    for name, value in (("steps", steps), ("epochs", epochs)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"{option} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{option(name)} must be a positive integer, got {value!r}")
     if windows_per_epoch is None:
         if epochs is not None:
             raise ConfigError(
-                f"--epochs {epochs}: {source} has no build_dataset(), so there are no epochs; "
-                f"give --steps N (batches then come from make_batch)"
+                f"{given('epochs', epochs)}: {source} has no build_dataset(), so there are no epochs; "
+                f"give {option('steps')} N (batches then come from make_batch)"
             )
         if steps is None:
             raise ConfigError(
-                f"{source} has no build_dataset(): give --steps N (batches then come from make_batch)"
+                f"{source} has no build_dataset(): give {option('steps')} N (batches then come from "
+                f"make_batch)"
             )
         return steps
     if steps is not None:
@@ -99,21 +100,25 @@ def check_dataset_size(size: int, plan: Plan, *, source: str) -> None:
 def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, num_workers,
                   seed: int = 0, overwrite: bool = False) -> None:
     if resume and overwrite:
-        raise ConfigError("--resume and --overwrite contradict each other: --resume continues the "
-                          "checkpoint in --checkpoint-dir, --overwrite replaces it; give one of them")
+        raise ConfigError(f"{option('resume')} and {option('overwrite')} contradict each other: "
+                          f"{option('resume')} continues the checkpoint in {option('checkpoint_dir')}, "
+                          f"{option('overwrite')} replaces it; give one of them")
     if checkpoint_every is not None:
         if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-            raise ConfigError(f"--checkpoint-every must be a positive integer, got {checkpoint_every!r}")
+            raise ConfigError(f"{option('checkpoint_every')} must be a positive integer, got "
+                              f"{checkpoint_every!r}")
         if checkpoint_dir is None:
-            raise ConfigError("--checkpoint-every needs --checkpoint-dir to write checkpoints into")
+            raise ConfigError(f"{option('checkpoint_every')} needs {option('checkpoint_dir')} to write "
+                              f"checkpoints into")
     if resume and checkpoint_dir is None:
-        raise ConfigError("--resume needs --checkpoint-dir (the folder holding checkpoint.pt)")
+        raise ConfigError(f"{option('resume')} needs {option('checkpoint_dir')} (the folder holding "
+                          f"checkpoint.pt)")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ConfigError(f"--clip-grad-norm must be positive, got {clip_grad_norm!r}")
+        raise ConfigError(f"{option('clip_grad_norm')} must be positive, got {clip_grad_norm!r}")
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"num_workers must be a non-negative integer, got {num_workers!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ConfigError(f"--seed {seed!r} must be an integer from 0 to 2**63 - 1")
+        raise ConfigError(f"{given('seed', seed)} must be an integer from 0 to 2**63 - 1")
 
 
 def check_outputs(*, checkpoint_dir, resume: bool, overwrite: bool, metrics_path, inputs: dict,
