@@ -47,9 +47,10 @@ RUN if [ "$WITH_SSH" = "1" ]; then \
 
 WORKDIR /opt/autotune
 COPY . .
-# The README's install command, then the notebook and plotting extras.
+# The README's install command, then the notebook and plotting extras; editable both times, so
+# the image runs /opt/autotune's source.
 RUN pip install -e . \
-    && pip install jupyterlab ".[plot]" \
+    && pip install -e ".[plot]" jupyterlab \
     && autotune --version
 
 COPY docker/entrypoint.sh /usr/local/bin/autotune-entrypoint

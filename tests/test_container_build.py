@@ -29,6 +29,9 @@ import uuid
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# What is built: this checkout as it is, or another tree (`git archive HEAD | tar -x -C DIR` builds
+# the last commit without uncommitted edits).
+CONTEXT = pathlib.Path(os.environ.get("AUTOTUNE_CONTAINER_CONTEXT", ROOT)).resolve()
 CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "autotune-container"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
@@ -167,7 +170,7 @@ def build(request, base: str, tag: str, *args: str) -> str:
     torch_args = cpu_torch()
     run("buildah", "bud", "--isolation", "chroot", "--layers", "--rm", "--force-rm",
         "--build-arg", f"BASE_IMAGE={base}", *torch_args, *host_certificates(),
-        *args, "-f", ROOT / "Dockerfile", "-t", name, ROOT, timeout=3600, env=environment())
+        *args, "-f", CONTEXT / "Dockerfile", "-t", name, CONTEXT, timeout=3600, env=environment())
     say(request, f"build {tag} ({' '.join([*torch_args, *args])}): {time.monotonic() - start:.0f} s")
     new = run("buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", name).stdout.strip()
     if old_id and old_id != new:
@@ -266,15 +269,21 @@ def http_get(url: str) -> tuple[int, bytes]:
 
 
 def with_port(cmd: list[str], port: int) -> list[str]:
-    assert "--port=8888" in cmd, cmd
-    return [f"--port={port}" if arg == "--port=8888" else arg for arg in cmd]
+    """The default command on a free port, and on the host's loopback only (chroot isolation
+    shares the host's network)."""
+    assert "--port=8888" in cmd and "--ip=0.0.0.0" in cmd, cmd
+    replaced = {"--port=8888": f"--port={port}", "--ip=0.0.0.0": "--ip=127.0.0.1"}
+    return [replaced.get(arg, arg) for arg in cmd]
 
 
 def readme_quickstart() -> list[str]:
-    for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
-        if line.startswith("pip install -e . && autotune plan"):
-            return line.split("&&", 1)[1].split()
-    pytest.fail("README.md has no quickstart `pip install -e . && autotune plan` line")
+    """The README's first `autotune plan` command (its quickstart), on a line of its own or after
+    `pip install -e . &&`."""
+    for line in (CONTEXT / "README.md").read_text(encoding="utf-8").splitlines():
+        for command in line.split("#")[0].split("&&"):
+            if command.strip().startswith("autotune plan ") and not command.strip().endswith("\\"):
+                return command.split()
+    pytest.fail("README.md shows no `autotune plan` command")
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +304,7 @@ def container(request, cpu_image):
 
 
 def project_version() -> str:
-    return re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    return re.search(r'^version = "([^"]+)"', (CONTEXT / "pyproject.toml").read_text(), re.M).group(1)
 
 
 def test_autotune_runs_and_plans_the_quickstart_in_a_mounted_work_folder(request, container, tmp_path):
@@ -306,9 +315,14 @@ def test_autotune_runs_and_plans_the_quickstart_in_a_mounted_work_folder(request
     assert tuple(int(p) for p in torch_version.split("+")[0].split(".")[:2]) >= (2, 11), torch_version
     say(request, f"autotune --version in the image: {version.strip()} (torch {torch_version}), "
                  f"{time.monotonic() - start:.1f} s")
+    where = container.run("python3", "-c", "import autotune; print(autotune.__file__)").stdout.strip()
+    assert where.startswith("/opt/autotune/"), f"autotune is not the editable install of /opt/autotune: {where}"
+    # The package data (GPU profiles, plan schema) came along with the editable install.
+    profiles = container.run("autotune", "profiles").stdout
+    assert "a100-40gb" in profiles and "h100-80gb" in profiles, profiles
     # The user's folder on /work, as docs/container.md mounts it: the plan lands there, on the host.
     (tmp_path / "examples").mkdir()
-    shutil.copy(ROOT / "examples" / "tiny_lm.py", tmp_path / "examples")
+    shutil.copy(CONTEXT / "examples" / "tiny_lm.py", tmp_path / "examples")
     command = readme_quickstart()
     start = time.monotonic()
     planned = container.run(*command, "--quiet", volumes=[f"{tmp_path}:/work"], workdir="/work")

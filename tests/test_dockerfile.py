@@ -29,10 +29,12 @@ def values(instructions, name):
 
 
 def readme_install_command() -> str:
+    """The README's command that installs autotune itself (not torch, not an extra)."""
     for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
-        if line.strip().startswith("pip install"):
-            return line.split("&&")[0].strip()
-    pytest.fail("README.md shows no pip install command")
+        for command in line.split("#")[0].split("&&"):
+            if re.fullmatch(r"pip install (-e|--editable) \.", command.strip()):
+                return command.strip()
+    pytest.fail("README.md shows no `pip install -e .` command")
 
 
 def test_every_instruction_is_a_dockerfile_instruction(instructions):
@@ -61,6 +63,14 @@ def test_default_base_and_the_build_meet_the_torch_floor(instructions):
 def test_installs_autotune_with_the_readmes_command(instructions):
     command = readme_install_command()
     assert any(command in run for run in values(instructions, "RUN")), command
+    # Every install of the project is editable: a plain `pip install ".[plot]"` after it would
+    # replace the editable install with a copy in site-packages.
+    for run in values(instructions, "RUN"):
+        for step in re.findall(r"pip install ([^&;]*)", run):
+            words = step.split()
+            for i, word in enumerate(words):
+                if word.strip("\"'") == "." or word.strip("\"'").startswith(".["):
+                    assert i > 0 and words[i - 1] == "-e", step
 
 
 def test_jupyterlab_is_the_default_command(instructions):
