@@ -444,4 +444,5 @@ def test_a_torchrun_run_holds_its_folder_against_a_second_run(tmp_path):
     again = subprocess.run([sys.executable, "-m", "autotune", *train_args, "--resume"], env=env,
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 1 and "is in use" not in again.stderr  # the plan's 2 ranks, not the lock
-    assert "world_size 2 but this run has 1" in again.stderr
+    assert "the plan is for world size 2 but this run has 1 process (not started by torchrun or srun)" \
+        in again.stderr

@@ -337,9 +337,14 @@ def report(plan_file, output):
               required=True, help="The runner to export for.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Write to this file (default: stdout).")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
+              help="Processes (GPUs) per node for torchrun, slurm, submitit, kubernetes and "
+                   "kubernetes-trainjob: the plan's world is nodes × this (default: up to 8 GPUs "
+                   "per node; a CPU plan on one node).")
 @_errors_to_exit_codes
-def export(plan_file, target, output):
-    """Export a plan as another runner's configuration (or the torchrun command line)."""
+def export(plan_file, target, output, nproc_per_node):
+    """Export a plan as another runner's configuration, the torchrun command line, or a cluster
+    job (an sbatch script, submitit, Kubeflow PyTorchJob/TrainJob YAML, a Ray Train driver)."""
     from ..files.outputs import write_atomic
     from ..files.outputs import check_outputs
     from ..planning.export import export_plan
@@ -347,7 +352,7 @@ def export(plan_file, target, output):
 
     plan = load_plan(plan_file)
     check_outputs({"-o": output}, inputs=_plan_inputs(plan, plan_file))
-    exported = export_plan(plan, target, plan_path=plan_file)
+    exported = export_plan(plan, target, plan_path=plan_file, nproc_per_node=nproc_per_node)
     for note in exported.notes:
         click.echo(f"note: {note}", err=True)
     if output is None:

@@ -157,6 +157,12 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
+def barrier(ctx: DistContext) -> None:
+    """Every rank waits here for every other (one small all-reduce; a no-op on one process)."""
+    if ctx.distributed:
+        collectives.min_across_ranks(0)
+
+
 def any_rank(flag: bool, ctx: DistContext) -> bool:
     """True on every rank when ``flag`` is true on any rank (so all ranks take the same path)."""
     if not ctx.distributed:

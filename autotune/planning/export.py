@@ -1,4 +1,6 @@
-"""Plan -> other runners' configurations: Hugging Face, DeepSpeed, Lightning, Accelerate, torchrun.
+"""Plan -> other runners' configurations: Hugging Face, DeepSpeed, Lightning, Accelerate, torchrun,
+and the cluster engines' jobs (SLURM, submitit, Kubeflow's PyTorchJob and TrainJob, Ray Train:
+``clusters.py``).
 
 Every exporter is a pure function of the plan, and each file is one the target accepts as
 written (TrainingArguments(**file), DeepSpeed's config, Lightning's Trainer section, Accelerate's
@@ -15,14 +17,18 @@ import math
 import shlex
 from dataclasses import dataclass, field, fields
 
-from ..errors import ConfigError
+from ..errors import ConfigError, given
+from . import clusters
 from ..precision import GradScalerSettings
 from .lr import WARMUP_EPOCHS
 from .policy import largest_divisor_at_most
 from ..workload.activation_checkpointing import spread_evenly
 from .types import Plan
 
-TARGETS = ("hf", "deepspeed", "lightning", "accelerate", "torchrun")
+TARGETS = ("hf", "deepspeed", "lightning", "accelerate", "torchrun", "slurm", "submitit", "kubernetes",
+           "kubernetes-trainjob", "ray")
+CLUSTER_TARGETS = ("torchrun", "slurm", "submitit", "kubernetes", "kubernetes-trainjob")
+"""The targets that lay the plan's world out as nodes × processes per node (``nproc_per_node``)."""
 
 TORCHRUN_STEPS = 1000
 """Optimizer steps of the torchrun export of a model file without build_dataset() (no epochs)."""
@@ -48,9 +54,14 @@ class Export:
     script: dict = field(default_factory=dict)
     """Settings the file cannot hold, for the training script (Accelerator and DataLoader
     arguments); not written to the file, and repeated in the notes."""
+    text: str | None = None
+    """The file as written (an sbatch script, YAML manifests, a Python driver), notes included."""
 
     def render(self) -> str:
-        """The text to write to a file: JSON for configurations, the command for torchrun."""
+        """The text to write to a file: JSON for configurations, the command for torchrun, the
+        job file for the cluster targets."""
+        if self.text is not None:
+            return self.text
         if isinstance(self.config, str):
             comments = "".join(f"# {n}\n" for n in self.notes)
             return f"{comments}{self.config}\n"
@@ -402,8 +413,19 @@ def to_accelerate(plan: Plan) -> Export:
                   script={"accelerator": accelerator, "dataloader": {"batch_size": even.micro_batch}})
 
 
-def to_torchrun(plan: Plan, *, plan_path: str = "plan.json", model_file: str | None = None) -> Export:
-    """The command that launches autotune's own loop (which takes uneven plans as they are)."""
+def to_torchrun(plan: Plan, *, plan_path: str = "plan.json", model_file: str | None = None,
+                nproc_per_node: int | None = None) -> Export:
+    """The command that launches autotune's own loop (which takes uneven plans as they are): on
+    one node (``--standalone``), or on each of world / ``nproc_per_node`` nodes with torchrun's
+    c10d rendezvous at the first node."""
+    shape = clusters.layout(plan, nproc_per_node if nproc_per_node is not None else plan.world_size)
+    if shape.nodes > 1:
+        command, notes = clusters.torchrun_multinode(plan, shape, plan_path=plan_path, model_file=model_file)
+        notes = [f"run this on each of the {shape.nodes} nodes with HEAD_NODE set to the first "
+                 f"node's address (and JOB_ID to the same value on every node); the checkpoint "
+                 f"folder must be one every node reads (rank 0 writes it, every rank reads it on "
+                 f"resume): add --resume to continue from it", *notes]
+        return Export(target="torchrun", config=" ".join(_shell_word(w) for w in command), notes=notes)
     model = model_file or plan.workload.source
     command = ["torchrun", "--standalone", f"--nproc_per_node={plan.world_size}", "-m", "autotune",
                "train", model, "--plan", plan_path]
@@ -424,10 +446,63 @@ def to_torchrun(plan: Plan, *, plan_path: str = "plan.json", model_file: str | N
     return Export(target="torchrun", config=shlex.join(command), notes=notes)
 
 
-def export_plan(plan: Plan, target: str, *, plan_path: str = "plan.json") -> Export:
-    """The export of ``plan`` for ``target`` (one of TARGETS)."""
-    if target == "torchrun":
-        return to_torchrun(plan, plan_path=plan_path)
+def _shell_word(word: str) -> str:
+    """``word`` quoted for the shell, except the ${...} expansions the command relies on."""
+    return f'"{word}"' if "${" in word else shlex.quote(word)
+
+
+def to_slurm(plan: Plan, *, plan_path: str = "plan.json", nproc_per_node: int | None = None) -> Export:
+    """An sbatch script: srun starts torchrun on every node, c10d rendezvous at the first."""
+    text, notes = clusters.slurm_script(plan, plan_path=plan_path, nproc_per_node=nproc_per_node)
+    shebang, rest = text.split("\n", 1)
+    return Export(target="slurm", config=text, notes=notes,
+                  text=shebang + "\n" + "".join(f"# {n}\n" for n in notes) + rest)
+
+
+def to_submitit(plan: Plan, *, plan_path: str = "plan.json", nproc_per_node: int | None = None) -> Export:
+    """A Python launcher with submitit (one SLURM task per process; autotune reads SLURM's ranks)."""
+    text, notes = clusters.submitit_script(plan, plan_path=plan_path, nproc_per_node=nproc_per_node)
+    return Export(target="submitit", config=text, notes=notes,
+                  text="".join(f"# {n}\n" for n in notes) + text)
+
+
+def to_kubernetes(plan: Plan, *, plan_path: str = "plan.json", nproc_per_node: int | None = None,
+                  api: str = "pytorchjob") -> Export:
+    """A checkpoint volume claim and a Kubeflow PyTorchJob (``api="trainjob"``: a Trainer v2
+    TrainJob), as YAML documents for ``kubectl apply -f``."""
+    build = clusters.pytorchjob if api == "pytorchjob" else clusters.trainjob
+    docs, notes = build(plan, plan_path=plan_path, nproc_per_node=nproc_per_node)
+    target = "kubernetes" if api == "pytorchjob" else "kubernetes-trainjob"
+    return Export(target=target, config={"documents": docs}, notes=notes,
+                  text=clusters.render_yaml(docs, notes))
+
+
+def to_ray(plan: Plan, *, plan_path: str = "plan.json") -> Export:
+    """A Ray Train driver (``autotune.integrations.ray.trainer``)."""
+    text, notes = clusters.ray_script(plan, plan_path=plan_path)
+    return Export(target="ray", config=text, notes=notes,
+                  text="".join(f"# {n}\n" for n in notes) + text)
+
+
+def export_plan(plan: Plan, target: str, *, plan_path: str = "plan.json",
+                nproc_per_node: int | None = None) -> Export:
+    """The export of ``plan`` for ``target`` (one of TARGETS). ``nproc_per_node`` lays the plan's
+    world out as nodes × that many processes for the launchers (CLUSTER_TARGETS)."""
+    if nproc_per_node is not None and target not in CLUSTER_TARGETS:
+        raise ConfigError(f"{given('nproc_per_node', nproc_per_node)} lays the world out in nodes "
+                          f"for {', '.join(CLUSTER_TARGETS)}; --to {target} takes the world size "
+                          f"({plan.world_size}) as it is: drop it")
+    launchers = {
+        "torchrun": lambda: to_torchrun(plan, plan_path=plan_path, nproc_per_node=nproc_per_node),
+        "slurm": lambda: to_slurm(plan, plan_path=plan_path, nproc_per_node=nproc_per_node),
+        "submitit": lambda: to_submitit(plan, plan_path=plan_path, nproc_per_node=nproc_per_node),
+        "kubernetes": lambda: to_kubernetes(plan, plan_path=plan_path, nproc_per_node=nproc_per_node),
+        "kubernetes-trainjob": lambda: to_kubernetes(plan, plan_path=plan_path,
+                                                     nproc_per_node=nproc_per_node, api="trainjob"),
+        "ray": lambda: to_ray(plan, plan_path=plan_path),
+    }
+    if target in launchers:
+        return launchers[target]()  # autotune's own loop: it takes the plan's GradScaler
     exporters = {"hf": to_hf, "deepspeed": to_deepspeed, "lightning": to_lightning,
                  "accelerate": to_accelerate}
     if target not in exporters:

@@ -18,6 +18,7 @@ from ..distributed.sharding.settings import resolve_shard_group
 from ..distributed.sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
 from . import checkpoint_lock, checks, restart, sharded_checkpoint
 from ..distributed import process_group as distributed
+from ..distributed.environment import adopt_slurm
 from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_resumable, check_train_state,
                          checkpoint_path, load, plan_record, rng_state, save_atomic, set_rng_state)
 from .checkpoint import written_by as checkpoint_written_by
@@ -73,7 +74,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
           checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
           overwrite: bool = False, metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0,
           device=None, num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True,
-          save_path=None, grad_scaler=None) -> TrainResult:
+          save_path=None, grad_scaler=None, on_checkpoint=None) -> TrainResult:
     """Train ``workload`` as ``plan`` says: its micro-batches, accumulation, world size,
     precision, checkpointing, LR and warmup, with the gradient of each window exactly that of the
     whole window as one batch.
@@ -90,7 +91,12 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     process group is still up, which a sharded model needs to be gathered.
     ``grad_scaler`` (a dict of some of init_scale, growth_factor, backoff_factor, growth_interval,
     or a ``GradScalerSettings``) overrides the plan's fp16 GradScaler knobs.
+    ``on_checkpoint(step, checkpoint_dir)`` is called on every rank after each checkpoint is
+    complete (a cluster's own checkpointing takes it from there: ``autotune.integrations.ray``).
+    Under ``srun`` without torchrun, SLURM's task environment gives the ranks
+    (``autotune.distributed.environment.adopt_slurm``).
     """
+    adopt_slurm()
     plan_source = plan if isinstance(plan, (str, Path)) else "the plan"
     plan = checks.load_plan(plan)
     workload = load_planned_workload(plan, workload, source=str(plan_source))
@@ -142,7 +148,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
         session = _Session(plan=plan, workload=workload, ctx=ctx, precision=precision, clip=clip,
                            sharding=sharding, shard_group=shard_group, seed=seed, dataset=dataset,
                            dataset_size=size, total_steps=total, checkpoint_dir=checkpoint_dir,
-                           scaler=scaler, oom_record=oom_record, attempt=restarts.tag())
+                           scaler=scaler, oom_record=oom_record, attempt=restarts.tag(),
+                           on_checkpoint=on_checkpoint)
         result = session.run(resume=resume, checkpoint_every=checkpoint_every,
                              metrics_path=metrics_path, num_workers=num_workers, progress=progress,
                              measure_noise=measure_noise_scale)
@@ -162,7 +169,8 @@ class _Session:
     """The objects of one run, and how they are checkpointed and restored."""
 
     def __init__(self, *, plan, workload, ctx, precision, clip, sharding, shard_group, seed, dataset,
-                 dataset_size, total_steps, checkpoint_dir, scaler, oom_record=None, attempt=None):
+                 dataset_size, total_steps, checkpoint_dir, scaler, oom_record=None, attempt=None,
+                 on_checkpoint=None):
         self.plan, self.workload, self.ctx, self.precision = plan, workload, ctx, precision
         self.clip, self.seed, self.dataset, self.dataset_size = clip, seed, dataset, dataset_size
         self.total_steps, self.sharding, self.shard_group = total_steps, sharding, shard_group
@@ -194,6 +202,7 @@ class _Session:
         """The split recorded by a rank that ran out of memory inside a collective (restart.py)."""
         self.attempt = attempt
         """The torchrun attempt this is (``Restarts.tag``), recorded in its checkpoints."""
+        self.on_checkpoint = on_checkpoint
 
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
             measure_noise=True) -> TrainResult:
@@ -378,6 +387,10 @@ class _Session:
         self.saved_step = self.state.step
         if self.ctx.is_main:  # the checkpoint now carries the recorded split
             restart.clear_record(self.checkpoint_dir, self.state.split.level)
+        if self.on_checkpoint is not None:
+            if self.ctx.distributed:  # rank 0 has written it before any rank hands it on
+                distributed.barrier(self.ctx)
+            self.on_checkpoint(self.state.step, self.checkpoint_dir)
 
     def _train_state(self, rng: list) -> dict:
         """Everything of a checkpoint but the model and the optimizer."""

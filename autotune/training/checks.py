@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..distributed.environment import Launch, launch_environment
 from ..errors import ConfigError, OutputError, PlanFileError, WorkloadError, given, option
 from ..files.outputs import check_outputs as check_all_outputs
 from ..planning.types import Plan
@@ -47,13 +48,24 @@ def check_plan(plan, *, source: str) -> Plan:
     return plan
 
 
-def check_world_size(plan: Plan, world_size: int) -> None:
-    if plan.world_size != world_size:
-        raise TrainError(
-            f"the plan is for world_size {plan.world_size} but this run has {world_size} process(es): "
-            f"launch it with torchrun --nproc_per_node {plan.world_size} (or re-plan with "
-            f"--world-size {world_size})"
-        )
+def check_world_size(plan: Plan, world_size: int, launch: Launch | None = None) -> None:
+    """The plan's world size is the launched one (nodes × processes per node), or an error naming
+    both and how to launch the plan's (before the first step)."""
+    if plan.world_size == world_size:
+        return
+    launch = launch if launch is not None else launch_environment()
+    started = (launch.describe() if launch.world_size == world_size
+               else f"{world_size} process{'es' if world_size != 1 else ''}")
+    per_node = launch.per_node if launch.world_size == world_size else world_size
+    example = f"torchrun --nproc-per-node {plan.world_size} on one node"
+    if 1 < per_node < plan.world_size and plan.world_size % per_node == 0:
+        example += f", or --nnodes {plan.world_size // per_node} --nproc-per-node {per_node} on each of {plan.world_size // per_node}"
+    raise TrainError(
+        f"the plan is for world size {plan.world_size} but this run has {started}: launch "
+        f"{plan.world_size} processes in all (nodes × processes per node), e.g. {example} "
+        f"(autotune export --to torchrun, slurm, kubernetes or ray writes the launch), or re-plan "
+        f"for this world with {given('world_size', world_size)}"
+    )
 
 
 def check_precision(precision: Precision, device) -> None:
