@@ -22,6 +22,7 @@ Ray is imported only when these functions are called; ``import autotune`` never 
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import uuid
@@ -122,21 +123,27 @@ def train_worker(config: dict) -> None:
     rank, local_rank = context.get_world_rank(), context.get_local_rank()
     folder = _attempt_folder(config.get("local_dir"), context, dist)
     restored = ray.train.get_checkpoint()
-    if local_rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        if restored is not None:
-            with restored.as_directory() as saved:
+    resumed_from = None
+    if restored is not None:
+        with restored.as_directory() as saved:
+            resumed_from = json.loads((Path(saved) / _REPORT).read_text())["step"]
+            if local_rank == 0:
+                folder.mkdir(parents=True, exist_ok=True)
                 _copy_checkpoint(Path(saved), folder)
+    elif local_rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()  # every node's folder holds the checkpoint before any rank reads it
 
     def report(step: int, directory) -> None:
-        metrics = {"step": step}
+        # resumed_from: the step this attempt of the run started after (None: the first attempt)
+        metrics = {"step": step, "resumed_from": resumed_from}
         if rank != 0:
             ray.train.report(metrics)
             return
         with tempfile.TemporaryDirectory(prefix="autotune-ray-report-") as staging:
             _copy_checkpoint(Path(directory), Path(staging))
+            (Path(staging) / _REPORT).write_text(json.dumps({"step": step}))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staging))
 
     try:
@@ -147,6 +154,10 @@ def train_worker(config: dict) -> None:
             dist.barrier()
         if local_rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+_REPORT = "autotune-ray.json"
+"""In each checkpoint given to Ray: its step."""
 
 
 def _attempt_folder(local_dir, context, dist) -> Path:
