@@ -293,3 +293,58 @@ def test_ray_driver_compiles_and_scales_from_the_plan(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import sys, autotune, autotune.integrations.ray; "
                             "print('ray' in sys.modules)"], capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == "False", probe.stderr
+
+
+_SRUN_NODES = """# srun --ntasks-per-node=1 on the allocation: the command once per node, here all on this machine
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for node in $(seq 0 $((SLURM_JOB_NUM_NODES - 1))); do
+    SLURM_NODEID=$node SLURM_PROCID=$node "$@" > "$STUB_LOG/node$node.out" 2>&1 &
+    pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+exit $rc
+"""
+
+
+@pytest.mark.slow
+def test_the_sbatch_script_trains_on_two_nodes_and_a_resubmission_resumes(tmp_path):
+    """The exported script as sbatch would run it, srun starting its torchrun on two "nodes" of
+    this machine (the stub's allocation is localhost twice): 2 × 2 gloo ranks train the plan."""
+    import dataclasses
+    import hashlib
+    import socket
+
+    from train_helpers import make_plan as loop_plan
+
+    plan = loop_plan([2, 2], world_size=4, lr=1e-2, clip=1.0)
+    plan = dataclasses.replace(plan, workload=dataclasses.replace(
+        plan.workload, source=str(TESTS / "cluster_model.py"), has_dataset=True,
+        file_sha256=hashlib.sha256((TESTS / "cluster_model.py").read_bytes()).hexdigest()))
+    plan_file = save_plan(plan, tmp_path / "plan.json")
+    script = tmp_path / "job.sh"
+    script.write_text(export_plan(plan, "slurm", plan_path=str(plan_file), nproc_per_node=2).render())
+    env, log = _stubs(tmp_path)
+    (tmp_path / "bin" / "srun").write_text(_STUB.format(name="srun", body=_SRUN_NODES))
+    (tmp_path / "bin" / "scontrol").write_text("#!/bin/bash\nprintf 'localhost\\nlocalhost\\n'\n")
+    for job_id in range(4242, 24242, 97):  # the script's rendezvous port: 20000 + job id % 20000
+        with socket.socket() as sock:
+            try:
+                sock.bind(("localhost", 20000 + job_id % 20000))
+                break
+            except OSError:
+                continue
+    sbatch = _SBATCH.replace("SLURM_JOB_ID=4242", f"SLURM_JOB_ID={job_id}").replace(
+        '"gpu[07-$(printf %02d $((6 + nodes)))]"', "localhost,localhost")
+    (tmp_path / "bin" / "sbatch").write_text(_STUB.format(name="sbatch", body=sbatch))
+    env["OMP_NUM_THREADS"] = "1"
+    for run, expected in ((1, "trained 3 optimizer steps"), (2, "nothing to train: the checkpoint is at step 3")):
+        done = subprocess.run(["sbatch", str(script)], env=env, capture_output=True, text=True, timeout=100)
+        output = "\n".join(p.read_text() for p in sorted(log.glob("node*.out")))
+        assert done.returncode == 0, output[-6000:]
+        assert expected in output
+        assert ("--resume" in _recorded(log, "srun")[-1]) is (run == 2)
+        for path in log.glob("srun.*"):
+            path.unlink()
+    assert (tmp_path / clusters.SLURM_CHECKPOINT_DIR / CHECKPOINT_NAME).exists()

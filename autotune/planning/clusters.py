@@ -158,8 +158,9 @@ def slurm_script(plan: Plan, *, plan_path: str = "plan.json", nproc_per_node: in
         "checkpoint",
         f"# in {SLURM_CHECKPOINT_DIR}/ (written every {CHECKPOINT_EVERY} steps, and on the SIGTERM "
         "sent 120 s before the time limit).",
-        "set -euo pipefail",
+        "set -eu  # not pipefail: head closing the pipe early is no error",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        ': "${head_node:?scontrol show hostnames found no node in SLURM_JOB_NODELIST}"',
         "port=$((20000 + SLURM_JOB_ID % 20000))  # one rendezvous port per job, even on a shared node",
         "resume=",
         f"if {_resume_test(SLURM_CHECKPOINT_DIR)}; then resume=--resume; fi",
