@@ -19,7 +19,7 @@ Public API::
     plot_plan(plan, path), plot_metrics(paths, path), write_report(plan, path)
                                  the memory picture, training curves and an HTML page (plot extra)
     Workload, load_workload      the model-file contract
-    ProbeResult, Trial, MemoryModel, DeviceInfo, Plan, LRDecision, Precision, Sharding
+    ProbeResult, Trial, MemoryModel, DeviceInfo, Plan, LRDecision, Precision, Sharding, Checkpointing
     is_oom_error                 what counts as out-of-memory
     AutotuneError and its subclasses
 
@@ -52,9 +52,10 @@ from .distributed.sharding import Sharding
 from .training import NonFiniteError, TrainError, TrainResult, train
 from .version import __version__
 from .workload import Workload, load_workload
+from .workload.checkpoint_count import Checkpointing
 
 __all__ = [
-    "AutotuneError", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
+    "AutotuneError", "Checkpointing", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
     "ProbeResult", "ReportError", "Sharding", "TrainError", "TrainResult", "Trial", "UserCodeError",
     "VerifyResult", "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan",

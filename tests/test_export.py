@@ -15,6 +15,7 @@ from autotune.planning import export
 from autotune.errors import ConfigError
 from autotune.distributed.sharding import Sharding
 from autotune.planning.export import TARGETS, even_split, export_plan
+from autotune.workload.checkpoint_count import Checkpointing
 from plan_helpers import device, fingerprint, make_plan
 
 TESTS = Path(__file__).resolve().parent
@@ -55,7 +56,7 @@ def test_hf(even):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_hf_builds_training_arguments(even, tmp_path, checkpointing):
     transformers = pytest.importorskip("transformers")
-    even.checkpointing = checkpointing
+    even.checkpointing = Checkpointing.parse(checkpointing)
     config = export_plan(even, "hf").config
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # no deprecated field names
@@ -77,7 +78,7 @@ def test_hf_uses_activation_checkpointing_where_transformers_has_it(even):
 
 def test_hf_uses_gradient_checkpointing_for_older_transformers(even, monkeypatch):
     monkeypatch.setattr(export, "_hf_checkpointing_field", lambda: "gradient_checkpointing")
-    even.checkpointing = True
+    even.checkpointing = Checkpointing.every_block()
     exported = export_plan(even, "hf")
     assert exported.config["gradient_checkpointing"] is True
     assert "activation_checkpointing" not in exported.config
@@ -323,7 +324,7 @@ def test_lightning_uses_gpu_for_cuda_plans(even):
 
 
 def _selective(plan, blocks, total):
-    plan.checkpointing, plan.checkpointed_blocks = True, blocks
+    plan.checkpointing = Checkpointing.of(blocks, total)
     plan.workload = dataclasses.replace(plan.workload, repeated_blocks=total)
     return plan
 
@@ -388,7 +389,7 @@ def test_hf_fsdp_checkpointing_goes_in_fsdp_config(sharded, tmp_path):
     # It was the top-level training argument, which transformers refuses together with FSDP's own
     # checkpointing and which costs a redundant all-gather in backward.
     transformers = pytest.importorskip("transformers")
-    sharded.checkpointing = True
+    sharded.checkpointing = Checkpointing.every_block()
     config = export_plan(sharded, "hf").config
     assert config["fsdp_config"]["activation_checkpointing"] is True
     assert config[export._hf_checkpointing_field()] is False

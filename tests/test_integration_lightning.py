@@ -7,6 +7,7 @@ lightning = pytest.importorskip("lightning")
 
 from autotune.errors import ConfigError  # noqa: E402
 from autotune.integrations.lightning import AutotuneCallback, trainer_arguments  # noqa: E402
+from autotune.workload.checkpoint_count import Checkpointing  # noqa: E402
 from plan_helpers import make_plan  # noqa: E402
 from real_models import real_model  # noqa: E402
 
@@ -48,7 +49,7 @@ def _trainer(plan, callback, **overrides):
 def test_callback_applies_the_plan():
     workload = real_model("gpt2_varlen")
     plan = make_plan(8, 4)  # 4 × 2, clip 1.0
-    plan.checkpointing = True
+    plan.checkpointing = Checkpointing.every_block()
     module, data = Module(workload.model()), Data(workload)
     trainer = _trainer(plan, AutotuneCallback(plan))
     trainer.fit(module, datamodule=data)
@@ -104,7 +105,7 @@ def test_callback_checkpoints_the_plans_k_of_n_blocks():
     # It checkpointed every block (HF's own switch) for a plan of 1 of 2.
     workload = real_model("gpt2_varlen")
     plan = make_plan(8, 4)
-    plan.checkpointing, plan.checkpointed_blocks, plan.workload.repeated_blocks = True, 1, 2
+    plan.checkpointing, plan.workload.repeated_blocks = Checkpointing.of(1, 2), 2
     module = Module(workload.model())
     _trainer(plan, AutotuneCallback(plan)).fit(module, datamodule=Data(workload))
     wrapped = [m for m in module.modules() if getattr(m, "_autotune_checkpointed", False)]
@@ -116,7 +117,7 @@ def test_callback_checkpoints_the_plans_k_of_n_blocks():
 def test_callback_refuses_k_of_n_on_a_module_with_other_blocks():
     workload = real_model("gpt2_varlen")
     plan = make_plan(8, 4)
-    plan.checkpointing, plan.checkpointed_blocks, plan.workload.repeated_blocks = True, 1, 3
+    plan.checkpointing, plan.workload.repeated_blocks = Checkpointing.of(1, 3), 3
     with pytest.raises(ConfigError, match="checkpoints 1 of the 3 repeated blocks.*has 2"):
         _trainer(plan, AutotuneCallback(plan)).fit(Module(workload.model()), datamodule=Data(workload))
 

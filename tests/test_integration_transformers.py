@@ -10,6 +10,7 @@ from autotune.errors import ConfigError  # noqa: E402
 from autotune.integrations.transformers import (PlanCallback, check_arguments,  # noqa: E402
                                                 first_step_problem, training_arguments)
 from autotune.memory.base import DeviceInfo  # noqa: E402
+from autotune.workload.checkpoint_count import Checkpointing  # noqa: E402
 from plan_helpers import make_plan  # noqa: E402
 from real_models import real_model  # noqa: E402
 
@@ -28,7 +29,7 @@ def test_bf16_cpu_plan_gives_arguments_trainer_accepts(tmp_path):
 
 def test_checkpointing_goes_through_the_models_own_switch(tmp_path):
     plan = make_plan(8, 4)
-    plan.checkpointing = True
+    plan.checkpointing = Checkpointing.every_block()
     args = training_arguments(plan, output_dir=str(tmp_path))
     assert args.activation_checkpointing is True
     assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
@@ -49,7 +50,7 @@ def _train_with_callback(plan, tmp_path, *, max_steps):
 
 def test_trainer_runs_the_plan_and_the_callback_checks_it(tmp_path):
     plan = make_plan(8, 4)  # 4 × 2
-    plan.checkpointing = True
+    plan.checkpointing = Checkpointing.every_block()
     trainer, model, callback = _train_with_callback(plan, tmp_path, max_steps=2)
     assert trainer.state.global_step == 2
     assert model.is_activation_checkpointing
@@ -104,7 +105,7 @@ def test_fsdp_plans_checkpoint_through_fsdp_config(tmp_path):
     from autotune.distributed.sharding import Sharding
 
     plan = make_plan(64, 16, world_size=2)
-    plan.sharding, plan.shard_group, plan.checkpointing = Sharding.FSDP, 2, True
+    plan.sharding, plan.shard_group, plan.checkpointing = Sharding.FSDP, 2, Checkpointing.every_block()
     args = training_arguments(plan, output_dir=str(tmp_path))
     assert args.fsdp_config["activation_checkpointing"] is True
     assert not args.activation_checkpointing and not args.activation_checkpointing_kwargs

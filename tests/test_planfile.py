@@ -180,3 +180,54 @@ def test_save_is_atomic(plan, tmp_path, monkeypatch):
         save_plan(changed, path)
     assert path.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary file left
+
+
+def test_checkpointing_is_one_value_end_to_end(plan, tmp_path):
+    import dataclasses
+
+    from autotune import Checkpointing
+
+    some = dataclasses.replace(plan, checkpointing=Checkpointing.of(2, 6),
+                               workload=dataclasses.replace(plan.workload, repeated_blocks=6))
+    path = save_plan(some, tmp_path / "some.json")
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == SCHEMA_VERSION == 3
+    assert data["checkpointing"] == {"blocks": 2, "total": 6} and "checkpointed_blocks" not in data
+    assert data["settings"][0]["checkpointing"] == data["settings"][0]["probe"]["checkpointing"]
+    assert data["derived"]["checkpointed_blocks"] == 2
+    loaded = load_plan(path)
+    assert loaded == some and type(loaded.checkpointing) is Checkpointing
+    assert loaded.checkpointing_label == "2 of 6 blocks" and loaded.blocks == 2
+    assert all(type(s.checkpointing) is Checkpointing and type(s.probe.checkpointing) is Checkpointing
+               for s in loaded.settings)
+
+
+@pytest.mark.parametrize("on, blocks, label", [(False, None, "off"), (True, None, "on"),
+                                               (True, 2, "2 of 6 blocks")])
+def test_a_version_2_file_with_the_bool_and_the_count_loads(saved, on, blocks, label):
+    def as_version_2(data):
+        data["schema_version"] = 2
+        data["workload"]["repeated_blocks"] = 6
+        data["checkpointing"], data["checkpointed_blocks"] = on, blocks
+        for setting in data["settings"]:
+            setting["checkpointing"], setting["checkpointed_blocks"] = False, None
+            setting["probe"]["checkpointing"], setting["probe"]["checkpointed_blocks"] = False, 0
+        data["throughput"] = [{"precision": "fp32", "checkpointing": on, "checkpointed_blocks": blocks,
+                               "micro_batches": [43, 42, 42], "samples_per_s": 10.0, "peak_bytes": 1,
+                               "fits": True, "status": "measured"}]
+
+    _rewrite(saved, as_version_2)
+    loaded = load_plan(saved)
+    assert loaded.checkpointing_label == label and bool(loaded.checkpointing) is on
+    assert loaded.throughput[0].checkpointing == loaded.checkpointing
+    assert [s.checkpointing_label for s in loaded.settings] == ["off"]
+    assert json.loads(json.dumps(loaded.to_dict()))["checkpointing"]["blocks"] == (
+        0 if not on else blocks or 6)
+
+
+@pytest.mark.parametrize("value", [{"blocks": -1, "total": 4}, {"blocks": 5, "total": 4}, "on",
+                                   {"total": 4}])
+def test_a_bad_checkpointing_object_is_named(saved, value):
+    _rewrite(saved, lambda d: d.__setitem__("checkpointing", value))
+    with pytest.raises(PlanFileError, match="checkpointing.*re-create it"):
+        load_plan(saved)

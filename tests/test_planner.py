@@ -228,7 +228,7 @@ def test_checkpointing_not_probed_when_the_share_fits():
     req = PlanRequest(target_batch=64, checkpointing="auto")
     assert not checkpointing_worth_probing(off, req, fingerprint())
     plan = _auto(64, off, None)
-    assert plan.checkpointing is False
+    assert not plan.checkpointing.enabled
     assert "buy nothing" in plan.reasons["checkpointing"]
 
 
@@ -243,7 +243,7 @@ def test_checkpointing_on_when_nothing_fits_without_it():
     off = setting(None, error="does not fit at micro-batch 1")
     on = setting(linear_probe(8, checkpointing=True), checkpointing=True, headroom=0.0)
     plan = _auto(16, off, on)
-    assert plan.checkpointing is True
+    assert plan.checkpointing.enabled
     assert plan.micro_batches == [8, 8]
     assert "does not fit" in plan.reasons["checkpointing"]
 
@@ -252,7 +252,7 @@ def test_checkpointing_on_when_it_removes_steps():
     off = setting(linear_probe(32), headroom=0.0)
     on = setting(linear_probe(64, checkpointing=True, upper=64), checkpointing=True, headroom=0.0)
     plan = _auto(64, off, on)
-    assert plan.checkpointing is True
+    assert plan.checkpointing.enabled
     assert plan.micro_batches == [64]
     assert "from 2 to 1" in plan.reasons["checkpointing"]
 
@@ -261,7 +261,7 @@ def test_checkpointing_off_when_it_saves_no_step():
     off = setting(linear_probe(40), headroom=0.0)
     on = setting(linear_probe(50, checkpointing=True), checkpointing=True, headroom=0.0)
     plan = _auto(120, off, on)  # 3 steps either way
-    assert plan.checkpointing is False
+    assert not plan.checkpointing.enabled
     assert plan.micro_batches == [40, 40, 40]
     assert "either way" in plan.reasons["checkpointing"]
 
@@ -270,7 +270,7 @@ def test_checkpointing_lifts_batchnorm_micro_batch():
     off = setting(linear_probe(10), headroom=0.0)
     on = setting(linear_probe(32, checkpointing=True, upper=32), checkpointing=True, headroom=0.0)
     plan = _auto(32, off, on, workload=fingerprint(batchnorm=True))
-    assert plan.checkpointing is True
+    assert plan.checkpointing.enabled
     assert "BatchNorm micro-batch from 8 to 32" in plan.reasons["checkpointing"]
     assert not any("BatchNorm" in w for w in plan.warnings)
 
@@ -279,7 +279,7 @@ def test_checkpointing_on_for_a_pinned_micro_batch_only_it_fits():
     off = setting(linear_probe(20), headroom=0.0)
     on = setting(linear_probe(32, checkpointing=True, upper=32), checkpointing=True, headroom=0.0)
     plan = _auto(64, off, on, micro_batch=32)
-    assert plan.checkpointing is True
+    assert plan.checkpointing.enabled
     assert plan.micro_batches == [32, 32]
 
 

@@ -25,7 +25,7 @@ def probes(monkeypatch):
     calls = []
 
     def fake(workload, *, precision, checkpointing, max_micro_batch, backend, **_):
-        calls.append((precision, checkpointing, max_micro_batch))
+        calls.append((precision, checkpointing.enabled, max_micro_batch))
         found = min(64 if checkpointing else 10, max_micro_batch)
         return linear_probe(found, precision=precision, checkpointing=checkpointing, upper=max_micro_batch)
 
@@ -36,7 +36,7 @@ def probes(monkeypatch):
 def test_auto_checkpointing_probes_both_and_records_why(probes):
     plan = autotune.plan(_workload(), target_batch=64, device="cpu", precision="fp32", headroom=0.0)
     assert probes == [("fp32", False, 64), ("fp32", True, 64)]
-    assert plan.checkpointing is True and plan.micro_batches == [64]
+    assert plan.checkpointing.enabled and plan.micro_batches == [64]
     assert [s.allowed_micro_batch for s in plan.settings] == [10, 64]
     assert "from 7 to 1" in plan.reasons["checkpointing"]
 
@@ -44,7 +44,7 @@ def test_auto_checkpointing_probes_both_and_records_why(probes):
 def test_auto_checkpointing_skips_the_second_probe_when_the_share_fits(probes):
     plan = autotune.plan(_workload(), target_batch=8, device="cpu", precision="fp32", headroom=0.0)
     assert probes == [("fp32", False, 8)]
-    assert plan.checkpointing is False
+    assert not plan.checkpointing.enabled
 
 
 def test_pinned_micro_batch_is_the_probe_bound(probes):

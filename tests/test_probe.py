@@ -65,7 +65,7 @@ def test_probe_finds_the_exact_largest_micro_batch(setting):
     assert independent_fit(workload, n, **setting)
     assert not independent_fit(workload, n + 1, **setting)
     assert result.precision == setting.get("precision", "fp32")
-    assert result.checkpointing == setting.get("checkpointing", False)
+    assert result.checkpointing.enabled == setting.get("checkpointing", False)
     assert [t.micro_batch for t in result.trials if t.fits and t.micro_batch == n]
     assert result.oom_count == sum(not t.fits for t in result.trials) >= 1
 

@@ -9,6 +9,7 @@ from autotune import probe
 from autotune.probing.estimate import estimate_peak
 from autotune.training.api import train
 from autotune.workload.activation_checkpointing import disable_checkpointing, enable_checkpointing
+from autotune.workload.checkpoint_count import Checkpointing
 
 from real_models import real_model
 from train_helpers import make_plan
@@ -125,7 +126,7 @@ def test_torchvision_resnet18_updates_batchnorm_statistics_once_per_forward():
 
 def test_training_a_checkpointed_batchnorm_plan_tracks_each_batch_once(examples_dir):
     plan = make_plan([4, 4])
-    plan.checkpointing = True
+    plan.checkpointing = Checkpointing.every_block()
     result = train(plan, str(examples_dir / "cnn_bn.py"), steps=2, progress=False,
                    measure_noise_scale=False)
     tracked = {int(v) for k, v in result.model.state_dict().items() if k.endswith("num_batches_tracked")}

@@ -17,6 +17,7 @@ from autotune.planning.planfile import save_plan
 
 from autotune.planning.types import ConfigurationMeasured
 from autotune.report import plan_html, plot_metrics, plot_plan, probe_html, train_html
+from autotune.workload.checkpoint_count import Checkpointing
 from plan_helpers import make_plan
 import train_helpers
 
@@ -248,12 +249,12 @@ def test_every_block_and_the_planned_k_of_n_are_two_settings_in_the_plot(tmp_pat
 
     plan = make_plan(90, 50, headroom=0.1)
     plan.workload.repeated_blocks = 6
-    every, some = linear_probe(80, checkpointing=True), linear_probe(60, checkpointing=True)
-    every.checkpointed_blocks, every.total_blocks = 6, 6
-    some.checkpointed_blocks, some.total_blocks = 2, 6
-    plan.settings += [setting(every, checkpointing=True), setting(some, checkpointing=True)]
-    plan.settings[-2].checkpointed_blocks, plan.settings[-1].checkpointed_blocks = 6, 2
-    plan.checkpointing, plan.checkpointed_blocks = True, 2
+    every = linear_probe(80, checkpointing=Checkpointing.every_block(6))
+    some = linear_probe(60, checkpointing=Checkpointing.of(2, 6))
+    every.total_blocks = some.total_blocks = 6
+    plan.settings += [setting(every, checkpointing=every.checkpointing),
+                      setting(some, checkpointing=some.checkpointing)]
+    plan.checkpointing = Checkpointing.of(2, 6)
     path = plot_plan(plan, tmp_path / "memory.svg")
     ids = svg_ids(path)
     assert "measured-fp32-checkpointing-on" in ids

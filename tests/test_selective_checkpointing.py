@@ -21,7 +21,7 @@ from autotune.probing.trial import TrialSession
 from autotune.training import train
 from autotune.workload.activation_checkpointing import (checkpointable_blocks, disable_checkpointing,
                                                          enable_checkpointing, spread_evenly)
-from autotune.workload.checkpoint_count import parse_checkpointing, resolve_blocks
+from autotune.workload.checkpoint_count import Checkpointing, CheckpointingRequest, resolve_blocks
 from autotune.workload.contract import Workload, load_workload
 from train_helpers import make_plan
 
@@ -35,18 +35,18 @@ MiB = 1 << 20
     ("1/3", Fraction(1, 3)), ("0.5", Fraction(1, 2)), ("0", 0), ("1", 1), ("0/4", "off"),
 ])
 def test_checkpointing_values_parse(value, parsed):
-    assert parse_checkpointing(value) == parsed
+    assert CheckpointingRequest.parse(value).value == parsed
 
 
 @pytest.mark.parametrize("value", ["-1", "3/2", "half", "1/0", "nan", "inf", -2])
 def test_bad_checkpointing_values_name_the_option_and_the_choices(value):
     with pytest.raises(ConfigError, match="--checkpointing"):
-        parse_checkpointing(value)
+        CheckpointingRequest.parse(value)
 
 
 def test_auto_is_refused_where_a_count_is_needed():
     with pytest.raises(ConfigError, match="off, on"):
-        parse_checkpointing("auto", allow_auto=False)
+        CheckpointingRequest.parse("auto", allow_auto=False)
 
 
 @pytest.mark.parametrize("value, total, blocks", [
@@ -188,7 +188,7 @@ def test_auto_plans_the_fewest_blocks_that_reach_one_step_tiny_lm(one_thread, ex
 def test_auto_keeps_checkpointing_off_when_the_share_fits(one_thread, examples_dir):
     plan = autotune.plan(examples_dir / "gpt_varlen.py", target_batch=16, device="cpu",
                          memory_limit="64MiB", precision="fp32")
-    assert plan.checkpointing is False and plan.blocks == 0 and len(plan.settings) == 1
+    assert not plan.checkpointing.enabled and plan.blocks == 0 and len(plan.settings) == 1
 
 
 def test_a_count_or_fraction_is_planned_as_asked(one_thread, examples_dir):
@@ -212,16 +212,27 @@ def test_plan_files_carry_k_and_files_with_only_the_bool_still_load(one_thread, 
     assert again.chosen_setting.fewer_blocks_trial is not None
     assert again.chosen_setting.probe.block_model == plan.chosen_setting.probe.block_model
     data = json.loads(path.read_text())
+    assert data["schema_version"] == 3 and data["checkpointing"] == {"blocks": 1, "total": 2}
+    assert "checkpointed_blocks" not in data and "checkpointed_blocks" not in data["settings"][0]
+    # Schema 2 wrote a bool and checkpointed_blocks; files from before counts only the bool.
+    data["schema_version"] = 2
+    data["checkpointing"] = True
+    data["checkpointed_blocks"] = 1
+    for setting in data["settings"]:
+        setting["checkpointing"] = setting["checkpointing"]["blocks"] != 0
+        setting["probe"]["checkpointing"] = setting["checkpointing"]
+    path.write_text(json.dumps(data))
+    two = load_plan(path)
+    assert two.checkpointing == again.checkpointing and two.checkpointing_label == "1 of 2 blocks"
     data.pop("checkpointed_blocks")
     data["workload"].pop("repeated_blocks")
     for setting in data["settings"]:
-        for key in ("checkpointed_blocks", "fewer_blocks_trial"):
-            setting.pop(key)
-        for key in ("checkpointed_blocks", "total_blocks", "block_model"):
+        setting.pop("fewer_blocks_trial")
+        for key in ("total_blocks", "block_model"):
             setting["probe"].pop(key)
     path.write_text(json.dumps(data))
     old = load_plan(path)
-    assert old.checkpointing and old.blocks is None and old.checkpointing_setting == "on"
+    assert old.checkpointing and old.blocks is None and old.checkpointing.setting == "on"
 
 
 # --- the loop, the CLI --------------------------------------------------------------------------
@@ -237,7 +248,7 @@ def test_the_training_loop_checkpoints_the_plans_blocks(blocks, reruns):
     workload = Workload(model=model, make_batch=lambda n: torch.randn(n, 4),
                         loss_fn=lambda m, x: m(x).pow(2).mean(),
                         build_optimizer=lambda params: torch.optim.SGD(params, lr=0.01))
-    plan = dataclasses.replace(make_plan([4, 4]), checkpointing=True, checkpointed_blocks=blocks)
+    plan = dataclasses.replace(make_plan([4, 4]), checkpointing=Checkpointing.of(blocks, 6 if blocks else None))
     train(plan, workload, steps=1, progress=False, measure_noise_scale=False)
     # Two micro-steps: every block runs forward twice, a checkpointed one twice more.
     assert sorted(block.calls for block in built[-1]) == [2] * (6 - reruns) + [4] * reruns
@@ -250,7 +261,7 @@ def test_cli_probe_and_estimate_take_a_count(one_thread, examples_dir):
                                  "--checkpointing", "1", "--max-micro-batch", "4", "--json"])
     assert probed.exit_code == 0, probed.output
     result = json.loads(probed.stdout)  # stderr logs the trials
-    assert (result["checkpointing"], result["checkpointed_blocks"], result["total_blocks"]) == (True, 1, 2)
+    assert (result["checkpointing"], result["total_blocks"]) == ({"blocks": 1, "total": 2}, 2)
     estimated = runner.invoke(cli, ["estimate", path, "--micro-batch", "24", "--checkpointing", "1/2",
                                     "--json"])
     assert estimated.exit_code == 0, estimated.output
@@ -263,11 +274,9 @@ def test_cli_probe_and_estimate_take_a_count(one_thread, examples_dir):
 
 def _setting_with_blocks(max_micro_batch, blocks, total=2):
     from plan_helpers import linear_probe, setting
-    probe = linear_probe(max_micro_batch, checkpointing=blocks > 0, upper=16)
-    probe.checkpointed_blocks, probe.total_blocks = blocks, total
-    tried = setting(probe, checkpointing=blocks > 0, headroom=0.0)
-    tried.checkpointed_blocks = blocks if blocks else None
-    return tried
+    probe = linear_probe(max_micro_batch, checkpointing=Checkpointing.of(blocks, total), upper=16)
+    probe.total_blocks = total
+    return setting(probe, checkpointing=probe.checkpointing, headroom=0.0)
 
 
 class _Speeds:
@@ -279,7 +288,7 @@ class _Speeds:
         self.calls = []
 
     def __call__(self, config):
-        key = (config.checkpointing_setting, config.micro_batch)
+        key = (config.checkpointing.setting, config.micro_batch)
         self.calls.append(key)
         from autotune.tuning.measure import Measurement
         base, slope = self.rates[key[0]]
@@ -298,15 +307,15 @@ def _block_candidates():
 def test_the_throughput_search_measures_the_fewest_blocks_beside_all_and_none():
     from autotune.tuning.search import search_throughput
     candidates = _block_candidates()
-    assert {(c.config.checkpointing_setting, c.config.micro_batch) for c in candidates} >= {
+    assert {(c.config.checkpointing.setting, c.config.micro_batch) for c in candidates} >= {
         ("off", 2), ("on", 16), (1, 16)}
     measure = _Speeds()
     result = search_throughput(candidates, measure, measure.compare, budget_s=30,
                                usable_bytes=1000 * MiB, study_name="blocks")
     winner = result.winner
-    assert (winner.checkpointing, winner.checkpointed_blocks, winner.micro_batch) == (True, 1, 16)
-    measured = {(r.checkpointed_blocks, r.micro_batch) for r in result.records if r.status == "measured"}
-    assert {(None, 16), (1, 16)} <= measured  # every block and the fewest: two configurations
+    assert (winner.checkpointing, winner.micro_batch) == (Checkpointing.of(1, 2), 16)
+    measured = {(r.checkpointing.setting, r.micro_batch) for r in result.records if r.status == "measured"}
+    assert {("on", 16), (1, 16)} <= measured  # every block and the fewest: two configurations
 
 
 def _four_block_settings():
@@ -326,16 +335,17 @@ def _four_block_settings():
 
 def _plain_probe(max_micro_batch, per_sample, blocks=0):
     from plan_helpers import linear_probe
-    probe = linear_probe(max_micro_batch, per_sample=per_sample, checkpointing=blocks > 0, upper=24)
-    probe.checkpointed_blocks, probe.total_blocks = (blocks or None), 4
+    probe = linear_probe(max_micro_batch, per_sample=per_sample, checkpointing=Checkpointing.of(blocks, 4),
+                         upper=24)
+    probe.total_blocks = 4
     return probe
 
 
 def test_the_search_gets_every_k_below_the_fewest_that_reaches_a_larger_micro_batch():
     _, _, below = _four_block_settings()
     # 100 MiB + 75 MiB·n (1 block) and + 50 MiB·n (2 blocks) within 1000 MiB: 12 and 18.
-    assert [(s.checkpointed_blocks, s.allowed_micro_batch) for s in below] == [(1, 12), (2, 18)]
-    assert all(s.probe.trials == [] and s.probe.checkpointed_blocks == s.checkpointed_blocks
+    assert [(s.blocks, s.allowed_micro_batch) for s in below] == [(1, 12), (2, 18)]
+    assert all(s.probe.trials == [] and s.probe.checkpointing == s.checkpointing
                for s in below)
 
 
@@ -343,7 +353,7 @@ def test_the_throughput_search_can_choose_a_k_between_none_and_the_fewest():
     from autotune.tuning.search import build_candidates, search_throughput
     off, fewest, below = _four_block_settings()
     candidates = build_candidates([off, fewest, *below], share=24, usable=1000 * MiB)
-    fitting = {(c.config.checkpointed_blocks, c.config.micro_batch) for c in candidates
+    fitting = {(c.config.checkpointing.count, c.config.micro_batch) for c in candidates
                if c.predicted_fits and c.config.checkpointing}
     # 1 block reaches 12 x 2, which off (9: 8 x 3) does not; 2 blocks reach no other split, and
     # the fewest's smaller splits are left to the settings with fewer blocks that fit them.
@@ -355,7 +365,7 @@ def test_the_throughput_search_can_choose_a_k_between_none_and_the_fewest():
     measure = Speeds()
     result = search_throughput(candidates, measure, measure.compare, budget_s=30,
                                usable_bytes=1000 * MiB, study_name="k-between")
-    assert (result.winner.checkpointed_blocks, result.winner.micro_batch) == (1, 12)
+    assert (result.winner.checkpointing.count, result.winner.micro_batch) == (1, 12)
     assert {(1, 12), (3, 24), ("off", 8)} <= set(measure.calls)
 
 
@@ -369,7 +379,7 @@ def test_a_stored_study_reuses_results_with_their_blocks(tmp_path):
     rerun = search_throughput(_block_candidates(), again, again.compare, budget_s=30,
                               usable_bytes=1000 * MiB, study_name="blocks", storage=storage)
     assert first.calls and not set(again.calls) & set(first.calls)
-    assert rerun.winner.checkpointed_blocks == 1 and rerun.winner.reused
+    assert rerun.winner.checkpointing.count == 1 and rerun.winner.reused
 
 
 @pytest.mark.slow
@@ -377,8 +387,8 @@ def test_plan_optimize_throughput_carries_k(one_thread, examples_dir):
     plan = autotune.plan(examples_dir / "gpt_varlen.py", target_batch=64, device="cpu",
                          memory_limit="8MiB", headroom=0.0, precision="fp32", optimize="throughput",
                          budget="20s")
-    assert any(s.checkpointed_blocks == 1 for s in plan.settings)
-    assert any(r.checkpointed_blocks == 1 and r.status == "measured" for r in plan.throughput)
+    assert any(s.blocks == 1 for s in plan.settings)
+    assert any(r.checkpointing.count == 1 and r.status == "measured" for r in plan.throughput)
     chosen = plan.chosen_setting
     assert chosen is not None and plan.blocks == chosen.blocks
 
@@ -390,9 +400,9 @@ def test_plan_optimize_throughput_measures_a_k_below_the_fewest(one_thread, exam
                          memory_limit="50MiB", headroom=0.0, precision="fp32", optimize="throughput",
                          budget="60s")
     off = next(s for s in plan.settings if not s.checkpointing)
-    below = [s for s in plan.settings if s.checkpointed_blocks == 1]
+    below = [s for s in plan.settings if s.blocks == 1]
     assert below and below[0].allowed_micro_batch >= 8 > off.allowed_micro_batch
-    record = next(r for r in plan.throughput if r.checkpointed_blocks == 1 and r.micro_batch == 8)
+    record = next(r for r in plan.throughput if r.checkpointing.count == 1 and r.micro_batch == 8)
     assert record.status == "measured" and record.peak_bytes <= plan.budget_bytes
 
 

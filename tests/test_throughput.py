@@ -34,7 +34,7 @@ class FakeMeasure:
         self.speeds, self.oom, self.calls, self.compared = speeds, set(oom), [], []
 
     def __call__(self, config: Configuration) -> Measurement:
-        key = (config.precision, config.checkpointing, config.micro_batch)
+        key = (config.precision, config.checkpointing.enabled, config.micro_batch)
         self.calls.append(key)
         if key in self.oom:
             return Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True)
@@ -45,7 +45,7 @@ class FakeMeasure:
 
     def compare(self, configs, seconds):
         """Side by side: each configuration measured once more, at the same moment."""
-        self.compared.append(([(c.precision, c.checkpointing, c.micro_batch) for c in configs], seconds))
+        self.compared.append(([(c.precision, c.checkpointing.enabled, c.micro_batch) for c in configs], seconds))
         return [Measurement(samples_per_s=m.samples_per_s, peak_bytes=None,
                             out_of_memory=m.out_of_memory) for m in map(self, configs)]
 
@@ -158,7 +158,7 @@ def test_the_comparison_stays_within_the_budget():
         def compare(self, configs, seconds):
             self.compared.append((configs, seconds))
             clock[0] += 1.0 + seconds  # set-up and warm-up, then the seconds it was given
-            return [Measurement(samples_per_s=self.speeds[(c.precision, c.checkpointing, c.micro_batch)],
+            return [Measurement(samples_per_s=self.speeds[(c.precision, c.checkpointing.enabled, c.micro_batch)],
                                 peak_bytes=None) for c in configs]
 
     measure = Slow()

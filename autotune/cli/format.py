@@ -137,9 +137,9 @@ def format_throughput(plan) -> str:
     """The throughput search's table: every configuration considered, fastest first."""
     rows = []
     for c in plan.throughput:
-        blocks = c.checkpointed_blocks or ("on" if c.checkpointing else "off")
-        chosen = (c.fits and (c.precision, blocks, c.micro_batches)
-                  == (plan.precision, plan.checkpointing_setting, list(plan.micro_batches)))
+        blocks = c.checkpointing.setting
+        chosen = (c.fits and (c.precision, c.checkpointing, c.micro_batches)
+                  == (plan.precision, plan.checkpointing, list(plan.micro_batches)))
         speed = f"{c.samples_per_s:.1f}" if c.samples_per_s is not None else "-"
         if c.compared:
             speed += " (side by side)"

@@ -16,7 +16,7 @@ from ..units import format_bytes, parse_bytes
 from ..planning.export import TARGETS as EXPORT_TARGETS
 from ..planning.lr import RULES as LR_RULES
 from ..orchestration.request import PRECISION_CHOICES as PLAN_PRECISIONS
-from ..workload.checkpoint_count import parse_checkpointing
+from ..workload.checkpoint_count import CheckpointingRequest
 from ..orchestration.request import OPTIMIZE_CHOICES as PLAN_GOALS
 from ..distributed.sharding import Sharding
 
@@ -35,7 +35,7 @@ class _Checkpointing(click.ParamType):
 
     def convert(self, value, param, ctx):
         try:
-            return parse_checkpointing(value, allow_auto=self.allow_auto)
+            return CheckpointingRequest.parse(value, allow_auto=self.allow_auto)
         except ConfigError as exc:
             self.fail(str(exc), param, ctx)
 

@@ -16,12 +16,12 @@ import math
 import torch
 
 from ..workload.activation_checkpointing import checkpointable_blocks
-from ..workload.checkpoint_count import describe_blocks, parse_checkpointing, resolve_blocks
+from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from ..version import __version__
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..distributed import collectives
-from ..errors import EstimateUnavailable, PlanError, ProbeError
+from ..errors import EstimateUnavailable, PlanError, ProbeError, option
 from ..memory.fake import fake_tensor_limits
 from ..memory import backend_for
 from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
@@ -152,7 +152,12 @@ class _Planner:
         self.usable = usable_bytes(self.info.budget_bytes, options.headroom)
         self.extra = ddp_bucket_bytes(self.world_size, self.fingerprint.param_bytes)
         self.agree = collectives.min_across_ranks if self.distributed else None
-        self.first = "off" if self.checkpointing == "auto" else self.checkpointing
+        total = self.fingerprint.repeated_blocks
+        # The setting probed first: off under "auto", else the one asked for, on the model's blocks.
+        self.first = (Checkpointing.off(total) if self.checkpointing.auto
+                      else self.checkpointing.resolve(total, option=option("checkpointing"),
+                                                      source=self.fingerprint.source))
+        self.every_block = Checkpointing.every_block(total)
         self.created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.sync_estimates: dict = {}
 
@@ -203,7 +208,8 @@ class _Planner:
         found = [known_first or self.try_setting(self.first, precision_, layout=layout, upper=upper,
                                                  hint=hints[0])]
         if checkpointing_worth_probing(found[0], request_, self.fingerprint, upper=upper):
-            found.append(self.try_setting("on", precision_, layout=layout, upper=upper, hint=hints[1]))
+            found.append(self.try_setting(self.every_block, precision_, layout=layout, upper=upper,
+                                          hint=hints[1]))
             # The fewest blocks are proved by local trials on a replica; ranks would have to agree.
             if not self.distributed and not layout[0].sharded:
                 fewest = _fewest_blocks_setting(self.workload, self.backend, request_, found[0], found[1],
@@ -323,7 +329,7 @@ def _no_fit_on_smaller_group(on_world: SettingTried, group: int) -> SettingTried
 def _with_blocks_below_fewest(settings: list[SettingTried], *, usable: int, extra: int) -> list[SettingTried]:
     """One precision's settings and, where the planner proved the fewest blocks K, the Ks below it
     that reach micro-batches in between (see policy.settings_below_fewest): the search times them."""
-    fewest = next((s for s in settings if s.checkpointing and s.checkpointed_blocks
+    fewest = next((s for s in settings if s.checkpointing and s.blocks
                    and s.probe is not None and s.probe.block_model is not None), None)
     if fewest is None:
         return settings
@@ -377,15 +383,14 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
         raise PlanError(f"--optimize throughput: no configuration fits and ran within the budget "
                         f"({notes}); lower --headroom, give it more memory or use --optimize memory")
     winner = result.winner
-    setting = next(s for s in settings if setting_key(s) == (winner.precision, winner.checkpointing,
-                                                                winner.checkpointed_blocks))
+    setting = next(s for s in settings if setting_key(s) == (winner.precision, winner.checkpointing))
     if request.micro_batch is None:
         # The planner splits the share into the fewest steps of at most the allowed micro-batch;
         # allowing exactly the winner's makes it plan the split that was measured.
         setting = dataclasses.replace(setting, allowed_micro_batch=winner.micro_batch)
     request = dataclasses.replace(
         request, precision=winner.precision,
-        checkpointing=("off" if not winner.checkpointing else winner.checkpointed_blocks or "on"),
+        checkpointing=CheckpointingRequest.parse(winner.checkpointing),
         precision_reason=f"{winner.precision}: the fastest measured (see throughput)")
     return build_plan(request, workload=fingerprint, settings=[setting], device=info,
                       versions=current_versions(), created_at=created_at, considered=settings,
@@ -416,7 +421,7 @@ def _measure_planned(planned: Plan, made, workload, backend, world_size: int, us
             trial = window_trial(workload, backend, micro_batch=planned.micro_batch,
                                  window=window_steps(planned.micro_batch, probe_.share),
                                  precision=setting.precision,
-                                 checkpointing=planned.checkpointing_setting,
+                                 checkpointing=planned.checkpointing,
                                  sharding=setting.sharding, world_size=world_size,
                                  shard_group=setting.shard_group, reduce_every_micro_step=True)
         except EstimateUnavailable:
@@ -446,7 +451,7 @@ def _sync_on_last(workload, backend, planned: Plan, world_size: int) -> SyncOnLa
     try:
         trial = window_trial(workload, backend, micro_batch=planned.micro_batch,
                              window=planned.accumulation_steps, precision=planned.precision,
-                             checkpointing=planned.checkpointing_setting, sharding=planned.sharding,
+                             checkpointing=planned.checkpointing, sharding=planned.sharding,
                              world_size=world_size, shard_group=planned.shard_group,
                              reduce_every_micro_step=False, micro_batches=sizes)
     except EstimateUnavailable:
@@ -456,27 +461,25 @@ def _sync_on_last(workload, backend, planned: Plan, world_size: int) -> SyncOnLa
                       held_gradient_bytes=trial.held_gradient_bytes if trial is not None else None)
 
 
-def _requested_blocks(value, fingerprint: WorkloadFingerprint):
+def _requested_blocks(value, fingerprint: WorkloadFingerprint) -> CheckpointingRequest:
     """"auto", "off", "on" or a count strictly between (a fraction resolved on the model)."""
-    value = parse_checkpointing(value)
-    if value in ("auto", "off"):
-        return value
+    name = option("checkpointing")
+    request = CheckpointingRequest.parse(value, option=name)
+    if request.auto or request.value == "off":
+        return request
     if not fingerprint.checkpointable:
-        raise PlanError(f"--checkpointing {value}: {fingerprint.source} has no repeated blocks (an "
+        raise PlanError(f"{name} {request}: {fingerprint.source} has no repeated blocks (an "
                         f"nn.ModuleList or nn.Sequential of layers) to checkpoint; use auto or off")
-    total = fingerprint.repeated_blocks
-    blocks = resolve_blocks(value, total, source=fingerprint.source)
-    return "off" if blocks == 0 else "on" if blocks == total else blocks
+    return CheckpointingRequest.parse(request.resolve(fingerprint.repeated_blocks, option=name,
+                                                      source=fingerprint.source))
 
 
 def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
                    layout=(Sharding.DDP, None), world_size: int = 1,
                    hint: int | None = None, share: int | None = None) -> SettingTried:
-    checkpoint = {"off": False, "on": True}.get(checkpoint, checkpoint)  # probe's bools, or K
-    on = checkpoint is not False and checkpoint != 0
-    blocks = checkpoint if isinstance(checkpoint, int) and not isinstance(checkpoint, bool) else None
     sharding, group = layout
-    tried = dict(precision=precision, checkpointing=on, checkpointed_blocks=blocks, sharding=sharding,
+    # Where the probe finds nothing, the setting is what was asked (its blocks not counted).
+    tried = dict(precision=precision, checkpointing=Checkpointing.parse(checkpoint), sharding=sharding,
                  shard_group=group)
     # Replicated probes keep the call they always had (tests stand in for probe with it). A
     # sharded layout that does not fit is one of several tried: no extra step to say by how much.
@@ -492,7 +495,6 @@ def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
         # Not fitting is an answer for this setting (another may fit); the message is kept.
         return SettingTried(**tried, error=str(exc))
     return SettingTried(precision=precision, checkpointing=result.checkpointing,
-                        checkpointed_blocks=result.checkpointed_blocks if result.checkpointing else None,
                         sharding=sharding, shard_group=group, probe=result)
 
 
@@ -526,17 +528,17 @@ def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: Setting
                       for k, t in sorted(proof.trials.items()))
     said = (f"the per-block saving learned on fake tensors predicted {predicted} block(s)" if model
             else "no estimate on fake tensors, so real trials from all blocks down")
-    memory_model = (model.for_blocks(base.memory_model, blocks, fitted_at=base.checkpointed_blocks or 0)
+    memory_model = (model.for_blocks(base.memory_model, blocks, fitted_at=base.checkpointing.count or 0)
                     if model else on.probe.memory_model)
     result = ProbeResult(
         max_micro_batch=micro_batch, upper_bound=micro_batch, capped=True, trials=[trial],
         memory_model=memory_model, device=on.probe.device, precision=on.precision,
-        checkpointing=True, checkpointed_blocks=blocks, total_blocks=total, block_model=model,
+        checkpointing=Checkpointing.of(blocks, total), total_blocks=total, block_model=model,
         seconds=proof.seconds, oom_count=sum(not t.fits for t in proof.trials.values()),
         share=request.share,
-        notes=[f"checkpointing {describe_blocks(blocks, total)} at micro-batch {micro_batch}: {said}; "
+        notes=[f"checkpointing {Checkpointing.of(blocks, total)} at micro-batch {micro_batch}: {said}; "
                f"real trials by blocks checkpointed: {tried}"])
-    setting = SettingTried(precision=on.precision, checkpointing=True, checkpointed_blocks=blocks,
+    setting = SettingTried(precision=on.precision, checkpointing=result.checkpointing,
                            probe=result, fewer_blocks_trial=proof.fewer)
     return evaluate_setting(setting, usable=usable, extra_bytes=extra)
 

@@ -10,6 +10,7 @@ from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..errors import ConfigError, given, option
 from ..precision import Precision
 from ..tuning.search import DEFAULT_BUDGET_S, check_storage, parse_duration
+from ..workload.checkpoint_count import CheckpointingRequest
 
 PRECISION_CHOICES = ("auto", *(p.value for p in Precision))
 OPTIMIZE_CHOICES = ("memory", "throughput")
@@ -45,6 +46,7 @@ class PlanOptions:
     """Set here: ``budget`` in seconds (throughput only)."""
 
     def __post_init__(self):
+        self.checkpointing = CheckpointingRequest.parse(self.checkpointing, option=option("checkpointing"))
         if self.sharding != "auto":
             Sharding.parse(self.sharding, option=option("sharding"))
         if self.precision not in PRECISION_CHOICES:

@@ -88,7 +88,7 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
                       device_type=backend.device.type) as step_workload:
         try:
             with TrialSession(step_workload, backend, precision=Precision.parse(plan.precision),
-                              checkpointing=plan.checkpointing_setting,
+                              checkpointing=plan.checkpointing,
                               sharded=plan.sharding.sharded,
                               reduce_every_micro_step=plan.reduce_every_micro_step) as session:
                 window = plan_window(plan)
@@ -126,7 +126,7 @@ def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
         workload, target_batch=plan.target_batch, world_size=plan.world_size, device=device,
         memory_limit=budget, precision=plan.precision,
         # The same setting, so the new micro-batch answers for the one that did not fit.
-        checkpointing=plan.checkpointing_setting, headroom=plan.headroom,
+        checkpointing=plan.checkpointing, headroom=plan.headroom,
         base_lr=lr.base_lr, base_batch=lr.base_batch,
         lr_rule=lr.rule if lr.base_lr is not None else "auto",
         sharding=str(plan.sharding), shard_group=plan.shard_group,

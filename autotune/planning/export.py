@@ -223,7 +223,7 @@ def to_hf(plan: Plan) -> Export:
         "gradient_accumulation_steps": even.accumulation_steps,
         "bf16": plan.precision == "bf16",
         "fp16": plan.precision == "fp16",
-        checkpointing_field or _HF_CHECKPOINTING_OLD: plan.checkpointing,
+        checkpointing_field or _HF_CHECKPOINTING_OLD: plan.checkpointing.enabled,
         "max_grad_norm": plan.clip_grad_norm if plan.clip_grad_norm is not None else 0.0,
     }
     if _on_cpu(plan):
@@ -252,7 +252,7 @@ def to_hf(plan: Plan) -> Export:
         # layer); its training argument would add a redundant all-gather in backward, and the two
         # together are refused.
         config["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
-                                 "activation_checkpointing": plan.checkpointing}
+                                 "activation_checkpointing": plan.checkpointing.enabled}
         config[checkpointing_field or _HF_CHECKPOINTING_OLD] = False
         notes += _sharding_notes(plan)
     return Export(target="hf", config=config, notes=notes)

@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..files.outputs import write_atomic
-from ..errors import PlanFileError
+from ..errors import ConfigError, PlanFileError
 from ..memory.base import DeviceInfo
 from ..files.outputs import check_outputs
 from .types import READABLE_SCHEMA_VERSIONS, Plan
@@ -77,7 +77,10 @@ def plan_from_dict(data, *, source: str = "<plan>") -> Plan:
     problem = first_schema_error(data, plan_schema()) or _semantic_error(data)
     if problem is not None:
         raise PlanFileError(f"plan file {source}: {problem}; re-create it with autotune plan")
-    plan = Plan.from_dict(data)
+    try:
+        plan = Plan.from_dict(data)
+    except ConfigError as exc:  # a value the schema's types allow but the field does not
+        raise PlanFileError(f"plan file {source}: {exc}; re-create it with autotune plan") from None
     if plan.effective_batch != plan.target_batch:
         raise PlanFileError(
             f"plan file {source}: micro_batches {plan.micro_batches} × world_size {plan.world_size} = "

@@ -21,7 +21,7 @@ from ..precision import GradScalerSettings, Precision
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from ..probing.result import BlockModel, ProbeResult, setting_label
 from ..units import format_bytes
-from ..workload.checkpoint_count import describe_blocks
+from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 
 BATCHNORM_MIN_MICRO_BATCH = 16
 """Below this, BatchNorm statistics over one micro-batch are noisy enough to hurt training."""
@@ -44,8 +44,9 @@ class PlanRequest:
     world_size: int = 1
     precision: Precision = Precision.FP32
     precision_reason: str = ""
-    checkpointing: str | int = "auto"
-    """"auto", "on", "off" or a count K of the model's repeated blocks (resolved from a fraction)."""
+    checkpointing: CheckpointingRequest = CheckpointingRequest("auto")
+    """"auto", "on", "off" or a count K of the model's repeated blocks (a fraction resolved on the
+    model); any form ``CheckpointingRequest.parse`` takes."""
     headroom: float = 0.1
     micro_batch: int | None = None
     """A pinned micro-batch (None: the planner chooses)."""
@@ -75,11 +76,7 @@ class PlanRequest:
                                              and math.isfinite(self.base_lr) and self.base_lr > 0):
             raise ConfigError(f"{given('base_lr', self.base_lr)} must be a finite number more than 0, "
                               f"e.g. {given('base_lr', 3e-4)}")
-        if self.checkpointing not in ("auto", "on", "off") and (
-                isinstance(self.checkpointing, bool) or not isinstance(self.checkpointing, int)
-                or self.checkpointing < 0):
-            raise ConfigError(f"{given('checkpointing', self.checkpointing)} must be auto, on, off or a "
-                              f"block count K >= 0")
+        self.checkpointing = CheckpointingRequest.parse(self.checkpointing)
         if self.micro_batch is not None:
             split_pinned(self.share, self.micro_batch)  # raises when it exceeds the share
 
@@ -254,7 +251,7 @@ def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
                                 workload: WorkloadFingerprint, *, upper: int | None = None) -> bool:
     """Under "auto": probe with checkpointing only where it might buy what the plan needs (up to
     ``upper`` samples per micro-batch; default: the share or the pinned micro-batch)."""
-    if request.checkpointing != "auto" or not workload.checkpointable or not off.state_fits:
+    if not request.checkpointing.auto or not workload.checkpointable or not off.state_fits:
         return False
     if request.even and request.micro_batch is None:
         return largest_divisor_at_most(request.share, off.allowed_micro_batch) < request.share
@@ -349,11 +346,12 @@ def settings_below_fewest(fewest: SettingTried, fewer: list[SettingTried], *, us
     for blocks in range(1, fewest.blocks):
         memory_model = model.for_blocks(probe.memory_model, blocks, fitted_at=fewest.blocks)
         setting = SettingTried(
-            precision=fewest.precision, checkpointing=True, checkpointed_blocks=blocks,
+            precision=fewest.precision, checkpointing=Checkpointing.of(blocks, model.total_blocks),
             sharding=fewest.sharding, shard_group=fewest.shard_group,
             probe=dataclasses.replace(
-                probe, trials=[], memory_model=memory_model, checkpointed_blocks=blocks, oom_count=0,
-                notes=[f"{describe_blocks(blocks, model.total_blocks)}: predicted from the per-block "
+                probe, trials=[], memory_model=memory_model,
+                checkpointing=Checkpointing.of(blocks, model.total_blocks), oom_count=0,
+                notes=[f"{Checkpointing.of(blocks, model.total_blocks).label}: predicted from the per-block "
                        f"saving learned on fake tensors, for the throughput search to measure"]))
         setting.allowed_micro_batch = allowed_micro_batch(setting.probe, usable, extra_bytes)
         if setting.allowed_micro_batch > best:
@@ -457,7 +455,7 @@ def _choose_checkpointing(settings: list[SettingTried], request: PlanRequest,
     proof = _fewest_blocks_reason(best, split, request)
     if proof:
         why = f"auto: {proof[0]} ({without}); {proof[1]}"
-    elif (request.checkpointing == "auto" and (workload.repeated_blocks or 0) > 1
+    elif (request.checkpointing.auto and (workload.repeated_blocks or 0) > 1
           and best.blocks == workload.repeated_blocks):
         why += _fewest_not_searched(best, request, workload.repeated_blocks)
     if off[1] is not None and workload.batchnorm and min(off[1]) < BATCHNORM_MIN_MICRO_BATCH <= min(split):
@@ -495,11 +493,11 @@ def _fewest_blocks_reason(setting: SettingTried, split: list[int],
 
 
 def _why_single(setting, request, workload, on) -> str:
-    if request.checkpointing == "on":
+    if request.checkpointing.value == "on":
         return "on as requested"
-    if request.checkpointing == "off":
+    if request.checkpointing.value == "off":
         return "off as requested"
-    if request.checkpointing != "auto":
+    if not request.checkpointing.auto:
         return f"{setting.checkpointing_label} as requested"
     if not workload.checkpointable:
         return "auto: off; the model has no repeated blocks (ModuleList/Sequential) to checkpoint"
@@ -681,8 +679,7 @@ def build_plan(
         reasons["throughput"] = throughput.reason
     plan = Plan(
         target_batch=request.target_batch, world_size=request.world_size, micro_batches=split,
-        precision=setting.precision, checkpointing=setting.checkpointing,
-        checkpointed_blocks=setting.blocks if setting.checkpointing else None, lr=lr, workload=workload,
+        precision=setting.precision, checkpointing=setting.checkpointing, lr=lr, workload=workload,
         versions=dict(versions or {}), device=device, headroom=request.headroom,
         ddp_bucket_bytes=extra,
         predicted_peak_bytes=peak, reduce_every_micro_step=reduce_every,

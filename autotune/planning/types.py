@@ -15,13 +15,15 @@ from ..precision import GradScalerSettings, Precision
 from ..probing.result import ProbeResult, Trial, setting_label
 from ..distributed.sharding.settings import Sharding
 from ..units import format_bytes
-from ..workload.checkpoint_count import describe_blocks
+from ..workload.checkpoint_count import Checkpointing
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the plan file layout; bump it when a field changes meaning or is removed.
-Version 1 files (no sharding fields) still load: they were all replicated (DDP) plans."""
+Version 1 files (no sharding fields) still load: they were all replicated (DDP) plans. Version 1
+and 2 files write checkpointing as a bool beside ``checkpointed_blocks`` (None: every block);
+version 3 writes one ``Checkpointing`` object, ``{"blocks": K, "total": N}``."""
 
-READABLE_SCHEMA_VERSIONS = (1, 2)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 
 LISTED_STEPS = 64
 """Splits of up to this many accumulation steps are written as a list of sizes; longer ones as
@@ -96,9 +98,8 @@ class SettingTried:
     """One precision/checkpointing setting the planner probed, and what it allowed."""
 
     precision: Precision
-    checkpointing: bool
-    checkpointed_blocks: int | None = None
-    """How many repeated blocks are checkpointed (None: every one when checkpointing)."""
+    checkpointing: Checkpointing
+    """Which repeated blocks were checkpointed (off, every one, or K of N)."""
     probe: ProbeResult | None = None
     """None when nothing fitted (see ``error``)."""
     error: str | None = None
@@ -119,6 +120,10 @@ class SettingTried:
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
         self.sharding = Sharding.parse(self.sharding, option="sharding")
+        if not isinstance(self.checkpointing, Checkpointing):
+            self.checkpointing = Checkpointing.parse(
+                self.checkpointing, total=self.probe.total_blocks if self.probe is not None else None,
+                option="checkpointing")
 
     @property
     def raw_max_micro_batch(self) -> int:
@@ -127,13 +132,12 @@ class SettingTried:
     @property
     def blocks(self) -> int | None:
         """Checkpointed blocks: 0 when off, None for "every block" of an unknown count."""
-        return checkpoint_count(self.checkpointing, self.checkpointed_blocks,
-                                self.probe.total_blocks if self.probe is not None else None)
+        return self.checkpointing.count
 
     @property
     def checkpointing_label(self) -> str:
         """"off", "on" or "K of N blocks"."""
-        return describe_blocks(self.blocks, self.probe.total_blocks if self.probe is not None else None)
+        return self.checkpointing.label
 
     @property
     def layout(self) -> str:
@@ -143,8 +147,7 @@ class SettingTried:
         return str(self.sharding)
 
     def to_dict(self) -> dict:
-        return {"precision": self.precision, "checkpointing": self.checkpointing,
-                "checkpointed_blocks": self.checkpointed_blocks,
+        return {"precision": self.precision, "checkpointing": self.checkpointing.to_dict(),
                 "probe": self.probe.to_dict() if self.probe is not None else None,
                 "error": self.error, "allowed_micro_batch": self.allowed_micro_batch,
                 "fewer_blocks_trial": (asdict(self.fewer_blocks_trial)
@@ -158,20 +161,15 @@ class SettingTried:
             data["probe"] = ProbeResult.from_dict(data["probe"])
         if data.get("fewer_blocks_trial") is not None:
             data["fewer_blocks_trial"] = Trial.from_dict(data["fewer_blocks_trial"])
+        total = data["probe"].total_blocks if data.get("probe") is not None else None
+        data["checkpointing"] = Checkpointing.from_file(data["checkpointing"],
+                                                        data.pop("checkpointed_blocks", None), total)
         return cls(**data)
-
-
-def checkpoint_count(checkpointing: bool, checkpointed_blocks: int | None, total: int | None) -> int | None:
-    """The number of checkpointed blocks: 0 when off, else the count, else ``total`` (None:
-    every block of a model whose count was not recorded)."""
-    if not checkpointing:
-        return 0
-    return checkpointed_blocks if checkpointed_blocks is not None else total
 
 
 class SplitArithmetic:
     """Numbers derived from a split, and the one name of a configuration; the class that mixes
-    this in defines ``micro_batches``, ``precision`` and ``checkpointing``."""
+    this in defines ``micro_batches``, ``precision`` and ``checkpointing`` (a ``Checkpointing``)."""
 
     micro_batches: "list[int] | tuple[int, ...]"
 
@@ -192,17 +190,13 @@ class SplitArithmetic:
         """Whether every accumulation step has the same micro-batch (what most runners need)."""
         return len(set(self.micro_batches)) == 1
 
-    total_blocks: "int | None" = None
-    """The model's repeated blocks, where the class knows them (a plan does)."""
-
     def label(self) -> str:
         """"bf16, checkpointing 3 of 4 blocks, 32 x 4" (uneven splits say so, with the per-device
-        share). The class also defines ``checkpointing`` and ``checkpointed_blocks``."""
+        share)."""
         split = f"{self.micro_batch} x {self.accumulation_steps}"
         if not self.is_even:
             split += f" (uneven, {self.per_device_batch})"
-        blocks = self.checkpointed_blocks if self.checkpointing else 0
-        return f"{setting_label(self.precision, describe_blocks(blocks, self.total_blocks))}, {split}"
+        return f"{setting_label(self.precision, self.checkpointing.label)}, {split}"
     @property
     def split_text(self) -> str:
         """The per-rank split for people: "13 + 13 + 12", or runs ("13 × 400 + 12") past
@@ -218,11 +212,9 @@ class ConfigurationMeasured(SplitArithmetic):
     """One configuration the throughput search considered: measured, or pruned for memory."""
 
     precision: Precision
-    checkpointing: bool
+    checkpointing: Checkpointing
     micro_batches: list[int]
     """Samples per accumulation step on each rank (they sum to the per-device share)."""
-    checkpointed_blocks: int | None = None
-    """How many repeated blocks are checkpointed (None: every one when checkpointing)."""
     samples_per_s: float | None = None
     """From the fastest timed full window (all micro-steps and the optimizer step), or the median
     window when compared side by side (``compared``); None: not run."""
@@ -242,6 +234,7 @@ class ConfigurationMeasured(SplitArithmetic):
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
+        self.checkpointing = Checkpointing.parse(self.checkpointing, option="checkpointing")
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -249,7 +242,11 @@ class ConfigurationMeasured(SplitArithmetic):
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ConfigurationMeasured":
+    def from_dict(cls, data: dict, *, total_blocks: int | None = None) -> "ConfigurationMeasured":
+        """``total_blocks``: the plan's, for older files' pair (a bool and checkpointed_blocks)."""
+        data = dict(data)
+        data["checkpointing"] = Checkpointing.from_file(data["checkpointing"],
+                                                        data.pop("checkpointed_blocks", None), total_blocks)
         return cls(**data)
 
 
@@ -270,13 +267,11 @@ class Plan(SplitArithmetic):
     micro_batches: list[int]
     """Samples per accumulation step on each rank; sum(micro_batches) * world_size == target_batch."""
     precision: Precision
-    checkpointing: bool
-    """Whether any repeated block is checkpointed (``checkpointed_blocks`` says how many)."""
+    checkpointing: Checkpointing
+    """Which of the model's repeated blocks are checkpointed, spread evenly: off, every one, or K
+    of N (truthy when any is)."""
     lr: LRDecision
     workload: WorkloadFingerprint
-    checkpointed_blocks: int | None = None
-    """How many of the model's repeated blocks are checkpointed, spread evenly (None: every one
-    when ``checkpointing``, as in files written before counts existed)."""
     clip_grad_norm: float | None = 1.0
     warnings: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
@@ -320,6 +315,9 @@ class Plan(SplitArithmetic):
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
         self.sharding = Sharding.parse(self.sharding, option="sharding")
+        if not isinstance(self.checkpointing, Checkpointing):
+            self.checkpointing = Checkpointing.parse(self.checkpointing, total=self.total_blocks,
+                                                     option="checkpointing")
 
     def __repr__(self) -> str:
         split = " + ".join(map(str, self.micro_batches))
@@ -345,20 +343,17 @@ class Plan(SplitArithmetic):
     @property
     def blocks(self) -> int | None:
         """Checkpointed blocks: 0 when off, None for "every block" of an unknown count."""
-        return checkpoint_count(self.checkpointing, self.checkpointed_blocks, self.total_blocks)
+        return self.checkpointing.count
 
     @property
-    def checkpointing_setting(self) -> str | int:
-        """"off", "on" or the block count, as ``probe``, ``TrialSession`` and ``plan`` take it."""
-        blocks = self.blocks
-        if blocks == 0:
-            return "off"
-        return "on" if blocks is None or blocks == self.total_blocks else blocks
+    def checkpointed_blocks(self) -> int | None:
+        """How many of the model's repeated blocks are checkpointed (as ``blocks``)."""
+        return self.checkpointing.count
 
     @property
     def checkpointing_label(self) -> str:
         """"off", "on" or "K of N blocks"."""
-        return describe_blocks(self.blocks, self.total_blocks)
+        return self.checkpointing.label
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -367,8 +362,9 @@ class Plan(SplitArithmetic):
     @property
     def chosen_setting(self) -> SettingTried | None:
         for setting in self.settings:
-            if ((setting.precision, setting.checkpointing) == (self.precision, self.checkpointing)
-                    and (not self.checkpointing or setting.blocks in (self.blocks, None))
+            if (setting.precision == self.precision
+                    and (setting.checkpointing == self.checkpointing
+                         or (self.checkpointing and setting.blocks is None))
                     and setting.sharding == self.sharding
                     and (setting.shard_group == self.shard_group or not self.sharding.sharded)):
                 return setting
@@ -392,6 +388,7 @@ class Plan(SplitArithmetic):
         data["versions"] = dict(self.versions)
         data["reasons"] = dict(self.reasons)
         data["grad_scaler"] = self.grad_scaler.to_dict()
+        data["checkpointing"] = self.checkpointing.to_dict()
         # Derived numbers, written for readers and other tools; ignored when read back.
         data["derived"] = {"accumulation_steps": self.accumulation_steps,
                            "micro_batch": self.micro_batch, "effective_batch": self.effective_batch,
@@ -401,6 +398,7 @@ class Plan(SplitArithmetic):
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
+        blocks = data.get("checkpointed_blocks")  # schema 1 and 2: beside a bool checkpointing
         data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         data["micro_batches"] = decode_split(data["micro_batches"])
         data["lr"] = LRDecision(**data["lr"])
@@ -408,7 +406,10 @@ class Plan(SplitArithmetic):
         if data.get("device") is not None:
             data["device"] = DeviceInfo.from_dict(data["device"])
         data["settings"] = [SettingTried.from_dict(s) for s in data.get("settings", [])]
-        data["throughput"] = [ConfigurationMeasured.from_dict(c) for c in data.get("throughput", [])]
+        total = data["workload"].repeated_blocks
+        data["checkpointing"] = Checkpointing.from_file(data["checkpointing"], blocks, total)
+        data["throughput"] = [ConfigurationMeasured.from_dict(c, total_blocks=total)
+                              for c in data.get("throughput", [])]
         if data.get("grad_scaler") is not None:
             data["grad_scaler"] = GradScalerSettings.from_dict(data["grad_scaler"])
         return cls(**data)

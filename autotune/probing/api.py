@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ..errors import ConfigError, ProbeError
+from ..errors import ConfigError, ProbeError, option
 from ..memory import MemoryBackend, backend_for
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
@@ -15,7 +15,7 @@ from .. import progress
 from ..distributed.sharding.ranks import sharded_step
 from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..units import format_bytes
-from ..workload.checkpoint_count import describe_blocks, parse_checkpointing
+from ..workload.checkpoint_count import CheckpointingRequest
 from ..workload.contract import load_workload
 from .result import MemoryModel, ProbeResult, Trial, setting_label
 from .estimate import EstimateSession
@@ -74,9 +74,9 @@ def probe(
     backends) so that the error says how far over the budget the model is. The error is a
     ``SetupOutOfMemory`` when parameters, buffers and optimizer state alone do not fit.
     """
+    checkpointing = CheckpointingRequest.parse(checkpointing, option=option("checkpointing"), allow_auto=False)
     workload = load_workload(workload)
     precision = Precision.parse(precision)
-    checkpointing = parse_checkpointing(checkpointing, allow_auto=False)
     sharding = Sharding.parse(sharding)
     if max_micro_batch is not None and (not isinstance(max_micro_batch, int) or max_micro_batch < 1):
         raise ProbeError(f"max_micro_batch must be a positive int or None, got {max_micro_batch!r}")
@@ -161,8 +161,7 @@ def probe(
         memory_model=model,
         device=info,
         precision=precision.value,
-        checkpointing=session.checkpointed_blocks > 0,
-        checkpointed_blocks=session.checkpointed_blocks,
+        checkpointing=session.checkpointing,
         total_blocks=session.total_blocks,
         seconds=time.perf_counter() - started,
         oom_count=sum(not t.fits for t in trials),
@@ -210,7 +209,7 @@ def window_trial(workload, backend: MemoryBackend, *, micro_batch: int, window: 
                       precision=precision, device_type=backend.device.type) as step_workload:
         session = (EstimateSession if estimating else TrialSession)(
             step_workload, backend, precision=precision,
-            checkpointing=parse_checkpointing(checkpointing, allow_auto=False),
+            checkpointing=CheckpointingRequest.parse(checkpointing, allow_auto=False),
             sharded=sharding.sharded, offload=sharding.offload,
             reduce_every_micro_step=reduce_every_micro_step)
         try:
@@ -274,7 +273,7 @@ def _does_not_fit_message(workload, info, precision, session: TrialSession, tria
                  "--precision bf16 (autocast keeps them in fp32) and --checkpointing (it saves "
                  "activations) cannot change")
     return (f"{workload.source} does not fit on {info.name} "
-            f"({setting_label(precision, describe_blocks(blocks, total))}{layout}): {need}. "
+            f"({setting_label(precision, session.checkpointing_label)}{layout}): {need}. "
             f"What would help: {'; '.join(helps)}.")
 
 

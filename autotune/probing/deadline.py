@@ -21,7 +21,6 @@ import signal
 import threading
 
 from ..errors import ConfigError, ProbeError
-from ..workload.checkpoint_count import describe_blocks
 from .result import setting_label
 
 _LIMIT = contextvars.ContextVar("autotune_trial_timeout", default=None)
@@ -84,9 +83,7 @@ def deadline(session, micro_batch: int):
 
 
 def _setting(session) -> str:
-    checkpointing = (describe_blocks(session.checkpointed_blocks, session.total_blocks)
-                     if session.total_blocks else session.checkpointing)
-    setting = setting_label(session.precision.value, checkpointing)
+    setting = setting_label(session.precision.value, session.checkpointing_label)
     return setting + (", sharded" if session.sharded else "")
 
 

@@ -11,10 +11,12 @@ import inspect
 
 import torch
 
+from ..errors import option
 from ..memory.fake import EstimateMemoryBackend, checked_micro_batch, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from ..distributed.sharding.ranks import sharded_step
 from ..distributed.sharding.settings import Sharding
+from ..workload.checkpoint_count import CheckpointingRequest
 from ..workload.contract import load_workload
 from .trial import TrialSession, optimizer_state_tensors
 
@@ -27,7 +29,8 @@ def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing
     The step is the probe's (``TrialSession``): parameters, buffers and optimizer state, then
     batch, forward under autocast, backward, unscale, clip, optimizer step, zero_grad.
     ``workload`` is a path to a model file or an ``autotune.Workload``; ``checkpointing`` is
-    off/on (or a bool), a count K of the repeated blocks or a fraction of them. Raises
+    off/on (or a bool), a count K of the repeated blocks, a fraction of them or a
+    ``Checkpointing``. Raises
     ``EstimateUnavailable`` when the model cannot run under fake tensors (use ``probe`` then).
 
     ``sharding="fsdp"`` gives the peak of one rank of ``world_size`` under FSDP2, in shard
@@ -74,6 +77,8 @@ def estimate_offload_host_peaks(workload, micro_batches, *, precision="fp32", ch
 
 def _estimate_trials(workload, micro_batches, *, precision, checkpointing, sharding, world_size,
                      shard_group, window: int = 1, reduce_every: bool = False) -> dict:
+    checkpointing = CheckpointingRequest.parse(checkpointing, option=option("checkpointing"),
+                                               allow_auto=False)
     workload = load_workload(workload)
     precision = Precision.parse(precision)
     sharding = Sharding.parse(sharding)

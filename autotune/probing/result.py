@@ -8,13 +8,15 @@ from dataclasses import asdict, dataclass, field
 from ..memory.base import DeviceInfo
 from ..precision import Precision
 from ..units import format_bytes
-from ..workload.checkpoint_count import describe_blocks
+from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest, describe_blocks
 
 
 def setting_label(precision, checkpointing) -> str:
-    """How every report names a setting: "bf16, checkpointing on" (``checkpointing``: a bool, a
-    block count, "on"/"off", or a setting's own ``checkpointing_label`` such as "3 of 4 blocks")."""
-    if isinstance(checkpointing, bool) or checkpointing is None:
+    """How every report names a setting: "bf16, checkpointing on" (``checkpointing``: a
+    ``Checkpointing``, a bool, a block count, "on"/"off", or a label such as "3 of 4 blocks")."""
+    if isinstance(checkpointing, (Checkpointing, CheckpointingRequest)):
+        checkpointing = checkpointing.label
+    elif isinstance(checkpointing, bool) or checkpointing is None:
         checkpointing = "on" if checkpointing else "off"
     elif isinstance(checkpointing, int):
         checkpointing = describe_blocks(checkpointing, None)
@@ -171,11 +173,9 @@ class ProbeResult:
     memory_model: MemoryModel
     device: DeviceInfo
     precision: Precision
-    checkpointing: bool
+    checkpointing: Checkpointing
+    """Which repeated blocks were checkpointed (off, every one, or K of ``total_blocks``)."""
     seconds: float
-    checkpointed_blocks: int | None = None
-    """How many of the model's repeated blocks were checkpointed (None: every one when
-    checkpointing, as files written before counts existed meant)."""
     total_blocks: int | None = None
     """How many repeated blocks the model has (None: not recorded)."""
     block_model: BlockModel | None = None
@@ -195,6 +195,9 @@ class ProbeResult:
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
+        if not isinstance(self.checkpointing, Checkpointing):
+            self.checkpointing = Checkpointing.parse(self.checkpointing, total=self.total_blocks,
+                                                     option="checkpointing")
 
     @property
     def budget_bytes(self) -> int:
@@ -209,7 +212,13 @@ class ProbeResult:
     @property
     def checkpointing_label(self) -> str:
         """"off", "on" or "K of N blocks"."""
-        return describe_blocks(self.checkpointed_blocks if self.checkpointing else 0, self.total_blocks)
+        return self.checkpointing.label
+
+    @property
+    def checkpointed_blocks(self) -> int | None:
+        """How many repeated blocks were checkpointed (0: off; None: every one of a count not
+        recorded)."""
+        return self.checkpointing.count
 
     @property
     def steps(self) -> int:
@@ -240,6 +249,9 @@ class ProbeResult:
     @classmethod
     def from_dict(cls, data: dict) -> "ProbeResult":
         data = dict(data)
+        data["checkpointing"] = Checkpointing.from_file(data["checkpointing"],
+                                                        data.pop("checkpointed_blocks", None),
+                                                        data.get("total_blocks"))
         data["trials"] = [Trial.from_dict(t) for t in data["trials"]]
         data["memory_model"] = MemoryModel.from_dict(data["memory_model"])
         data["device"] = DeviceInfo.from_dict(data["device"])

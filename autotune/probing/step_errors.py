@@ -12,7 +12,6 @@ from __future__ import annotations
 from ..errors import AutotuneError, StepError, UserCodeError
 from ..memory.fake import failure_site, is_fake_tensor_limit
 from ..memory.oom import is_oom_error
-from ..workload.checkpoint_count import describe_blocks
 from .result import setting_label
 
 
@@ -36,11 +35,7 @@ def step_failed(session, exc: BaseException, micro_batch: int | None) -> StepErr
     """The StepError for ``exc`` raised in ``session`` (a TrialSession) at ``micro_batch`` (None:
     while setting the step up); raise it ``from original(exc)``."""
     source = session.workload.source
-    if session.total_blocks:
-        checkpointing = describe_blocks(session.checkpointed_blocks, session.total_blocks)
-    else:
-        checkpointing = session.checkpointing  # set-up failed before the blocks were counted
-    setting = setting_label(session.precision.value, checkpointing)
+    setting = setting_label(session.precision.value, session.checkpointing_label)
     if session.sharded:
         setting += ", sharded with " + ("fsdp-offload" if session.offload else "FSDP2")
     when = f"at micro-batch {micro_batch}" if micro_batch is not None else "while setting it up"

@@ -23,7 +23,7 @@ from ..errors import ProbeError, WorkloadError
 from ..units import format_bytes
 from ..workload.activation_checkpointing import (checkpointable_blocks, disable_checkpointing,
                                                  enable_checkpointing)
-from ..workload.checkpoint_count import parse_checkpointing, resolve_blocks
+from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from ..memory.base import MemoryBackend
 from ..memory.oom import free_memory, is_oom_error
 from ..precision import Precision, autocast, grad_scaler
@@ -44,8 +44,9 @@ class TrialSession:
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
                  checkpointing=False, sharded: bool = False, offload: bool = False,
                  reduce_every_micro_step: bool = False):
-        """``checkpointing``: off/on (or a bool), a block count K or a fraction of the blocks;
-        after set-up ``checkpointed_blocks`` says how many of ``total_blocks`` it is.
+        """``checkpointing``: a ``Checkpointing``, or any form ``CheckpointingRequest.parse``
+        takes (off/on or a bool, a block count K, a fraction of the blocks); after set-up it is
+        the ``Checkpointing`` of the model's ``total_blocks``.
         ``reduce_every_micro_step`` (sharded): a window's micro-steps reduce-scatter their
         gradients (sharded gradients are held between them) instead of holding this rank's
         unsharded gradients until the last, as the plan's field of that name says."""
@@ -61,7 +62,10 @@ class TrialSession:
         memory (``backend.offloaded``, ``backend.on_host``)."""
         self.backend = backend
         self.precision = precision
-        self.checkpointing = checkpointing
+        self.checkpointing: Checkpointing | CheckpointingRequest = (
+            checkpointing if isinstance(checkpointing, Checkpointing)
+            else CheckpointingRequest.parse(checkpointing, allow_auto=False))
+        """What was asked until set-up counts the blocks; then the ``Checkpointing`` in force."""
         self.device = backend.device
         self.checkpointed_blocks = 0
         self.total_blocks = 0
@@ -154,15 +158,26 @@ class TrialSession:
             p.register_post_accumulate_grad_hook(lambda p: self.backend.offloaded([p.grad]))
 
     def set_checkpointing(self, checkpointing) -> int:
-        """Checkpoint that many blocks (off/on, K or a fraction) from the next step on; returns K."""
+        """Checkpoint those blocks (a ``Checkpointing``, off/on, K or a fraction) from the next
+        step on; returns how many are."""
         disable_checkpointing(self.model)
-        value = parse_checkpointing(checkpointing, allow_auto=False)
-        count = (None if value == "on" else
-                 resolve_blocks(value, self.total_blocks, source=self.workload.source))
-        self.checkpointed_blocks = (0 if count == 0 else
-                                    enable_checkpointing(self.model, source=self.workload.source,
-                                                         blocks=count))
+        request = CheckpointingRequest.parse(checkpointing, allow_auto=False)
+        source = self.workload.source
+        if request.value == "on":  # every block, and models' own switches (none: a WorkloadError)
+            self.checkpointed_blocks = enable_checkpointing(self.model, source=source)
+            self.checkpointing = Checkpointing.every_block(self.total_blocks or None)
+            return self.checkpointed_blocks
+        wanted = request.resolve(self.total_blocks, source=source)
+        self.checkpointed_blocks = (enable_checkpointing(self.model, source=source, blocks=wanted.count)
+                                    if wanted else 0)
+        self.checkpointing = wanted
         return self.checkpointed_blocks
+
+    @property
+    def checkpointing_label(self) -> str:
+        """"off", "on" or "K of N blocks" (before set-up counts the blocks: as asked)."""
+        return self.checkpointing.label
+
     def _outside_budget(self):
         """For sharded sessions: what one-time setup allocates (the full model before sharding,
         FSDP2's lazy initialisation in the first step, and DTensor's first sharding propagation

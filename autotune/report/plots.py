@@ -93,13 +93,14 @@ def _throughput_axes(ax, plan):
     labels, speeds = [], []
     for index, c in enumerate(records):
         split = f"{c.micro_batch}×{c.accumulation_steps}"
-        blocks = (c.checkpointed_blocks if c.checkpointed_blocks is not None and plan.total_blocks
-                  and c.checkpointed_blocks < plan.total_blocks else None)
-        ckpt = f"{blocks} of {plan.total_blocks}" if blocks else ("on" if c.checkpointing else "off")
+        blocks = c.checkpointing.count
+        ckpt = (f"{blocks} of {plan.total_blocks}" if plan.total_blocks and c.checkpointing
+                and not c.checkpointing.all_blocks and blocks < plan.total_blocks
+                else ("on" if c.checkpointing else "off"))
         labels.append(f"{c.precision}, ckpt {ckpt}, {split}")
         speeds.append(c.samples_per_s if c.fits and c.samples_per_s is not None else 0.0)
-    chosen = [c.fits and (c.precision, c.checkpointing, c.checkpointed_blocks, list(c.micro_batches))
-              == (plan.precision, plan.checkpointing, plan.checkpointed_blocks, list(plan.micro_batches))
+    chosen = [c.fits and (c.precision, c.checkpointing, list(c.micro_batches))
+              == (plan.precision, plan.checkpointing, list(plan.micro_batches))
               for c in records]
     ys = list(range(len(records)))[::-1]
     for index, (y, speed, label) in enumerate(zip(ys, speeds, labels)):

@@ -185,7 +185,8 @@ class _Session:
         model = workload.new_model().to(ctx.device)
         model.train()
         if plan.checkpointing:
-            enable_checkpointing(model, source=workload.source, blocks=plan.checkpointed_blocks)
+            enable_checkpointing(model, source=workload.source,
+                                 blocks=None if plan.checkpointing.all_blocks else plan.checkpointing.count)
         if sharding.sharded:
             # Before the optimizer is built: fully_shard replaces the parameters with DTensors.
             shard_model(model, mesh=build_mesh(ctx.device.type, ctx.world_size, shard_group),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..workload.activation_checkpointing import disable_checkpointing
+from ..workload.checkpoint_count import Checkpointing
 from ..memory.base import MemoryBackend
 from ..memory.oom import free_memory
 from ..planning.types import SplitArithmetic
@@ -47,24 +48,17 @@ class Configuration(SplitArithmetic):
     """What the search varies: everything else about training stays as planned."""
 
     precision: Precision
-    checkpointing: bool
+    checkpointing: Checkpointing
     micro_batches: tuple[int, ...]
-    checkpointed_blocks: int | None = None
-    """How many repeated blocks are checkpointed (None: every one when checkpointing)."""
 
     def __post_init__(self):
         object.__setattr__(self, "precision", Precision.parse(self.precision, option="precision"))
+        object.__setattr__(self, "checkpointing",
+                           Checkpointing.parse(self.checkpointing, option="checkpointing"))
 
     @property
     def share(self) -> int:
         return self.per_device_batch
-
-    @property
-    def checkpointing_setting(self) -> str | int:
-        """"off", "on" or the block count, as ``TrialSession`` takes it."""
-        if not self.checkpointing:
-            return "off"
-        return "on" if self.checkpointed_blocks is None else self.checkpointed_blocks
 
 
 @dataclass(kw_only=True)
@@ -87,7 +81,7 @@ def measure_configuration(workload: Workload, backend: MemoryBackend, config: Co
     until they add up to ``min_seconds`` (at most ``MAX_TIMED_WINDOWS``)."""
     started = time.perf_counter()
     session = TrialSession(workload, backend, precision=Precision.parse(config.precision),
-                           checkpointing=config.checkpointing_setting)
+                           checkpointing=config.checkpointing)
     try:
         with session:
             result = _measure_in(session, config, windows, min_seconds)
@@ -168,7 +162,8 @@ def compare_configurations(workload: Workload, backend: MemoryBackend, configs: 
     if len({config.share for config in configs}) > 1:
         raise ValueError("compare_configurations: every configuration must split the same share")
     started = time.perf_counter()
-    session = TrialSession(workload, backend, precision=Precision.FP32, checkpointing=False)
+    session = TrialSession(workload, backend, precision=Precision.FP32,
+                           checkpointing=Checkpointing.off())
     try:
         with session:
             times = _compare_in(session, configs, started + seconds)
@@ -197,7 +192,7 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
                 for i, config in enumerate(configs):
                     if times[i] is None:
                         continue
-                    session.set_checkpointing(config.checkpointing_setting)
+                    session.set_checkpointing(config.checkpointing)
                     seconds = _timed_window(runners[i], _window(config), batch, session.device)
                     if seconds is None:
                         times[i] = None

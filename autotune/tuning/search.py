@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import ConfigError, given
 from ..precision import Precision
 from ..planning.types import ConfigurationMeasured, SettingTried
+from ..workload.checkpoint_count import Checkpointing
 from ..planning.policy import predicted_peak, split_pinned, split_share
 from .measure import Configuration, Measurement
 from ..units import format_bytes
@@ -117,12 +118,12 @@ def build_candidates(settings: list[SettingTried], *, share: int, usable: int, e
         splits = [tuple(split_share(share, m)) for m in fitting + beyond]
     found = []
     for setting in settings:
-        blocks = _setting_blocks(setting)
+        some_blocks = setting.checkpointing and not setting.checkpointing.all_blocks
         for split in splits:
-            if blocks is not None and _fewer_blocks_fit(setting, max(split), settings):
+            if some_blocks and _fewer_blocks_fit(setting, max(split), settings):
                 continue
             config = Configuration(precision=setting.precision, checkpointing=setting.checkpointing,
-                                   checkpointed_blocks=blocks, micro_batches=split)
+                                   micro_batches=split)
             found.append(_candidate(setting, config, usable, extra_bytes,
                                     setting.probe.total_blocks if setting.probe else None))
     return found
@@ -135,16 +136,9 @@ def _fewer_blocks_fit(setting: SettingTried, micro_batch: int, settings: list[Se
                and other.blocks is not None and other.blocks < setting.blocks for other in settings)
 
 
-def _setting_blocks(setting: SettingTried) -> int | None:
-    """The blocks a setting checkpoints, None for off and for every block (as configurations
-    and the search's keys have them)."""
-    total = setting.probe.total_blocks if setting.probe is not None else None
-    return setting.blocks if setting.blocks not in (0, total) else None
-
-
 def setting_key(setting: SettingTried) -> tuple:
-    """(precision, checkpointing, blocks) of a probed setting, as its configurations have them."""
-    return (setting.precision, setting.checkpointing, _setting_blocks(setting))
+    """(precision, checkpointing) of a probed setting, as its configurations have them."""
+    return (setting.precision, setting.checkpointing)
 
 
 def _candidate(setting: SettingTried, config: Configuration, usable: int, extra: int,
@@ -220,12 +214,13 @@ def search_throughput(candidates: list[Candidate], measure: Callable[[Configurat
     share = candidates[0].config.share
     by_key = {_key(c.config): c for c in candidates}
     # K is asked (1..N) only where some K of N is a candidate: without one, "on" is every block.
-    total = max((c.total_blocks or 0 for c in candidates if c.config.checkpointed_blocks), default=0)
+    total = max((c.total_blocks or 0 for c in candidates
+                 if c.config.checkpointing and not c.config.checkpointing.all_blocks), default=0)
     with _quiet(verbose):
         study = _open_study(study_name, storage,
                             sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=5))
-        known = _known_results(study, by_key, usable_bytes)
-        for candidate in _to_enqueue(candidates, known, _tried_before(study)):
+        known = _known_results(study, by_key, usable_bytes, total)
+        for candidate in _to_enqueue(candidates, known, _tried_before(study, total)):
             study.enqueue_trial(_params(candidate.config, total))
         explore_s = budget_s * (1 - CONFIRM_SHARE) if confirm_top > 1 else budget_s
         run = _Run(by_key=by_key, known=known, measure=measure, compare=compare, usable=usable_bytes,
@@ -277,13 +272,14 @@ class _Run:
 
     def objective(self, trial: optuna.Trial) -> float:
         precision = trial.suggest_categorical("precision", list(PRECISIONS))
-        checkpointing = trial.suggest_categorical("checkpointing", [False, True])
-        blocks = None
-        if checkpointing and self.total_blocks:
-            blocks = trial.suggest_int("checkpointed_blocks", 1, self.total_blocks)
-            blocks = None if blocks == self.total_blocks else blocks
+        checkpointing = Checkpointing.off()
+        if trial.suggest_categorical("checkpointing", [False, True]):
+            checkpointing = Checkpointing.every_block()
+            if self.total_blocks:
+                checkpointing = Checkpointing.of(trial.suggest_int("checkpointed_blocks", 1, self.total_blocks),
+                                                 self.total_blocks)
         steps = trial.suggest_int("accumulation_steps", 1, self.share, log=True)
-        key = (precision, checkpointing, blocks, max(split_share(self.share, math.ceil(self.share / steps))))
+        key = (precision, checkpointing, max(split_share(self.share, math.ceil(self.share / steps))))
         candidate = self.by_key.get(key)
         self.stale += 1
         if candidate is None:
@@ -314,7 +310,7 @@ class _Run:
         fitting = [r for r in self.results.values()
                    if _setting(r) == setting and r.fits and r.status == "measured"]
         smaller = [c for key, c in self.by_key.items()
-                   if key[:3] == setting and c.predicted_fits and key not in self.results
+                   if key[:2] == setting and c.predicted_fits and key not in self.results
                    and c.config.micro_batch < failed.config.micro_batch]
         if not smaller:
             return
@@ -356,7 +352,6 @@ class _Run:
     def _evaluate(self, candidate: Candidate) -> ConfigurationMeasured:
         config = candidate.config
         record = ConfigurationMeasured(precision=config.precision, checkpointing=config.checkpointing,
-                                       checkpointed_blocks=config.checkpointed_blocks,
                                        micro_batches=list(config.micro_batches),
                                        predicted_peak_bytes=candidate.predicted_peak_bytes)
         if not candidate.predicted_fits:
@@ -400,9 +395,8 @@ def _speed(record: ConfigurationMeasured) -> tuple:
 # --- the study -------------------------------------------------------------------------------------
 
 def _setting(config) -> tuple:
-    """(precision, checkpointing, blocks) of a configuration or a record; blocks is None for off
-    and for every block."""
-    return (config.precision, config.checkpointing, config.checkpointed_blocks)
+    """(precision, checkpointing) of a configuration or a record."""
+    return (config.precision, config.checkpointing)
 
 
 def _key(config: Configuration) -> tuple:
@@ -410,18 +404,27 @@ def _key(config: Configuration) -> tuple:
 
 
 def _params(config: Configuration, total_blocks: int) -> dict:
-    params = {"precision": config.precision.value, "checkpointing": config.checkpointing,
+    params = {"precision": config.precision.value, "checkpointing": config.checkpointing.enabled,
               "accumulation_steps": config.accumulation_steps}
     if config.checkpointing and total_blocks:
-        params["checkpointed_blocks"] = config.checkpointed_blocks or total_blocks
+        params["checkpointed_blocks"] = config.checkpointing.count or total_blocks
     return params
 
 
-def _trial_key(trial) -> tuple:
+def _trial_key(trial, total_blocks: int) -> tuple:
     """A stored trial's configuration key (the blocks a result was measured with are in its
-    attributes; studies stored before counts only had an "all"/"fewest" parameter)."""
-    return (trial.params.get("precision"), trial.params.get("checkpointing"),
-            trial.user_attrs.get("checkpointed_blocks"), max(trial.user_attrs["micro_batches"]))
+    attributes: one checkpointing object, or before that a bool and ``checkpointed_blocks``;
+    studies stored before counts only had an "all"/"fewest" parameter)."""
+    attrs = trial.user_attrs
+    return (trial.params.get("precision"), _stored_checkpointing(attrs, trial.params, total_blocks),
+            max(attrs["micro_batches"]))
+
+
+def _stored_checkpointing(attrs: dict, params: dict, total_blocks: int) -> Checkpointing:
+    value = attrs.get("checkpointing", params.get("checkpointing", False))
+    if isinstance(value, bool) and value and attrs.get("checkpointed_blocks") is None:
+        return Checkpointing.every_block()  # "on": every block, whatever the count
+    return Checkpointing.from_file(value, attrs.get("checkpointed_blocks"), total_blocks or None)
 
 
 def check_storage(storage: str | None) -> None:
@@ -458,7 +461,7 @@ def _storage_errors(storage: str | None):
                           f"sqlite:///autotune.db in a folder that exists") from None
 
 
-def _known_results(study: optuna.Study, by_key: dict, usable: int) -> dict:
+def _known_results(study: optuna.Study, by_key: dict, usable: int, total_blocks: int) -> dict:
     """Results an earlier run stored that still hold: measured configurations whose peak fits
     this budget, and out-of-memory prunes made with no more memory than this run has."""
     known: dict[tuple, ConfigurationMeasured] = {}
@@ -466,10 +469,12 @@ def _known_results(study: optuna.Study, by_key: dict, usable: int) -> dict:
         attrs = trial.user_attrs
         if "micro_batches" not in attrs or "status" not in attrs:
             continue
-        key = _trial_key(trial)
+        key = _trial_key(trial, total_blocks)
         if key not in by_key:
             continue
-        record = ConfigurationMeasured.from_dict({k: attrs[k] for k in _RECORD_FIELDS if k in attrs})
+        record = ConfigurationMeasured.from_dict(
+            {k: attrs[k] for k in (*_RECORD_FIELDS, "checkpointed_blocks") if k in attrs},
+            total_blocks=total_blocks or None)
         record.reused = True
         if trial.state == optuna.trial.TrialState.COMPLETE:
             if (record.peak_bytes or 0) > usable:
@@ -484,8 +489,8 @@ def _known_results(study: optuna.Study, by_key: dict, usable: int) -> dict:
 _RECORD_FIELDS = tuple(ConfigurationMeasured.__dataclass_fields__)
 
 
-def _tried_before(study: optuna.Study) -> set[tuple]:
-    return {_trial_key(t) for t in study.get_trials(deepcopy=False)
+def _tried_before(study: optuna.Study, total_blocks: int) -> set[tuple]:
+    return {_trial_key(t, total_blocks) for t in study.get_trials(deepcopy=False)
             if t.state.is_finished() and "micro_batches" in t.user_attrs}
 
 
@@ -495,8 +500,8 @@ def _to_enqueue(candidates: list[Candidate], known: dict, tried: set) -> list[Ca
     fitting = [c for c in candidates if c.predicted_fits]
     if len(fitting) <= GRID_LIMIT:
         rest = sorted(candidates, key=lambda c: (not c.predicted_fits, -c.config.micro_batch,
-                                                 c.config.checkpointing,
-                                                 c.config.checkpointed_blocks is None))
+                                                 c.config.checkpointing.enabled,
+                                                 c.config.checkpointing.all_blocks))
     else:
         rest = [c for c in candidates if _key(c.config) in tried]
     queue = []
@@ -514,7 +519,8 @@ def _first_to_try(candidates: list[Candidate]) -> list[Candidate]:
         if candidate.predicted_fits and (setting not in best or
                                          candidate.config.micro_batch > best[setting].config.micro_batch):
             best[setting] = candidate
-    return sorted(best.values(), key=lambda c: (c.config.checkpointing, c.config.checkpointed_blocks is None))
+    return sorted(best.values(), key=lambda c: (c.config.checkpointing.enabled,
+                                                c.config.checkpointing.all_blocks))
 
 
 @contextlib.contextmanager
