@@ -212,7 +212,11 @@ def train():
     from autotune.cli import main
 
     resume = ["--resume"] if any(os.path.exists(p) for p in CHECKPOINT_FILES) else []
-    main(ARGS + resume)
+    try:
+        main(ARGS + resume)
+    except SystemExit as done:  # the command line's exit: 0 is success here, not an error
+        if done.code not in (0, None):
+            raise
 
 
 executor = submitit.AutoExecutor(folder="autotune-submitit")
