@@ -369,6 +369,22 @@ def test_the_throughput_search_can_choose_a_k_between_none_and_the_fewest():
     assert {(1, 12), (3, 24), ("off", 8)} <= set(measure.calls)
 
 
+def test_results_stored_before_the_checkpointing_value_keep_their_keys():
+    # Studies stored by older versions hold a bool and checkpointed_blocks (None: every block).
+    from types import SimpleNamespace
+
+    from autotune.tuning.search import _trial_key
+
+    def trial(checkpointing, **blocks):
+        return SimpleNamespace(params={"precision": "fp32", "checkpointing": bool(checkpointing)},
+                               user_attrs={"checkpointing": checkpointing, "micro_batches": [16, 8], **blocks})
+
+    assert _trial_key(trial(True, checkpointed_blocks=1), 2) == ("fp32", Checkpointing.of(1, 2), 16)
+    assert _trial_key(trial(True, checkpointed_blocks=None), 2) == ("fp32", Checkpointing.every_block(), 16)
+    assert _trial_key(trial(False), 0) == ("fp32", Checkpointing.off(), 16)
+    assert _trial_key(trial({"blocks": 1, "total": 2}), 2) == ("fp32", Checkpointing.of(1, 2), 16)
+
+
 @pytest.mark.slow
 def test_a_stored_study_reuses_results_with_their_blocks(tmp_path):
     from autotune.tuning.search import search_throughput
