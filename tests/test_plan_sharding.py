@@ -122,10 +122,10 @@ def test_explicit_sharding_and_shard_group(examples_dir, one_thread):
     assert (result.sharding, result.shard_group) == (Sharding.FSDP, 4)
     assert result.reasons["sharding"] == "fsdp (shard group 4) as requested"
     assert [s.sharding for s in result.settings] == [Sharding.FSDP]
-    with pytest.raises(ConfigError, match="--shard-group 3 does not divide --world-size 4"):
+    with pytest.raises(ConfigError, match="shard_group=3 does not divide world_size=4"):
         plan(examples_dir / "mlp.py", target_batch=64, world_size=4, device="cpu",
              memory_limit="64MiB", sharding="fsdp", shard_group=3)
-    with pytest.raises(ConfigError, match="--sharding 'zero' is not a sharding"):
+    with pytest.raises(ConfigError, match="sharding='zero' is not a sharding"):
         plan(examples_dir / "mlp.py", target_batch=64, world_size=4, sharding="zero")
 
 

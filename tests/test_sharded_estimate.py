@@ -26,7 +26,7 @@ def test_hybrid_shard_groups_hold_more_than_full_sharding(examples_dir, one_thre
     hybrid = estimate_peak(workload, 2, sharding="fsdp", world_size=4, shard_group=2)
     assert hybrid > full
     assert hybrid == estimate_peak(workload, 2, sharding="fsdp", world_size=2)
-    with pytest.raises(ConfigError, match="--shard-group 3 does not divide --world-size 4"):
+    with pytest.raises(ConfigError, match="shard_group=3 does not divide world_size=4"):
         estimate_peak(workload, 2, sharding="fsdp", world_size=4, shard_group=3)
 
 

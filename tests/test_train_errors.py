@@ -93,7 +93,7 @@ def test_dataset_smaller_than_one_window():
 
 
 def test_plan_for_another_world_size():
-    with pytest.raises(TrainError, match="torchrun --nproc_per_node 2"):
+    with pytest.raises(TrainError, match="world size 2 but this run has 1 process.*torchrun --nproc-per-node 2"):
         train(make_plan([4], world_size=2), mlp_workload(16), steps=1, progress=False)
 
 

@@ -48,7 +48,7 @@ class PlanOptions:
     def __post_init__(self):
         self.checkpointing = CheckpointingRequest.parse(self.checkpointing, option=option("checkpointing"))
         if self.sharding != "auto":
-            Sharding.parse(self.sharding, option=option("sharding"))
+            Sharding.parse(self.sharding)
         if self.precision not in PRECISION_CHOICES:
             raise ConfigError(f"{given('precision', self.precision)} is not a precision; use one of "
                               f"{', '.join(PRECISION_CHOICES)}")
