@@ -30,6 +30,10 @@ Integrations (each imports its library; ``import autotune`` imports neither)::
                                          trainer_arguments(plan)
 """
 
+from .version import check_torch as _check_torch
+
+_check_torch()  # an older torch: one clear ImportError naming the floor, before any import fails
+
 from .errors import (
     AutotuneError, ConfigError, EstimateUnavailable, OutputError, PlanError, PlanFileError, ProbeError,
     ReportError, UserCodeError, WorkloadError,

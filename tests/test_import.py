@@ -1,8 +1,14 @@
-"""What ``import autotune`` costs: no optuna and no NVML bindings of its own."""
+"""What ``import autotune`` costs and needs: no optuna and no NVML bindings of its own, and a torch
+older than the floor named in one clear ImportError."""
 
 import os
+import re
 import subprocess
 import sys
+
+import pytest
+
+from autotune.version import TORCH_FLOOR, check_torch
 
 from conftest import ROOT
 
@@ -43,3 +49,31 @@ def test_the_search_still_finds_optuna_when_it_runs():
 
     assert search.optuna.TrialPruned.__module__.startswith("optuna")
     assert search.optuna.logging.get_verbosity() >= 0
+
+
+@pytest.mark.parametrize("version", ["2.4.0", "2.5.1+cu121", "2.10.0+cpu", "2.11.0", "2.12.1+cu128", "1.13.1",
+                                     "2.12.0a0+gitabc"])
+def test_an_older_torch_is_one_clear_error_naming_the_floor(version):
+    floor = ".".join(map(str, TORCH_FLOOR))
+    with pytest.raises(ImportError, match=rf"autotune needs torch {re.escape(floor)} or newer, "
+                                          rf"and torch {re.escape(version)} is installed"):
+        check_torch(version)
+
+
+@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.13.0a0+git123", "2.14.1+cu130", "3.0.0"])
+def test_the_floor_and_newer_pass(version):
+    check_torch(version)
+
+
+def test_import_autotune_on_an_older_torch_says_so_before_anything_fails():
+    result = _run("import torch; torch.__version__ = '2.5.1'\nimport autotune")
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: autotune needs torch") and "2.5.1" in last, result.stderr
+
+
+def test_the_floor_is_the_one_pyproject_declares():
+    text = (ROOT / "pyproject.toml").read_text()
+    (declared,) = re.findall(r'"torch>=([0-9.]+)"', text)
+    assert tuple(int(x) for x in declared.split(".")) == TORCH_FLOOR
+    check_torch()  # the torch this suite runs on meets it (CI runs the fast suite on the floor too)
