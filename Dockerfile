@@ -11,8 +11,8 @@
 # SSH (optional): build with --build-arg WITH_SSH=1 and pass your public key:
 #   docker run --gpus all -p 8888:8888 -p 2222:22 -e SSH_PUBLIC_KEY="$(cat ~/.ssh/id_ed25519.pub)" autotune
 #
-# The default base carries torch 2.13 (CUDA 12.6, drivers 560+): FSDP planning needs torch 2.11 or
-# newer, and the build stops on an older torch (TORCH_MIN).
+# The default base carries torch 2.13 (CUDA 12.6, drivers 560+): autotune needs torch 2.13 or newer
+# (autotune/version.py's TORCH_FLOOR), and the build stops on an older torch (TORCH_MIN).
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
@@ -22,7 +22,7 @@ FROM ${BASE_IMAGE}
 # (https://download.pytorch.org/whl/cpu: the CPU-only wheel; PyPI's Linux torch is the CUDA build).
 ARG TORCH_SPEC=torch
 ARG TORCH_INDEX_URL=
-ARG TORCH_MIN=2.11
+ARG TORCH_MIN=2.13
 # PIP_BREAK_SYSTEM_PACKAGES: the image is the environment, so pip installs into the base's own
 # Python even where that Python is marked externally managed (Debian, Ubuntu).
 ENV PYTHONUNBUFFERED=1 \

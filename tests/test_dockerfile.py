@@ -50,12 +50,14 @@ def test_base_is_cuda_pytorch(instructions):
 
 
 def test_default_base_and_the_build_meet_the_torch_floor(instructions):
-    """FSDP planning fails on torch 2.6-2.10: the default base carries 2.11 or newer, and the build
-    stops on a base below TORCH_MIN."""
+    """The image's torch floor is the package's (TORCH_FLOOR): the default base carries it or newer,
+    and the build stops on a base below TORCH_MIN."""
+    from autotune.version import TORCH_FLOOR
+
     args = dict(v.split("=", 1) for v in values(instructions, "ARG") if "=" in v)
     version = re.match(r"pytorch/pytorch:(\d+)\.(\d+)", args["BASE_IMAGE"])
     floor = tuple(int(p) for p in args["TORCH_MIN"].split("."))
-    assert floor >= (2, 11) and (int(version[1]), int(version[2])) >= floor, (args["BASE_IMAGE"], floor)
+    assert floor == TORCH_FLOOR and (int(version[1]), int(version[2])) >= floor, (args["BASE_IMAGE"], floor)
     (check,) = [run for run in values(instructions, "RUN") if "$TORCH_MIN" in run]
     assert check.startswith('if ! python3 -c "import torch"') and "sys.exit(" in check
 
