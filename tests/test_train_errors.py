@@ -143,3 +143,9 @@ def test_malformed_plan_object():
     plan.micro_batches = [4, 0]
     with pytest.raises(PlanFileError, match="micro_batches must be a non-empty list"):
         train(plan, mlp_workload(16), steps=1, progress=False)
+
+
+def test_a_world_size_variable_that_is_no_count_is_named(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE='two' is not a count; unset it, or launch with torchrun"):
+        train(make_plan([4]), mlp_workload(16), steps=1, progress=False)

@@ -68,7 +68,7 @@ class Launch:
         if self.launcher == "none":
             return f"{self.world_size} process (not started by torchrun or srun)"
         shape = (f"{self.nodes} nodes × {self.per_node} per node" if self.nodes > 1
-                 else f"1 node")
+                 else "1 node")
         return f"{self.world_size} process{'es' if self.world_size != 1 else ''} ({shape}, started by {self.launcher})"
 
 
@@ -85,7 +85,7 @@ def launch_environment(environ=None) -> Launch:
         world = _positive(env, "WORLD_SIZE")
         per_node = _positive(env, "LOCAL_WORLD_SIZE", default=world)
         nodes = _positive(env, "GROUP_WORLD_SIZE", default=max(1, world // per_node))
-        return Launch("torchrun", world, _count(env, "RANK"), _count(env, "LOCAL_RANK"), per_node, nodes)
+        return Launch("torchrun", world, env_count(env, "RANK"), env_count(env, "LOCAL_RANK"), per_node, nodes)
     slurm = slurm_task(env)
     if slurm is not None:
         return slurm
@@ -100,7 +100,7 @@ def slurm_task(environ=None) -> Launch | None:
     world = _positive(env, "SLURM_STEP_NUM_TASKS")
     nodes = _positive(env, "SLURM_STEP_NUM_NODES", default=_positive(env, "SLURM_NNODES", default=1))
     per_node = _tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE")) or max(1, world // nodes)
-    return Launch("slurm", world, _count(env, "SLURM_PROCID"), _count(env, "SLURM_LOCALID"), per_node, nodes)
+    return Launch("slurm", world, env_count(env, "SLURM_PROCID"), env_count(env, "SLURM_LOCALID"), per_node, nodes)
 
 
 def adopt_slurm(environ=None) -> Launch | None:
@@ -150,7 +150,8 @@ def _tasks_per_node(text: str | None) -> int | None:
     return int(match.group(1)) if match and int(match.group(1)) > 0 else None
 
 
-def _count(env, name: str, default: int = 0) -> int:
+def env_count(env, name: str, default: int = 0) -> int:
+    """The count in the environment variable ``name`` (``default`` when unset or empty)."""
     text = env.get(name)
     if text is None or text == "":
         return default
@@ -161,7 +162,7 @@ def _count(env, name: str, default: int = 0) -> int:
 
 
 def _positive(env, name: str, default: int | None = None) -> int:
-    value = _count(env, name, default=-1 if default is None else default)
+    value = env_count(env, name, default=-1 if default is None else default)
     if value < 1:
         raise ConfigError(f"the environment variable {name}={env.get(name)!r} is not a positive "
                           f"count; unset it, or launch with torchrun or srun, which set it")

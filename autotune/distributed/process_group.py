@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from ..errors import ConfigError, TrainError
+from .environment import env_count
+from ..errors import TrainError
 from ..memory import resolve_device
 from .sharding import wrap as sharding
 
@@ -42,7 +43,7 @@ def setup(device=None, *, sharded: bool = False) -> DistContext:
     A sharded plan on one process still needs a process group (FSDP2 shards over a device mesh,
     even of one rank, e.g. to offload to the CPU): one is made in-process with a ``HashStore``.
     """
-    world_size = _environment_int("WORLD_SIZE", "1")
+    world_size = env_count(os.environ, "WORLD_SIZE", default=1)
     if world_size <= 1 and not (dist.is_available() and dist.is_initialized()):
         resolved = resolve_device(device)
         if not sharded:
@@ -82,18 +83,6 @@ def _init_process_group(backend: str) -> None:
     store, rank, world_size = next(rendezvous("env://", timeout=_TIMEOUT))
     dist.init_process_group(backend=backend, store=dist.PrefixStore(f"autotune/attempt-{attempt}", store),
                             rank=rank, world_size=world_size, timeout=_TIMEOUT)
-
-
-def _environment_int(name: str, default: str) -> int:
-    text = os.environ.get(name, default)
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"the environment variable {name}={text!r} is not a process count; "
-                          f"unset it, or launch with torchrun, which sets it")
-    return value
 
 
 def settle(ctx: DistContext) -> None:
