@@ -10,6 +10,10 @@ Public API::
                                  bytes of one step (one rank's under fsdp), estimated on fake
                                  tensors (EstimateUnavailable) (checkpointing: off/on or a bool,
                                  K blocks, or a fraction "1/3")
+    predict_step_time(workload, micro_batches, *, precision="fp32", checkpointing=False, ...,
+                      gpu=None) -> {micro_batch: StepTimePrediction}
+                                 compute time of one step (roofline on the fake step's FLOPs and
+                                 bytes; this CPU measured once, or a GPU profile)
     plan(workload, *, target_batch, ..., sharding="auto", shard_group=None) -> Plan
                                  micro-batch × accumulation × world = target; ddp or FSDP2 shards
     save_plan, load_plan, export_plan              the plan file and exports for other runners
@@ -53,6 +57,7 @@ from .probing.result import MemoryModel, ProbeResult, Trial
 from .report import plot_metrics, plot_plan, write_report
 from .report.notebook import register_display as _register_display
 from .distributed.sharding import Sharding
+from .timing.predict import StepTimePrediction, predict_step_time
 from .training import NonFiniteError, TrainError, TrainResult, train
 from .version import __version__
 from .workload import Workload, load_workload
@@ -61,9 +66,9 @@ from .workload.checkpoint_count import Checkpointing
 __all__ = [
     "AutotuneError", "Checkpointing", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
-    "ProbeResult", "ReportError", "Sharding", "TrainError", "TrainResult", "Trial", "UserCodeError",
+    "ProbeResult", "ReportError", "Sharding", "StepTimePrediction", "TrainError", "TrainResult", "Trial", "UserCodeError",
     "VerifyResult", "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan",
-    "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan", "probe",
+    "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan", "predict_step_time", "probe",
     "save_plan", "train", "trial_timeout", "verify_plan", "write_report",
 ]
 

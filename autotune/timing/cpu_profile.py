@@ -1,0 +1,168 @@
+"""This CPU's speed, measured once by microbenchmarks and cached per machine.
+
+Measured: ``torch.mm`` FLOP/s per precision at a few sizes (the peak is the best; smaller sizes
+give the fraction a smaller matmul reaches), memory bandwidth of ``torch.add`` at a few sizes
+(large: DRAM; small: what fits in cache), and the cost of dispatching one tiny op. The result is
+cached as JSON under ``$XDG_CACHE_HOME/autotune`` (``~/.cache/autotune``), keyed by the CPU
+model, the thread count and the torch version; a cache file that does not hold finite, positive
+numbers is ignored and measured again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from .roofline import DeviceSpeed
+
+MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
+"""Square ``torch.mm`` sizes n (2n³ FLOPs each)."""
+MEMORY_ELEMENTS = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
+"""fp32 elements per tensor of the bandwidth microbenchmark (4 KiB to 64 MiB; three tensors)."""
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CACHE_FILE = "cpu-speed.json"
+_MIN_SECONDS = 0.02
+"""Each timed repetition runs at least this long; the best of ``_REPEATS`` counts (other
+processes only ever slow a run down)."""
+_REPEATS = 5
+
+
+def cpu_speed(*, refresh: bool = False, cache_dir: Path | None = None) -> DeviceSpeed:
+    """This CPU's ``DeviceSpeed`` at the current thread count: from the cache, or measured (and
+    cached) when absent, unreadable or ``refresh``."""
+    path = (cache_dir or default_cache_dir()) / CACHE_FILE
+    key = machine_key()
+    if not refresh:
+        cached = load_cached(path, key)
+        if cached is not None:
+            return cached
+    speed = measure_cpu_speed()
+    save_cached(path, key, speed)
+    return speed
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "autotune"
+
+
+def machine_key() -> str:
+    """What the measurement depends on: the CPU, the threads torch uses, torch's version."""
+    return f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def measure_cpu_speed() -> DeviceSpeed:
+    """Runs the microbenchmarks (a few seconds) at the current thread count."""
+    overhead = _op_overhead()
+    peaks, curves = {}, {}
+    for name, dtype in PRECISIONS.items():
+        rates = [(2.0 * n**3, 2.0 * n**3 / max(_best_time(_mm(n, dtype)) - overhead, 1e-9))
+                 for n in MATMUL_SIZES]
+        peak = max(rate for _, rate in rates)
+        peaks[name] = peak
+        curves[name] = tuple((flops, rate / peak) for flops, rate in rates)
+    rates = []
+    for n in MEMORY_ELEMENTS:
+        moved = 3.0 * 4 * n  # add reads two tensors and writes a third
+        rates.append((moved, moved / max(_best_time(_add(n)) - overhead, 1e-9)))
+    # The bandwidth is DRAM's (the largest size); smaller ops reach more of it from cache.
+    bandwidth = rates[-1][1]
+    return DeviceSpeed(
+        name=f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads", peak_flops=peaks,
+        memory_bandwidth=bandwidth, fractions={"matmul": 1.0, "attention": 1.0, "memory": 1.0},
+        op_overhead_s=overhead, matmul_curve=curves,
+        memory_curve=tuple((moved, rate / bandwidth) for moved, rate in rates),
+        sources={"all": "measured on this machine by autotune.timing.cpu_profile"})
+
+
+def load_cached(path: Path, key: str) -> DeviceSpeed | None:
+    """The cached speed for ``key``; None when there is none, or the file is unreadable or holds
+    anything but finite, positive numbers (then it is measured again)."""
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))[key]
+        speed = DeviceSpeed(
+            name=str(entry["name"]), peak_flops={str(k): float(v) for k, v in entry["peak_flops"].items()},
+            memory_bandwidth=float(entry["memory_bandwidth"]),
+            fractions={str(k): float(v) for k, v in entry["fractions"].items()},
+            op_overhead_s=float(entry["op_overhead_s"]),
+            matmul_curve={str(k): tuple((float(x), float(y)) for x, y in v)
+                          for k, v in entry["matmul_curve"].items()},
+            memory_curve=tuple((float(x), float(y)) for x, y in entry["memory_curve"]),
+            sources={str(k): str(v) for k, v in entry.get("sources", {}).items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not speed.peak_flops.get("fp32") or speed.op_overhead_s <= 0 or not speed.matmul_curve:
+        return None
+    return speed
+
+
+def save_cached(path: Path, key: str, speed: DeviceSpeed) -> None:
+    """Adds ``key``'s entry to the cache file (others kept), written whole then renamed."""
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(entries, dict):
+            entries = {}
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = {
+        "name": speed.name, "peak_flops": speed.peak_flops, "memory_bandwidth": speed.memory_bandwidth,
+        "fractions": speed.fractions, "op_overhead_s": speed.op_overhead_s,
+        "matmul_curve": {k: [list(p) for p in v] for k, v in speed.matmul_curve.items()},
+        "memory_curve": [list(p) for p in speed.memory_curve], "sources": speed.sources,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(entries, indent=1), encoding="utf-8")
+    os.replace(partial, path)
+
+
+def _mm(n: int, dtype: torch.dtype):
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def _add(n: int):
+    a, b, out = torch.randn(n), torch.randn(n), torch.empty(n)
+    return lambda: torch.add(a, b, out=out)
+
+
+def _op_overhead() -> float:
+    # A one-element op: all dispatch, no work.
+    return _best_time(_add(1))
+
+
+def _best_time(op) -> float:
+    """Seconds per call of ``op``: the best of several timed runs of many calls."""
+    op()  # first call: allocations, kernel selection
+    calls, start = 1, time.perf_counter()
+    op()
+    once = time.perf_counter() - start
+    calls = max(1, int(_MIN_SECONDS / max(once, 1e-7)))
+    best = math.inf
+    for _ in range(_REPEATS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            op()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+__all__ = ["cpu_speed", "default_cache_dir", "load_cached", "machine_key", "measure_cpu_speed",
+           "save_cached"]
