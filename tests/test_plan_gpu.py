@@ -82,8 +82,8 @@ def test_unknown_profile_lists_the_known_ones():
     assert result.exit_code == 2 and "t4" in result.output
 
 
-@pytest.mark.parametrize("option", [{"device": "cpu"}, {"memory_limit": "1GiB"},
-                                    {"optimize": "throughput"}])
+# --optimize throughput with --gpu ranks by prediction (tests/test_plan_predicted.py).
+@pytest.mark.parametrize("option", [{"device": "cpu"}, {"memory_limit": "1GiB"}])
 def test_gpu_with_a_device_option_is_a_config_error(option):
     with pytest.raises(ConfigError, match=r"--gpu"):
         autotune.plan(MLP, target_batch=64, gpu="t4", **option)

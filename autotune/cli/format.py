@@ -120,6 +120,8 @@ def format_plan(plan) -> str:
     if plan.predicted_peak_bytes is not None:
         lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "
                      f"{plan.micro_batch}")
+    if plan.step_time is not None:
+        lines += format_step_time(plan.step_time)
     lr = plan.lr
     lines.append(f"lr:           {lr.lr:.4g} ({lr.rule} rule, ×{lr.scale:.4g})" if lr.lr is not None
                  else f"lr:           the optimizer's own ({lr.rule} rule not applied)")
@@ -130,7 +132,43 @@ def format_plan(plan) -> str:
     lines += [f"warning: {w}" for w in plan.warnings]
     if plan.throughput:
         lines += ["", format_throughput(plan)]
+    if plan.predicted:
+        lines += ["", format_predicted(plan)]
     return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g} ms"
+
+
+def format_step_time(t) -> list[str]:
+    """A predicted window: its time and split, then the rates per GPU."""
+    rates = [f"{t.samples_per_s:.4g} samples/s"]
+    if t.tokens_per_s is not None:
+        rates.append(f"{t.tokens_per_s:.4g} tokens/s")
+    mfu = f", MFU {t.mfu:.1%}" if t.mfu is not None else ""
+    return [f"step time:    {_ms(t.step_s)} predicted per optimizer step (compute {_ms(t.compute_s)}, "
+            f"exposed communication {_ms(t.exposed_comm_s)} of {_ms(t.comm_s)}, bubble "
+            f"{_ms(t.bubble_s)}; recompute {_ms(t.recompute_s)} of the compute)",
+            f"throughput:   {', '.join(rates)} per GPU predicted{mfu}"]
+
+
+def format_predicted(plan) -> str:
+    """The configurations ranked by predicted throughput, fastest first."""
+    rows = []
+    for c in plan.predicted:
+        t = c.step_time
+        chosen = ((c.layout, c.precision, c.checkpointing, list(c.micro_batches))
+                  == (plan.chosen_layout, plan.precision, plan.checkpointing, list(plan.micro_batches)))
+        rows.append([c.layout, c.precision, c.checkpointing.label, c.micro_batch, c.accumulation_steps,
+                     _ms(t.step_s), _ms(t.compute_s), _ms(t.exposed_comm_s), f"{t.samples_per_s:.4g}",
+                     f"{t.tokens_per_s:.4g}" if t.tokens_per_s is not None else "-",
+                     f"{t.mfu:.1%}" if t.mfu is not None else "-", "<- plan" if chosen else ""])
+    text = table(["layout", "precision", "checkpointing", "micro-batch", "steps", "step", "compute",
+                  "exposed comm", "samples/s", "tokens/s", "MFU", ""], rows, align="lllrrrrrrrrl")
+    why = plan.reasons.get("throughput", "")
+    return ("ranked by predicted throughput (per GPU, one optimizer step):\n" + text
+            + (f"\nwhy: {why}" if why else ""))
 
 
 def format_throughput(plan) -> str:

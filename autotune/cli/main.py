@@ -220,7 +220,8 @@ def devices(memory_limit, as_json):
                    "(HF Trainer, DeepSpeed, Lightning, Accelerate).")
 @click.option("--optimize", type=click.Choice(PLAN_GOALS), default="memory", show_default=True,
               help="memory: the largest micro-batch that fits; throughput: the fastest measured "
-                   "configuration (precision, checkpointing, split).")
+                   "configuration (precision, checkpointing, split), or with --gpu the fastest "
+                   "predicted (layout, checkpointing, split).")
 @click.option("--budget", default=None,
               help="Time for --optimize throughput's measurements, e.g. 60s (the default), 2m or seconds.")
 @click.option("--storage", default=None,
@@ -235,6 +236,12 @@ def devices(memory_limit, as_json):
 @click.option("--shard-group", type=click.IntRange(min=1), default=None,
               help="Hybrid sharding: shard within groups of N ranks, replicate across groups "
                    "(default: the world size).")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
+              help="With --gpu: GPUs per host, where communication leaves NVLink for the network "
+                   "(default: the profile's reference host).")
+@click.option("--network-gbps", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --gpu: each GPU's share of the network between hosts, Gb/s (default: the "
+                   "profile's, e.g. 400 for the H100's NDR InfiniBand).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
@@ -244,7 +251,8 @@ def devices(memory_limit, as_json):
 @_trial_timeout_option
 def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
-                 gpu, even, sharding, shard_group, output, as_json, grad_scaler):
+                 gpu, even, sharding, shard_group, gpus_per_node, network_gbps, output, as_json,
+                 grad_scaler):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
     from ..files.outputs import check_outputs
     from ..planning.planfile import plan_to_json, save_plan
@@ -263,7 +271,8 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                            base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule, optimize=optimize,
                            **({} if budget is None else {"budget": budget}), storage=storage, gpu=gpu,
                            grad_scaler=grad_scaler, even=even, sharding=sharding,
-                           shard_group=shard_group)
+                           shard_group=shard_group, gpus_per_node=gpus_per_node,
+                           network_gbps=network_gbps)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)

@@ -45,6 +45,15 @@ class GPUProfile:
     source: str = ""
     notes: str = ""
     path: str = ""
+    # Links, for timing communication (autotune.timing.comm); optional, so older profiles load.
+    gpu_link_gb_per_s: float | None = None
+    """GPU-to-GPU bandwidth within a host, one direction, GB/s (NVLink, else PCIe)."""
+    gpu_link_latency_us: float = 0.0
+    network_gbps: float | None = None
+    """Each GPU's share of the network between hosts, Gb/s (the NIC per GPU)."""
+    network_latency_us: float = 0.0
+    gpus_per_node: int = 8
+    """GPUs in the reference host the link figures come from."""
 
     @property
     def budget_bytes(self) -> int:
@@ -79,6 +88,11 @@ _FIELDS = {
     "allocator_reserve_bytes": ("reserve", True),
     "source": ("text", False),
     "notes": ("text", False),
+    "gpu_link_gb_per_s": ("positive", False),
+    "gpu_link_latency_us": ("latency", False),
+    "network_gbps": ("positive", False),
+    "network_latency_us": ("latency", False),
+    "gpus_per_node": ("count", False),
 }
 
 
@@ -164,6 +178,9 @@ def _check_field(where: str, name: str, kind: str, value) -> None:
         "tflops": (is_number and math.isfinite(value) and 0 <= value <= 1e9,
                    "a number of TFLOP/s, 0 to 1e9"),
         "positive": (is_number and math.isfinite(value) and 0 < value <= 1e12, "a positive number up to 1e12"),
+        "latency": (is_number and math.isfinite(value) and 0 <= value <= 1e6,
+                    "a number of microseconds, 0 to 1e6"),
+        "count": (is_int and 1 <= value <= 1_000_000, "a whole number, at least 1"),
     }
     ok, want = checks[kind]
     if not ok:

@@ -52,17 +52,12 @@ class ProfileTarget:
 
 
 
-def profile_target(gpu, *, device=None, memory_limit=None,
-                   optimize: str = "memory") -> ProfileTarget:
+def profile_target(gpu, *, device=None, memory_limit=None) -> ProfileTarget:
     """The target for ``--gpu`` (a bundled profile name or a .toml path)."""
     for option, value in (("--device", device), ("--memory-limit", memory_limit)):
         if value is not None:
             raise ConfigError(f"{option} {value} and --gpu {gpu} both name the device to plan for; "
                               f"drop {option} (--gpu plans for the profile, without the device)")
-    if optimize != "memory":
-        raise ConfigError(f"--optimize {optimize} measures speed on the device, and --gpu {gpu} "
-                          f"plans without it; use --optimize memory with --gpu, or plan for "
-                          f"throughput on the GPU itself")
     profile = load_profile(gpu)
     info = DeviceInfo(
         kind="cuda", name=profile.name, total_bytes=profile.memory_bytes,

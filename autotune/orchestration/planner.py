@@ -42,6 +42,7 @@ from ..units import format_bytes
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates,
                                 search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
+from .predicted import fastest_predicted
 from .request import PlanOptions
 from ..workload.contract import Workload, load_workload
 from ..workload.dataset_batch import check_default_collate
@@ -70,6 +71,8 @@ def plan(
     even: bool = False,
     sharding: str = "auto",
     shard_group: int | None = None,
+    gpus_per_node: int | None = None,
+    network_gbps: float | None = None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -82,7 +85,10 @@ def plan(
     ``base_batch`` (default: BASE_LR / BASE_BATCH in the model file) is rescaled by ``lr_rule``.
 
     ``optimize="memory"`` plans the largest micro-batch that fits (the fewest accumulation steps);
-    ``"throughput"`` measures the configurations that keep the batch exact (precisions the device
+    with ``gpu``, ``"throughput"`` ranks every layout, checkpointing setting and split that fits by
+    predicted throughput (``autotune.timing``; ``gpus_per_node`` and ``network_gbps`` override the
+    profile's host size and per-GPU network) and records the prediction as ``plan.step_time``;
+    without it, ``"throughput"`` measures the configurations that keep the batch exact (precisions the device
     supports under "auto", checkpointing off/on under "auto", every fitting split) for ``budget``
     ("60s", "2m" or seconds) and plans the fastest. ``storage`` (an Optuna URL such as
     ``sqlite:///autotune.db``) keeps the study so a rerun reuses what was measured.
@@ -113,7 +119,8 @@ def plan(
         checkpointing=checkpointing, memory_limit=memory_limit, headroom=headroom,
         micro_batch=micro_batch, base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
         optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
-        even=even, sharding=sharding, shard_group=shard_group)
+        even=even, sharding=sharding, shard_group=shard_group, gpus_per_node=gpus_per_node,
+        network_gbps=network_gbps)
     return _Planner(workload, options).run()
 
 
@@ -127,8 +134,8 @@ class _Planner:
         self.distributed = options.distributed
         self.world_size = options.world_size
         # --gpu: plan for a profile's device on fake tensors, without it (see autotune.gpus.target).
-        self.target = (profile_target(options.gpu, device=options.device, memory_limit=options.memory_limit,
-                                      optimize=options.optimize) if options.gpu is not None else None)
+        self.target = (profile_target(options.gpu, device=options.device, memory_limit=options.memory_limit)
+                       if options.gpu is not None else None)
         self.backend = self.target.backend if self.target else backend_for(options.device, options.memory_limit)
         self.info = self.backend.info()
         self.chosen, precision_reason = (
@@ -147,7 +154,8 @@ class _Planner:
             base_batch=options.base_batch if options.base_batch is not None else workload.base_batch,
             dataset_size=_dataset_size(workload), distributed=self.distributed, even=options.even,
             grad_scaler=scaler_settings(options.grad_scaler),
-            sharding="ddp" if options.optimize == "throughput" else str(options.sharding),
+            sharding=("ddp" if options.optimize == "throughput" and options.gpu is None
+                      else str(options.sharding)),
         )
         self.usable = usable_bytes(self.info.budget_bytes, options.headroom)
         self.extra = ddp_bucket_bytes(self.world_size, self.fingerprint.param_bytes)
@@ -168,7 +176,7 @@ class _Planner:
     def run(self) -> Plan:
         options = self.options
         if options.optimize == "throughput":
-            return self._fastest()
+            return self._fastest() if self.target is None else fastest_predicted(self)
         if options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
             result = _cpu_auto_precision(self.settings_in, self.build, bf16=supports_bf16(self.backend.device))
         else:
@@ -223,14 +231,16 @@ class _Planner:
                               dataclasses.replace(self.request, precision=precision_),
                               self.options.sharding, self.options.shard_group, self.world_size, self.usable)
 
-    def build(self, precision_: Precision, settings: list[SettingTried], reason: str | None = None) -> Plan:
+    def build(self, precision_: Precision, settings: list[SettingTried], reason: str | None = None,
+              **recorded) -> Plan:
+        # recorded: build_plan's considered= and throughput= (a ranked plan's records).
         request_ = dataclasses.replace(self.request, precision=precision_,
                                        precision_reason=reason or self.request.precision_reason)
 
         def made(sync_on_last=None) -> Plan:
             return build_plan(request_, workload=self.fingerprint, settings=settings, device=self.info,
                               versions=current_versions(), created_at=self.created_at,
-                              estimated_for=self.estimated_for, sync_on_last=sync_on_last)
+                              estimated_for=self.estimated_for, sync_on_last=sync_on_last, **recorded)
 
         planned = made()
         if not self.distributed:

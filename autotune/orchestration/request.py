@@ -3,6 +3,7 @@ others, in the caller's words (``precision=`` from Python, ``--precision`` from 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..distributed import environment
@@ -40,6 +41,10 @@ class PlanOptions:
     even: bool = False
     sharding: str = "auto"
     shard_group: int | None = None
+    gpus_per_node: int | None = None
+    """--gpu only: GPUs per host (the host boundary for communication); default: the profile's."""
+    network_gbps: float | None = None
+    """--gpu only: each GPU's share of the network between hosts, Gb/s; default: the profile's."""
     distributed: bool = False
     """Set here: planned by every rank of a torchrun launch."""
     budget_s: float | None = None
@@ -71,7 +76,20 @@ class PlanOptions:
         self.world_size = environment.resolve_world_size(self.world_size, self.distributed)
         if self.shard_group is not None:
             resolve_shard_group(self.shard_group, self.world_size, option=option("shard_group"))
-        if throughput and self.sharding not in ("auto", "ddp"):
+        for name, value in (("gpus_per_node", self.gpus_per_node), ("network_gbps", self.network_gbps)):
+            if value is not None and self.gpu is None:
+                raise ConfigError(f"{given(name, value)} describes the hosts of a GPU you plan for "
+                                  f"without it; add {option('gpu')} NAME, or drop {option(name)}")
+        if self.network_gbps is not None and not (isinstance(self.network_gbps, (int, float))
+                                                  and math.isfinite(self.network_gbps)
+                                                  and self.network_gbps > 0):
+            raise ConfigError(f"{given('network_gbps', self.network_gbps)}: give each GPU's share of "
+                              f"the network between hosts in Gb/s, a positive number such as 400")
+        if self.gpus_per_node is not None and not (isinstance(self.gpus_per_node, int)
+                                                   and self.gpus_per_node >= 1):
+            raise ConfigError(f"{given('gpus_per_node', self.gpus_per_node)}: give the GPUs in one "
+                              f"host, a whole number of at least 1")
+        if throughput and self.gpu is None and self.sharding not in ("auto", "ddp"):
             raise ConfigError(f"{given('optimize', 'throughput')} measures replicated (ddp) "
                               f"configurations in one process; use {given('optimize', 'memory')} with "
                               f"{given('sharding', self.sharding)}")

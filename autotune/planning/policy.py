@@ -653,7 +653,8 @@ def build_plan(
         raise PlanError("no setting was probed; nothing to plan from")
     setting, split, checkpoint_reason, sharding_reason = _choose_setting(settings, request, workload)
     if throughput is not None:
-        checkpoint_reason = f"{setting.checkpointing_label}: the fastest measured (see throughput)"
+        how = "predicted" if estimated_for is not None else "measured"
+        checkpoint_reason = f"{setting.checkpointing_label}: the fastest {how} (see throughput)"
     extra = setting_extra_bytes(setting, request.world_size, workload.param_bytes)
     peak = int(predicted_peak(setting.probe, max(split), extra))
     reduce_every, peak, sync_reason = _gradient_sync(setting, split, peak, sync_on_last,

@@ -14,6 +14,7 @@ from ..memory.base import DeviceInfo
 from ..precision import GradScalerSettings, Precision
 from ..probing.result import ProbeResult, Trial, setting_label
 from ..distributed.sharding.settings import Sharding
+from ..timing.window import WindowTime
 from ..units import format_bytes
 from ..workload.checkpoint_count import Checkpointing
 
@@ -261,6 +262,49 @@ class ThroughputOutcome:
 
 
 @dataclass(kw_only=True)
+class ConfigurationPredicted(SplitArithmetic):
+    """One configuration ``--optimize throughput --gpu`` ranked by its predicted window time."""
+
+    precision: Precision
+    checkpointing: Checkpointing
+    micro_batches: list[int]
+    sharding: Sharding = Sharding.DDP
+    shard_group: int | None = None
+    step_time: WindowTime
+
+    def __post_init__(self):
+        self.precision = Precision.parse(self.precision, option="precision")
+        self.checkpointing = Checkpointing.parse(self.checkpointing, option="checkpointing")
+        self.sharding = Sharding.parse(self.sharding, option="sharding")
+
+    @property
+    def layout(self) -> str:
+        """"ddp", "fsdp" or "fsdp (shard group 2)" (hybrid sharding)."""
+        return SettingTried(precision=self.precision, checkpointing=self.checkpointing,
+                            sharding=self.sharding, shard_group=self.shard_group).layout
+
+    @property
+    def key(self) -> tuple:
+        """The setting, whatever the split."""
+        return (self.layout, self.precision, self.checkpointing.label)
+
+    def label(self) -> str:
+        return f"{self.layout}, {super().label()}"
+
+    def to_dict(self) -> dict:
+        return {"precision": self.precision, "checkpointing": self.checkpointing.to_dict(),
+                "micro_batches": encode_split(self.micro_batches), "sharding": str(self.sharding),
+                "shard_group": self.shard_group, "step_time": self.step_time.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict, *, total_blocks: int | None = None) -> "ConfigurationPredicted":
+        return cls(precision=data["precision"],
+                   checkpointing=Checkpointing.from_file(data["checkpointing"], None, total_blocks),
+                   micro_batches=decode_split(data["micro_batches"]), sharding=data.get("sharding", "ddp"),
+                   shard_group=data.get("shard_group"), step_time=WindowTime.from_dict(data["step_time"]))
+
+
+@dataclass(kw_only=True)
 class Plan(SplitArithmetic):
     target_batch: int
     world_size: int
@@ -307,6 +351,11 @@ class Plan(SplitArithmetic):
     """FSDP2 only: reduce-scatter the gradients after every micro-step (they then accumulate
     sharded) instead of holding this rank's unsharded gradients until a window's last micro-step;
     for plans whose unsharded gradients would not fit. One reduce-scatter per micro-step."""
+    step_time: WindowTime | None = None
+    """The predicted time of one optimizer step on one GPU (``--gpu`` with ``--optimize
+    throughput``): compute, exposed communication, bubble, rates and MFU. None: not predicted."""
+    predicted: list[ConfigurationPredicted] = field(default_factory=list)
+    """Every configuration ranked by predicted throughput, fastest first (empty unless ranked)."""
     grad_scaler: GradScalerSettings = field(default_factory=GradScalerSettings)
     """The fp16 GradScaler's knobs (init_scale, growth_factor, backoff_factor, growth_interval);
     recorded for every plan, used where the precision is fp16. Absent in older files: torch's
@@ -371,6 +420,12 @@ class Plan(SplitArithmetic):
         return None
 
     @property
+    def chosen_layout(self) -> str:
+        """"ddp", "fsdp" or "fsdp (shard group 2)", as ``SettingTried.layout``."""
+        return SettingTried(precision=self.precision, checkpointing=self.checkpointing,
+                            sharding=self.sharding, shard_group=self.shard_group).layout
+
+    @property
     def raw_max_micro_batch(self) -> int | None:
         """What the probe of the chosen setting found, before the headroom."""
         chosen = self.chosen_setting
@@ -383,6 +438,8 @@ class Plan(SplitArithmetic):
         data["device"] = self.device.to_dict() if self.device is not None else None
         data["settings"] = [s.to_dict() for s in self.settings]
         data["throughput"] = [c.to_dict() for c in self.throughput]
+        data["step_time"] = self.step_time.to_dict() if self.step_time is not None else None
+        data["predicted"] = [c.to_dict() for c in self.predicted]
         data["micro_batches"] = encode_split(self.micro_batches)
         data["warnings"] = list(self.warnings)
         data["versions"] = dict(self.versions)
@@ -412,4 +469,8 @@ class Plan(SplitArithmetic):
                               for c in data.get("throughput", [])]
         if data.get("grad_scaler") is not None:
             data["grad_scaler"] = GradScalerSettings.from_dict(data["grad_scaler"])
+        if data.get("step_time") is not None:
+            data["step_time"] = WindowTime.from_dict(data["step_time"])
+        data["predicted"] = [ConfigurationPredicted.from_dict(c, total_blocks=total)
+                             for c in data.get("predicted", [])]
         return cls(**data)

@@ -92,6 +92,27 @@ def _throughput_rows(plan):
                format_bytes(c.peak_bytes), c.status + (f": {c.note}" if c.note else "")]
 
 
+def _step_time_rows(t):
+    rows = [("step", f"{t.step_s * 1e3:.4g} ms per optimizer step"),
+            ("compute", f"{t.compute_s * 1e3:.4g} ms (recompute {t.recompute_s * 1e3:.4g} ms)"),
+            ("exposed communication", f"{t.exposed_comm_s * 1e3:.4g} ms of {t.comm_s * 1e3:.4g} ms"),
+            ("pipeline bubble", f"{t.bubble_s * 1e3:.4g} ms"),
+            ("samples/s per GPU", f"{t.samples_per_s:.4g}")]
+    if t.tokens_per_s is not None:
+        rows.append(("tokens/s per GPU", f"{t.tokens_per_s:.4g}"))
+    if t.mfu is not None:
+        rows.append(("MFU", f"{t.mfu:.1%}"))
+    return rows
+
+
+def _predicted_rows(plan):
+    for c in plan.predicted:
+        t = c.step_time
+        yield [c.label(), f"{t.step_s * 1e3:.4g}", f"{t.compute_s * 1e3:.4g}",
+               f"{t.exposed_comm_s * 1e3:.4g}", f"{t.samples_per_s:.4g}",
+               f"{t.mfu:.1%}" if t.mfu is not None else "-"]
+
+
 def plan_html(plan) -> str:
     """The plan as an HTML fragment: summary, settings, memory plot, throughput, warnings."""
     parts = ["<h3>autotune plan</h3>", _facts(plan_summary(plan), css_id="summary"),
@@ -103,6 +124,15 @@ def plan_html(plan) -> str:
         parts += ["<h4>throughput search</h4>",
                   _table(["precision", "checkpointing", "micro-batch", "steps", "samples/s", "peak",
                           "status"], list(_throughput_rows(plan)), css_id="throughput")]
+    if plan.step_time is not None or plan.predicted:
+        parts += ["<h4>predicted step time</h4>"]
+        if plan.step_time is not None:
+            parts.append(_facts(_step_time_rows(plan.step_time), css_id="step-time"))
+        parts.append(_figure(lambda: plots.step_time_figure(plan)))
+        if plan.predicted:
+            parts.append(_table(["configuration", "step (ms)", "compute (ms)", "exposed comm (ms)",
+                                 "samples/s per GPU", "MFU"], list(_predicted_rows(plan)),
+                                css_id="predicted"))
     if plan.warnings:
         parts.append('<h4>warnings</h4><ul id="warnings">' + "".join(
             f'<li class="autotune-warning">{escape(w)}</li>' for w in plan.warnings) + "</ul>")

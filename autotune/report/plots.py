@@ -132,6 +132,41 @@ def plan_figure(plan):
     return fig
 
 
+STEP_PARTS = (("compute (less recompute)", "C0"), ("recompute", "C1"),
+              ("exposed communication", "C3"), ("pipeline bubble", "C7"))
+
+
+def _step_segments(t) -> list[float]:
+    """A predicted step's parts end to end, in the order of ``STEP_PARTS`` (recompute is part of
+    the compute, drawn after the rest of it)."""
+    return [t.compute_s - t.recompute_s, t.recompute_s, t.exposed_comm_s, t.bubble_s]
+
+
+def step_time_figure(plan):
+    """Each ranked configuration's predicted optimizer step, split into compute, recompute,
+    exposed communication and bubble (the plan's own step where nothing was ranked)."""
+    _, Figure = _matplotlib()
+    ranked = [(c.label(), c.step_time) for c in plan.predicted]
+    if not ranked and plan.step_time is not None:
+        ranked = [(f"{plan.chosen_layout}, {plan.label()}", plan.step_time)]
+    if not ranked:
+        raise ReportError("the plan has no predicted step time (plan with --gpu and --optimize throughput)")
+    fig = Figure(figsize=(10, 1.2 + 0.45 * len(ranked)), layout="constrained")
+    ax = fig.subplots()
+    ys = list(range(len(ranked)))[::-1]
+    segments = [_step_segments(t) for _, t in ranked]
+    starts = [[sum(parts[:i]) for i in range(len(parts))] for parts in segments]
+    for i, (legend, colour) in enumerate(STEP_PARTS):
+        ax.barh(ys, [parts[i] * 1e3 for parts in segments], left=[s[i] * 1e3 for s in starts],
+                color=colour, label=legend, gid=f"step-part-{i}")
+    ax.set_yticks(ys, [label for label, _ in ranked], fontsize="small")
+    ax.set_xlabel("predicted time of one optimizer step on one GPU (ms)")
+    ax.set_title("predicted step time, fastest first")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
+
+
 def probe_figure(probe):
     _, Figure = _matplotlib()
     fig = Figure(figsize=(10, 4.8), layout="constrained")

@@ -1,0 +1,129 @@
+"""``--optimize throughput --gpu``: rank what fits by predicted throughput, without the device.
+
+The settings are those ``--optimize memory`` probes on fake tensors: ddp, FSDP2 where a replica
+leaves accumulation steps to save or fits nowhere (the whole world and the smallest shard group
+that reaches as few steps; ``--sharding fsdp`` ranks FSDP2 whatever ddp does), checkpointing off
+and, where off leaves accumulation steps, on (the fewest blocks that reach as few). For each
+setting that fits, the split of its fewest accumulation steps is timed (``autotune.timing``: the
+roofline on the step counted on fake tensors, the alpha–beta network with the runtime's overlap),
+and the plan takes the most samples per second per GPU. Within a setting more steps are never
+faster under this model: a micro-step's time is affine in its micro-batch (a fixed part for every
+op's launch, a part per sample) and its communication does not shrink with it, so a split of k
+steps costs k fixed parts and k rounds of all-gathers on top of the same per-sample work. On a
+device you have, the measured search (``autotune.tuning``) stays the method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import EstimateUnavailable, PlanError
+from ..planning.policy import split_for
+from ..planning.types import ConfigurationPredicted, Plan, SettingTried, ThroughputOutcome
+from ..timing.comm import network_from_profile
+from ..timing.count import count_steps_costs
+from ..timing.roofline import speed_for_profile
+from ..timing.window import StepModel, predict_window, tokens_per_sample, with_tokens
+from ..workload.checkpoint_count import CheckpointingRequest
+
+def fastest_predicted(planner) -> Plan:
+    """The plan of the configuration predicted fastest (see the module's docstring)."""
+    options, request = planner.options, planner.request
+    profile = planner.target.profile
+    speed = speed_for_profile(profile)
+    network = network_from_profile(profile, gpus_per_node=options.gpus_per_node,
+                                   network_gbps=options.network_gbps)
+    # The layouts the memory rule probes: FSDP2 where a replica leaves accumulation steps to save
+    # (or fits nowhere), on the whole world and the smallest shard group that reaches as few.
+    settings = planner.settings_in(planner.chosen)
+    tokens = tokens_per_sample(planner.workload)
+    ranked, models = [], {}
+    for setting in settings:
+        split = split_for(setting.allowed_micro_batch, request)
+        if split is None:
+            continue
+        sizes = sorted(set(split))
+        try:
+            counted = count_steps_costs(planner.workload, sizes, precision=setting.precision,
+                                        checkpointing=setting.checkpointing, sharding=setting.sharding,
+                                        world_size=planner.world_size, shard_group=setting.shard_group)
+        except EstimateUnavailable:
+            continue
+        model = StepModel(with_tokens(counted, tokens), speed, setting.precision)
+        models[id(setting)] = model
+        timed = predict_window(model, split, network=network, world_size=planner.world_size,
+                               sharding=str(setting.sharding), shard_group=setting.shard_group,
+                               reduce_every_micro_step=True,
+                               gradient_bytes=planner.fingerprint.param_bytes)
+        ranked.append((setting, ConfigurationPredicted(
+            precision=setting.precision, checkpointing=setting.checkpointing, micro_batches=split,
+            sharding=setting.sharding, shard_group=setting.shard_group, step_time=timed)))
+    if not ranked:
+        raise PlanError(f"--optimize throughput --gpu {profile.id}: no configuration fits "
+                        f"({_why_none(settings)}); lower --headroom, or plan for a larger GPU")
+    ranked.sort(key=lambda pair: -pair[1].step_time.samples_per_s)
+    setting, winner = ranked[0]
+    chosen = dataclasses.replace(setting, allowed_micro_batch=max(winner.micro_batches))
+    precision = winner.precision
+    planner.request = dataclasses.replace(
+        request, precision=precision, sharding=str(winner.sharding),
+        checkpointing=CheckpointingRequest.parse(winner.checkpointing),
+        precision_reason=request.precision_reason)
+    reason = why_predicted_fastest([c for _, c in ranked], network=network, speed=speed)
+    plan = planner.build(precision, [chosen], considered=settings,
+                         throughput=ThroughputOutcome(records=[], reason=reason))
+    # The plan's own window: its split and gradient sync as built (the ranking reduced every
+    # micro-step, what the probe proved fits).
+    plan.step_time = predict_window(
+        models[id(setting)], plan.micro_batches, network=network, world_size=planner.world_size,
+        sharding=str(plan.sharding), shard_group=plan.shard_group,
+        reduce_every_micro_step=plan.reduce_every_micro_step,
+        gradient_bytes=planner.fingerprint.param_bytes)
+    plan.predicted = [c for _, c in ranked]
+    layouts = sorted({c.layout for c in plan.predicted})
+    plan.reasons["sharding"] = (
+        f"{plan.chosen_layout}: the fastest predicted of {', '.join(layouts)} (see throughput)"
+        if len(layouts) > 1 else
+        f"{plan.chosen_layout}: the only layout ranked (FSDP2 is probed where a replica leaves "
+        f"accumulation steps to save or fits nowhere; --sharding fsdp ranks it anyway)"
+        if options.sharding == "auto" else f"{plan.chosen_layout} as requested")
+    return plan
+
+
+def why_predicted_fastest(ranked: list[ConfigurationPredicted], *, network, speed) -> str:
+    """The ranking in words: what was ranked, the winner and what it beat, and by what."""
+    winner = ranked[0]
+    w = winner.step_time
+    layouts = sorted({c.layout for c in ranked})
+    text = (f"ranked {len(ranked)} configuration(s) (layouts {', '.join(layouts)}; checkpointing "
+            f"{', '.join(sorted({c.checkpointing.label for c in ranked}))}; each at its fewest "
+            f"accumulation steps, as more steps only add per-step costs) by predicted samples/s per GPU on the "
+            f"{speed.name} (roofline) with {_network_words(network)}; fastest: {winner.label()} "
+            f"at {w.samples_per_s:.4g} samples/s per GPU ({_split_words(w)})")
+    runner_up = next((c for c in ranked[1:] if c.key != winner.key), None)
+    if runner_up is not None:
+        r = runner_up.step_time
+        gain = w.samples_per_s / r.samples_per_s - 1
+        text += (f"; the next, {runner_up.label()}, {r.samples_per_s:.4g} samples/s ({_split_words(r)}), "
+                 f"{gain:.1%} slower")
+    return text
+
+
+def _split_words(t) -> str:
+    return (f"step {t.step_s * 1e3:.4g} ms: compute {t.compute_s * 1e3:.4g} ms, exposed "
+            f"communication {t.exposed_comm_s * 1e3:.4g} ms, recompute {t.recompute_s * 1e3:.4g} ms")
+
+
+def _network_words(network) -> str:
+    inter = (f"{network.inter.bandwidth * 8 / 1e9:.4g} Gb/s per GPU between hosts"
+             if network.inter is not None else "no network between hosts")
+    return (f"{network.intra.bandwidth / 1e9:.4g} GB/s per GPU within hosts of "
+            f"{network.gpus_per_node}, {inter}")
+
+
+def _why_none(settings: list[SettingTried]) -> str:
+    return "; ".join(f"{s.layout} {s.precision} checkpointing {s.checkpointing_label}: "
+                     f"{s.error or 'no micro-batch fits'}" for s in settings[:6])
+
+
+__all__ = ["fastest_predicted", "why_predicted_fastest"]
