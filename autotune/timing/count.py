@@ -71,6 +71,11 @@ class _CountingSession(EstimateSession):
         with self._recorder:
             return super()._window(sizes)
 
+    def _gradient_sync(self, enabled: bool) -> None:
+        super()._gradient_sync(enabled)
+        if self._recorder is not None:  # called as each micro-step starts: its forward
+            self._recorder.backward_started = False
+
     def _optimizer_phase(self) -> int:
         if self._recorder is None:
             return super()._optimizer_phase()
@@ -134,12 +139,15 @@ class _OpRecorder(TorchDispatchMode):
     The phase: "optimizer" while the session's optimizer phase runs; otherwise ops run by the
     autograd engine (inside a backward node) are "backward", except those it runs with grad mode
     on, which is how ``torch.utils.checkpoint`` recomputes a checkpointed forward ("recompute");
-    the rest are "forward".
+    once the first backward node ran, ops outside nodes are still "backward" (the engine's final
+    callbacks: FSDP2's last reduce-scatters) until the next micro-step starts
+    (``backward_started`` reset); the rest are "forward".
     """
 
     def __init__(self):
         super().__init__()
         self.optimizer = False
+        self.backward_started = False
         self.ops: Counter = Counter()
         self.collectives: list[CollectiveCall] = []
 
@@ -165,7 +173,8 @@ class _OpRecorder(TorchDispatchMode):
         if self.optimizer:
             return "optimizer"
         if torch._C._current_autograd_node() is None:
-            return "forward"
+            return "backward" if self.backward_started else "forward"
+        self.backward_started = True
         return "recompute" if torch.is_grad_enabled() else "backward"
 
     def costs(self, micro_batch: int) -> StepCosts:

@@ -2,7 +2,7 @@
 
 Measured: ``torch.mm`` FLOP/s per precision at a few sizes (the peak is the best; smaller sizes
 give the fraction a smaller matmul reaches), memory bandwidth of ``torch.add`` at a few sizes
-(large: DRAM; small: what fits in cache), and the cost of dispatching one tiny op. The result is
+(operands streamed from memory, not left in cache by the op before), and the cost of dispatching one tiny op. The result is
 cached as JSON under ``$XDG_CACHE_HOME/autotune`` (``~/.cache/autotune``), keyed by the CPU
 model, the thread count and the torch version; a cache file that does not hold finite, positive
 numbers is ignored and measured again.
@@ -21,7 +21,7 @@ import torch
 
 from .roofline import DeviceSpeed
 
-MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
+MATMUL_SIZES = (64, 128, 256, 512, 1024)
 """Square ``torch.mm`` sizes n (2n³ FLOPs each)."""
 MEMORY_ELEMENTS = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 """fp32 elements per tensor of the bandwidth microbenchmark (4 KiB to 64 MiB; three tensors)."""
@@ -59,26 +59,73 @@ def machine_key() -> str:
 
 def measure_cpu_speed() -> DeviceSpeed:
     """Runs the microbenchmarks (a few seconds) at the current thread count."""
-    overhead = _op_overhead()
+    call = _best_time(_add(1))  # a one-element op from Python: all call, no work
     peaks, curves = {}, {}
     for name, dtype in PRECISIONS.items():
-        rates = [(2.0 * n**3, 2.0 * n**3 / max(_best_time(_mm(n, dtype)) - overhead, 1e-9))
-                 for n in MATMUL_SIZES]
+        rates = [(2.0 * n**3, 2.0 * n**3 / _work_time(_mm(n, dtype), call)) for n in MATMUL_SIZES]
         peak = max(rate for _, rate in rates)
         peaks[name] = peak
-        curves[name] = tuple((flops, rate / peak) for flops, rate in rates)
+        curves[name] = _at_least_smaller(tuple((flops, rate / peak) for flops, rate in rates))
     rates = []
     for n in MEMORY_ELEMENTS:
         moved = 3.0 * 4 * n  # add reads two tensors and writes a third
-        rates.append((moved, moved / max(_best_time(_add(n)) - overhead, 1e-9)))
-    # The bandwidth is DRAM's (the largest size); smaller ops reach more of it from cache.
+        rates.append((moved, moved / _work_time(_streaming_add(n), call)))
+    # The bandwidth is the largest op's; smaller ops reach less of it (or more, where the
+    # prefetchers and cache lines already in flight help).
     bandwidth = rates[-1][1]
     return DeviceSpeed(
         name=f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads", peak_flops=peaks,
         memory_bandwidth=bandwidth, fractions={"matmul": 1.0, "attention": 1.0, "memory": 1.0},
-        op_overhead_s=overhead, matmul_curve=curves,
+        op_overhead_s=_training_op_overhead(), matmul_curve=curves,
         memory_curve=tuple((moved, rate / bandwidth) for moved, rate in rates),
         sources={"all": "measured on this machine by autotune.timing.cpu_profile"})
+
+
+def _work_time(op, call: float) -> float:
+    # The op's time less the cost of calling it (counted once per op as op_overhead_s); never
+    # below half the measured time, where the two are too close to tell apart on a busy machine.
+    measured = _best_time(op)
+    return max(measured - call, 0.5 * measured)
+
+
+def _at_least_smaller(curve):
+    """A larger matmul reaches at least the rate of a smaller one (it can be tiled into them):
+    a dip is a busy moment of the machine, not the kernel."""
+    best, out = 0.0, []
+    for flops, fraction in curve:
+        best = max(best, fraction)
+        out.append((flops, best))
+    return tuple(out)
+
+
+def _training_op_overhead() -> float:
+    """Seconds per op of a training step's tiny ops: a chain of one-element ops with autograd
+    recording, then its backward, divided by the ops the dispatcher saw (forward, backward and
+    the engine's own)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.ones(1, requires_grad=True)
+
+    def step():
+        y = x
+        for _ in range(_CHAIN):
+            y = torch.tanh(y * 1.0001)
+        y.sum().backward()
+        x.grad = None
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        step()
+    return _best_time(step) / _Count.ops
+
+
+_CHAIN = 50
 
 
 def load_cached(path: Path, key: str) -> DeviceSpeed | None:
@@ -133,9 +180,23 @@ def _add(n: int):
     return lambda: torch.add(a, b, out=out)
 
 
-def _op_overhead() -> float:
-    # A one-element op: all dispatch, no work.
-    return _best_time(_add(1))
+def _streaming_add(n: int):
+    """``add`` of n elements whose operands were not touched by the last few ops: it cycles
+    through sets of tensors larger together than the last-level cache, as a training step's ops
+    read tensors that the ops between (other layers, the optimizer's other parameters) evicted."""
+    sets = max(1, -(-_STREAM_BYTES // (3 * 4 * n)))
+    tensors = [(torch.randn(n), torch.randn(n), torch.empty(n)) for _ in range(sets)]
+    turn = iter(range(2**62))
+
+    def op():
+        a, b, out = tensors[next(turn) % sets]
+        torch.add(a, b, out=out)
+
+    return op
+
+
+_STREAM_BYTES = 256 * 2**20
+"""Above the last-level cache of the CPUs this runs on (tens of MiB per socket)."""
 
 
 def _best_time(op) -> float:
