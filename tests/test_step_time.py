@@ -51,6 +51,7 @@ def test_matmul_flops_are_exact_forward_and_backward():
     # none): twice the forward, less the first layer's input gradient.
     assert by_phase["backward"] == 2 * (first + second) - first
     assert costs.flops_by("op_class")["matmul"] == costs.total_flops
+    assert {op.kernel for op in costs.ops if op.flops} == {"mm"}
     assert costs.flops_by("op_class").get("optimizer", 0) == 0
     assert costs.count_by("phase")["optimizer"] > 0  # AdamW's update ops, with their bytes
     assert costs.bytes_by("phase")["optimizer"] > 4 * (D_IN * D_HID + D_HID * D_OUT) * 4
@@ -105,6 +106,17 @@ def test_roofline_takes_the_slower_of_flops_and_bytes_plus_overhead():
     assert parts["elementwise"] == pytest.approx(1e5 / 5e7 + 1e-6)
     assert parts["recompute"] == pytest.approx(1e5 / 5e7 + 1e-6)  # memory-bound
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+
+
+def test_roofline_uses_a_kernel_family_curve_where_the_device_has_one():
+    costs = StepCosts(ops=(OpCost("matmul", "backward", flops=1e6, bytes=0, count=1,
+                                  kernel="convolution_backward"),
+                           OpCost("matmul", "backward", flops=1e6, bytes=0, count=1, kernel="mm")),
+                      collectives=(), micro_batch=1)
+    curves = {"convolution_backward": ((1e3, 0.1), (1e9, 0.1))}
+    parts = compute_time(costs, _speed(op_overhead_s=0.0, matmul_curve={"fp32": ((1e3, 1.0),)},
+                                       kernel_curves=curves))
+    assert parts["matmul"] == pytest.approx(1e6 / 1e8 + 1e6 / 1e9)
 
 
 def test_gpu_profile_speed_uses_its_datasheet_peaks():

@@ -166,7 +166,8 @@ class _OpRecorder(TorchDispatchMode):
             return out
         flops = _flops(func, args, kwargs, out)
         moved = _bytes_moved(func, args, kwargs, out)
-        self.ops[(_op_class(func, name, flops, moved, phase), phase, flops, moved)] += 1
+        op_class = _op_class(func, name, flops, moved, phase)
+        self.ops[(op_class, phase, flops, moved, _kernel(name) if flops else "")] += 1
         return out
 
     def _phase(self) -> str:
@@ -178,8 +179,8 @@ class _OpRecorder(TorchDispatchMode):
         return "recompute" if torch.is_grad_enabled() else "backward"
 
     def costs(self, micro_batch: int) -> StepCosts:
-        ops = tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k)
-                    for (c, p, f, b), k in self.ops.items())
+        ops = tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k, kernel=kernel)
+                    for (c, p, f, b, kernel), k in self.ops.items())
         return StepCosts(ops=ops, collectives=tuple(self.collectives), micro_batch=micro_batch)
 
 
@@ -191,6 +192,15 @@ def _op_class(func, name: str, flops: float, moved: float, phase: str) -> str:
     if flops:
         return "matmul"  # the flop counter's other ops: mm, addmm, bmm, baddbmm, convolutions
     return "elementwise" if moved else "other"
+
+
+def _kernel(name: str) -> str:
+    backward = "backward" in name
+    if any(word in name for word in _ATTENTION_WORDS):
+        return "attention_backward" if backward else "attention"
+    if "conv" in name:
+        return "convolution_backward" if backward else "convolution"
+    return "mm"
 
 
 def _flops(func, args, kwargs, out) -> float:
