@@ -19,6 +19,10 @@ no data (views, aliases, empty tensors), which cost only their dispatch."""
 PHASES = ("forward", "backward", "recompute", "optimizer")
 """recompute: the forward of checkpointed blocks run again during backward."""
 
+KERNELS = ("mm", "convolution", "convolution_backward", "attention", "attention_backward")
+"""Kernel families of the FLOP-counted ops: one device (a CPU) may run a convolution's backward
+or a small attention far below its matmul rate."""
+
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv",
                     "all_to_all")
 
@@ -33,6 +37,8 @@ class OpCost:
     flops: float
     bytes: float
     count: int
+    kernel: str = ""
+    """The kernel family where a device's speed can tell them apart (``KERNELS``); "" else."""
 
     def __post_init__(self):
         _check_choice("op_class", self.op_class, OP_CLASSES)
@@ -107,4 +113,4 @@ def _check_choice(what: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{what} {value!r} is not one of {allowed}")
 
 
-__all__ = ["COLLECTIVE_KINDS", "CollectiveCall", "OP_CLASSES", "OpCost", "PHASES", "StepCosts"]
+__all__ = ["COLLECTIVE_KINDS", "CollectiveCall", "KERNELS", "OP_CLASSES", "OpCost", "PHASES", "StepCosts"]

@@ -71,6 +71,11 @@ class _CountingSession(EstimateSession):
         with self._recorder:
             return super()._window(sizes)
 
+    def _gradient_sync(self, enabled: bool) -> None:
+        super()._gradient_sync(enabled)
+        if self._recorder is not None:  # called as each micro-step starts: its forward
+            self._recorder.backward_started = False
+
     def _optimizer_phase(self) -> int:
         if self._recorder is None:
             return super()._optimizer_phase()
@@ -134,12 +139,15 @@ class _OpRecorder(TorchDispatchMode):
     The phase: "optimizer" while the session's optimizer phase runs; otherwise ops run by the
     autograd engine (inside a backward node) are "backward", except those it runs with grad mode
     on, which is how ``torch.utils.checkpoint`` recomputes a checkpointed forward ("recompute");
-    the rest are "forward".
+    once the first backward node ran, ops outside nodes are still "backward" (the engine's final
+    callbacks: FSDP2's last reduce-scatters) until the next micro-step starts
+    (``backward_started`` reset); the rest are "forward".
     """
 
     def __init__(self):
         super().__init__()
         self.optimizer = False
+        self.backward_started = False
         self.ops: Counter = Counter()
         self.collectives: list[CollectiveCall] = []
 
@@ -158,19 +166,21 @@ class _OpRecorder(TorchDispatchMode):
             return out
         flops = _flops(func, args, kwargs, out)
         moved = _bytes_moved(func, args, kwargs, out)
-        self.ops[(_op_class(func, name, flops, moved, phase), phase, flops, moved)] += 1
+        op_class = _op_class(func, name, flops, moved, phase)
+        self.ops[(op_class, phase, flops, moved, _kernel(name) if flops else "")] += 1
         return out
 
     def _phase(self) -> str:
         if self.optimizer:
             return "optimizer"
         if torch._C._current_autograd_node() is None:
-            return "forward"
+            return "backward" if self.backward_started else "forward"
+        self.backward_started = True
         return "recompute" if torch.is_grad_enabled() else "backward"
 
     def costs(self, micro_batch: int) -> StepCosts:
-        ops = tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k)
-                    for (c, p, f, b), k in self.ops.items())
+        ops = tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k, kernel=kernel)
+                    for (c, p, f, b, kernel), k in self.ops.items())
         return StepCosts(ops=ops, collectives=tuple(self.collectives), micro_batch=micro_batch)
 
 
@@ -182,6 +192,15 @@ def _op_class(func, name: str, flops: float, moved: float, phase: str) -> str:
     if flops:
         return "matmul"  # the flop counter's other ops: mm, addmm, bmm, baddbmm, convolutions
     return "elementwise" if moved else "other"
+
+
+def _kernel(name: str) -> str:
+    backward = "backward" in name
+    if any(word in name for word in _ATTENTION_WORDS):
+        return "attention_backward" if backward else "attention"
+    if "conv" in name:
+        return "convolution_backward" if backward else "convolution"
+    return "mm"
 
 
 def _flops(func, args, kwargs, out) -> float:

@@ -61,6 +61,9 @@ class DeviceSpeed:
     """Per precision, (FLOPs of one matmul, fraction of that precision's peak), ascending."""
     memory_curve: tuple[tuple[float, float], ...] = ()
     """(bytes one op moves, fraction of ``memory_bandwidth``), ascending."""
+    kernel_curves: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """Per kernel family (``costs.KERNELS``; measured: this CPU), (FLOPs of one op, fraction of
+    the precision's peak), ascending; a family without one takes ``matmul_curve``."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each number comes from."""
 
@@ -69,15 +72,18 @@ class DeviceSpeed:
                    self.op_overhead_s]
         numbers += [v for curve in self.matmul_curve.values() for point in curve for v in point]
         numbers += [v for point in self.memory_curve for v in point]
+        numbers += [v for curve in self.kernel_curves.values() for point in curve for v in point]
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in numbers):
             raise ValueError(f"device speed {self.name!r}: every number must be finite and >= 0")
         if self.memory_bandwidth <= 0 or any(v <= 0 for v in self.fractions.values()):
             raise ValueError(f"device speed {self.name!r}: bandwidth and fractions must be > 0")
 
-    def flop_rate(self, precision: Precision, op_class: str, flops_per_op: float) -> float:
-        """FLOP/s one op of ``flops_per_op`` reaches."""
+    def flop_rate(self, precision: Precision, op_class: str, flops_per_op: float,
+                  kernel: str = "") -> float:
+        """FLOP/s one op of ``flops_per_op`` (of the kernel family ``kernel``) reaches."""
         peak = self.peak_flops.get(precision.value) or self.peak_flops["fp32"]
-        curve = self.matmul_curve.get(precision.value) or self.matmul_curve.get("fp32")
+        curve = (self.kernel_curves.get(kernel) or self.matmul_curve.get(precision.value)
+                 or self.matmul_curve.get("fp32"))
         if curve and op_class in ("matmul", "attention"):
             return peak * _interpolate(curve, flops_per_op)
         return peak * self.fractions.get(op_class, self.fractions["matmul"])
@@ -99,7 +105,7 @@ def compute_time(costs: StepCosts, speed: DeviceSpeed, precision="fp32") -> dict
         flops, moved = op.flops / op.count, op.bytes / op.count
         seconds = speed.op_overhead_s
         if flops:
-            seconds += max(flops / speed.flop_rate(precision, op.op_class, flops),
+            seconds += max(flops / speed.flop_rate(precision, op.op_class, flops, op.kernel),
                            moved / speed.byte_rate(moved))
         elif moved:
             seconds += moved / speed.byte_rate(moved)
