@@ -16,6 +16,10 @@ Public API::
                                  bytes; this CPU measured once, or a GPU profile)
     plan(workload, *, target_batch, ..., sharding="auto", shard_group=None) -> Plan
                                  micro-batch × accumulation × world = target; ddp or FSDP2 shards
+                                 (gpu=..., optimize="throughput": ranked by predicted step time,
+                                 plan.step_time a WindowTime)
+    predict_window_time(workload, micro_batches, *, speed, network=None, world_size=1, ...)
+                                 -> WindowTime: one optimizer step with its exposed communication
     save_plan, load_plan, export_plan              the plan file and exports for other runners
     train(plan, workload, *, steps=None, epochs=None, ...) -> TrainResult   the built-in loop
     verify_plan(plan, *, device=None, memory_limit=None, steps=3) -> VerifyResult
@@ -58,6 +62,7 @@ from .report import plot_metrics, plot_plan, write_report
 from .report.notebook import register_display as _register_display
 from .distributed.sharding import Sharding
 from .timing.predict import StepTimePrediction, predict_step_time
+from .timing.window import WindowTime, predict_window_time
 from .training import NonFiniteError, TrainError, TrainResult, train
 from .version import __version__
 from .workload import Workload, load_workload
@@ -67,8 +72,8 @@ __all__ = [
     "AutotuneError", "Checkpointing", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
     "ProbeResult", "ReportError", "Sharding", "StepTimePrediction", "TrainError", "TrainResult", "Trial", "UserCodeError",
-    "VerifyResult", "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan",
-    "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan", "predict_step_time", "probe",
+    "VerifyResult", "WindowTime", "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan",
+    "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan", "predict_step_time", "predict_window_time", "probe",
     "save_plan", "train", "trial_timeout", "verify_plan", "write_report",
 ]
 

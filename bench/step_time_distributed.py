@@ -5,8 +5,8 @@ once so they share the machine as the training does, this CPU's speed
 (``autotune.timing.cpu_profile.measure_cpu_speed``) and the gloo link
 (``autotune.timing.gloo.measure_gloo``: collectives only). Then every configuration (ddp / fsdp x
 checkpointing off / on x three micro-batches) trains real steps — forward, backward, gradient
-clipping, optimizer step, as the probe's step — and rank 0 keeps the fastest step (the machine is
-shared: other processes only slow a step down, as the microbenchmarks take their best run too). The parent
+clipping, optimizer step, as the probe's step — and rank 0 keeps the median step (the step under
+the load the machine has, as the CPU microbenchmarks take their median run) and the fastest. The parent
 process predicts each step from the fake-tensor count (``predict_window_time``: the roofline on
 the measured CPU speed, the alpha–beta model on the measured link, the runtime's overlap) and
 prints both, their ratio, and the Spearman rank correlation per world size.
@@ -39,6 +39,7 @@ from autotune.timing.gloo import measure_gloo  # noqa: E402
 from autotune.timing.window import predict_window_time  # noqa: E402
 from autotune.workload import load_workload  # noqa: E402
 from autotune.workload.activation_checkpointing import enable_checkpointing  # noqa: E402
+from step_time_accuracy import spearman  # noqa: E402
 
 MICRO_BATCHES = {"tiny_lm": (4, 8, 16), "mlp": (64, 256, 1024), "gpt_varlen": (2, 4, 8)}
 WARMUP, TIMED = 2, 9
@@ -57,8 +58,8 @@ def _worker(rank: int, world: int, port: int, example: str, out: str):
         link = measure_gloo()
         speed = measure_cpu_speed()
         workload = load_workload(str(ROOT / "examples" / f"{example}.py"))
-        measured = [_fastest_step(workload, sharding, ckpt, n, world)
-                    for sharding, ckpt, n in configurations(example)]
+        measured = [t for sharding, ckpt, n in configurations(example)
+                    for t in _step_times(workload, sharding, ckpt, n, world)]
         if rank == 0:
             save_cached(Path(out), "speed", speed)
             Path(out).with_suffix(".txt").write_text(
@@ -67,7 +68,8 @@ def _worker(rank: int, world: int, port: int, example: str, out: str):
         dist.destroy_process_group()
 
 
-def _fastest_step(workload, sharding: str, ckpt: bool, n: int, world: int) -> float:
+def _step_times(workload, sharding: str, ckpt: bool, n: int, world: int) -> tuple[float, float]:
+    """(median, fastest) of the timed steps."""
     torch.manual_seed(0)
     model = workload.new_model()
     if sharding == "fsdp":
@@ -92,26 +94,13 @@ def _fastest_step(workload, sharding: str, ckpt: bool, n: int, world: int) -> fl
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    return min(times[WARMUP:])
+    return statistics.median(times[WARMUP:]), min(times[WARMUP:])
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def spearman(xs, ys) -> float:
-    def ranks(values):
-        order = sorted(range(len(values)), key=values.__getitem__)
-        r = [0.0] * len(values)
-        for position, index in enumerate(order):
-            r[index] = float(position)
-        return r
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
 def run(world: int, example: str) -> list[dict]:
@@ -124,12 +113,14 @@ def run(world: int, example: str) -> list[dict]:
     network = Network(intra=link, inter=None, gpus_per_node=world)
     workload = load_workload(str(ROOT / "examples" / f"{example}.py"))
     rows = []
-    for (sharding, ckpt, n), measured in zip(configurations(example), numbers[2:]):
+    steps = numbers[2:]
+    for i, (sharding, ckpt, n) in enumerate(configurations(example)):
+        measured, fastest = steps[2 * i], steps[2 * i + 1]
         predicted = predict_window_time(workload, [n], speed=speed, precision="fp32", checkpointing=ckpt,
                                         sharding=sharding, world_size=world, network=network)
         rows.append(dict(world=world, sharding=sharding, ckpt="on" if ckpt else "off", n=n,
                          predicted=predicted.step_s, exposed=predicted.exposed_comm_s,
-                         measured=measured, link=link))
+                         measured=measured, fastest=fastest, link=link))
     return rows
 
 
@@ -140,13 +131,13 @@ def main():
     args = parser.parse_args()
     print(f"example {args.example}; gloo on {os.cpu_count()} CPU core(s); one torch thread per rank")
     print(f"{'world':>5} {'layout':>6} {'ckpt':>4} {'micro':>5} {'predicted ms':>12} {'(exposed)':>9} "
-          f"{'measured ms':>11} {'ratio':>6}")
+          f"{'measured ms':>11} {'(fastest)':>9} {'ratio':>6}")
     for world in args.worlds:
         rows = run(world, args.example)
         link = rows[0]["link"]
         for r in rows:
             print(f"{r['world']:>5} {r['sharding']:>6} {r['ckpt']:>4} {r['n']:>5} {r['predicted'] * 1e3:>12.2f} "
-                  f"{r['exposed'] * 1e3:>9.2f} {r['measured'] * 1e3:>11.2f} "
+                  f"{r['exposed'] * 1e3:>9.2f} {r['measured'] * 1e3:>11.2f} {r['fastest'] * 1e3:>9.2f} "
                   f"{r['predicted'] / r['measured']:>6.2f}")
         within = sum(abs(r["predicted"] / r["measured"] - 1) <= 0.25 for r in rows)
         rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])

@@ -6,6 +6,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
+import autotune
+
 from autotune.cli.main import cli
 from autotune.gpus.catalog import load_profile
 from autotune.planning.planfile import load_plan, plan_to_json
@@ -92,3 +94,39 @@ def test_host_options_need_a_gpu_and_sensible_values(tmp_path):
     assert result.exit_code == 2 and "--network-gbps 100" in result.output and "--gpu NAME" in result.output
     result = runner.invoke(cli, base + ["--gpu", "h100-80gb", "--gpus-per-node", "0"])
     assert result.exit_code == 2
+
+
+SMALL_GPU = """\
+name = "Small test GPU"
+memory_bytes = 67_108_864
+bf16 = true
+fp16 = true
+peak_tflops_fp32 = 20
+peak_tflops_fp16 = 160
+peak_tflops_bf16 = 160
+memory_bandwidth_gb_per_s = 900
+cuda_context_bytes = 0
+allocator_reserve_bytes = 0
+gpu_link_gb_per_s = 32
+gpu_link_latency_us = 5.7
+gpus_per_node = 8
+source = "a test profile"
+"""
+
+
+@pytest.mark.slow  # two fake searches over micro-batches in the thousands: about 30 s here
+def test_layouts_that_fit_are_ranked_and_the_fastest_is_planned(tmp_path):
+    # mlp.py holds 40 MiB per AdamW replica (+ 10 MiB of DDP buckets): in 70 MiB a replica leaves
+    # accumulation steps to save (586 x 7), so FSDP2 over both ranks is probed (1366 x 3) and
+    # ranked beside it.
+    profile = tmp_path / "small.toml"
+    profile.write_text(SMALL_GPU.replace("67_108_864", str(70 * 2**20)))
+    plan = autotune.plan(MLP, target_batch=8192, world_size=2, gpu=str(profile), optimize="throughput",
+                         precision="fp32", checkpointing="off")
+    layouts = {c.layout for c in plan.predicted}
+    assert layouts == {"ddp", "fsdp (shard group 2)"}
+    best = max(plan.predicted, key=lambda c: c.step_time.samples_per_s)
+    assert plan.chosen_layout == best.layout and plan.micro_batches == best.micro_batches
+    assert plan.reasons["sharding"].startswith(f"{best.layout}: the fastest predicted of ")
+    other = next(c for c in plan.predicted if c.layout != best.layout)
+    assert f"the next, {other.label()}" in plan.reasons["throughput"]

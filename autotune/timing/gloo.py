@@ -1,14 +1,15 @@
 """This machine's gloo link, measured: the alpha–beta model's latency and bandwidth for CPU ranks.
 
 Every rank of an initialised gloo process group times all-gathers, reduce-scatters and
-all-reduces of a few sizes (the best of several repetitions: other processes only slow a
-collective down); rank 0's times are fitted to ``steps * alpha + factor * bytes / bandwidth`` with
+all-reduces of a few sizes (the median of several repetitions: the link under the load the
+machine has, as the CPU's microbenchmarks take theirs); rank 0's times are fitted to ``steps * alpha + factor * bytes / bandwidth`` with
 each collective's own factor and steps (``comm.terms``) by least squares, and every rank gets the
 same ``Link`` back. A microbenchmark of the collectives alone, never of training steps.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -28,7 +29,7 @@ def measure_gloo(group=None, *, sizes=SIZES, repeats: int = REPEATS) -> Link:
     rows = []  # (steps, factor * bytes, seconds)
     for kind in _MEASURED:
         for nbytes in sizes:
-            seconds = _best_time(kind, nbytes // 4 // p * p, p, group, repeats)
+            seconds = _median_time(kind, nbytes // 4 // p * p, p, group, repeats)
             factor, steps = terms(kind, p)
             rows.append((steps, factor * (nbytes // 4 // p * p) * 4, seconds))
     fitted = torch.tensor([_fit(rows)], dtype=torch.float64)
@@ -37,7 +38,7 @@ def measure_gloo(group=None, *, sizes=SIZES, repeats: int = REPEATS) -> Link:
     return Link(bandwidth=1.0 / inverse_bandwidth, latency=alpha)
 
 
-def _best_time(kind: str, elements: int, p: int, group, repeats: int) -> float:
+def _median_time(kind: str, elements: int, p: int, group, repeats: int) -> float:
     full = torch.ones(elements)
     shard = torch.ones(elements // p)
     run = {
@@ -46,13 +47,13 @@ def _best_time(kind: str, elements: int, p: int, group, repeats: int) -> float:
         "all_reduce": lambda: dist.all_reduce(full, group=group),
     }[kind]
     run()  # the first call sets up the algorithm's buffers
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         dist.barrier(group=group)
         start = time.perf_counter()
         run()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _fit(rows) -> tuple[float, float]:

@@ -1,0 +1,113 @@
+"""Predicted tokens/s per GPU, MFU and memory for Llama 3.1 on H100s, next to published figures.
+
+Each case plans ``bench/llama_like.py`` (the Llama 3.1 shape AUTOTUNE_LLAMA names, sequences of
+8192 tokens) for the ``h100-80gb`` profile with FSDP2 over the whole world and a local batch of 2
+(``--micro-batch 2``, ``--target-batch 2 x world``), checkpointing auto, twice in fresh processes:
+``--optimize memory`` (today's rule) and ``--optimize throughput`` (ranked by the predicted step
+time). Printed: the prediction, the plan's predicted peak, what each planning run cost (CPU
+seconds, the measure that the machine's load does not inflate, and wall seconds) and their ratio.
+
+    python bench/step_time_llama.py [--cases 8b:8 8b:128 70b:256 405b:512]
+
+Published (torchtitan, benchmarks/llama3_h100_202412_torchtitan.md in github.com/pytorch/torchtitan,
+Dec 2024; also arXiv:2410.06511): H100 SXM with 96 GB HBM2e at 500 W, 400 Gb/s per GPU, bf16,
+sequence 8192, TPS/GPU read at iteration 90, memory = peak reserved:
+- 8B, 8 GPUs, FSDP, local batch 2, selective AC: 5,762 TPS/GPU, 82.4 GiB (Table 1);
+- 8B, 128 GPUs, same: 5,605 TPS/GPU, 67.0 GiB (Table 3); both "33% to 39% MFU" (the lower with
+  torch.compile... "with or without torch.compile, respectively": 33% with, 39% without);
+- 70B, 256 GPUs: only FSDP 32 x TP 8 with torch.compile and Float8, local batch 16: 829 TPS/GPU,
+  71.9 GiB (Table 4) — not the layout planned here;
+- 405B, 512 GPUs: only FSDP 8 x TP 8 x PP 8 with compile, Float8, AsyncTP, local batch 32, 1F1B:
+  100 TPS/GPU, 82.5 GiB (Table 5) — not the layout planned here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ = 8192
+LOCAL_BATCH = 2
+GiB = 2**30
+
+# (shape, world) -> (TPS/GPU, MFU text, memory GiB, what was run): the sources in the docstring.
+PUBLISHED = {
+    ("8b", 8): (5762, "33-39%", 82.4, "FSDP, selective AC"),
+    ("8b", 128): (5605, "33-39%", 67.0, "FSDP, selective AC"),
+    ("70b", 256): (829, "-", 71.9, "FSDP 32 x TP 8, compile, Float8, local batch 16"),
+    ("405b", 512): (100, "-", 82.5, "FSDP 8 x TP 8 x PP 8, compile, Float8, local batch 32"),
+}
+
+
+def plan_once(shape: str, world: int, optimize: str, out: Path) -> tuple[dict, float, float]:
+    """The plan file, and the CPU and wall seconds its planning process took."""
+    env = dict(os.environ, AUTOTUNE_LLAMA=shape, AUTOTUNE_LLAMA_SEQ=str(SEQ), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "autotune", "plan", str(ROOT / "bench" / "llama_like.py"),
+               "--gpu", "h100-80gb", "--world-size", str(world), "--target-batch", str(LOCAL_BATCH * world),
+               "--micro-batch", str(LOCAL_BATCH), "--sharding", "fsdp", "--optimize", optimize,
+               "-o", str(out), "--quiet"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(out.read_text()), cpu, wall
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["8b:8", "8b:128", "70b:256", "405b:512"])
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="throughput_llama_") as tmp:
+        for case in args.cases:
+            shape, world = case.split(":")
+            world = int(world)
+            memory, mem_cpu, mem_wall = plan_once(shape, world, "memory", Path(tmp) / f"{case}-m.json")
+            ranked, cpu, wall = plan_once(shape, world, "throughput", Path(tmp) / f"{case}-t.json")
+            t = ranked["step_time"]
+            samples = t["samples_per_s"]
+            tps, mfu, gib, layout = PUBLISHED.get((shape, world), (None, "-", None, "-"))
+            ckpt = ranked["checkpointing"]
+            rows.append(dict(
+                case=f"{shape} x {world}", ckpt="off" if not ckpt["blocks"] else
+                ("on" if ckpt["blocks"] == ckpt["total"] else f"{ckpt['blocks']}/{ckpt['total']}"),
+                step=t["step_s"], comm=t["exposed_comm_s"], tps=samples * SEQ, mfu=t["mfu"],
+                peak=ranked["predicted_peak_bytes"] / GiB, memory_peak=memory["predicted_peak_bytes"] / GiB,
+                pub_tps=tps, pub_mfu=mfu, pub_gib=gib, pub_layout=layout,
+                cost=cpu / mem_cpu, cpu=(mem_cpu, cpu), wall=(mem_wall, wall)))
+            print_row(rows[-1], header=len(rows) == 1)
+    print("\npredicted peak: allocated tensors at the planned micro-batch (the estimate's peak; not a "
+          "reserved-memory model), GiB; published memory: peak reserved")
+    print("TPS/GPU predicted = samples/s per GPU x 8192 tokens (torchtitan counts the sequence)")
+    worst = max(r["cost"] for r in rows)
+    print(f"planning cost, ranked / today's rule (CPU seconds): worst {worst:.2f}x")
+    return 0
+
+
+def print_row(r: dict, *, header: bool) -> None:
+    if header:
+        print(f"{'case':<11} {'ckpt':>4} {'step s':>7} {'exp.comm s':>10} {'TPS/GPU':>8} {'MFU':>6} "
+              f"{'peak GiB':>8} | {'published TPS':>13} {'MFU':>6} {'GiB':>5} {'(layout)':<48} | "
+              f"{'plan CPU s memory/ranked (ratio)':>34} {'wall s':>13}")
+    pub_tps = f"{r['pub_tps']:,}" if r["pub_tps"] else "-"
+    pub_gib = f"{r['pub_gib']:.1f}" if r["pub_gib"] else "-"
+    print(f"{r['case']:<11} {r['ckpt']:>4} {r['step']:>7.3f} {r['comm']:>10.4f} {r['tps']:>8,.0f} "
+          f"{r['mfu']:>6.1%} {r['peak']:>8.2f} | {pub_tps:>13} {r['pub_mfu']:>6} {pub_gib:>5} "
+          f"{r['pub_layout']:<48} | {r['cpu'][0]:>9.1f} / {r['cpu'][1]:>7.1f} ({r['cost']:.2f}x)"
+          f"{'':>7} {r['wall'][0]:>6.0f}/{r['wall'][1]:<6.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
