@@ -44,13 +44,11 @@ def fastest_predicted(planner) -> Plan:
             continue
         sizes = sorted(set(split))
         try:
-            counted = count_steps_costs(planner.workload, sizes, precision=setting.precision,
-                                        checkpointing=setting.checkpointing, sharding=setting.sharding,
-                                        world_size=planner.world_size, shard_group=setting.shard_group)
+            counted = _count(planner, setting, sizes, tokens)
         except EstimateUnavailable:
             continue
-        model = StepModel(with_tokens(counted, tokens), speed, setting.precision)
-        models[id(setting)] = model
+        model = StepModel(counted, speed, setting.precision)
+        models[id(setting)] = (model, counted)
         timed = predict_window(model, split, network=network, world_size=planner.world_size,
                                sharding=str(setting.sharding), shard_group=setting.shard_group,
                                reduce_every_micro_step=True,
@@ -73,9 +71,14 @@ def fastest_predicted(planner) -> Plan:
     plan = planner.build(precision, [chosen], considered=settings,
                          throughput=ThroughputOutcome(records=[], reason=reason))
     # The plan's own window: its split and gradient sync as built (the ranking reduced every
-    # micro-step, what the probe proved fits).
+    # micro-step, what the probe proved fits). Measuring the planned micro-batch can lower it:
+    # sizes not counted yet are counted now.
+    model, counted = models[id(setting)]
+    missing = sorted(set(plan.micro_batches) - set(counted))
+    if missing:
+        model = StepModel({**counted, **_count(planner, setting, missing, tokens)}, speed, setting.precision)
     plan.step_time = predict_window(
-        models[id(setting)], plan.micro_batches, network=network, world_size=planner.world_size,
+        model, plan.micro_batches, network=network, world_size=planner.world_size,
         sharding=str(plan.sharding), shard_group=plan.shard_group,
         reduce_every_micro_step=plan.reduce_every_micro_step,
         gradient_bytes=planner.fingerprint.param_bytes)
@@ -88,6 +91,14 @@ def fastest_predicted(planner) -> Plan:
         f"accumulation steps to save or fits nowhere; --sharding fsdp ranks it anyway)"
         if options.sharding == "auto" else f"{plan.chosen_layout} as requested")
     return plan
+
+
+def _count(planner, setting: SettingTried, sizes, tokens: int | None) -> dict:
+    """The setting's steps at ``sizes`` counted on fake tensors (with tokens per sample)."""
+    counted = count_steps_costs(planner.workload, sizes, precision=setting.precision,
+                                checkpointing=setting.checkpointing, sharding=setting.sharding,
+                                world_size=planner.world_size, shard_group=setting.shard_group)
+    return with_tokens(counted, tokens)
 
 
 def why_predicted_fastest(ranked: list[ConfigurationPredicted], *, network, speed) -> str:
