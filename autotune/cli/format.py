@@ -77,10 +77,25 @@ def format_devices(cuda: list[dict], cpu) -> str:
     return "\n".join(lines)
 
 
+def _parameters(workload) -> str:
+    """"131,840 parameters", or with frozen ones "trainable 11.3K of 131.8K parameters"."""
+    trainable = workload.trainable_param_count
+    if trainable is None or trainable == workload.param_count:
+        return f"{workload.param_count:,} parameters"
+    return f"trainable {_count(trainable)} of {_count(workload.param_count)} parameters"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
 def format_plan(plan) -> str:
     """The readable summary of a ``Plan``: device, budget, settings tried, the split, LR, warnings."""
     info = plan.device
-    lines = [f"model:        {plan.workload.source} ({plan.workload.param_count:,} parameters, "
+    lines = [f"model:        {plan.workload.source} ({_parameters(plan.workload)}, "
              f"{format_bytes(plan.workload.param_bytes)})"]
     if info is not None:
         lines.append(f"device:       {info.name}")

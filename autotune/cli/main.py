@@ -6,11 +6,12 @@ import contextlib
 import functools
 import json
 import sys
+import warnings
 
 import click
 
 from ..version import __version__
-from ..errors import AutotuneError, ConfigError, WorkloadError, cli_words
+from ..errors import AutotuneError, AutotuneWarning, ConfigError, WorkloadError, cli_words
 from ..precision import Precision
 from ..units import format_bytes, parse_bytes
 from ..planning.export import TARGETS as EXPORT_TARGETS
@@ -60,7 +61,8 @@ def _errors_to_exit_codes(command):
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            with cli_words():  # the library's messages name --options, not keyword arguments
+            with cli_words(), warnings.catch_warnings():  # the library's messages name --options
+                warnings.showwarning = _one_line_warning(warnings.showwarning)
                 return command(*args, **kwargs)
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from exc
@@ -73,6 +75,18 @@ def _errors_to_exit_codes(command):
             raise click.ClickException(str(exc)) from exc
 
     return wrapper
+
+
+def _one_line_warning(show):
+    """The library's own warnings (``AutotuneWarning``) as one line each, no source line."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, AutotuneWarning):
+            click.echo(f"autotune: warning: {message}", err=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
 
 
 def _quiet_option(command):
