@@ -149,3 +149,62 @@ def test_the_lora_plan_trains_to_its_predicted_peak_and_exports_to_hf(gpt2_lora_
     assert arguments["per_device_train_batch_size"] * arguments["gradient_accumulation_steps"] == 32
     transformers = pytest.importorskip("transformers")
     transformers.TrainingArguments(output_dir=str(tmp_path / "out"), **arguments)
+
+
+def _from_file(name):
+    return str(REAL / f"{name}.py")
+
+
+def _instance(name):
+    """The model file's workload with its model built once, as a Python user passes one."""
+    workload = load_workload(REAL / f"{name}.py")
+    return dataclasses.replace(workload, model=workload.new_model(), source=f"{name} instance")
+
+
+ADAPTERS = {  # name: (model file, where the plan's workload comes from)
+    "gpt2-lora-instance": ("gpt2_lora", _instance),
+    "llama-lora": ("llama_lora", _from_file),
+    "gpt2-dora": ("gpt2_dora", _from_file),
+    "llama-prefix-instance": ("llama_prefix", _instance),
+    "llama-qlora": ("llama_qlora", _from_file),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_every_adapter_plans_probes_trains_to_its_peak_and_exports(name, tmp_path):
+    file, how = ADAPTERS[name]
+    if file == "llama_qlora":
+        pytest.importorskip("bitsandbytes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AutotuneWarning)
+        plan = autotune.plan(how(file), target_batch=32, memory_limit=LIMIT, device="cpu",
+                             precision="fp32", checkpointing="off")
+    total, trainable = plan.workload.param_count, plan.workload.trainable_param_count
+    assert 0 < trainable < total / 30, (trainable, total)
+    plan_path = tmp_path / "plan.json"
+    autotune.save_plan(plan, plan_path)
+    trained = autotune.train(plan_path, _from_file(file), steps=2, progress=False)
+    peak = max(m["peak_memory_bytes"] for m in trained.metrics if m["peak_memory_bytes"] is not None)
+    assert abs(peak - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes, (
+        peak, plan.predicted_peak_bytes)
+    assert autotune.export_plan(plan, "hf").config["per_device_train_batch_size"] >= 1
+    probed = CliRunner().invoke(cli, ["probe", _from_file(file), "--device", "cpu", "--memory-limit", LIMIT,
+                                      "--json", "--quiet"])
+    assert probed.exit_code == 0, probed.output
+    assert json.loads(probed.stdout)["max_micro_batch"] >= max(plan.micro_batches)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file, limit", [("gpt2_lora", LIMIT), ("llama_lora", "96MiB")])
+def test_lora_plans_a_larger_micro_batch_than_full_fine_tuning(file, limit):
+    lora = load_workload(REAL / f"{file}.py")
+    full = dataclasses.replace(lora, model=lora.namespace["build_base"])
+    settings = dict(target_batch=32, memory_limit=limit, device="cpu", precision="fp32",
+                    checkpointing="off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AutotuneWarning)
+        adapted = autotune.plan(lora, **settings)
+        whole = autotune.plan(full, **settings)
+    assert max(adapted.micro_batches) > max(whole.micro_batches) > 0
+    assert whole.workload.trainable_param_count == whole.workload.param_count
