@@ -45,7 +45,8 @@ def _steady(workload, backend, n):
 
 
 def _nbytes(tensors):
-    return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage()._cdata: t for t in tensors}.values())
+    storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
+    return sum(storage.nbytes() for storage in storages.values())
 
 
 def test_a_peft_model_is_built_on_the_meta_device_with_one_warning():
@@ -117,9 +118,9 @@ def test_a_build_model_bug_is_the_model_files_error_not_a_fallback(tmp_path):
 def gpt2_lora_plan(tmp_path_factory):
     """`autotune plan` of the GPT-2 LoRA example from the CLI, with its output."""
     plan_path = tmp_path_factory.mktemp("peft") / "plan.json"
-    result = CliRunner().invoke(cli, ["plan", GPT2_LORA, "--target-batch", "32", "--memory-limit", LIMIT,
-                                      "--device", "cpu", "--precision", "fp32", "--checkpointing", "off",
-                                      "--quiet", "-o", str(plan_path)])
+    result = CliRunner().invoke(cli, ["plan", GPT2_LORA, "--target-batch", "32", "--memory-limit",
+                                      LIMIT, "--device", "cpu", "--precision", "fp32",
+                                      "--checkpointing", "off", "--quiet", "-o", str(plan_path)])
     return result, plan_path
 
 
@@ -143,7 +144,8 @@ def test_the_lora_plan_trains_to_its_predicted_peak_and_exports_to_hf(gpt2_lora_
     peak = max(m["peak_memory_bytes"] for m in trained.metrics if m["peak_memory_bytes"] is not None)
     assert abs(peak - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes, (
         peak, plan.predicted_peak_bytes)
-    exported = CliRunner().invoke(cli, ["export", str(plan_path), "--to", "hf", "-o", str(tmp_path / "hf.json")])
+    exported = CliRunner().invoke(cli, ["export", str(plan_path), "--to", "hf",
+                                        "-o", str(tmp_path / "hf.json")])
     assert exported.exit_code == 0, exported.output
     arguments = json.loads((tmp_path / "hf.json").read_text())
     assert arguments["per_device_train_batch_size"] * arguments["gradient_accumulation_steps"] == 32
@@ -189,8 +191,8 @@ def test_every_adapter_plans_probes_trains_to_its_peak_and_exports(name, tmp_pat
     assert abs(peak - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes, (
         peak, plan.predicted_peak_bytes)
     assert autotune.export_plan(plan, "hf").config["per_device_train_batch_size"] >= 1
-    probed = CliRunner().invoke(cli, ["probe", _from_file(file), "--device", "cpu", "--memory-limit", LIMIT,
-                                      "--json", "--quiet"])
+    probed = CliRunner().invoke(cli, ["probe", _from_file(file), "--device", "cpu",
+                                      "--memory-limit", LIMIT, "--json", "--quiet"])
     assert probed.exit_code == 0, probed.output
     assert json.loads(probed.stdout)["max_micro_batch"] >= max(plan.micro_batches)
 

@@ -6,8 +6,10 @@ layer's device with ``Module.to()``, and torch refuses to swap a fake parameter 
 mode holds weak references to (``_apply(): Couldn't swap Linear.weight``). Such a model is built
 on the meta device instead (shapes and dtypes, nothing allocated) and each of its tensors
 replaced by a fake CPU tensor of the same shape, strides, dtype and ``requires_grad``; where even
-that fails (code that reads values while building), it is built for real on the CPU and copied
-onto fake tensors as a model instance is. Each fallback is said once per model factory (an
+that fails (code that reads values while building), it is built for real on the CPU (counted, and
+refused past half the RAM available) and copied onto fake tensors as a model instance is; a model
+no way builds on fake tensors (quantized weights that are tensor subclasses) is measured with real
+trials only (``EstimateUnavailable``). Each fallback is said once per model factory (an
 ``AutotuneWarning``), and later builds take the way that worked without trying the others.
 A build that fails for real too is the model file's own error and propagates untouched.
 """
@@ -26,13 +28,13 @@ from torch._subclasses import fake_tensor
 
 from ..errors import AutotuneError, AutotuneWarning, EstimateUnavailable, UserCodeError
 from ..units import format_bytes
+from .cpu import CPUMemoryBackend
 from .oom import is_oom_error
 
 _FAKE, _META, _REAL, _NONE = "fake", "meta", "real", "none"
-# How each model factory was last built (weak keys: a factory that goes away takes its entry),
-# and for those that no way builds on fake tensors, why.
+# How each model factory was last built, and why not on fake tensors (weak keys: a factory that
+# goes away takes its entry).
 _WAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_UNCOPYABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def build_fake_model(workload) -> torch.nn.Module:
@@ -43,8 +45,7 @@ def build_fake_model(workload) -> torch.nn.Module:
     """
     if workload.model_is_instance:
         return fake_copy(workload.model, workload.source)
-    way = _way(workload.model)
-    why = "as an earlier build found"
+    way, why = _way(workload.model)
     if way == _FAKE:
         try:
             return _remember(workload.model, _FAKE, workload.new_model())
@@ -66,22 +67,15 @@ def build_fake_model(workload) -> torch.nn.Module:
                 _say(f"{workload.source}: build_model() cannot run on fake tensors ({why}); built it "
                      f"on the meta device instead and counted its tensors as fake CPU tensors")
             return model
-        if way == _FAKE:
-            why = f"{why}; nor on the meta device"
     if way == _NONE:
-        raise EstimateUnavailable(_UNCOPYABLE[workload.model])
-    real = _real_build(workload)
+        raise EstimateUnavailable(why)
     try:
-        model = fake_copy(real, workload.source)
+        real = _real_build(workload, why)
+        model = _copied(real, workload.source, why)
     except EstimateUnavailable as exc:
-        # Quantized weights (bitsandbytes' Params4bit) are tensor subclasses that a fake copy
-        # cannot make: real trials measure such a model, and no later build tries again.
-        message = (f"{workload.source}: the model cannot be built on fake tensors ({why}) and the "
-                   f"one built for real cannot be copied onto them ({exc.__cause__}), so its memory "
-                   f"is measured with real trials only")
-        _remember(workload.model, _NONE, None)
-        _UNCOPYABLE[workload.model] = message
-        raise EstimateUnavailable(message) from exc
+        # No later build tries again: each would fail the same way, a real build at a time.
+        _remember(workload.model, _NONE, None, why=str(exc))
+        raise
     if way != _REAL:
         size = sum(t.untyped_storage().nbytes() for t in _tensors(real))
         _say(f"{workload.source}: build_model() cannot run on fake tensors nor on the meta device "
@@ -111,16 +105,16 @@ def _may_build_elsewhere(exc: Exception) -> bool:
     return isinstance(exc, UserCodeError) or not isinstance(exc, AutotuneError)
 
 
-def _way(factory) -> str:
+def _way(factory) -> tuple[str, str]:
     try:
-        return _WAYS.get(factory, _FAKE)
+        return _WAYS.get(factory, (_FAKE, ""))
     except TypeError:  # an unhashable or un-weakreferenceable callable: tried from the start
-        return _FAKE
+        return _FAKE, ""
 
 
-def _remember(factory, way: str, model: torch.nn.Module) -> torch.nn.Module:
+def _remember(factory, way: str, model, *, why: str = "as an earlier build found"):
     try:
-        _WAYS[factory] = way
+        _WAYS[factory] = (way, why)
     except TypeError:
         pass
     return model
@@ -159,9 +153,32 @@ def _meta_build(workload) -> torch.nn.Module:
         return workload.new_model()
 
 
-def _real_build(workload) -> torch.nn.Module:
+def _real_build(workload, why: str) -> torch.nn.Module:
+    # Counted as the CPU backend counts a trial, against half the RAM available now: a model too
+    # large for this host is refused before its weights are allocated, not built until it swaps.
+    host = CPUMemoryBackend()
     with fake_tensor.unset_fake_temporarily():
-        return workload.new_model()
+        try:
+            with host.tracking():
+                return workload.new_model()
+        except Exception as exc:  # noqa: BLE001 - re-raised untouched unless out of memory
+            if not is_oom_error(exc):
+                raise
+    raise EstimateUnavailable(
+        f"{workload.source}: the model cannot be built on fake tensors nor on the meta device "
+        f"({why}), and built for real it passes {format_bytes(host.info().budget_bytes)} "
+        f"({host.info().budget_source}), so its memory is measured with real trials only")
+
+
+def _copied(real: torch.nn.Module, source: str, why: str) -> torch.nn.Module:
+    try:
+        return fake_copy(real, source)
+    except EstimateUnavailable as exc:
+        # Quantized weights (bitsandbytes' Params4bit) are tensor subclasses a fake copy cannot make.
+        raise EstimateUnavailable(
+            f"{source}: the model cannot be built on fake tensors nor on the meta device ({why}), "
+            f"and the one built for real cannot be copied onto them ({exc.__cause__}), so its "
+            f"memory is measured with real trials only") from exc
 
 
 def _tensors(model: torch.nn.Module):
