@@ -210,3 +210,22 @@ def test_lora_plans_a_larger_micro_batch_than_full_fine_tuning(file, limit):
         whole = autotune.plan(full, **settings)
     assert max(adapted.micro_batches) > max(whole.micro_batches) > 0
     assert whole.workload.trainable_param_count == whole.workload.param_count
+
+
+@pytest.mark.slow
+def test_hf_trainer_runs_the_lora_plan_and_the_callback_finds_it_fits(gpt2_lora_plan, tmp_path):
+    from autotune.integrations.transformers import PlanCallback, training_arguments
+
+    transformers = pytest.importorskip("transformers")
+    _, plan_path = gpt2_lora_plan
+    workload = load_workload(GPT2_LORA)
+    tokens = workload.make_batch(64)["input_ids"]
+    callback = PlanCallback(str(plan_path))
+    trainer = transformers.Trainer(
+        model=workload.model(), train_dataset=[{"input_ids": t, "labels": t} for t in tokens],
+        args=training_arguments(str(plan_path), output_dir=str(tmp_path), max_steps=2,
+                                save_strategy="no", logging_strategy="no", disable_tqdm=True),
+        callbacks=[callback])
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert callback.report.startswith("fits: the first step's peak"), callback.report
