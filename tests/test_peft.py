@@ -118,7 +118,7 @@ def test_a_build_model_bug_is_the_model_files_error_not_a_fallback(tmp_path):
 def gpt2_lora_plan(tmp_path_factory):
     """`autotune plan` of the GPT-2 LoRA example from the CLI, with its output."""
     plan_path = tmp_path_factory.mktemp("peft") / "plan.json"
-    result = CliRunner().invoke(cli, ["plan", GPT2_LORA, "--target-batch", "32", "--memory-limit",
+    result = CliRunner().invoke(cli, ["plan", GPT2_LORA, "--target-batch", "8", "--memory-limit",
                                       LIMIT, "--device", "cpu", "--precision", "fp32",
                                       "--checkpointing", "off", "--quiet", "-o", str(plan_path)])
     return result, plan_path
@@ -148,7 +148,7 @@ def test_the_lora_plan_trains_to_its_predicted_peak_and_exports_to_hf(gpt2_lora_
                                         "-o", str(tmp_path / "hf.json")])
     assert exported.exit_code == 0, exported.output
     arguments = json.loads((tmp_path / "hf.json").read_text())
-    assert arguments["per_device_train_batch_size"] * arguments["gradient_accumulation_steps"] == 32
+    assert arguments["per_device_train_batch_size"] * arguments["gradient_accumulation_steps"] == 8
     transformers = pytest.importorskip("transformers")
     transformers.TrainingArguments(output_dir=str(tmp_path / "out"), **arguments)
 
