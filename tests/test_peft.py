@@ -177,7 +177,10 @@ ADAPTERS = {  # name: (model file, where the plan's workload comes from)
 def test_every_adapter_plans_probes_trains_to_its_peak_and_exports(name, tmp_path):
     file, how = ADAPTERS[name]
     if file == "llama_qlora":
-        pytest.importorskip("bitsandbytes")
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any import failure (no CPU backend, old torch)
+            pytest.skip(f"bitsandbytes does not import here: {exc}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", AutotuneWarning)
         plan = autotune.plan(how(file), target_batch=32, memory_limit=LIMIT, device="cpu",
