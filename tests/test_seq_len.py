@@ -132,6 +132,9 @@ def test_a_token_plan_trains_exactly_its_tokens_per_optimizer_step(tmp_path):
     assert [sum(fed[i * steps:(i + 1) * steps]) for i in range(2)] == [1536, 1536]
     show = CliRunner().invoke(cli, ["show", str(path)])
     assert "tokens:       1,536 per optimizer step = 16 sequences × seq len 96" in show.output
+    fed.clear()
+    checked = autotune.verify_plan(path, workload=workload, memory_limit="4MiB", replan=False)
+    assert checked.confirmed and set(fed) == {plan.micro_batch * 96}  # verify runs the plan's length
     saved["target_tokens"] = 1000  # a file whose numbers disagree is refused
     path.write_text(json.dumps(saved))
     with pytest.raises(autotune.PlanFileError, match="target_tokens is 1000"):
@@ -140,23 +143,27 @@ def test_a_token_plan_trains_exactly_its_tokens_per_optimizer_step(tmp_path):
 
 def test_packed_rows_attend_within_documents_and_count_real_tokens():
     workload = autotune.load_workload(PACKED)
-    batch = workload.batch(2, 96)
+    batch = workload.batch(2, 192)
     assert {k: tuple(v.shape) for k, v in batch.items()} == {
-        "input_ids": (2, 96), "position_ids": (2, 96), "labels": (2, 96)}
+        "input_ids": (2, 192), "position_ids": (2, 192), "labels": (2, 192)}
     model = workload.new_model().eval()
+    documents = 0
     with torch.no_grad():
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                       use_cache=False).logits[0]
-        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [96]
-        assert len(starts) > 2  # at least two documents in the row
-        for start, stop in zip(starts[:-1], starts[1:]):
-            alone = model(input_ids=batch["input_ids"][:, start:stop], use_cache=False).logits[0]
-            torch.testing.assert_close(packed[start:stop], alone, atol=1e-5, rtol=1e-5)
+                       use_cache=False).logits
+        for row in range(2):
+            starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [192]
+            documents += len(starts) - 1
+            for start, stop in zip(starts[:-1], starts[1:]):
+                alone = model(input_ids=batch["input_ids"][row:row + 1, start:stop],
+                              use_cache=False).logits[0]
+                torch.testing.assert_close(packed[row, start:stop], alone, atol=1e-5, rtol=1e-5)
+    assert documents > 2  # rows hold several documents
     model.train()
     _, count = workload.loss(model, batch)
     # Every position but the last predicts the next token, except across a document boundary.
     boundaries = int((batch["position_ids"][:, 1:] == 0).sum())
-    assert int(count) == 2 * 95 - boundaries
+    assert int(count) == 2 * 191 - boundaries
 
 
 @pytest.mark.slow
@@ -173,3 +180,14 @@ def test_seq_len_auto_takes_the_longest_length_that_divides_the_tokens():
     assert f"is {longest}" in plan.reasons["seq_len"]
     trained = autotune.train(plan, workload, steps=1, progress=False)
     assert trained.steps == 1
+
+
+@pytest.mark.slow
+def test_cli_max_seq_len_prints_the_probe_answer():
+    result = CliRunner().invoke(cli, ["probe", str(HERE / "seq_llama_model.py"), "--max-seq-len",
+                                      "--memory-limit", "2MiB", "--seq-multiple", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.output[result.output.index("{"):])
+    workload = autotune.load_workload(HERE / "seq_llama_model.py")
+    assert found["max_seq_len"] == bisect_seq_len(workload, "2MiB", multiple=8)
+    assert found["micro_batch"] == 1 and found["seq_multiple"] == 8

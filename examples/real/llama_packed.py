@@ -11,6 +11,8 @@ micro-batch by the tokens it really predicts.
     autotune plan examples/real/llama_packed.py --target-tokens 4096 --seq-len 256 --memory-limit 16MiB
 """
 
+import random
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -32,13 +34,16 @@ def make_batch(batch_size, seq_len=SEQ_LEN):
     """``batch_size`` rows of ``seq_len`` tokens, each packed from whole documents (the last
     one cut at the row's end)."""
     generator = torch.Generator().manual_seed(batch_size * 100_003 + seq_len)
+    # Document lengths from Python's RNG, not torch's: the batch is also made on fake tensors
+    # (autotune's estimate), whose values cannot be read.
+    lengths = random.Random(batch_size * 100_003 + seq_len)
     tokens = torch.randint(1, VOCAB, (batch_size, seq_len), generator=generator)
     positions = torch.empty(batch_size, seq_len, dtype=torch.long)
     labels = tokens.clone()
     for row in range(batch_size):
         start = 0
         while start < seq_len:
-            length = int(torch.randint(*DOCUMENT_LENGTHS, (1,), generator=generator))
+            length = lengths.randint(*DOCUMENT_LENGTHS)
             stop = min(start + length, seq_len)
             positions[row, start:stop] = torch.arange(stop - start)
             labels[row, start] = -100  # a document's first token is not predicted from the last one
