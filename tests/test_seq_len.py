@@ -121,7 +121,9 @@ def test_a_token_plan_trains_exactly_its_tokens_per_optimizer_step(tmp_path):
     plan = autotune.plan(workload, target_tokens=1536, seq_len=96, memory_limit="4MiB",
                          precision="fp32", checkpointing="off", device="cpu")
     assert (plan.seq_len, plan.target_tokens, plan.tokens_per_step) == (96, 1536, 1536)
-    assert plan.accumulation_steps > 1 and "input_ids (" in plan.reasons["seq_len"]
+    assert plan.accumulation_steps > 1
+    assert plan.reasons["batch_shapes"].endswith(
+        f"make_batch({plan.micro_batch}, 96): input_ids ({plan.micro_batch}, 96), labels ({plan.micro_batch}, 96)")
     path = autotune.save_plan(plan, tmp_path / "plan.json")
     saved = json.loads(path.read_text())
     assert (saved["seq_len"], saved["target_tokens"], saved["derived"]["tokens_per_step"]) == (96, 1536, 1536)
@@ -191,3 +193,17 @@ def test_cli_max_seq_len_prints_the_probe_answer():
     workload = autotune.load_workload(HERE / "seq_llama_model.py")
     assert found["max_seq_len"] == bisect_seq_len(workload, "2MiB", multiple=8)
     assert found["micro_batch"] == 1 and found["seq_multiple"] == 8
+
+
+def test_the_plan_states_the_dataset_shapes_the_probe_measured():
+    from autotune.orchestration.tokens import batch_shapes
+
+    lengths = [5, 17, 9, 12]
+
+    def pad(examples):
+        return torch.nn.utils.rnn.pad_sequence(examples, batch_first=True)
+
+    workload = autotune.Workload(model=torch.nn.Linear(2, 2), collate_fn=pad,
+                                 build_dataset=lambda: [torch.ones(n, dtype=torch.long) for n in lengths])
+    assert batch_shapes(workload, 2) == ("measured at the planned micro-batch 2 on build_dataset()'s "
+                                         "largest examples, collated: [0] (2, 17)")

@@ -132,6 +132,8 @@ def format_plan(plan) -> str:
     if getattr(plan, "seq_len", None) is not None:
         lines.append(f"tokens:       {plan.tokens_per_step:,} per optimizer step = {plan.effective_batch} "
                      f"sequences × seq len {plan.seq_len} ({plan.reasons.get('seq_len', '')})")
+        if "batch_shapes" in plan.reasons:
+            lines.append(f"shapes:       {plan.reasons['batch_shapes']}")
     if "sharding" in plan.reasons:
         group = f", shard group {plan.shard_group}" if plan.shard_group else ""
         lines.append(f"sharding:     {plan.sharding}{group} ({plan.reasons['sharding']})")

@@ -140,9 +140,8 @@ def plan(
         optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
         even=even, sharding=sharding, shard_group=shard_group)
     planned = _Planner(workload, options).run()
-    if token_request is None:
-        return planned
-    return tokens.with_tokens(planned, token_request, tokens.batch_shapes(workload, planned.micro_batch))
+    planned.reasons["batch_shapes"] = tokens.batch_shapes(workload, planned.micro_batch)
+    return planned if token_request is None else tokens.with_tokens(planned, token_request)
 
 
 def _longest_at_one(workload, *, device, memory_limit, gpu, optimize, precision, checkpointing,

@@ -21,6 +21,7 @@ from ..planning.types import Plan
 from ..probing.seq_len import SeqLenResult, probe_seq_len
 from ..units import format_bytes
 from ..workload.contract import Workload
+from ..workload.dataset_batch import LargestExamples
 
 AUTO = "auto"
 
@@ -122,23 +123,26 @@ def longest_at_one(workload: Workload, backend: MemoryBackend, *, device, limit_
 
 
 def batch_shapes(workload: Workload, micro_batch: int) -> str:
-    """The tensor shapes of the batch at ``micro_batch`` (what the probe measured)."""
+    """What the probe measured: the tensor shapes of the batch at ``micro_batch`` (for a model
+    file without ``make_batch``, of ``build_dataset()``'s largest examples, collated)."""
     batch = workload.batch(micro_batch)
     items = batch.items() if isinstance(batch, dict) else enumerate(
         batch if isinstance(batch, (tuple, list)) else [batch])
-    return ", ".join(f"{key} {tuple(value.shape)}" for key, value in items
-                     if isinstance(value, torch.Tensor))
+    shapes = ", ".join(f"{key if isinstance(key, str) else f'[{key}]'} {tuple(value.shape)}"
+                       for key, value in items if isinstance(value, torch.Tensor))
+    made = ("build_dataset()'s largest examples, collated" if isinstance(workload.make_batch, LargestExamples)
+            else f"make_batch({micro_batch}{'' if workload.seq_len is None else f', {workload.seq_len}'})")
+    return f"measured at the planned micro-batch {micro_batch} on {made}: {shapes}"
 
 
-def with_tokens(plan: Plan, tokens: TokenRequest, shapes: str) -> Plan:
-    """The plan, stating its sequence length, token target and the shapes it measured."""
+def with_tokens(plan: Plan, tokens: TokenRequest) -> Plan:
+    """The plan, stating its sequence length and token target."""
     plan.seq_len = tokens.seq_len
     plan.target_tokens = tokens.target_tokens
     per_step = plan.effective_batch * tokens.seq_len
     plan.reasons["seq_len"] = (
         f"{tokens.reason}; tokens per optimizer step: {_split(plan)} × {tokens.seq_len} = "
-        f"{per_step:,}; probed and trained at make_batch(n, {tokens.seq_len}), shapes at the "
-        f"planned micro-batch: {shapes}")
+        f"{per_step:,}; probed and trained at make_batch(n, {tokens.seq_len})")
     return plan
 
 
