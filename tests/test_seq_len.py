@@ -207,3 +207,21 @@ def test_the_plan_states_the_dataset_shapes_the_probe_measured():
                                  build_dataset=lambda: [torch.ones(n, dtype=torch.long) for n in lengths])
     assert batch_shapes(workload, 2) == ("measured at the planned micro-batch 2 on build_dataset()'s "
                                          "largest examples, collated: [0] (2, 17)")
+
+
+def test_training_refuses_dataset_sequences_longer_than_the_plan():
+    from autotune.planning.types import WorkloadFingerprint
+
+    workload = autotune.Workload(
+        model=build_gpt2, make_batch=make_batch,
+        build_dataset=lambda: [{"input_ids": torch.arange(n) % 100, "labels": torch.arange(n) % 100}
+                               for n in (8, 8, 24, 8)],
+        collate_fn=lambda examples: {key: torch.nn.utils.rnn.pad_sequence(
+            [e[key] for e in examples], batch_first=True) for key in examples[0]})
+    plan = autotune.Plan(target_batch=4, world_size=1, micro_batches=[2, 2], precision="fp32",
+                         checkpointing="off", lr=autotune.LRDecision(rule="none"), seq_len=16,
+                         workload=WorkloadFingerprint(source="<python objects>", file_sha256=None,
+                                                      param_count=1, param_bytes=4))
+    with pytest.raises(autotune.WorkloadError, match="sequences of 24 positions, but the plan was "
+                                                     "probed at seq_len 16"):
+        autotune.train(plan, workload, steps=1, progress=False, measure_noise_scale=False)

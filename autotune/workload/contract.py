@@ -220,6 +220,20 @@ def check_seq_len(batch, seq_len: int, *, call: str, source: str) -> None:
             f"seq_len positions per sample (batch first, then the sequence)")
 
 
+def check_within_seq_len(batch, seq_len: int, *, source: str) -> None:
+    """A training batch of a plan made at ``seq_len`` (from ``build_dataset()``, whose lengths the
+    plan did not choose) holds no sequence longer than it: a longer one would pass the peak the
+    plan measured."""
+    longest = max((t.shape[1] for t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim() >= 2),
+                  default=0)
+    if longest > seq_len:
+        raise WorkloadError(
+            f"{source}: a training batch holds sequences of {longest} positions, but the plan was "
+            f"probed at seq_len {seq_len} (make_batch(batch_size, {seq_len})); truncate or pack "
+            f"build_dataset()'s sequences to at most {seq_len} (in the dataset or collate_fn), or "
+            f"plan at a --seq-len that covers them")
+
+
 def _check_count(count, source: str) -> None:
     """A ``(loss_sum, item_count)`` count: a non-negative int or a one-element real tensor.
     (A tensor's sign is checked per window, where its value is read anyway.)"""
