@@ -160,8 +160,12 @@ def _longest_at_one(workload, *, device, memory_limit, gpu, optimize, precision,
     world = environment.resolve_world_size(world_size, environment.torchrun_group())
     limit = (usable_bytes(backend.info().budget_bytes, headroom)
              - ddp_bucket_bytes(world, fingerprint.param_bytes))
-    return tokens.longest_at_one(workload, backend, device=device, limit_bytes=limit,
-                                 precision=chosen, checkpointing=blocks, seq_multiple=seq_multiple)
+    found = tokens.longest_at_one(workload, backend, device=device, limit_bytes=limit,
+                                  precision=chosen, checkpointing=blocks, seq_multiple=seq_multiple)
+    if environment.torchrun_group():
+        # Every rank probed its own device: all plan the shortest answer, or they would differ.
+        found.max_seq_len = collectives.min_across_ranks(found.max_seq_len)
+    return found
 
 
 class _Planner:

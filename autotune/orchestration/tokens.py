@@ -4,7 +4,8 @@ A plan with a sequence length is the ordinary plan of a batch in samples, probed
 ``make_batch(n, seq_len)``: tokens per optimizer step = micro-batches × seq_len × world size, so
 a token target is a batch of ``target_tokens / seq_len`` samples, which must be a whole number
 that the world size divides (or the request is refused with the nearest values that work).
-``seq_len="auto"`` takes the longest length that fits at micro-batch 1 (see ``auto_seq_len``).
+``seq_len="auto"`` takes the longest length that fits at micro-batch 1 (``longest_at_one``),
+cut to one that divides the token target (``_auto_length``).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def resolve(*, target_batch, target_tokens, seq_len, seq_multiple: int, world_si
             f"{given('target_tokens', target_tokens)} is not a whole number of sequences per rank: "
             f"tokens per step = micro-batches × {option('seq_len')} {seq_len} × "
             f"{option('world_size')} {world_size}, a multiple of {step}; use "
-            f"{option('target_tokens')} {nearest}, or a {option('seq_len')} that divides "
-            f"{target_tokens // world_size if target_tokens % world_size == 0 else target_tokens}")
+            f"{option('target_tokens')} {nearest}"
+            + (f", or a {option('seq_len')} that divides {target_tokens // world_size}"
+               if target_tokens % world_size == 0 else ""))
     return TokenRequest(seq_len=seq_len, target_batch=target_tokens // seq_len,
                         target_tokens=target_tokens,
                         reason=f"{reason}; {target_tokens:,} tokens per step = "
