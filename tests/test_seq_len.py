@@ -225,3 +225,9 @@ def test_training_refuses_dataset_sequences_longer_than_the_plan():
     with pytest.raises(autotune.WorkloadError, match="sequences of 24 positions, but the plan was "
                                                      "probed at seq_len 16"):
         autotune.train(plan, workload, steps=1, progress=False, measure_noise_scale=False)
+
+
+def test_max_seq_len_says_when_the_state_alone_does_not_fit():
+    workload = autotune.Workload(model=build_llama, make_batch=make_batch)
+    with pytest.raises(autotune.ProbeError, match="optimizer state alone pass the 300.00 KiB budget"):
+        autotune.probe_seq_len(workload, memory_limit="300KiB", device="cpu")

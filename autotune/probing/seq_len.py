@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import progress
-from ..errors import ConfigError, EstimateUnavailable, ProbeError, given
+from ..errors import ConfigError, EstimateUnavailable, ProbeError, given, option
 from ..memory import MemoryBackend, backend_for
 from ..memory.base import DeviceInfo
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
@@ -145,9 +145,12 @@ def probe_seq_len(workload, *, micro_batch: int = 1, seq_multiple: int = 1,
             f"{workload.source}: not even {seq_multiple} position(s) fit at micro-batch "
             f"{micro_batch} ({setting_label(precision, checkpointing)}): "
             + (f"the step ran out of memory with {format_bytes(first.peak_bytes)} in use against "
-               f"{format_bytes(info.budget_bytes)}" if first is not None else
-               "the parameters and optimizer state alone pass the budget")
-            + "; try --precision bf16, --checkpointing on, a smaller --micro-batch or more memory")
+               f"{format_bytes(info.budget_bytes)}; try {given('precision', 'bf16')}, "
+               f"{given('checkpointing', 'on')}, a smaller {option('micro_batch')} or more memory"
+               if first is not None else
+               f"the parameters, gradients and optimizer state alone pass the "
+               f"{format_bytes(info.budget_bytes)} budget, whatever the length; it needs more "
+               f"memory, an optimizer with less state or sharding"))
     if estimated is not None:
         notes.append(f"the estimate ({estimate_steps} steps on fake tensors) put the answer at "
                      f"{estimated}; {len(trials)} real step(s) "
