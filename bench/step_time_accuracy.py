@@ -1,14 +1,14 @@
 """Predicted against measured step time on this CPU, side by side in one run (issue 22).
 
 For every bundled example at three micro-batches, with and without activation checkpointing:
-the step time ``predict_step_time`` predicts (the fake step's FLOPs and bytes per op, timed by a
-roofline with this CPU's speed, measured by ``autotune.timing.cpu_profile`` at the start of this
-same run), next to the measured one (single process, the training loop's own step via
-``autotune.tuning.measure``: the median of its timed windows of one micro-step each; the fastest
-is printed beside it). Prints
-each ratio and, per example, the Spearman rank correlation of predicted and measured times.
+the predicted step time (``predict_step_time``'s parts: the fake step's FLOPs and bytes per op,
+timed by the roofline with this CPU's speed, measured by ``autotune.timing.cpu_profile`` right
+before each setting in this same run, since a shared machine's load drifts), next to the measured
+one (single process, the training loop's own step via ``autotune.tuning.measure``: the median of
+its timed windows of one micro-step each; the fastest is printed beside it). Prints each ratio
+and, per example, the Spearman rank correlation of predicted and measured times.
 
-    python bench/step_time_accuracy.py            # threads as training uses them (torch's default)
+    OMP_NUM_THREADS=1 python bench/step_time_accuracy.py
 
 Pass criteria (issue 22): every ratio within 0.75-1.25 (25%); Spearman >= 0.9 per example.
 """
@@ -28,7 +28,8 @@ import torch  # noqa: E402
 from autotune.cli.format import table  # noqa: E402
 from autotune.memory.cpu import CPUMemoryBackend  # noqa: E402
 from autotune.timing.cpu_profile import measure_cpu_speed  # noqa: E402
-from autotune.timing.predict import predict_step_time  # noqa: E402
+from autotune.timing.count import count_steps_costs  # noqa: E402
+from autotune.timing.roofline import compute_time  # noqa: E402
 from autotune.tuning.measure import Configuration, measure_configuration  # noqa: E402
 from autotune.workload import load_workload  # noqa: E402
 
@@ -65,11 +66,11 @@ def measured_step(workload, n: int, checkpointing: str, windows: int) -> tuple[f
 
 def _measured_speed():
     started = time.perf_counter()
-    speed = measure_cpu_speed()
-    print(f"{speed.name}: fp32 matmul {speed.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
-          f"{speed.peak_flops['bf16'] / 1e9:.1f}, memory {speed.memory_bandwidth / 1e9:.2f} GB/s, "
-          f"{speed.op_overhead_s * 1e6:.2f} us per op (measured in {time.perf_counter() - started:.1f} s)",
-          flush=True)
+    speed = measure_cpu_speed(precisions=("fp32",))
+    print(f"  {speed.name}: fp32 matmul {speed.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, memory "
+          f"{speed.memory_bandwidth / 1e9:.2f} GB/s, {speed.op_overhead_s * 1e6:.2f} us per op, "
+          f"{speed.recompute_op_overhead_s * 1e6:.1f} us per recomputed op "
+          f"(measured in {time.perf_counter() - started:.1f} s)", flush=True)
     return speed
 
 
@@ -81,25 +82,25 @@ def main() -> int:
     started = time.perf_counter()
     rows, worst, spearmans = [], 0.0, {}
     for example in args.examples:
-        # Measured again right before each example: the machine's load drifts.
-        speed = _measured_speed()
         sizes = EXAMPLES.get(example, (4, 16, 64))
         workload = load_workload(str(ROOT / example))
         predicted, measured = [], []
         for checkpointing in ("off", "on"):
-            predictions = predict_step_time(workload, list(sizes), checkpointing=checkpointing, speed=speed)
+            costs = count_steps_costs(workload, list(sizes), checkpointing=checkpointing)
             for n in sizes:
+                # Measured again right before each setting: the machine's load drifts.
+                print(f"{example} micro-batch {n} checkpointing {checkpointing}", flush=True)
+                speed = _measured_speed()
+                parts = compute_time(costs[n], speed)
                 seconds, fastest = measured_step(workload, n, checkpointing, args.windows)
-                p = predictions[n]
-                predicted.append(p.seconds)
+                predicted.append(parts["total"])
                 measured.append(seconds)
-                ratio = p.seconds / seconds
+                ratio = parts["total"] / seconds
                 worst = max(worst, abs(ratio - 1))
-                parts = p.breakdown
-                rows.append([example, str(n), checkpointing, f"{p.seconds * 1e3:.2f}",
+                rows.append([example, str(n), checkpointing, f"{parts['total'] * 1e3:.2f}",
                              f"{seconds * 1e3:.2f}", f"{fastest * 1e3:.2f}", f"{ratio:.2f}",
-                             f"{p.costs.total_flops / 1e9:.3f}", f"{p.costs.total_bytes / 1e6:.1f}",
-                             str(p.costs.op_count),
+                             f"{costs[n].total_flops / 1e9:.3f}", f"{costs[n].total_bytes / 1e6:.1f}",
+                             str(costs[n].op_count),
                              " ".join(f"{k[:4]} {parts[k] * 1e3:.2f}" for k in
                                       ("matmul", "attention", "elementwise", "optimizer", "other",
                                        "recompute") if parts[k])])

@@ -119,6 +119,30 @@ def test_roofline_uses_a_kernel_family_curve_where_the_device_has_one():
     assert parts["matmul"] == pytest.approx(1e6 / 1e8 + 1e6 / 1e9)
 
 
+def _conv_net():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(8 * 4 * 4, 2))
+
+
+def test_convolution_pooling_and_batch_norm_are_told_apart():
+    workload = Workload(model=_conv_net, make_batch=lambda n: torch.randn(n, 3, 8, 8),
+                        loss_fn=_sum_loss, source="conv-net")
+    kernels = {(op.kernel, op.phase) for op in count_step_costs(workload, 2).ops if op.kernel}
+    assert kernels == {(k, phase) for base in ("convolution", "batch_norm", "pooling", "mm")
+                       for k, phase in ((base, "forward"), (f"{base}_backward", "backward"))
+                       if k != "mm_backward"} | {("mm", "backward")}
+    speed = _cached_speed()
+    assert speed.byte_rate(1e3, "pooling") == pytest.approx(0.1 * speed.memory_bandwidth)
+    assert speed.byte_rate(1e3) == pytest.approx(2.0 * speed.memory_bandwidth)
+
+
+def test_recomputed_ops_take_the_recompute_overhead():
+    costs = StepCosts(ops=(OpCost("other", "recompute", flops=0, bytes=0, count=10),),
+                      collectives=(), micro_batch=1)
+    assert compute_time(costs, _cached_speed())["recompute"] == pytest.approx(10 * 3e-5)
+    assert compute_time(costs, _speed())["recompute"] == pytest.approx(10 * 1e-6)
+
+
 def test_gpu_profile_speed_uses_its_datasheet_peaks():
     speed = speed_for_profile("h100-80gb")
     assert speed.peak_flops["bf16"] == pytest.approx(989.5e12)
@@ -133,7 +157,9 @@ def test_device_speed_refuses_non_finite_or_negative_numbers(bad):
 
 
 def _cached_speed() -> DeviceSpeed:
-    return _speed(matmul_curve={"fp32": ((1e3, 0.1), (1e9, 1.0))}, memory_curve=((1e3, 2.0), (1e8, 1.0)))
+    return _speed(matmul_curve={"fp32": ((1e3, 0.1), (1e9, 1.0))}, memory_curve=((1e3, 2.0), (1e8, 1.0)),
+                  kernel_curves={"convolution_backward": ((1e3, 0.05),)},
+                  kernel_byte_curves={"pooling": ((1e3, 0.1), (1e6, 0.2))}, recompute_op_overhead_s=3e-5)
 
 
 def test_cpu_speed_cache_round_trips_and_is_used(tmp_path, monkeypatch):

@@ -19,9 +19,12 @@ no data (views, aliases, empty tensors), which cost only their dispatch."""
 PHASES = ("forward", "backward", "recompute", "optimizer")
 """recompute: the forward of checkpointed blocks run again during backward."""
 
-KERNELS = ("mm", "convolution", "convolution_backward", "attention", "attention_backward")
-"""Kernel families of the FLOP-counted ops: one device (a CPU) may run a convolution's backward
-or a small attention far below its matmul rate."""
+KERNELS = ("mm", "convolution", "convolution_backward", "attention", "attention_backward",
+           "pooling", "pooling_backward", "batch_norm", "batch_norm_backward")
+"""Kernel families a device's speed can tell apart: of the FLOP-counted ops (a CPU runs a
+convolution's backward or a small attention far below its matmul rate), and of the
+memory-bound ones (a CPU's pooling and batch norm kernels move far fewer bytes per second than
+an add)."""
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv",
                     "all_to_all")

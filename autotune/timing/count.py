@@ -167,7 +167,7 @@ class _OpRecorder(TorchDispatchMode):
         flops = _flops(func, args, kwargs, out)
         moved = _bytes_moved(func, args, kwargs, out)
         op_class = _op_class(func, name, flops, moved, phase)
-        self.ops[(op_class, phase, flops, moved, _kernel(name) if flops else "")] += 1
+        self.ops[(op_class, phase, flops, moved, _kernel(name, flops))] += 1
         return out
 
     def _phase(self) -> str:
@@ -194,13 +194,18 @@ def _op_class(func, name: str, flops: float, moved: float, phase: str) -> str:
     return "elementwise" if moved else "other"
 
 
-def _kernel(name: str) -> str:
-    backward = "backward" in name
+def _kernel(name: str, flops: float) -> str:
+    """The op's family in ``costs.KERNELS``, or "" (an elementwise op like any other)."""
+    suffix = "_backward" if "backward" in name else ""
     if any(word in name for word in _ATTENTION_WORDS):
-        return "attention_backward" if backward else "attention"
-    if "conv" in name:
-        return "convolution_backward" if backward else "convolution"
-    return "mm"
+        return "attention" + suffix
+    if flops:
+        return "convolution" + suffix if "conv" in name else "mm"
+    if "pool" in name:
+        return "pooling" + suffix
+    if "batch_norm" in name:
+        return "batch_norm" + suffix
+    return ""
 
 
 def _flops(func, args, kwargs, out) -> float:

@@ -56,11 +56,13 @@ def machine_key() -> str:
     return f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
-def measure_cpu_speed() -> DeviceSpeed:
-    """Runs the microbenchmarks (a few seconds) at the current thread count."""
+def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
+    """Runs the microbenchmarks (a few seconds) at the current thread count; matmuls in
+    ``precisions`` (fp32 always)."""
     call = _op_time(_add(1))  # a one-element op from Python: all call, no work
     peaks, curves = {}, {}
-    for name, dtype in PRECISIONS.items():
+    for name in dict.fromkeys(("fp32", *precisions)):
+        dtype = PRECISIONS[name]
         rates = [(2.0 * n**3, 2.0 * n**3 / _work_time(_mm(n, dtype), call)) for n in MATMUL_SIZES]
         peak = max(rate for _, rate in rates)
         peaks[name] = peak
@@ -71,13 +73,17 @@ def measure_cpu_speed() -> DeviceSpeed:
         rates.append((moved, moved / _work_time(_streaming_add(n), call)))
     kernel_curves = {family: _at_least_smaller(tuple((flops, rate / peaks["fp32"]) for flops, rate in rates))
                      for family, rates in _kernel_rates(call).items()}
+    byte_rates = _memory_kernel_rates(call)
     # The bandwidth is the largest op's; smaller ops reach less of it (or more, where the
     # prefetchers and cache lines already in flight help).
     bandwidth = rates[-1][1]
     return DeviceSpeed(
         name=f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads", peak_flops=peaks,
         memory_bandwidth=bandwidth, fractions={"matmul": 1.0, "attention": 1.0, "memory": 1.0},
-        op_overhead_s=_training_op_overhead(), matmul_curve=curves, kernel_curves=kernel_curves,
+        op_overhead_s=_training_op_overhead(), recompute_op_overhead_s=_recompute_op_overhead(),
+        matmul_curve=curves, kernel_curves=kernel_curves,
+        kernel_byte_curves={family: tuple((moved, rate / bandwidth) for moved, rate in rates)
+                            for family, rates in byte_rates.items()},
         memory_curve=tuple((moved, rate / bandwidth) for moved, rate in rates),
         sources={"all": "measured on this machine by autotune.timing.cpu_profile"})
 
@@ -103,16 +109,43 @@ def _training_op_overhead() -> float:
     """Seconds per op of a training step's tiny ops: a chain of one-element ops with autograd
     recording, then its backward, divided by the ops the dispatcher saw (forward, backward and
     the engine's own)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     x = torch.ones(1, requires_grad=True)
 
     def step():
-        y = x
-        for _ in range(_CHAIN):
-            y = torch.tanh(y * 1.0001)
-        y.sum().backward()
+        _chain(x).sum().backward()
         x.grad = None
+
+    return _op_time(step) / _dispatched_ops(step)
+
+
+def _recompute_op_overhead() -> float:
+    """Seconds per recomputed op under non-reentrant checkpointing: the same chain, checkpointed,
+    less the plain one, per op of its forward (each recomputed once, with checkpoint's hooks)."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.ones(1, requires_grad=True)
+
+    def plain():
+        _chain(x).sum().backward()
+        x.grad = None
+
+    def checkpointed():
+        checkpoint(_chain, x, use_reentrant=False).sum().backward()
+        x.grad = None
+
+    forward_ops = _dispatched_ops(lambda: _chain(x.detach()))
+    extra = _op_time(checkpointed) - _op_time(plain)
+    return max(extra / forward_ops, 0.0)
+
+
+def _chain(y):
+    for _ in range(_CHAIN):
+        y = torch.tanh(y * 1.0001)
+    return y
+
+
+def _dispatched_ops(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Count(TorchDispatchMode):
         ops = 0
@@ -122,8 +155,8 @@ def _training_op_overhead() -> float:
             return func(*args, **(kwargs or {}))
 
     with _Count():
-        step()
-    return _op_time(step) / _Count.ops
+        fn()
+    return _Count.ops
 
 
 _CHAIN = 50
@@ -139,17 +172,21 @@ def load_cached(path: Path, key: str) -> DeviceSpeed | None:
             memory_bandwidth=float(entry["memory_bandwidth"]),
             fractions={str(k): float(v) for k, v in entry["fractions"].items()},
             op_overhead_s=float(entry["op_overhead_s"]),
-            matmul_curve={str(k): tuple((float(x), float(y)) for x, y in v)
-                          for k, v in entry["matmul_curve"].items()},
+            recompute_op_overhead_s=float(entry.get("recompute_op_overhead_s", 0.0)),
+            matmul_curve=_curves(entry["matmul_curve"]),
             memory_curve=tuple((float(x), float(y)) for x, y in entry["memory_curve"]),
-            kernel_curves={str(k): tuple((float(x), float(y)) for x, y in v)
-                           for k, v in entry.get("kernel_curves", {}).items()},
+            kernel_curves=_curves(entry.get("kernel_curves", {})),
+            kernel_byte_curves=_curves(entry.get("kernel_byte_curves", {})),
             sources={str(k): str(v) for k, v in entry.get("sources", {}).items()})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if not speed.peak_flops.get("fp32") or speed.op_overhead_s <= 0 or not speed.matmul_curve:
         return None
     return speed
+
+
+def _curves(entry: dict) -> dict:
+    return {str(k): tuple((float(x), float(y)) for x, y in v) for k, v in entry.items()}
 
 
 def save_cached(path: Path, key: str, speed: DeviceSpeed) -> None:
@@ -163,9 +200,11 @@ def save_cached(path: Path, key: str, speed: DeviceSpeed) -> None:
     entries[key] = {
         "name": speed.name, "peak_flops": speed.peak_flops, "memory_bandwidth": speed.memory_bandwidth,
         "fractions": speed.fractions, "op_overhead_s": speed.op_overhead_s,
+        "recompute_op_overhead_s": speed.recompute_op_overhead_s,
         "matmul_curve": {k: [list(p) for p in v] for k, v in speed.matmul_curve.items()},
         "memory_curve": [list(p) for p in speed.memory_curve], "sources": speed.sources,
         "kernel_curves": {k: [list(p) for p in v] for k, v in speed.kernel_curves.items()},
+        "kernel_byte_curves": {k: [list(p) for p in v] for k, v in speed.kernel_byte_curves.items()},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -200,9 +239,37 @@ def _kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
     return {family: sorted(points) for family, points in rates.items()}
 
 
-def _add_rates(rates: dict, family: str, flops: float, forward, call: float) -> None:
-    """The forward's rate, and the backward's: forward and backward less the forward, for the
-    backward's twice the forward's FLOPs (gradients of the input and of the weights or keys)."""
+POOLED = ((8, 16, 32), (32, 32, 32), (32, 64, 64))
+"""Batch, channels, image side of the pooling and batch-norm microbenchmarks (fp32)."""
+
+
+def _memory_kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
+    """Bytes/s of the memory-bound kernel families a CPU runs far below an add's bandwidth
+    (2×2 max pooling, training-mode batch norm), forward and backward: (bytes one op moves, rate)."""
+    rates: dict[str, list] = {"pooling": [], "pooling_backward": [], "batch_norm": [],
+                              "batch_norm_backward": []}
+    for batch, channels, side in POOLED:
+        x = torch.randn(batch, channels, side, side, requires_grad=True)
+        size = 4.0 * x.numel()
+        norm = torch.nn.BatchNorm2d(channels)
+        # Pooling reads the input, writes a quarter of it and its indices (int64: twice fp32's);
+        # its backward reads those and writes the input's gradient. Batch norm reads and writes
+        # the input's size, both ways (its backward also reads the input).
+        _add_byte_rates(rates, "pooling", size * 1.75, size * 1.75,
+                        lambda x=x: torch.nn.functional.max_pool2d(x, 2), call)
+        _add_byte_rates(rates, "batch_norm", size * 2, size * 3, lambda x=x, n=norm: n(x), call)
+    return {family: sorted(points) for family, points in rates.items()}
+
+
+def _add_byte_rates(rates: dict, family: str, forward_bytes: float, backward_bytes: float,
+                    forward, call: float) -> None:
+    forward_time, backward_time = _forward_backward_times(forward, call)
+    rates[family].append((forward_bytes, forward_bytes / forward_time))
+    rates[f"{family}_backward"].append((backward_bytes, backward_bytes / backward_time))
+
+
+def _forward_backward_times(forward, call: float) -> tuple[float, float]:
+    """Seconds of ``forward`` and of its backward (forward and backward less the forward)."""
     out = forward()
     grad = torch.ones_like(out)
 
@@ -210,8 +277,14 @@ def _add_rates(rates: dict, family: str, flops: float, forward, call: float) -> 
         forward().backward(grad)
 
     forward_time = _work_time(forward, call)
+    return forward_time, max(_work_time(both, call) - forward_time, 0.5 * forward_time)
+
+
+def _add_rates(rates: dict, family: str, flops: float, forward, call: float) -> None:
+    """The forward's rate, and the backward's: forward and backward less the forward, for the
+    backward's twice the forward's FLOPs (gradients of the input and of the weights or keys)."""
+    forward_time, backward_time = _forward_backward_times(forward, call)
     rates[family].append((flops, flops / forward_time))
-    backward_time = max(_work_time(both, call) - forward_time, 0.5 * forward_time)
     rates[f"{family}_backward"].append((2 * flops, 2 * flops / backward_time))
 
 

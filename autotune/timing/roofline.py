@@ -57,6 +57,10 @@ class DeviceSpeed:
     """Bytes/s."""
     fractions: dict[str, float]
     op_overhead_s: float = 0.0
+    recompute_op_overhead_s: float = 0.0
+    """Fixed cost of one recomputed op under activation checkpointing, where it differs from
+    ``op_overhead_s`` (0: the same): on the CPU, checkpoint's Python pack/unpack hooks and
+    re-entry run on the same thread as the ops."""
     matmul_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """Per precision, (FLOPs of one matmul, fraction of that precision's peak), ascending."""
     memory_curve: tuple[tuple[float, float], ...] = ()
@@ -64,15 +68,19 @@ class DeviceSpeed:
     kernel_curves: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """Per kernel family (``costs.KERNELS``; measured: this CPU), (FLOPs of one op, fraction of
     the precision's peak), ascending; a family without one takes ``matmul_curve``."""
+    kernel_byte_curves: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """Per memory-bound kernel family (measured: this CPU), (bytes one op moves, fraction of
+    ``memory_bandwidth``), ascending; a family without one takes ``memory_curve``."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each number comes from."""
 
     def __post_init__(self):
         numbers = [*self.peak_flops.values(), self.memory_bandwidth, *self.fractions.values(),
-                   self.op_overhead_s]
+                   self.op_overhead_s, self.recompute_op_overhead_s]
         numbers += [v for curve in self.matmul_curve.values() for point in curve for v in point]
         numbers += [v for point in self.memory_curve for v in point]
-        numbers += [v for curve in self.kernel_curves.values() for point in curve for v in point]
+        numbers += [v for curves in (self.kernel_curves, self.kernel_byte_curves)
+                    for curve in curves.values() for point in curve for v in point]
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in numbers):
             raise ValueError(f"device speed {self.name!r}: every number must be finite and >= 0")
         if self.memory_bandwidth <= 0 or any(v <= 0 for v in self.fractions.values()):
@@ -88,8 +96,11 @@ class DeviceSpeed:
             return peak * _interpolate(curve, flops_per_op)
         return peak * self.fractions.get(op_class, self.fractions["matmul"])
 
-    def byte_rate(self, bytes_per_op: float) -> float:
-        """Bytes/s one op moving ``bytes_per_op`` reaches."""
+    def byte_rate(self, bytes_per_op: float, kernel: str = "") -> float:
+        """Bytes/s one op moving ``bytes_per_op`` (of the family ``kernel``) reaches."""
+        curve = self.kernel_byte_curves.get(kernel)
+        if curve:
+            return self.memory_bandwidth * _interpolate(curve, bytes_per_op)
         if self.memory_curve:
             return self.memory_bandwidth * _interpolate(self.memory_curve, bytes_per_op)
         return self.memory_bandwidth * self.fractions["memory"]
@@ -104,11 +115,13 @@ def compute_time(costs: StepCosts, speed: DeviceSpeed, precision="fp32") -> dict
     for op in costs.ops:
         flops, moved = op.flops / op.count, op.bytes / op.count
         seconds = speed.op_overhead_s
+        if op.phase == "recompute" and speed.recompute_op_overhead_s:
+            seconds = speed.recompute_op_overhead_s
         if flops:
             seconds += max(flops / speed.flop_rate(precision, op.op_class, flops, op.kernel),
                            moved / speed.byte_rate(moved))
         elif moved:
-            seconds += moved / speed.byte_rate(moved)
+            seconds += moved / speed.byte_rate(moved, op.kernel)
         parts["recompute" if op.phase == "recompute" else op.op_class] += seconds * op.count
     parts["total"] = sum(parts[k] for k in BREAKDOWN)
     return parts
