@@ -42,6 +42,7 @@ from ..units import format_bytes
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates,
                                 search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
+from .eval_batch import plan_eval_batch
 from .request import PlanOptions
 from ..workload.contract import Workload, load_workload
 from ..workload.dataset_batch import check_default_collate
@@ -70,6 +71,8 @@ def plan(
     even: bool = False,
     sharding: str = "auto",
     shard_group: int | None = None,
+    eval_batch: bool = True,
+    max_eval_batch: int | None = None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -106,6 +109,10 @@ def plan(
     more the smaller its group), and the plan takes the fewest steps, the least communication
     among equals. ``plan.reasons["sharding"]``
     says why.
+
+    ``eval_batch`` (default on) also plans the largest eval micro-batch (``plan.eval_micro_batch``:
+    the forward alone under ``no_grad``, optimizer state alive, proved with real forwards),
+    at most ``max_eval_batch``.
     """
     workload = load_workload(workload)
     options = PlanOptions(
@@ -113,7 +120,8 @@ def plan(
         checkpointing=checkpointing, memory_limit=memory_limit, headroom=headroom,
         micro_batch=micro_batch, base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
         optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
-        even=even, sharding=sharding, shard_group=shard_group)
+        even=even, sharding=sharding, shard_group=shard_group, eval_batch=eval_batch,
+        max_eval_batch=max_eval_batch)
     return _Planner(workload, options).run()
 
 
@@ -168,11 +176,14 @@ class _Planner:
     def run(self) -> Plan:
         options = self.options
         if options.optimize == "throughput":
-            return self._fastest()
-        if options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
+            result = self._fastest()
+        elif options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
             result = _cpu_auto_precision(self.settings_in, self.build, bf16=supports_bf16(self.backend.device))
         else:
             result = self.build(self.chosen, self.settings_in(self.chosen))
+        if options.eval_batch:
+            result = plan_eval_batch(result, self.workload, self.backend, usable=self.usable,
+                                     extra=self.extra, upper=options.max_eval_batch, agree=self.agree)
         if self.distributed:
             collectives.settle()  # every rank got here: the caller may exit right away
         return result

@@ -311,6 +311,10 @@ class Plan(SplitArithmetic):
     """The fp16 GradScaler's knobs (init_scale, growth_factor, backoff_factor, growth_interval);
     recorded for every plan, used where the precision is fp16. Absent in older files: torch's
     defaults."""
+    eval_micro_batch: int | None = None
+    """The largest evaluation micro-batch per rank: the forward alone under ``torch.no_grad``,
+    model in ``eval()``, with the optimizer state alive, within the budget less the headroom
+    (``reasons["eval"]`` says how it was proved); None: not planned (older files, or skipped)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
