@@ -18,7 +18,6 @@ from ..distributed.sharding.ranks import sharded_step
 from ..distributed.sharding.settings import Sharding
 from ..workload.checkpoint_count import CheckpointingRequest
 from ..workload.contract import load_workload
-from .fake_optimizers import build_with_real_constants, fake_step
 from .trial import TrialSession, optimizer_state_tensors
 
 
@@ -155,10 +154,6 @@ class EstimateSession(TrialSession):
         self._step_by_runs()
 
     def _step_by_runs(self):
-        with fake_step(self.optimizer):
-            self._step_runs()
-
-    def _step_runs(self):
         # A per-parameter (single-tensor) update frees a parameter's temporaries by the end
         # of the next parameter's update (the loop rebinds its locals), so the step's peak is
         # set by pairs of neighbouring parameters, and alike pairs give alike peaks: stepping
@@ -178,9 +173,6 @@ class EstimateSession(TrialSession):
             for group, params in zip(groups, saved):
                 group["params"] = params
 
-    def _new_optimizer(self):
-        return build_with_real_constants(super()._new_optimizer, self.backend.fake_mode)
-
     def _release_memory(self):
         # Fake tensors hold no memory, and a full garbage collection costs 0.1-0.2 s on a
         # large heap: collect only when reference cycles kept some fake storage alive.
@@ -191,7 +183,7 @@ class EstimateSession(TrialSession):
         if _init_adam_state(self.optimizer):
             self.backend.adopt(optimizer_state_tensors(self.optimizer))
             return
-        with _foreach_path(self.optimizer), fake_step(self.optimizer):
+        with _foreach_path(self.optimizer):
             super()._allocate_optimizer_state()
 
 
