@@ -114,3 +114,20 @@ def test_cli_refuses_a_cap_on_a_skipped_eval_batch(tmp_path):
 def test_max_eval_batch_must_be_a_positive_int():
     with pytest.raises(ConfigError, match=r"max_eval_batch=0 must be a positive int"):
         plan(MODEL, target_batch=4, device="cpu", memory_limit=LIMIT, max_eval_batch=0)
+
+
+def test_lightning_callback_sets_the_val_batch_size(planned):
+    lightning = pytest.importorskip("lightning")
+    from autotune.integrations.lightning import apply_plan, trainer_arguments
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.batch_size = self.val_batch_size = 1  # what its dataloaders batch by
+            self.layer = torch.nn.Linear(2, 2)
+
+    trainer = lightning.Trainer(**trainer_arguments(planned), logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False)
+    module = Module()
+    apply_plan(planned, trainer, module)
+    assert module.val_batch_size == planned.eval_micro_batch > module.batch_size
