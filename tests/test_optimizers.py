@@ -125,3 +125,20 @@ def test_two_optimizers_are_refused_naming_parameter_groups():
                                           torch.optim.AdamW(params[2:]))
     with pytest.raises(WorkloadError, match=r"returned 2 optimizers \(SGD, AdamW\).*parameter group"):
         probe(two, device="cpu", memory_limit=LIMIT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bnb-AdamW8bit", "torchao-AdamW8bit", "torch-Adafactor"])
+def test_the_loop_trains_the_plan_at_its_lr_and_peak(name):
+    _needs(name)
+    from autotune import plan, train
+
+    train_workload = workload(name)
+    train_workload.base_lr, train_workload.base_batch = 1e-3, 4
+    planned = plan(train_workload, target_batch=48, device="cpu", memory_limit=LIMIT, precision="fp32",
+                   checkpointing="off", eval_batch=False)
+    result = train(planned, train_workload, steps=2, progress=False, measure_noise_scale=False)
+    lr = result.optimizer.param_groups[0]["lr"]  # torchao keeps it as a tensor: set in place
+    assert float(lr) == pytest.approx(planned.lr.lr) and planned.lr.rule == "sqrt"
+    peak = result.metrics[-1]["peak_memory_bytes"]
+    assert abs(peak - planned.predicted_peak_bytes) <= 0.01 * planned.predicted_peak_bytes
