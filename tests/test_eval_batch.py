@@ -116,6 +116,7 @@ def test_max_eval_batch_must_be_a_positive_int():
         plan(MODEL, target_batch=4, device="cpu", memory_limit=LIMIT, max_eval_batch=0)
 
 
+@pytest.mark.slow  # lightning's import and Trainer: the export's config is checked above
 def test_lightning_callback_sets_the_val_batch_size(planned):
     lightning = pytest.importorskip("lightning")
     from autotune.integrations.lightning import apply_plan, trainer_arguments
