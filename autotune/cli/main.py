@@ -314,6 +314,11 @@ def devices(memory_limit, as_json):
 @click.option("--network-gbps", type=click.FloatRange(min=0, min_open=True), default=None,
               help="With --gpu: each GPU's share of the network between hosts, Gb/s (default: the "
                    "profile's, e.g. 400 for the H100's NDR InfiniBand).")
+@click.option("--eval-batch/--no-eval-batch", default=True, show_default=True,
+              help="Also plan the largest eval micro-batch (forward only under no_grad), proved "
+                   "with real forwards.")
+@click.option("--max-eval-batch", type=click.IntRange(min=1), default=None,
+              help="The largest eval micro-batch to plan (a cap on that search).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
@@ -324,7 +329,7 @@ def devices(memory_limit, as_json):
 def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
                  gpu, even, sharding, shard_group, gpus_per_node, network_gbps, output, as_json,
-                 grad_scaler):
+                 grad_scaler, eval_batch, max_eval_batch):
     """Plan micro-batch × accumulation × world size = --target-batch (or × --seq-len =
     --target-tokens), and write the plan file."""
     from ..files.outputs import check_outputs
@@ -347,7 +352,8 @@ def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple,
                            shard_group=shard_group, target_tokens=target_tokens,
                            seq_len="auto" if seq_len is None and target_tokens is not None else seq_len,
                            seq_multiple=seq_multiple, gpus_per_node=gpus_per_node,
-                           network_gbps=network_gbps)
+                           network_gbps=network_gbps, eval_batch=eval_batch,
+                           max_eval_batch=max_eval_batch)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)

@@ -43,6 +43,7 @@ from ..units import format_bytes
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates,
                                 search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
+from .eval_batch import plan_eval_batch
 from .predicted import fastest_predicted
 from .request import PlanOptions
 from . import tokens
@@ -79,6 +80,8 @@ def plan(
     seq_len=None,
     target_tokens: int | None = None,
     seq_multiple: int = 1,
+    eval_batch: bool = True,
+    max_eval_batch: int | None = None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -124,6 +127,10 @@ def plan(
     more the smaller its group), and the plan takes the fewest steps, the least communication
     among equals. ``plan.reasons["sharding"]``
     says why.
+
+    ``eval_batch`` (default on) also plans the largest eval micro-batch (``plan.eval_micro_batch``:
+    the forward alone under ``no_grad``, optimizer state alive, proved with real forwards),
+    at most ``max_eval_batch``.
     """
     workload = load_workload(workload)
     tokens.check_token_options(target_batch=target_batch, target_tokens=target_tokens,
@@ -146,7 +153,7 @@ def plan(
         micro_batch=micro_batch, base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
         optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
         even=even, sharding=sharding, shard_group=shard_group, gpus_per_node=gpus_per_node,
-        network_gbps=network_gbps)
+        network_gbps=network_gbps, eval_batch=eval_batch, max_eval_batch=max_eval_batch)
     planned = _Planner(workload, options).run()
     planned.reasons["batch_shapes"] = tokens.batch_shapes(workload, planned.micro_batch)
     return planned if token_request is None else tokens.with_tokens(planned, token_request)
@@ -228,11 +235,14 @@ class _Planner:
     def run(self) -> Plan:
         options = self.options
         if options.optimize == "throughput":
-            return self._fastest() if self.target is None else fastest_predicted(self)
-        if options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
+            result = self._fastest() if self.target is None else fastest_predicted(self)
+        elif options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
             result = _cpu_auto_precision(self.settings_in, self.build, bf16=supports_bf16(self.backend.device))
         else:
             result = self.build(self.chosen, self.settings_in(self.chosen))
+        if options.eval_batch:
+            result = plan_eval_batch(result, self.workload, self.backend, usable=self.usable,
+                                     extra=self.extra, upper=options.max_eval_batch, agree=self.agree)
         if self.distributed:
             collectives.settle()  # every rank got here: the caller may exit right away
         return result

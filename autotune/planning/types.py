@@ -370,6 +370,10 @@ class Plan(SplitArithmetic):
     target_tokens: int | None = None
     """Tokens per optimizer step asked for (``--target-tokens``): micro-batches × ``seq_len`` ×
     world size, exactly; None where a batch in samples was asked for."""
+    eval_micro_batch: int | None = None
+    """The largest evaluation micro-batch per rank: the forward alone under ``torch.no_grad``,
+    model in ``eval()``, with the optimizer state alive, within the budget less the headroom
+    (``reasons["eval"]`` says how it was proved); None: not planned (older files, or skipped)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
