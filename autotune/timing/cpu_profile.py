@@ -2,10 +2,12 @@
 
 Measured: ``torch.mm`` FLOP/s per precision at a few sizes (the peak is the best; smaller sizes
 give the fraction a smaller matmul reaches), memory bandwidth of ``torch.add`` at a few sizes
-(operands streamed from memory, not left in cache by the op before), and the cost of dispatching one tiny op. The result is
-cached as JSON under ``$XDG_CACHE_HOME/autotune`` (``~/.cache/autotune``), keyed by the CPU
-model, the thread count and the torch version; a cache file that does not hold finite, positive
-numbers is ignored and measured again.
+(operands streamed from memory, not left in cache by the op before), kernel families a CPU runs
+below those rates, and the fixed costs of an op, a module call and a checkpointed block. At one
+thread every timing reads the thread's CPU clock (``clock``). The result is cached as JSON under
+``$XDG_CACHE_HOME/autotune`` (``~/.cache/autotune``), keyed by the CPU model, the thread count, the
+torch version and ``PROFILE_VERSION``; a cache file that does not hold finite, positive numbers is
+ignored and measured again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ MEMORY_ELEMENTS = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 """fp32 elements per tensor of the bandwidth microbenchmark (4 KiB to 64 MiB; three tensors)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE_FILE = "cpu-speed.json"
+PROFILE_VERSION = 2
+"""2: the CPU clock at one thread, module-call, checkpoint-block and optimizer-op costs, layer
+norm / softmax / embedding / NLL loss curves."""
 _MIN_SECONDS = 0.02
 """Each timed repetition runs at least this long; the median of ``_REPEATS`` counts."""
 _REPEATS = 7
@@ -53,8 +58,10 @@ def default_cache_dir() -> Path:
 
 
 def machine_key() -> str:
-    """What the measurement depends on: the CPU, the threads torch uses, torch's version."""
-    return f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    """What the measurement depends on: the CPU, the threads torch uses, torch's version, and the
+    microbenchmarks' own version (``PROFILE_VERSION``: entries measured by older ones are stale)."""
+    return (f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+            f"|profile={PROFILE_VERSION}")
 
 
 def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
