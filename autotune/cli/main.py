@@ -128,6 +128,21 @@ def _scaler_options(command):
     return wrapper
 
 
+def _compile_options(command):
+    """--compile / --compile-backend NAME, gathered into ``compile`` (None, or a backend name)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, compile_step, compile_backend, **kwargs):
+        return command(*args, compile=compile_backend or (True if compile_step else None), **kwargs)
+
+    wrapper = click.option("--compile-backend", default=None, metavar="NAME",
+                           help="torch.compile backend for --compile (implies it): inductor "
+                                "(the default), aot_eager, eager, ...")(wrapper)
+    return click.option("--compile", "compile_step", is_flag=True,
+                        help="Run the training step torch.compile'd (batch sizes dynamic); the "
+                             "probe's real trials measure the compiled step.")(wrapper)
+
+
 def _stdout_to_stderr(active: bool):
     """While the model file is imported and run, its prints go to stderr: stdout carries --json."""
     return contextlib.redirect_stdout(sys.stderr) if active else contextlib.nullcontext()
@@ -156,10 +171,12 @@ def _model_file(function):
 @click.option("--max-micro-batch", type=click.IntRange(min=1), default=None,
               help="Largest micro-batch worth finding (default: the true maximum).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_compile_options
 @_quiet_option
 @_errors_to_exit_codes
 @_trial_timeout_option
-def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_batch, as_json):
+def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_batch, as_json,
+          compile):
     """Find the exact largest micro-batch whose full training step fits."""
     from ..probing.api import probe as run_probe
     from .format import format_probe
@@ -167,7 +184,7 @@ def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_
     with _stdout_to_stderr(as_json):
         result = run_probe(model_file, device=device, precision=precision,
                            checkpointing=checkpointing, memory_limit=memory_limit,
-                           max_micro_batch=max_micro_batch)
+                           max_micro_batch=max_micro_batch, compile=compile)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_probe(result, model_file))
 
 
@@ -239,12 +256,13 @@ def devices(memory_limit, as_json):
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
 @_scaler_options
+@_compile_options
 @_quiet_option
 @_errors_to_exit_codes
 @_trial_timeout_option
 def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
-                 gpu, even, sharding, shard_group, output, as_json, grad_scaler):
+                 gpu, even, sharding, shard_group, output, as_json, grad_scaler, compile):
     """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
     from ..files.outputs import check_outputs
     from ..planning.planfile import plan_to_json, save_plan
@@ -263,7 +281,7 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                            base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule, optimize=optimize,
                            **({} if budget is None else {"budget": budget}), storage=storage, gpu=gpu,
                            grad_scaler=grad_scaler, even=even, sharding=sharding,
-                           shard_group=shard_group)
+                           shard_group=shard_group, compile=compile)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)
@@ -393,9 +411,11 @@ def export(plan_file, target, output, nproc_per_node):
 @click.option("-q", "--quiet", is_flag=True,
               help="No progress (bar or log lines) on stderr; warnings are still printed.")
 @_scaler_options
+@_compile_options
 @_errors_to_exit_codes
 def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
-                  overwrite, save_path, metrics_path, clip_grad_norm, seed, device, quiet, grad_scaler):
+                  overwrite, save_path, metrics_path, clip_grad_norm, seed, device, quiet, grad_scaler,
+                  compile):
     """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP or FSDP2)."""
     from ..training import train
 
@@ -403,7 +423,7 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
     result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,
                    metrics_path=metrics_path, seed=seed, device=device, save_path=save_path,
-                   progress=not quiet, grad_scaler=grad_scaler, **clip)
+                   progress=not quiet, grad_scaler=grad_scaler, compile=compile, **clip)
     if result.rank != 0:
         return
     if result.metrics or result.interrupted:

@@ -150,6 +150,15 @@ class _TrackingMode(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile runs a frame eagerly while a dispatch mode that does not say this is
+        # active: a compiled step would be measured as the eager one. Saying it, the mode sees
+        # the compiled graph's ops at run time (not the tracing), which is the compiled step's
+        # memory where its kernels allocate through the dispatcher (aot_eager; inductor's
+        # extern kernels; see docs/training.md "torch.compile" for inductor's own buffers).
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(hasattr(t, "__tensor_flatten__") for t in types):
             # A tensor subclass (DTensor) runs the op on its inner tensors, which come back

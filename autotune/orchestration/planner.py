@@ -21,7 +21,8 @@ from ..version import __version__
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..distributed import collectives
-from ..errors import EstimateUnavailable, PlanError, ProbeError, option
+from ..compiled import eager_module, with_compile
+from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError, given, option
 from ..memory.fake import fake_tensor_limits
 from ..memory import backend_for
 from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
@@ -70,6 +71,7 @@ def plan(
     even: bool = False,
     sharding: str = "auto",
     shard_group: int | None = None,
+    compile=None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -106,8 +108,19 @@ def plan(
     more the smaller its group), and the plan takes the fewest steps, the least communication
     among equals. ``plan.reasons["sharding"]``
     says why.
+
+    ``compile`` (True: inductor, or a torch.compile backend name) plans the compiled training
+    step: the probes' real trials run it (batch sizes dynamic), the plan records ``compile`` and
+    ``autotune train`` trains compiled; a ``build_model`` that returns a compiled module is
+    planned compiled without it. Compiled plans are DDP replicas (``sharding`` auto or ddp).
     """
-    workload = load_workload(workload)
+    workload = with_compile(load_workload(workload), compile)
+    if workload.compile is not None:
+        if sharding not in ("auto", "ddp"):
+            raise ConfigError(f"{given('sharding', sharding)} with {option('compile')}: compiled "
+                              f"steps are planned for DDP replicas only; use {given('sharding', 'ddp')} "
+                              f"or plan without {option('compile')}")
+        sharding = "ddp"
     options = PlanOptions(
         target_batch=target_batch, world_size=world_size, device=device, precision=precision,
         checkpointing=checkpointing, memory_limit=memory_limit, headroom=headroom,
@@ -535,7 +548,7 @@ def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: Setting
         memory_model=memory_model, device=on.probe.device, precision=on.precision,
         checkpointing=Checkpointing.of(blocks, total), total_blocks=total, block_model=model,
         seconds=proof.seconds, oom_count=sum(not t.fits for t in proof.trials.values()),
-        share=request.share,
+        share=request.share, compiled=on.probe.compiled, compile_backend=on.probe.compile_backend,
         notes=[f"checkpointing {Checkpointing.of(blocks, total)} at micro-batch {micro_batch}: {said}; "
                f"real trials by blocks checkpointed: {tried}"])
     setting = SettingTried(precision=on.precision, checkpointing=result.checkpointing,
@@ -560,6 +573,7 @@ def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
 
 
 def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerprint:
+    model = eager_module(model)  # build_model()'s torch.compile: the blocks are the module's
     params = list(model.parameters())
     blocks = checkpointable_blocks(model)
     trainable = [p for p in params if p.requires_grad]

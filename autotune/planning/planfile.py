@@ -22,6 +22,7 @@ from ..errors import ConfigError, PlanFileError
 from ..memory.base import DeviceInfo
 from ..files.outputs import check_outputs
 from .types import READABLE_SCHEMA_VERSIONS, Plan
+from ..compiled import with_compile
 from ..workload.contract import Workload, load_workload
 
 
@@ -194,7 +195,9 @@ def load_planned_workload(plan: Plan, workload, *, source: str = "<plan>") -> Wo
 
     loaded = load_workload(workload, check_sha256=check)
     check_workload(plan, loaded, source=source)
-    return loaded
+    # A plan made with --compile trains compiled with its backend (one made from a build_model
+    # that compiles needs nothing: the file compiles again).
+    return with_compile(loaded, plan.compile_backend) if plan.compile else loaded
 
 
 def check_workload(plan: Plan, workload: Workload, *, source: str = "<plan>") -> None:

@@ -311,6 +311,12 @@ class Plan(SplitArithmetic):
     """The fp16 GradScaler's knobs (init_scale, growth_factor, backoff_factor, growth_interval);
     recorded for every plan, used where the precision is fp16. Absent in older files: torch's
     defaults."""
+    compile: bool = False
+    """The training step runs torch.compile'd (``--compile``, or ``build_model()`` returns a
+    compiled module): ``predicted_peak_bytes`` is the compiled step's, measured by compiled real
+    trials, and ``autotune train`` trains compiled. Absent in older files: false."""
+    compile_backend: str | None = None
+    """The torch.compile backend ``--compile`` asked for (None: the model file compiles, or eager)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")

@@ -27,6 +27,8 @@ from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from ..memory.base import MemoryBackend
 from ..memory.oom import free_memory, is_oom_error
 from ..precision import Precision, autocast, grad_scaler
+from ..compiled import compiled_step_module, eager_module, graphs_compiled, is_compiled, \
+    mark_batch_dynamic
 from ..workload.contract import Workload, move_batch
 from .deadline import deadline
 from .result import Trial
@@ -41,6 +43,11 @@ class SetupOutOfMemory(ProbeError):
 
 
 class TrialSession:
+    compiled = False
+    """Whether the trials run a compiled step (set up from the workload, see ``_setup``)."""
+    graphs_compiled = 0
+    """Graphs torch.compile compiled during this session's trials (recompilations included)."""
+
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
                  checkpointing=False, sharded: bool = False, offload: bool = False,
                  reduce_every_micro_step: bool = False):
@@ -117,9 +124,13 @@ class TrialSession:
                 # fully_shard replaced the full parameters, but reference cycles can keep them
                 # (and their bytes in the count) alive until a collection.
                 self._release_memory()
-        self.model = model.to(self.device)
+        # Compiled (--compile, or build_model's own torch.compile): the trials run the compiled
+        # step; blocks and checkpointing are the eager module's, which the compiled one calls.
+        self.model = compiled_step_module(model.to(self.device), self.workload.compile)
+        self.compiled = is_compiled(self.model)
+        self.graphs_compiled = 0
         self.model.train()
-        self.total_blocks = len(checkpointable_blocks(self.model))
+        self.total_blocks = len(checkpointable_blocks(eager_module(self.model)))
         self.set_checkpointing(self.checkpointing)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
@@ -160,15 +171,16 @@ class TrialSession:
     def set_checkpointing(self, checkpointing) -> int:
         """Checkpoint those blocks (a ``Checkpointing``, off/on, K or a fraction) from the next
         step on; returns how many are."""
-        disable_checkpointing(self.model)
+        model = eager_module(self.model)
+        disable_checkpointing(model)
         request = CheckpointingRequest.parse(checkpointing, allow_auto=False)
         source = self.workload.source
         if request.value == "on":  # every block, and models' own switches (none: a WorkloadError)
-            self.checkpointed_blocks = enable_checkpointing(self.model, source=source)
+            self.checkpointed_blocks = enable_checkpointing(model, source=source)
             self.checkpointing = Checkpointing.every_block(self.total_blocks or None)
             return self.checkpointed_blocks
         wanted = request.resolve(self.total_blocks, source=source)
-        self.checkpointed_blocks = (enable_checkpointing(self.model, source=source, blocks=wanted.count)
+        self.checkpointed_blocks = (enable_checkpointing(model, source=source, blocks=wanted.count)
                                     if wanted else 0)
         self.checkpointing = wanted
         return self.checkpointed_blocks
@@ -221,6 +233,7 @@ class TrialSession:
         start = time.perf_counter()
         out_of_memory = False
         self._held = None
+        graphs = graphs_compiled()
         try:
             with self._soft_budget(), deadline(self, n):  # --trial-timeout
                 activation_peak, step_peak = self._window(sizes)
@@ -230,6 +243,9 @@ class TrialSession:
             if not is_oom_error(exc):
                 raise
             out_of_memory = True
+        finally:
+            if self.compiled:
+                self.graphs_compiled += graphs_compiled() - graphs
         seconds = time.perf_counter() - start
         if out_of_memory:
             # Outside the except block: the traceback no longer pins the failed step's tensors.
@@ -333,6 +349,8 @@ class TrialSession:
             for index, size in enumerate(sizes):
                 self._gradient_sync(index == last or self.reduce_every_micro_step)
                 batch = move_batch(self.workload.batch(size), self.device)
+                if self.compiled:
+                    mark_batch_dynamic(batch)
                 activation_peak = self._forward_backward(batch)
                 if index < last:
                     del batch
@@ -411,9 +429,9 @@ class TrialSession:
                 self.optimizer = None
             if self.model is not None:
                 if self.checkpointing:
-                    disable_checkpointing(self.model)
+                    disable_checkpointing(eager_module(self.model))
                 if self._saved is not None:
-                    _restore_module_state(self.model, self._saved)
+                    _restore_module_state(eager_module(self.model), self._saved)
             self.model = None
             self.params = []
             self._release_memory()

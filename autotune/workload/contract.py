@@ -56,6 +56,9 @@ class Workload:
     source: str = "<python objects>"
     file_sha256: str | None = None
     namespace: dict = field(default_factory=dict, repr=False)
+    compile: str | None = None
+    """The torch.compile backend the training step runs under (``--compile``; None: the model
+    as ``build_model()`` returns it, compiled or not). See ``autotune/compiled.py``."""
 
     def __post_init__(self):
         if not (isinstance(self.model, torch.nn.Module) or callable(self.model)):
