@@ -35,8 +35,8 @@ from .version import check_torch as _check_torch
 _check_torch()  # an older torch: one clear ImportError naming the floor, before any import fails
 
 from .errors import (
-    AutotuneError, ConfigError, EstimateUnavailable, OutputError, PlanError, PlanFileError, ProbeError,
-    ReportError, UserCodeError, WorkloadError,
+    AutotuneError, ConfigError, EstimateCrashed, EstimateUnavailable, OutputError, PlanError,
+    PlanFileError, ProbeError, ReportError, UserCodeError, WorkloadError,
 )
 from .memory import DeviceInfo
 from .memory.oom import is_oom_error
@@ -59,7 +59,7 @@ from .workload import Workload, load_workload
 from .workload.checkpoint_count import Checkpointing
 
 __all__ = [
-    "AutotuneError", "Checkpointing", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
+    "AutotuneError", "Checkpointing", "ConfigError", "DeviceInfo", "EstimateCrashed", "EstimateUnavailable", "LRDecision", "MemoryModel",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
     "ProbeResult", "ReportError", "Sharding", "TrainError", "TrainResult", "Trial", "UserCodeError",
     "VerifyResult", "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan",
