@@ -47,6 +47,23 @@ def format_probe(result, source: str = "") -> str:
     return "\n".join(head)
 
 
+def format_seq_len(result, source: str = "") -> str:
+    """``autotune probe --max-seq-len``: the answer, each real step, and the notes."""
+    budget = format_bytes(result.budget_bytes)
+    capped = " (the model's limit: longer might fit)" if result.capped else ""
+    lines = [f"model:        {source}", f"device:       {result.device.name} ({budget} budget)",
+             f"setting:      {setting_label(result.precision, result.checkpointing)}, micro-batch "
+             f"{result.micro_batch}, lengths in multiples of {result.seq_multiple}",
+             f"max seq len:  {result.max_seq_len}{capped} = {result.tokens:,} tokens per micro-batch",
+             "",
+             table(["seq len", "fits", "peak"],
+                   [[t.seq_len, "yes" if t.fits else "out of memory", format_bytes(t.peak_bytes)]
+                    for t in result.trials]),
+             f"\n{len(result.trials)} real step(s) in {result.seconds:.1f}s"]
+    lines += [f"note: {note}" for note in result.notes]
+    return "\n".join(lines)
+
+
 def _describe_model(model) -> str:
     a, b, c = model.activation
     d, e = model.step
@@ -112,6 +129,11 @@ def format_plan(plan) -> str:
               f"precision:    {plan.precision} ({plan.reasons.get('precision', '')})",
               f"checkpointing: {plan.checkpointing_label} "
               f"({plan.reasons.get('checkpointing', '')})"]
+    if getattr(plan, "seq_len", None) is not None:
+        lines.append(f"tokens:       {plan.tokens_per_step:,} per optimizer step = {plan.effective_batch} "
+                     f"sequences × seq len {plan.seq_len} ({plan.reasons.get('seq_len', '')})")
+        if "batch_shapes" in plan.reasons:
+            lines.append(f"shapes:       {plan.reasons['batch_shapes']}")
     if "sharding" in plan.reasons:
         group = f", shard group {plan.shard_group}" if plan.shard_group else ""
         lines.append(f"sharding:     {plan.sharding}{group} ({plan.reasons['sharding']})")

@@ -44,6 +44,8 @@ from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates,
                                 search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
 from .request import PlanOptions
+from . import tokens
+from ..distributed import environment
 from ..workload.contract import Workload, load_workload
 from ..workload.dataset_batch import check_default_collate
 
@@ -52,7 +54,7 @@ from ..workload.dataset_batch import check_default_collate
 def plan(
     workload,
     *,
-    target_batch: int,
+    target_batch: int | None = None,
     world_size: int | None = None,
     device=None,
     precision: str = "auto",
@@ -71,9 +73,18 @@ def plan(
     even: bool = False,
     sharding: str = "auto",
     shard_group: int | None = None,
+    seq_len=None,
+    target_tokens: int | None = None,
+    seq_multiple: int = 1,
     compile=None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
+
+    ``seq_len`` (N or "auto") plans at ``make_batch(n, seq_len)``; ``target_tokens`` asks for
+    that many tokens per optimizer step instead of ``target_batch`` samples (micro-batches ×
+    seq_len × world size, exactly). "auto" takes the longest length, a multiple of
+    ``seq_multiple``, whose accumulation micro-step fits at micro-batch 1 (see
+    ``autotune.orchestration.tokens``); the plan records ``seq_len`` and ``target_tokens``.
 
     ``world_size`` defaults to torch.distributed's world size when initialised, else the
     WORLD_SIZE environment variable, else 1. ``precision`` is auto|fp32|bf16|fp16 and
@@ -121,13 +132,53 @@ def plan(
                               f"steps are planned for DDP replicas only; use {given('sharding', 'ddp')} "
                               f"or plan without {option('compile')}")
         sharding = "ddp"
+    tokens.check_token_options(target_batch=target_batch, target_tokens=target_tokens,
+                               seq_len=seq_len, seq_multiple=seq_multiple)
+    token_request = None
+    if seq_len is not None or target_tokens is not None:
+        workload.check_takes_seq_len()
+        token_request = tokens.resolve(
+            target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len,
+            seq_multiple=seq_multiple, world_size=environment.resolve_world_size(
+                world_size, environment.torchrun_group()),
+            longest=lambda: _longest_at_one(workload, device=device, memory_limit=memory_limit,
+                                            gpu=gpu, optimize=optimize, precision=precision,
+                                            checkpointing=checkpointing, headroom=headroom,
+                                            world_size=world_size, seq_multiple=seq_multiple))
+        workload, target_batch = workload.at_seq_len(token_request.seq_len), token_request.target_batch
     options = PlanOptions(
         target_batch=target_batch, world_size=world_size, device=device, precision=precision,
         checkpointing=checkpointing, memory_limit=memory_limit, headroom=headroom,
         micro_batch=micro_batch, base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
         optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
         even=even, sharding=sharding, shard_group=shard_group)
-    return _Planner(workload, options).run()
+    planned = _Planner(workload, options).run()
+    planned.reasons["batch_shapes"] = tokens.batch_shapes(workload, planned.micro_batch)
+    return planned if token_request is None else tokens.with_tokens(planned, token_request)
+
+
+def _longest_at_one(workload, *, device, memory_limit, gpu, optimize, precision, checkpointing,
+                    headroom, world_size, seq_multiple):
+    """``seq_len="auto"``: the longest length at micro-batch 1 in the setting that saves the most
+    activations among those asked for (checkpointing every block under "auto"), within the
+    budget less the headroom and DDP's buckets."""
+    target = (profile_target(gpu, device=device, memory_limit=memory_limit, optimize=optimize)
+              if gpu is not None else None)
+    backend = target.backend if target else backend_for(device, memory_limit)
+    chosen, _ = (target.choose_precision(precision) if target else choose_precision(
+        precision, device_kind=backend.device.type, bf16_supported=supports_bf16(backend.device)))
+    fingerprint = fingerprint_workload(workload)
+    request = _requested_blocks(checkpointing, fingerprint)
+    blocks = ("on" if fingerprint.checkpointable else "off") if request.auto else request
+    world = environment.resolve_world_size(world_size, environment.torchrun_group())
+    limit = (usable_bytes(backend.info().budget_bytes, headroom)
+             - ddp_bucket_bytes(world, fingerprint.param_bytes))
+    found = tokens.longest_at_one(workload, backend, device=device, limit_bytes=limit,
+                                  precision=chosen, checkpointing=blocks, seq_multiple=seq_multiple)
+    if environment.torchrun_group():
+        # Every rank probed its own device: all plan the shortest answer, or they would differ.
+        found.max_seq_len = collectives.min_across_ranks(found.max_seq_len)
+    return found
 
 
 class _Planner:

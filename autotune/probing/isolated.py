@@ -43,7 +43,7 @@ def seed_in_child(workload, backend, *, precision, checkpointing, upper, share=N
         "source": str(Path(workload.source).resolve()), "sha256": workload.file_sha256,
         "budget": backend.info().budget_bytes, "for_cuda": backend.device.type == "cuda",
         "precision": precision.value, "checkpointing": _plain(checkpointing.value),
-        "upper": upper, "share": share, "lines": progress.lines_shown() or progress.shown(),
+        "upper": upper, "share": share, "seq_len": workload.seq_len, "lines": progress.lines_shown() or progress.shown(),
     }
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -32,6 +32,8 @@ def _child(result_path: str) -> int:
     try:
         with progress.quiet(not request["lines"]):
             workload = load_workload(request["source"], check_sha256=same_file)
+            if request["seq_len"] is not None:  # the parent's workload.at_seq_len
+                workload = workload.at_seq_len(request["seq_len"])
             backend = EstimateMemoryBackend(request["budget"], for_cuda=request["for_cuda"])
             seed = estimate_seed(workload, backend, precision=Precision.parse(request["precision"]),
                                  checkpointing=request["checkpointing"], upper=request["upper"],

@@ -16,7 +16,7 @@ import torch
 from ..memory.oom import free_memory, is_oom_error
 from ..precision import Precision, autocast
 from ..distributed.sharding import wrap as sharding
-from ..workload.contract import Workload, move_batch
+from ..workload.contract import Workload, check_within_seq_len, move_batch
 from . import noise_scale
 from ..distributed import process_group as distributed
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
@@ -199,6 +199,8 @@ class StepRunner:
                     padding: bool = False) -> bool:
         out_of_memory = agreed = False
         try:
+            if self.workload.seq_len is not None:  # a plan in tokens: no batch past its length
+                check_within_seq_len(part, self.workload.seq_len, source=self.workload.source)
             batch = move_batch(part, self.device)
             with distributed.sync_context(self.model, final=final or self.reduce_every_micro_step):
                 with autocast(self.precision, self.device):
