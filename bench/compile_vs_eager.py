@@ -7,7 +7,7 @@ the peaks compare like for like), the graphs torch.compile compiled over all tri
 probe's seconds.
 
 The CPU backend counts the tensors the step's ops return and the buffers inductor's generated
-code allocates (docs/training.md, "torch.compile"). Inductor compiles C++ per graph: minutes on
+code allocates (docs/fine-tuning.md, "torch.compile"). Inductor compiles C++ per graph: minutes on
 a loaded machine.
 
     python bench/compile_vs_eager.py                         # eager, aot_eager, inductor
