@@ -150,3 +150,20 @@ def test_plan_and_train_with_compile(tmp_path):
     peak = max(record["peak_memory_bytes"] for record in trained.metrics)
     # The plan's peak is the compiled step's: the trained one reaches it within 1%.
     assert abs(peak - plan["predicted_peak_bytes"]) <= 0.01 * plan["predicted_peak_bytes"]
+
+
+@pytest.mark.slow
+def test_a_compiled_model_instance_is_probed_and_left_as_it_was():
+    from autotune.workload.contract import Workload
+
+    workload = load_workload(MODEL)
+    module = workload.new_model()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    instance = dataclasses.replace(workload, model=torch.compile(module, backend="aot_eager"),
+                                   file_sha256=None)
+    assert isinstance(instance, Workload)
+    result = probe(instance, memory_limit=BUDGET)
+    assert result.compiled and result.max_micro_batch > 0
+    after = module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in module.parameters())

@@ -431,7 +431,7 @@ class TrialSession:
                 if self.checkpointing:
                     disable_checkpointing(eager_module(self.model))
                 if self._saved is not None:
-                    _restore_module_state(eager_module(self.model), self._saved)
+                    _restore_module_state(self.model, self._saved)
             self.model = None
             self.params = []
             self._release_memory()
@@ -461,7 +461,9 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
 
 
 def _save_module_state(model: torch.nn.Module) -> dict:
-    """Everything a probe changes on a module instance, copied to the CPU."""
+    """Everything a probe changes on a module instance, copied to the CPU (a compiled
+    instance's: its eager module's, under the keys ``_restore_module_state`` reads)."""
+    model = eager_module(model)
     first = next(iter(model.parameters()), None)
     return {
         "device": first.device if first is not None else torch.device("cpu"),
@@ -473,6 +475,7 @@ def _save_module_state(model: torch.nn.Module) -> dict:
 
 
 def _restore_module_state(model: torch.nn.Module, saved: dict) -> None:
+    model = eager_module(model)
     model.to(saved["device"])
     with torch.no_grad():
         model.load_state_dict(saved["state"])
