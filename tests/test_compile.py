@@ -85,6 +85,18 @@ def test_plans_record_compile_and_older_files_read_as_eager():
     assert old.compile is False and old.compile_backend is None
 
 
+def test_a_compiled_plan_exports_trainer_arguments_that_compile():
+    from autotune.planning.export import to_hf
+
+    plan = dataclasses.replace(make_plan(), compile=True, compile_backend="aot_eager")
+    config = to_hf(plan).config
+    assert config["torch_compile"] is True and config["torch_compile_backend"] == "aot_eager"
+    assert "torch_compile" not in to_hf(make_plan()).config
+    transformers = pytest.importorskip("transformers")
+    arguments = transformers.TrainingArguments(output_dir="unused", **config)
+    assert arguments.torch_compile and arguments.torch_compile_backend == "aot_eager"
+
+
 def _largest_fitting_compiled_step(workload, budget: str) -> tuple[int, int]:
     """The largest micro-batch whose compiled real step fits, by plain bisection over steps of
     one session (doubling up to the first failure, then halving the bracket); and the graphs
