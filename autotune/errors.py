@@ -95,6 +95,10 @@ class EstimateCrashed(AutotuneError):
     an exit without an answer): the planning process itself is unharmed."""
 
 
+class AutotuneWarning(UserWarning):
+    """Something the user should know that stops nothing (the CLI prints it on one line)."""
+
+
 class ReportError(AutotuneError):
     """A plot or report cannot be made (matplotlib missing, an unreadable metrics file)."""
 

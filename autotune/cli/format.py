@@ -94,10 +94,25 @@ def format_devices(cuda: list[dict], cpu) -> str:
     return "\n".join(lines)
 
 
+def _parameters(workload) -> str:
+    """"131,840 parameters", or with frozen ones "trainable 11.3K of 131.8K parameters"."""
+    trainable = workload.trainable_param_count
+    if trainable is None or trainable == workload.param_count:
+        return f"{workload.param_count:,} parameters"
+    return f"trainable {_count(trainable)} of {_count(workload.param_count)} parameters"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
 def format_plan(plan) -> str:
     """The readable summary of a ``Plan``: device, budget, settings tried, the split, LR, warnings."""
     info = plan.device
-    lines = [f"model:        {plan.workload.source} ({plan.workload.param_count:,} parameters, "
+    lines = [f"model:        {plan.workload.source} ({_parameters(plan.workload)}, "
              f"{format_bytes(plan.workload.param_bytes)})"]
     if info is not None:
         lines.append(f"device:       {info.name}")
@@ -234,3 +249,23 @@ def format_metrics(runs: dict[str, list[dict]]) -> str:
         rows.append([name, f"{first['step']}-{last['step']}", f"{first['loss']:.4f}",
                      f"{last['loss']:.4f}", peak.strip()])
     return table(["metrics", "steps", "first loss", "last loss", "last peak"], rows, align="lrrrr")
+
+
+def format_step_times(predictions: dict, *, as_json: bool = False) -> str:
+    """``predict_step_time``'s answer: per micro-batch the step's compute time, its parts, FLOPs
+    and bytes moved (``as_json``: the same numbers as JSON)."""
+    import json
+
+    if as_json:
+        return json.dumps({str(n): {"seconds": p.seconds, "breakdown_seconds": p.breakdown,
+                                    "flops": p.costs.total_flops, "bytes": p.costs.total_bytes,
+                                    "ops": p.costs.op_count, "device": p.device}
+                           for n, p in predictions.items()}, indent=2)
+    parts = ("matmul", "attention", "elementwise", "optimizer", "other", "recompute")
+    rows = [[str(n), f"{p.seconds * 1e3:.3f}", *(f"{p.breakdown[k] * 1e3:.3f}" for k in parts),
+             f"{p.costs.total_flops / 1e9:.3f}", format_bytes(int(p.costs.total_bytes)),
+             str(p.costs.op_count)] for n, p in predictions.items()]
+    device = next(iter(predictions.values())).device if predictions else ""
+    return (f"predicted compute time of one training step on {device} (no communication):\n"
+            + table(["micro-batch", "step ms", *(f"{k} ms" for k in parts), "GFLOP", "moved", "ops"],
+                    rows))

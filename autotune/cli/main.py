@@ -6,11 +6,12 @@ import contextlib
 import functools
 import json
 import sys
+import warnings
 
 import click
 
 from ..version import __version__
-from ..errors import AutotuneError, ConfigError, WorkloadError, cli_words
+from ..errors import AutotuneError, AutotuneWarning, ConfigError, WorkloadError, cli_words
 from ..precision import Precision
 from ..units import format_bytes, parse_bytes
 from ..planning.export import TARGETS as EXPORT_TARGETS
@@ -60,7 +61,8 @@ def _errors_to_exit_codes(command):
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            with cli_words():  # the library's messages name --options, not keyword arguments
+            with cli_words(), warnings.catch_warnings():  # the library's messages name --options
+                warnings.showwarning = _one_line_warning(warnings.showwarning)
                 return command(*args, **kwargs)
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from exc
@@ -73,6 +75,18 @@ def _errors_to_exit_codes(command):
             raise click.ClickException(str(exc)) from exc
 
     return wrapper
+
+
+def _one_line_warning(show):
+    """The library's own warnings (``AutotuneWarning``) as one line each, no source line."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, AutotuneWarning):
+            click.echo(f"autotune: warning: {message}", err=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
 
 
 def _quiet_option(command):
@@ -518,11 +532,30 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
 @click.option("--shard-group", type=click.IntRange(min=1), default=None,
               help="Hybrid sharding: shard within groups of N ranks (default: the world size).")
 @click.option("--json", "as_json", is_flag=True, help="Print {micro_batch: peak_bytes} as JSON.")
+@click.option("--time", "step_time", is_flag=True,
+              help="Predict the compute time of one step instead: FLOPs and bytes per op on the fake "
+                   "step, a roofline with this CPU's measured speed (or --gpu's profile).")
+@click.option("--gpu", default=None,
+              help="With --time: predict for this GPU profile (a name or a .toml path).")
 @_errors_to_exit_codes
 def estimate(model_file, micro_batches, precision, checkpointing, sharding, world_size, shard_group,
-             as_json):
+             as_json, step_time, gpu):
     """Estimate the peak memory of one training step without allocating it (fake tensors)."""
     from ..probing.estimate import estimate_peaks
+
+    if gpu is not None and not step_time:
+        raise click.UsageError("--gpu needs --time (the memory estimate is this device's; "
+                               "autotune plan --gpu plans memory for a GPU)")
+    if step_time:
+        from ..timing.predict import predict_step_time
+        from .format import format_step_times
+
+        with _stdout_to_stderr(as_json):
+            predictions = predict_step_time(model_file, list(micro_batches), precision=precision.lower(),
+                                            checkpointing=checkpointing, sharding=sharding,
+                                            world_size=world_size, shard_group=shard_group, gpu=gpu)
+        click.echo(format_step_times(predictions, as_json=as_json))
+        return
 
     with _stdout_to_stderr(as_json):
         peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),

@@ -17,7 +17,6 @@ raises ``EstimateUnavailable`` and callers fall back to real trials.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import logging
@@ -33,6 +32,7 @@ from ..errors import ConfigError, EstimateUnavailable
 from .base import DeviceInfo
 from ..compiled import eager_module
 from .cpu import CPUMemoryBackend, StorageTracker, tracking_resizes
+from .fake_build import build_fake_model
 
 # Failures that mean "this model cannot run on fake tensors", as opposed to a bug in the model
 # (which fails the same way on real tensors and must reach the user untouched).
@@ -312,7 +312,9 @@ def checked_micro_batch(n) -> int:
 
 
 def on_fake_tensors(workload, *, foreach: bool = False):
-    """The workload with a model factory that the session calls inside the fake mode.
+    """The workload with a model factory that the session calls inside the fake mode (see
+    ``fake_build``: a model that cannot be built on fake tensors is built on the meta device, or
+    for real, and converted).
 
     ``foreach``: optimizers left to choose their implementation (``foreach=None``) take the
     foreach path, as they do on CUDA; on CPU tensors they would loop per parameter, and the
@@ -322,12 +324,8 @@ def on_fake_tensors(workload, *, foreach: bool = False):
     if foreach:
         workload = dataclasses.replace(workload, build_optimizer=_foreach_optimizer(workload))
 
-    def build_fake_model() -> torch.nn.Module:
-        if original.model_is_instance:
-            # A fake copy: the user's module and its real tensors stay untouched.
-            model = _fake_copy(original.model, original.source)
-        else:
-            model = original.new_model()
+    def fake_model() -> torch.nn.Module:
+        model = build_fake_model(original)
         # build_model()'s torch.compile: the eager module it wraps (see autotune/compiled.py).
         model = eager_module(model)
         # Module.to() swaps fake parameters for new ones, and torch refuses the swap because the
@@ -339,7 +337,7 @@ def on_fake_tensors(workload, *, foreach: bool = False):
         model.to = lambda *args, **kwargs: model_ref()
         return model
 
-    return dataclasses.replace(workload, model=build_fake_model, compile=None)
+    return dataclasses.replace(workload, model=fake_model, compile=None)
 
 
 def _foreach_optimizer(workload):
@@ -352,17 +350,6 @@ def _foreach_optimizer(workload):
         return optimizer
 
     return build
-
-
-def _fake_copy(model: torch.nn.Module, source: str) -> torch.nn.Module:
-    try:
-        return copy.deepcopy(model)
-    except (TypeError, RuntimeError, copy.Error) as exc:
-        raise EstimateUnavailable(
-            f"{source}: the model instance cannot be copied onto fake tensors "
-            f"({type(exc).__name__}: {exc}); pass the model file (a build_model() factory) or "
-            f"measure with real trials (autotune probe)"
-        ) from exc
 
 
 def is_fake_tensor_limit(exc: BaseException) -> bool:
@@ -389,7 +376,7 @@ def _unavailable_message(workload, exc: BaseException) -> str:
 # The phase of the probe's step that a frame of autotune's own code is in (innermost wins).
 _PHASES = {
     "new_model": "building the model",
-    "_fake_copy": "copying the model instance",
+    "fake_copy": "copying the model onto fake tensors",
     "_allocate_optimizer_state": "allocating the optimizer state",
     "batch": "making the batch",
     "_forward_backward": "the forward and backward pass",

@@ -24,6 +24,7 @@ from ..distributed import collectives
 from ..compiled import eager_module, with_compile
 from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError, given, option
 from ..memory.fake import fake_tensor_limits
+from ..memory.fake_build import build_fake_model
 from ..memory import backend_for
 from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointing_worth_probing,
@@ -610,14 +611,15 @@ def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: Setting
 def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
     """What the plan needs to know about the model: sizes, optimizer, BatchNorm, repeated blocks.
 
-    Read from a model built on fake tensors (shapes and dtypes, no data): planning a model never
-    allocates its weights. A model whose construction fake tensors cannot run is built for real.
+    Read from a model built on fake tensors (shapes and dtypes, no data; or on the meta device,
+    see ``memory.fake_build``): planning a model never allocates its weights. A model whose
+    construction fake tensors cannot run is built for real.
     """
     if workload.model_is_instance:
         return _fingerprint(workload, workload.model)  # already built: nothing to save
     try:
         with fake_tensor_limits(workload), FakeTensorMode(allow_non_fake_inputs=True):
-            return _fingerprint(workload, workload.new_model())
+            return _fingerprint(workload, build_fake_model(workload))
     except EstimateUnavailable:
         pass  # the probe's real trials build it anyway (--gpu refused such a model earlier)
     return _fingerprint(workload, workload.new_model())
@@ -633,7 +635,8 @@ def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerpr
     return WorkloadFingerprint(
         source=workload.source,
         file_sha256=workload.file_sha256,
-        param_count=sum(p.numel() for p in params),
+        param_count=sum(_weights(p) for p in params),
+        trainable_param_count=sum(_weights(p) for p in trainable),
         param_bytes=sum(p.numel() * p.element_size() for p in trainable),
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
         # A NaN or infinite LR is no LR to keep (and JSON cannot hold it).
@@ -644,6 +647,13 @@ def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerpr
         repeated_blocks=len(blocks),
         has_dataset=workload.build_dataset is not None,
     )
+
+
+def _weights(param: torch.Tensor) -> int:
+    """The weights a parameter holds: a quantized one (bitsandbytes' 4-bit, two to a byte) keeps
+    its original shape in its ``quant_state``."""
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else param.numel()
 
 
 _OPTIMIZER_SETTINGS = ("momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "amsgrad",

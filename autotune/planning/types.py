@@ -75,6 +75,10 @@ class WorkloadFingerprint:
     file_sha256: str | None
     param_count: int
     param_bytes: int
+    """Bytes of the trainable parameters (those with ``requires_grad``)."""
+    trainable_param_count: int | None = None
+    """Parameters that train (``requires_grad``); fewer than ``param_count`` with frozen ones
+    (PEFT adapters on a frozen base). None: not recorded, older files."""
     optimizer: str | None = None
     """Class name of the optimizer ``build_optimizer`` returns (drives the "auto" LR rule)."""
     optimizer_lr: float | None = None
