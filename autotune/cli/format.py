@@ -160,6 +160,9 @@ def format_plan(plan) -> str:
     if plan.predicted_peak_bytes is not None:
         lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "
                      f"{plan.micro_batch}")
+    if "eval" in plan.reasons:
+        size = plan.eval_micro_batch if plan.eval_micro_batch is not None else "-"
+        lines.append(f"eval batch:   {size} ({plan.reasons['eval']})")
     lr = plan.lr
     lines.append(f"lr:           {lr.lr:.4g} ({lr.rule} rule, ×{lr.scale:.4g})" if lr.lr is not None
                  else f"lr:           the optimizer's own ({lr.rule} rule not applied)")

@@ -323,6 +323,11 @@ def devices(memory_limit, as_json):
 @click.option("--shard-group", type=click.IntRange(min=1), default=None,
               help="Hybrid sharding: shard within groups of N ranks, replicate across groups "
                    "(default: the world size).")
+@click.option("--eval-batch/--no-eval-batch", default=True, show_default=True,
+              help="Also plan the largest eval micro-batch (forward only under no_grad), proved "
+                   "with real forwards.")
+@click.option("--max-eval-batch", type=click.IntRange(min=1), default=None,
+              help="The largest eval micro-batch to plan (a cap on that search).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
@@ -333,7 +338,8 @@ def devices(memory_limit, as_json):
 @_trial_timeout_option
 def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
-                 gpu, even, sharding, shard_group, output, as_json, grad_scaler, compile):
+                 gpu, even, sharding, shard_group, output, as_json, grad_scaler, eval_batch,
+                 max_eval_batch, compile):
     """Plan micro-batch × accumulation × world size = --target-batch (or × --seq-len =
     --target-tokens), and write the plan file."""
     from ..files.outputs import check_outputs
@@ -355,7 +361,8 @@ def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple,
                            grad_scaler=grad_scaler, even=even, sharding=sharding,
                            shard_group=shard_group, target_tokens=target_tokens,
                            seq_len="auto" if seq_len is None and target_tokens is not None else seq_len,
-                           seq_multiple=seq_multiple, compile=compile)
+                           seq_multiple=seq_multiple, eval_batch=eval_batch,
+                           max_eval_batch=max_eval_batch, compile=compile)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)

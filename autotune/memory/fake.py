@@ -91,6 +91,11 @@ class EstimateMemoryBackend(CPUMemoryBackend):
         finally:
             self._mode = None
 
+    @property
+    def fake_mode(self):
+        """The fake-tensor mode of the tracking in force (None outside it)."""
+        return self._mode
+
     def release(self) -> None:
         # Between trials gloo's worker threads have long let go of the last collective.
         if self._mode is not None and self._mode.gloo is not None:

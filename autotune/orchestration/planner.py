@@ -44,6 +44,7 @@ from ..units import format_bytes
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates,
                                 search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
+from .eval_batch import plan_eval_batch
 from .request import PlanOptions
 from . import tokens
 from ..distributed import environment
@@ -77,6 +78,8 @@ def plan(
     seq_len=None,
     target_tokens: int | None = None,
     seq_multiple: int = 1,
+    eval_batch: bool = True,
+    max_eval_batch: int | None = None,
     compile=None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
@@ -121,6 +124,10 @@ def plan(
     among equals. ``plan.reasons["sharding"]``
     says why.
 
+    ``eval_batch`` (default on) also plans the largest eval micro-batch (``plan.eval_micro_batch``:
+    the forward alone under ``no_grad``, optimizer state alive, proved with real forwards),
+    at most ``max_eval_batch``.
+
     ``compile`` (True: inductor, or a torch.compile backend name) plans the compiled training
     step: the probes' real trials run it (batch sizes dynamic), the plan records ``compile`` and
     ``autotune train`` trains compiled; a ``build_model`` that returns a compiled module is
@@ -152,7 +159,8 @@ def plan(
         checkpointing=checkpointing, memory_limit=memory_limit, headroom=headroom,
         micro_batch=micro_batch, base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
         optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
-        even=even, sharding=sharding, shard_group=shard_group)
+        even=even, sharding=sharding, shard_group=shard_group, eval_batch=eval_batch,
+        max_eval_batch=max_eval_batch)
     planned = _Planner(workload, options).run()
     planned.reasons["batch_shapes"] = tokens.batch_shapes(workload, planned.micro_batch)
     return planned if token_request is None else tokens.with_tokens(planned, token_request)
@@ -233,11 +241,14 @@ class _Planner:
     def run(self) -> Plan:
         options = self.options
         if options.optimize == "throughput":
-            return self._fastest()
-        if options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
+            result = self._fastest()
+        elif options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
             result = _cpu_auto_precision(self.settings_in, self.build, bf16=supports_bf16(self.backend.device))
         else:
             result = self.build(self.chosen, self.settings_in(self.chosen))
+        if options.eval_batch:
+            result = plan_eval_batch(result, self.workload, self.backend, usable=self.usable,
+                                     extra=self.extra, upper=options.max_eval_batch, agree=self.agree)
         if self.distributed:
             collectives.settle()  # every rank got here: the caller may exit right away
         return result
