@@ -152,11 +152,17 @@ def format_plan(plan) -> str:
     if "sharding" in plan.reasons:
         group = f", shard group {plan.shard_group}" if plan.shard_group else ""
         lines.append(f"sharding:     {plan.sharding}{group} ({plan.reasons['sharding']})")
+    if plan.compile:
+        lines.append(f"compile:      {plan.compile_backend or 'build_model'} "
+                     f"({plan.reasons.get('compile', '')})")
     if "gradient_sync" in plan.reasons:  # sharded with accumulation: when gradients are reduced
         lines.append(f"grad sync:    {plan.reasons['gradient_sync']}")
     if plan.predicted_peak_bytes is not None:
         lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "
                      f"{plan.micro_batch}")
+    if "eval" in plan.reasons:
+        size = plan.eval_micro_batch if plan.eval_micro_batch is not None else "-"
+        lines.append(f"eval batch:   {size} ({plan.reasons['eval']})")
     lr = plan.lr
     lines.append(f"lr:           {lr.lr:.4g} ({lr.rule} rule, ×{lr.scale:.4g})" if lr.lr is not None
                  else f"lr:           the optimizer's own ({lr.rule} rule not applied)")
