@@ -78,10 +78,14 @@ class EstimateMemoryBackend(CPUMemoryBackend):
             budget_source="estimate budget" if budget_bytes is not None else "none (estimate only)",
         )
 
+    def counting_mode(self) -> fake_tensor.FakeTensorMode:
+        """A fresh fake-tensor mode that counts into this backend's tracker."""
+        gloo = None if self.for_cuda else _GlooCollectiveBuffers(self.tracker)
+        return _CountingFakeTensorMode(self.tracker, gloo, uploads=self.offload)
+
     @contextlib.contextmanager
     def tracking(self):
-        gloo = None if self.for_cuda else _GlooCollectiveBuffers(self.tracker)
-        self._mode = _CountingFakeTensorMode(self.tracker, gloo, uploads=self.offload)
+        self._mode = self.counting_mode()
         try:
             with tracking_resizes(self.tracker), self._mode:
                 yield
