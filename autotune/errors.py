@@ -38,6 +38,12 @@ def given(name: str, value) -> str:
     return f"{option(name)}={value!r}"
 
 
+def flag(name: str) -> str:
+    """A switch turned on, as the caller wrote it: "--resume" on the command line, "resume=True"
+    from Python."""
+    return option(name) if _CLI_WORDS.get() else f"{name}=True"
+
+
 class AutotuneError(Exception):
     """Base class of every error autotune raises on purpose."""
 
@@ -82,6 +88,10 @@ class ConfigError(AutotuneError):
 class EstimateUnavailable(AutotuneError):
     """The model cannot run under fake tensors (data-dependent shapes, custom kernels, reading
     tensor values in Python): its memory can only be measured with real trials."""
+
+
+class AutotuneWarning(UserWarning):
+    """Something the user should know that stops nothing (the CLI prints it on one line)."""
 
 
 class ReportError(AutotuneError):

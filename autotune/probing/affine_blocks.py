@@ -66,16 +66,18 @@ def full_builds():
 
 @contextlib.contextmanager
 def layout_session(workload, backend, *, session_type, precision, checkpointing, sharding,
-                   world_size: int, shard_group, reduce_every_micro_step: bool = False):
+                   world_size: int, shard_group, reduce_every_micro_step: bool = False,
+                   few_blocks: bool = True):
     """The probe's session for a layout: ``session_type`` on ``workload`` sharded as ``sharding``
-    says, or, on fake tensors where the model's repeated blocks are identical, a
-    ``FewBlocksSession`` that measures small builds and extends them to the whole model."""
+    says, or, on fake tensors where the model's repeated blocks are identical (and
+    ``few_blocks``), a ``FewBlocksSession`` that measures small builds and extends their bytes to
+    the whole model."""
     session_args = dict(precision=precision, checkpointing=checkpointing, sharded=sharding.sharded,
                         offload=sharding.offload, reduce_every_micro_step=reduce_every_micro_step)
     layout = dict(sharding=sharding, world_size=world_size, shard_group=shard_group,
                   precision=precision, device_type=backend.device.type)
     total = (identical_block_count(workload)
-             if _enabled and isinstance(backend, EstimateMemoryBackend)
+             if _enabled and few_blocks and isinstance(backend, EstimateMemoryBackend)
              and not torch.distributed.is_initialized() else None)
     if total is not None:
         yield FewBlocksSession(workload, backend, session_type=session_type, total_blocks=total,
