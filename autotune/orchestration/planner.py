@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..distributed import collectives
 from ..errors import EstimateUnavailable, PlanError, ProbeError, option
 from ..memory.fake import fake_tensor_limits
-from ..memory.fake_build import build_fake_model
+from ..memory.fake_build import build_fake_model, estimate_caveat
 from ..memory import backend_for
 from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointing_worth_probing,
@@ -141,6 +141,9 @@ def plan(
         optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
         even=even, sharding=sharding, shard_group=shard_group)
     planned = _Planner(workload, options).run()
+    caveat = estimate_caveat(workload)
+    if planned.estimated and caveat is not None:  # real trials would have measured it
+        planned.warnings.append(caveat)
     planned.reasons["batch_shapes"] = tokens.batch_shapes(workload, planned.micro_batch)
     return planned if token_request is None else tokens.with_tokens(planned, token_request)
 
