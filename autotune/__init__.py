@@ -12,6 +12,10 @@ Public API::
                                  bytes of one step (one rank's under fsdp), estimated on fake
                                  tensors (EstimateUnavailable) (checkpointing: off/on or a bool,
                                  K blocks, or a fraction "1/3")
+    predict_step_time(workload, micro_batches, *, precision="fp32", checkpointing=False, ...,
+                      gpu=None) -> {micro_batch: StepTimePrediction}
+                                 compute time of one step (roofline on the fake step's FLOPs and
+                                 bytes; this CPU measured once, or a GPU profile)
     plan(workload, *, target_batch, ..., sharding="auto", shard_group=None) -> Plan
                                  micro-batch × accumulation × world = target; ddp or FSDP2 shards
                                  (or target_tokens=, seq_len=N|"auto": × seq_len = tokens)
@@ -38,7 +42,7 @@ from .version import check_torch as _check_torch
 _check_torch()  # an older torch: one clear ImportError naming the floor, before any import fails
 
 from .errors import (
-    AutotuneError, AutotuneWarning, ConfigError, EstimateUnavailable, OutputError, PlanError,
+    AutotuneError, AutotuneWarning, ConfigError, EstimateCrashed, EstimateUnavailable, OutputError, PlanError,
     PlanFileError, ProbeError, ReportError, UserCodeError, WorkloadError,
 )
 from .memory import DeviceInfo
@@ -57,6 +61,7 @@ from .probing.seq_len import SeqLenResult, probe_seq_len
 from .report import plot_metrics, plot_plan, write_report
 from .report.notebook import register_display as _register_display
 from .distributed.sharding import Sharding
+from .timing.predict import StepTimePrediction, predict_step_time
 from .training import NonFiniteError, TrainError, TrainResult, train
 from .version import __version__
 from .workload import Workload, load_workload
@@ -64,12 +69,14 @@ from .workload.checkpoint_count import Checkpointing
 
 __all__ = [
     "AutotuneError", "AutotuneWarning", "Checkpointing", "ConfigError", "DeviceInfo",
-    "EstimateUnavailable", "LRDecision", "MemoryModel",
+    "EstimateCrashed", "EstimateUnavailable", "LRDecision", "MemoryModel",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
-    "ProbeResult", "ReportError", "Sharding", "TrainError", "TrainResult", "Trial", "UserCodeError",
+    "ProbeResult", "ReportError", "Sharding", "StepTimePrediction", "TrainError", "TrainResult",
+    "Trial", "UserCodeError",
     "VerifyResult", "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan",
-    "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan", "probe",
-    "probe_seq_len", "SeqLenResult", "save_plan", "train", "trial_timeout", "verify_plan", "write_report",
+    "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan",
+    "predict_step_time", "probe", "probe_seq_len", "SeqLenResult", "save_plan", "train",
+    "trial_timeout", "verify_plan", "write_report",
 ]
 
 _register_display()  # Plan, ProbeResult and TrainResult show as HTML in Jupyter

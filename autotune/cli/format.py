@@ -152,11 +152,17 @@ def format_plan(plan) -> str:
     if "sharding" in plan.reasons:
         group = f", shard group {plan.shard_group}" if plan.shard_group else ""
         lines.append(f"sharding:     {plan.sharding}{group} ({plan.reasons['sharding']})")
+    if plan.compile:
+        lines.append(f"compile:      {plan.compile_backend or 'build_model'} "
+                     f"({plan.reasons.get('compile', '')})")
     if "gradient_sync" in plan.reasons:  # sharded with accumulation: when gradients are reduced
         lines.append(f"grad sync:    {plan.reasons['gradient_sync']}")
     if plan.predicted_peak_bytes is not None:
         lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "
                      f"{plan.micro_batch}")
+    if "eval" in plan.reasons:
+        size = plan.eval_micro_batch if plan.eval_micro_batch is not None else "-"
+        lines.append(f"eval batch:   {size} ({plan.reasons['eval']})")
     lr = plan.lr
     lines.append(f"lr:           {lr.lr:.4g} ({lr.rule} rule, ×{lr.scale:.4g})" if lr.lr is not None
                  else f"lr:           the optimizer's own ({lr.rule} rule not applied)")
@@ -246,3 +252,23 @@ def format_metrics(runs: dict[str, list[dict]]) -> str:
         rows.append([name, f"{first['step']}-{last['step']}", f"{first['loss']:.4f}",
                      f"{last['loss']:.4f}", peak.strip()])
     return table(["metrics", "steps", "first loss", "last loss", "last peak"], rows, align="lrrrr")
+
+
+def format_step_times(predictions: dict, *, as_json: bool = False) -> str:
+    """``predict_step_time``'s answer: per micro-batch the step's compute time, its parts, FLOPs
+    and bytes moved (``as_json``: the same numbers as JSON)."""
+    import json
+
+    if as_json:
+        return json.dumps({str(n): {"seconds": p.seconds, "breakdown_seconds": p.breakdown,
+                                    "flops": p.costs.total_flops, "bytes": p.costs.total_bytes,
+                                    "ops": p.costs.op_count, "device": p.device}
+                           for n, p in predictions.items()}, indent=2)
+    parts = ("matmul", "attention", "elementwise", "optimizer", "other", "recompute")
+    rows = [[str(n), f"{p.seconds * 1e3:.3f}", *(f"{p.breakdown[k] * 1e3:.3f}" for k in parts),
+             f"{p.costs.total_flops / 1e9:.3f}", format_bytes(int(p.costs.total_bytes)),
+             str(p.costs.op_count)] for n, p in predictions.items()]
+    device = next(iter(predictions.values())).device if predictions else ""
+    return (f"predicted compute time of one training step on {device} (no communication):\n"
+            + table(["micro-batch", "step ms", *(f"{k} ms" for k in parts), "GFLOP", "moved", "ops"],
+                    rows))

@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError, EstimateUnavailable
 from .base import DeviceInfo
+from ..compiled import eager_module
 from .cpu import CPUMemoryBackend, StorageTracker, tracking_resizes
 from .fake_build import build_fake_model
 
@@ -83,10 +84,17 @@ class EstimateMemoryBackend(CPUMemoryBackend):
         gloo = None if self.for_cuda else _GlooCollectiveBuffers(self.tracker)
         self._mode = _CountingFakeTensorMode(self.tracker, gloo, uploads=self.offload)
         try:
-            with tracking_resizes(self.tracker), self._mode:
+            # torch.compile'd code (a module or function the model compiled) runs eagerly here:
+            # tracing a compiled graph on fake tensors can crash the process.
+            with torch._dynamo.config.patch(disable=True), tracking_resizes(self.tracker), self._mode:
                 yield
         finally:
             self._mode = None
+
+    @property
+    def fake_mode(self):
+        """The fake-tensor mode of the tracking in force (None outside it)."""
+        return self._mode
 
     def release(self) -> None:
         # Between trials gloo's worker threads have long let go of the last collective.
@@ -323,6 +331,8 @@ def on_fake_tensors(workload, *, foreach: bool = False):
 
     def fake_model() -> torch.nn.Module:
         model = build_fake_model(original)
+        # build_model()'s torch.compile: the eager module it wraps (see autotune/compiled.py).
+        model = eager_module(model)
         # Module.to() swaps fake parameters for new ones, and torch refuses the swap because the
         # fake mode keeps weak references to them. Fake CPU tensors are already where the step
         # runs, so the move is a no-op by definition.
@@ -332,7 +342,7 @@ def on_fake_tensors(workload, *, foreach: bool = False):
         model.to = lambda *args, **kwargs: model_ref()
         return model
 
-    return dataclasses.replace(workload, model=fake_model)
+    return dataclasses.replace(workload, model=fake_model, compile=None)
 
 
 def _foreach_optimizer(workload):

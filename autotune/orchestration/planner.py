@@ -21,7 +21,8 @@ from ..version import __version__
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..distributed import collectives
-from ..errors import EstimateUnavailable, PlanError, ProbeError, option
+from ..compiled import eager_module, with_compile
+from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError, given, option
 from ..memory.fake import fake_tensor_limits
 from ..memory.fake_build import build_fake_model, estimate_caveat
 from ..memory import backend_for
@@ -43,6 +44,7 @@ from ..units import format_bytes
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates,
                                 search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
+from .eval_batch import plan_eval_batch
 from .request import PlanOptions
 from . import tokens
 from ..distributed import environment
@@ -76,6 +78,9 @@ def plan(
     seq_len=None,
     target_tokens: int | None = None,
     seq_multiple: int = 1,
+    eval_batch: bool = True,
+    max_eval_batch: int | None = None,
+    compile=None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -118,8 +123,23 @@ def plan(
     more the smaller its group), and the plan takes the fewest steps, the least communication
     among equals. ``plan.reasons["sharding"]``
     says why.
+
+    ``eval_batch`` (default on) also plans the largest eval micro-batch (``plan.eval_micro_batch``:
+    the forward alone under ``no_grad``, optimizer state alive, proved with real forwards),
+    at most ``max_eval_batch``.
+
+    ``compile`` (True: inductor, or a torch.compile backend name) plans the compiled training
+    step: the probes' real trials run it (batch sizes dynamic), the plan records ``compile`` and
+    ``autotune train`` trains compiled; a ``build_model`` that returns a compiled module is
+    planned compiled without it. Compiled plans are DDP replicas (``sharding`` auto or ddp).
     """
-    workload = load_workload(workload)
+    workload = with_compile(load_workload(workload), compile)
+    if workload.compile is not None:
+        if sharding not in ("auto", "ddp"):
+            raise ConfigError(f"{given('sharding', sharding)} with {option('compile')}: compiled "
+                              f"steps are planned for DDP replicas only; use {given('sharding', 'ddp')} "
+                              f"or plan without {option('compile')}")
+        sharding = "ddp"
     tokens.check_token_options(target_batch=target_batch, target_tokens=target_tokens,
                                seq_len=seq_len, seq_multiple=seq_multiple)
     token_request = None
@@ -139,7 +159,8 @@ def plan(
         checkpointing=checkpointing, memory_limit=memory_limit, headroom=headroom,
         micro_batch=micro_batch, base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
         optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
-        even=even, sharding=sharding, shard_group=shard_group)
+        even=even, sharding=sharding, shard_group=shard_group, eval_batch=eval_batch,
+        max_eval_batch=max_eval_batch)
     planned = _Planner(workload, options).run()
     caveat = estimate_caveat(workload)
     if planned.estimated and caveat is not None:  # real trials would have measured it
@@ -223,11 +244,14 @@ class _Planner:
     def run(self) -> Plan:
         options = self.options
         if options.optimize == "throughput":
-            return self._fastest()
-        if options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
+            result = self._fastest()
+        elif options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
             result = _cpu_auto_precision(self.settings_in, self.build, bf16=supports_bf16(self.backend.device))
         else:
             result = self.build(self.chosen, self.settings_in(self.chosen))
+        if options.eval_batch:
+            result = plan_eval_batch(result, self.workload, self.backend, usable=self.usable,
+                                     extra=self.extra, upper=options.max_eval_batch, agree=self.agree)
         if self.distributed:
             collectives.settle()  # every rank got here: the caller may exit right away
         return result
@@ -590,7 +614,7 @@ def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: Setting
         memory_model=memory_model, device=on.probe.device, precision=on.precision,
         checkpointing=Checkpointing.of(blocks, total), total_blocks=total, block_model=model,
         seconds=proof.seconds, oom_count=sum(not t.fits for t in proof.trials.values()),
-        share=request.share,
+        share=request.share, compiled=on.probe.compiled, compile_backend=on.probe.compile_backend,
         notes=[f"checkpointing {Checkpointing.of(blocks, total)} at micro-batch {micro_batch}: {said}; "
                f"real trials by blocks checkpointed: {tried}"])
     setting = SettingTried(precision=on.precision, checkpointing=result.checkpointing,
@@ -616,6 +640,7 @@ def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
 
 
 def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerprint:
+    model = eager_module(model)  # build_model()'s torch.compile: the blocks are the module's
     params = list(model.parameters())
     blocks = checkpointable_blocks(model)
     trainable = [p for p in params if p.requires_grad]

@@ -226,9 +226,14 @@ def to_hf(plan: Plan) -> Export:
         checkpointing_field or _HF_CHECKPOINTING_OLD: plan.checkpointing.enabled,
         "max_grad_norm": plan.clip_grad_norm if plan.clip_grad_norm is not None else 0.0,
     }
+    if plan.eval_micro_batch is not None:
+        config["per_device_eval_batch_size"] = plan.eval_micro_batch
     if _on_cpu(plan):
         # Without it TrainingArguments refuses bf16/fp16 on a machine with no GPU.
         config["use_cpu"] = True
+    if plan.compile:  # the planned peak is the compiled step's: Trainer compiles the model too
+        config["torch_compile"] = True
+        config["torch_compile_backend"] = plan.compile_backend or "inductor"
     _, lr, _ = _optimizer(plan)
     if lr is not None:
         config["learning_rate"] = lr
@@ -336,6 +341,10 @@ def to_lightning(plan: Plan) -> Export:
         trainer.update(gradient_clip_val=plan.clip_grad_norm, gradient_clip_algorithm="norm")
     config = {"trainer": trainer, "dataloader": {"batch_size": even.micro_batch}}
     notes = _common_notes(plan, "Lightning")
+    if plan.eval_micro_batch is not None:
+        config["val_dataloader"] = {"batch_size": plan.eval_micro_batch}
+        notes.append("val_dataloader.batch_size is the largest eval micro-batch (forward only): "
+                     "give it to the DataLoader of val_dataloader()")
     if plan.sharding.sharded:
         hybrid = plan.shard_group is not None and plan.shard_group != plan.world_size
         config["fsdp_strategy"] = {"sharding_strategy": "HYBRID_SHARD" if hybrid else "FULL_SHARD",

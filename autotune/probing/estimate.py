@@ -77,23 +77,32 @@ def estimate_offload_host_peaks(workload, micro_batches, *, precision="fp32", ch
 
 def _estimate_trials(workload, micro_batches, *, precision, checkpointing, sharding, world_size,
                      shard_group, window: int = 1, reduce_every: bool = False) -> dict:
+    sizes = [checked_micro_batch(n) for n in micro_batches]
+    with estimate_session(workload, precision=precision, checkpointing=checkpointing,
+                          sharding=sharding, world_size=world_size, shard_group=shard_group,
+                          reduce_every=reduce_every) as session:
+        return {n: session.run(n, window=window) for n in sizes}
+
+
+@contextlib.contextmanager
+def estimate_session(workload, *, precision, checkpointing, sharding, world_size, shard_group,
+                     reduce_every: bool = False, session_type: type | None = None):
+    """The estimate's session (``session_type``, default ``EstimateSession``) on the fake model,
+    set up and entered: ``run(n)`` on it is one fake training step. Other counts of the same
+    step (``autotune.timing``) run their own subclass here."""
     checkpointing = CheckpointingRequest.parse(checkpointing, option=option("checkpointing"),
                                                allow_auto=False)
     workload = load_workload(workload)
     precision = Precision.parse(precision)
     sharding = Sharding.parse(sharding)
-    sizes = [checked_micro_batch(n) for n in micro_batches]
-    trials = {}
     with sharded_step(on_fake_tensors(workload), sharding=sharding, world_size=world_size,
                       shard_group=shard_group, precision=precision) as step_workload:
-        session = EstimateSession(step_workload, EstimateMemoryBackend(offload=sharding.offload),
-                                  precision=precision, checkpointing=checkpointing,
-                                  sharded=sharding.sharded, offload=sharding.offload,
-                                  reduce_every_micro_step=reduce_every)
+        session = (session_type or EstimateSession)(
+            step_workload, EstimateMemoryBackend(offload=sharding.offload), precision=precision,
+            checkpointing=checkpointing, sharded=sharding.sharded, offload=sharding.offload,
+            reduce_every_micro_step=reduce_every)
         with fake_tensor_limits(workload), session:
-            for n in sizes:
-                trials[n] = session.run(n, window=window)
-    return trials
+            yield session
 
 
 class EstimateSession(TrialSession):
@@ -349,4 +358,5 @@ def _foreach_path(optimizer: torch.optim.Optimizer):
             group["foreach"] = value
 
 
-__all__ = ["EstimateSession", "estimate_offload_host_peaks", "estimate_peak", "estimate_peaks"]
+__all__ = ["EstimateSession", "estimate_offload_host_peaks", "estimate_peak", "estimate_peaks",
+           "estimate_session"]

@@ -160,6 +160,10 @@ def _largest_root(coeffs, budget) -> float | None:
     return None if a <= budget else -1.0
 
 
+UNESTIMATED = "no estimate, so real trials only"
+"""How ``ProbeResult.notes`` begins the note of a probe the estimate could not seed."""
+
+
 @dataclass(kw_only=True)
 class ProbeResult:
     """The exact largest micro-batch that fits, and how it was found."""
@@ -192,6 +196,14 @@ class ProbeResult:
     """The samples per rank and optimizer step the probe planned for: trials below it measured
     accumulation windows, and ``memory_model`` was fitted to them (None: every trial is one
     step, as in files written before windows were measured)."""
+    compiled: bool = False
+    """The real trials ran the torch.compile'd step (``--compile``, or build_model compiled)."""
+    compile_backend: str | None = None
+    """The backend ``compile=`` asked for (None: build_model compiled the model, or eager)."""
+    graphs_compiled: int | None = None
+    """Compiled trials: the graphs torch.compile compiled over all of them (one per graph break,
+    and one more for every recompilation; a new micro-batch compiles none, except that torch
+    specialises micro-batch 1). None: not compiled."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
@@ -224,6 +236,12 @@ class ProbeResult:
     def steps(self) -> int:
         """Training steps executed (one forward pass each)."""
         return len(self.trials)
+
+    @property
+    def unestimated(self) -> str | None:
+        """The note saying why the fake-tensor estimate could not seed this probe (None: it did,
+        or was not asked to)."""
+        return next((n for n in self.notes if n.startswith(UNESTIMATED)), None)
 
     def windowed(self, micro_batch: int) -> bool:
         """Whether a plan whose largest micro-batch is ``micro_batch`` accumulates (micro-batches

@@ -27,8 +27,12 @@ from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from ..memory.base import MemoryBackend
 from ..memory.oom import free_memory, is_oom_error
 from ..precision import Precision, autocast, grad_scaler
+from ..compiled import compiled_step_module, eager_module, graphs_compiled, is_compiled, \
+    mark_batch_dynamic
 from ..workload.contract import Workload, move_batch
+from ..workload.optimizer_steps import counted_step
 from .deadline import deadline
+from .fake_optimizers import build_with_real_constants, fake_step
 from .result import Trial
 from .step_errors import is_step_failure, original, step_failed
 
@@ -41,6 +45,11 @@ class SetupOutOfMemory(ProbeError):
 
 
 class TrialSession:
+    compiled = False
+    """Whether the trials run a compiled step (set up from the workload, see ``_setup``)."""
+    graphs_compiled = 0
+    """Graphs torch.compile compiled during this session's trials (recompilations included)."""
+
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
                  checkpointing=False, sharded: bool = False, offload: bool = False,
                  reduce_every_micro_step: bool = False):
@@ -117,15 +126,19 @@ class TrialSession:
                 # fully_shard replaced the full parameters, but reference cycles can keep them
                 # (and their bytes in the count) alive until a collection.
                 self._release_memory()
-        self.model = model.to(self.device)
+        # Compiled (--compile, or build_model's own torch.compile): the trials run the compiled
+        # step; blocks and checkpointing are the eager module's, which the compiled one calls.
+        self.model = compiled_step_module(model.to(self.device), self.workload.compile)
+        self.compiled = is_compiled(self.model)
+        self.graphs_compiled = 0
         self.model.train()
-        self.total_blocks = len(checkpointable_blocks(self.model))
+        self.total_blocks = len(checkpointable_blocks(eager_module(self.model)))
         self.set_checkpointing(self.checkpointing)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise WorkloadError(f"{self.workload.source}: the model has no trainable parameters")
         self.gradient_bytes = sum(_local(p).numel() * p.element_size() for p in self.params)
-        self.optimizer = self.workload.new_optimizer(self.params)
+        self.optimizer = self._new_optimizer()
         self.scaler = grad_scaler(self.precision, self.device)
         self.backend.adopt([*self.model.parameters(), *self.model.buffers()])
         if self.offload:
@@ -140,13 +153,30 @@ class TrialSession:
                 self._warm_up()
             self._check_state_fits()
 
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        fake_mode = getattr(self.backend, "fake_mode", None)
+        if fake_mode is None:
+            return self.workload.new_optimizer(self.params)
+        return build_with_real_constants(lambda: self.workload.new_optimizer(self.params), fake_mode)
+
+    def _stepping(self):
+        """Around every ``optimizer.step()``: what the optimizer needs to step where memory is
+        counted (``counted_step``), and on fake tensors (``fake_step``)."""
+        if getattr(self.backend, "fake_mode", None) is None:
+            return counted_step()
+        stack = contextlib.ExitStack()
+        stack.enter_context(counted_step())
+        stack.enter_context(fake_step(self.optimizer))
+        return stack
+
     def _allocate_optimizer_state(self):
         # Adam-like optimizers allocate their state lazily at the first step; a trial that ran
         # without it would miss a large share of the peak. A step on zero gradients allocates it
         # without a forward pass (the probe's model is a copy, or restored afterwards).
         for p in self.params:
             p.grad = torch.zeros_like(p)
-        self.optimizer.step()
+        with self._stepping():
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.adopt(optimizer_state_tensors(self.optimizer))
 
@@ -160,15 +190,16 @@ class TrialSession:
     def set_checkpointing(self, checkpointing) -> int:
         """Checkpoint those blocks (a ``Checkpointing``, off/on, K or a fraction) from the next
         step on; returns how many are."""
-        disable_checkpointing(self.model)
+        model = eager_module(self.model)
+        disable_checkpointing(model)
         request = CheckpointingRequest.parse(checkpointing, allow_auto=False)
         source = self.workload.source
         if request.value == "on":  # every block, and models' own switches (none: a WorkloadError)
-            self.checkpointed_blocks = enable_checkpointing(self.model, source=source)
+            self.checkpointed_blocks = enable_checkpointing(model, source=source)
             self.checkpointing = Checkpointing.every_block(self.total_blocks or None)
             return self.checkpointed_blocks
         wanted = request.resolve(self.total_blocks, source=source)
-        self.checkpointed_blocks = (enable_checkpointing(self.model, source=source, blocks=wanted.count)
+        self.checkpointed_blocks = (enable_checkpointing(model, source=source, blocks=wanted.count)
                                     if wanted else 0)
         self.checkpointing = wanted
         return self.checkpointed_blocks
@@ -221,6 +252,7 @@ class TrialSession:
         start = time.perf_counter()
         out_of_memory = False
         self._held = None
+        graphs = graphs_compiled()
         try:
             with self._soft_budget(), deadline(self, n):  # --trial-timeout
                 activation_peak, step_peak = self._window(sizes)
@@ -230,6 +262,9 @@ class TrialSession:
             if not is_oom_error(exc):
                 raise
             out_of_memory = True
+        finally:
+            if self.compiled:
+                self.graphs_compiled += graphs_compiled() - graphs
         seconds = time.perf_counter() - start
         if out_of_memory:
             # Outside the except block: the traceback no longer pins the failed step's tensors.
@@ -333,6 +368,8 @@ class TrialSession:
             for index, size in enumerate(sizes):
                 self._gradient_sync(index == last or self.reduce_every_micro_step)
                 batch = move_batch(self.workload.batch(size), self.device)
+                if self.compiled:
+                    mark_batch_dynamic(batch)
                 activation_peak = self._forward_backward(batch)
                 if index < last:
                     del batch
@@ -386,7 +423,8 @@ class TrialSession:
     def _optimizer_step(self):
         # optimizer.step() directly, not scaler.step(): a real fp16 step that found inf would be
         # skipped, and the probe must still measure what the optimizer step costs.
-        self.optimizer.step()
+        with self._stepping():
+            self.optimizer.step()
 
     def _release_memory(self):
         free_memory()
@@ -411,7 +449,7 @@ class TrialSession:
                 self.optimizer = None
             if self.model is not None:
                 if self.checkpointing:
-                    disable_checkpointing(self.model)
+                    disable_checkpointing(eager_module(self.model))
                 if self._saved is not None:
                     _restore_module_state(self.model, self._saved)
             self.model = None
@@ -443,7 +481,9 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
 
 
 def _save_module_state(model: torch.nn.Module) -> dict:
-    """Everything a probe changes on a module instance, copied to the CPU."""
+    """Everything a probe changes on a module instance, copied to the CPU (a compiled
+    instance's: its eager module's, under the keys ``_restore_module_state`` reads)."""
+    model = eager_module(model)
     first = next(iter(model.parameters()), None)
     return {
         "device": first.device if first is not None else torch.device("cpu"),
@@ -455,6 +495,7 @@ def _save_module_state(model: torch.nn.Module) -> dict:
 
 
 def _restore_module_state(model: torch.nn.Module, saved: dict) -> None:
+    model = eager_module(model)
     model.to(saved["device"])
     with torch.no_grad():
         model.load_state_dict(saved["state"])

@@ -66,6 +66,9 @@ class Workload:
     """The sequence length every batch is made at (``make_batch(n, seq_len)``); None: the
     model file's own (``make_batch(n)``). Set with ``at_seq_len``, as a plan with ``seq_len``
     does for ``train`` and ``verify``."""
+    compile: str | None = None
+    """The torch.compile backend the training step runs under (``--compile``; None: the model
+    as ``build_model()`` returns it, compiled or not). See ``autotune/compiled.py``."""
 
     def __post_init__(self):
         if not (isinstance(self.model, torch.nn.Module) or callable(self.model)):
@@ -105,6 +108,19 @@ class Workload:
         if self.build_optimizer is None:
             return torch.optim.AdamW(params)
         optimizer = self.build_optimizer(params)
+        if isinstance(optimizer, (list, tuple)) and all(
+                isinstance(o, torch.optim.Optimizer) for o in optimizer):
+            # The probe's step, the plan's LR and the loop's step, checkpoint and recovery each
+            # act on one optimizer.
+            names = ", ".join(type(o).__name__ for o in optimizer)
+            raise WorkloadError(
+                f"{self.source}: build_optimizer(params) returned {len(optimizer)} optimizers "
+                f"({names}); autotune probes and trains one optimizer. Return one optimizer with "
+                f"a parameter group per part instead, e.g. torch.optim.AdamW([{{'params': "
+                f"decay, 'weight_decay': 0.1}}, {{'params': no_decay, 'weight_decay': 0.0, "
+                f"'lr': 1e-4}}]) (each group keeps its own lr and settings); models that need two "
+                f"optimizers stepped apart (GANs, Muon with AdamW) are not supported"
+            )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise WorkloadError(
                 f"{self.source}: build_optimizer(params) must return a torch.optim.Optimizer, "
