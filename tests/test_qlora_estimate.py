@@ -68,7 +68,11 @@ def test_a_gpu_plan_of_qlora_is_estimated_and_says_it_is_unverified(qlora, tmp_p
     result = CliRunner().invoke(cli, ["plan", real_path("llama_qlora"), "--gpu", "t4",
                                       "--target-batch", "8", "--quiet", "-o", str(out)])
     assert result.exit_code == 0, result.output
-    warnings_ = json.loads(out.read_text())["warnings"]
+    data = json.loads(out.read_text())
+    # Weights, not packed bytes: the stand-ins keep each layer's shape before packing.
+    assert (data["workload"]["param_count"], data["workload"]["trainable_param_count"]) == (
+        3_343_616, 65_536)
+    warnings_ = data["warnings"]
     said = [w for w in warnings_ if "unverified" in w]
     assert len(said) == 1 and "14 bitsandbytes 4-bit layers" in said[0], warnings_
     assert "Traceback" not in result.stderr

@@ -13,6 +13,8 @@ stand-in cannot tell: the estimate says it is unverified.
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 
@@ -64,6 +66,17 @@ class QuantizedLinear(torch.nn.Module):
         self.shape = tuple(state.shape)
         self.dtype = state.dtype
         self.compute_dtype = getattr(layer, "compute_dtype", None)
+        self._mark_weight()
+
+    def __setstate__(self, state):
+        # A deep copy (the fake copy) rebuilds the module through here, with a new weight.
+        super().__setstate__(state)
+        self._mark_weight()
+
+    def _mark_weight(self):
+        # Where parameters are counted in weights, not bytes (the plan's param_count): the shape
+        # before packing, where bitsandbytes keeps it.
+        self.weight.quant_state = types.SimpleNamespace(shape=self.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         given = x.dtype
