@@ -79,10 +79,14 @@ class EstimateMemoryBackend(CPUMemoryBackend):
             budget_source="estimate budget" if budget_bytes is not None else "none (estimate only)",
         )
 
+    def counting_mode(self) -> fake_tensor.FakeTensorMode:
+        """A fresh fake-tensor mode that counts into this backend's tracker."""
+        gloo = None if self.for_cuda else _GlooCollectiveBuffers(self.tracker)
+        return _CountingFakeTensorMode(self.tracker, gloo, uploads=self.offload)
+
     @contextlib.contextmanager
     def tracking(self):
-        gloo = None if self.for_cuda else _GlooCollectiveBuffers(self.tracker)
-        self._mode = _CountingFakeTensorMode(self.tracker, gloo, uploads=self.offload)
+        self._mode = self.counting_mode()
         try:
             # torch.compile'd code (a module or function the model compiled) runs eagerly here:
             # tracing a compiled graph on fake tensors can crash the process.

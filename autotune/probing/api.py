@@ -13,12 +13,12 @@ from ..memory import MemoryBackend, backend_for
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from .. import progress
-from ..distributed.sharding.ranks import sharded_step
 from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..units import format_bytes
 from ..workload.checkpoint_count import CheckpointingRequest
 from ..workload.contract import load_workload
 from .result import MemoryModel, ProbeResult, Trial, setting_label
+from .affine_blocks import layout_session
 from .estimate import EstimateSession
 from .search import fit_memory_model, search_largest_fitting
 from .isolated import isolated, seed_in_child
@@ -105,16 +105,13 @@ def probe(
         return fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
 
     setting = setting_label(precision, checkpointing)
-    with sharded_step(run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
-                      precision=precision, device_type=backend.device.type) as step_workload:
-        # On fake tensors the estimate's session counts the same bytes for less work (see
-        # EstimateSession): it sets up the optimizer state without a step and measures the
-        # optimizer phase once per session.
-        session_type = EstimateSession if estimating else TrialSession
-        session = session_type(step_workload, backend, precision=precision,
-                               checkpointing=checkpointing, sharded=sharding.sharded,
-                               offload=sharding.offload,
-                               reduce_every_micro_step=reduce_every_micro_step)
+    # On fake tensors the estimate's session counts the same bytes for less work (see
+    # EstimateSession): it sets up the optimizer state without a step and measures the
+    # optimizer phase once per session; identical blocks are measured on few of them.
+    with layout_session(run_workload, backend, session_type=EstimateSession if estimating else TrialSession,
+                        precision=precision, checkpointing=checkpointing, sharding=sharding,
+                        world_size=world_size, shard_group=shard_group,
+                        reduce_every_micro_step=reduce_every_micro_step) as session:
 
         def run_trial(n: int) -> Trial:
             return session.run(n, window=window_steps(n, share))
@@ -221,13 +218,11 @@ def window_trial(workload, backend: MemoryBackend, *, micro_batch: int, window: 
     estimating = isinstance(backend, EstimateMemoryBackend)
     run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
     limits = fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
-    with sharded_step(run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
-                      precision=precision, device_type=backend.device.type) as step_workload:
-        session = (EstimateSession if estimating else TrialSession)(
-            step_workload, backend, precision=precision,
-            checkpointing=CheckpointingRequest.parse(checkpointing, allow_auto=False),
-            sharded=sharding.sharded, offload=sharding.offload,
-            reduce_every_micro_step=reduce_every_micro_step)
+    with layout_session(run_workload, backend, session_type=EstimateSession if estimating else TrialSession,
+                        precision=precision,
+                        checkpointing=CheckpointingRequest.parse(checkpointing, allow_auto=False),
+                        sharding=sharding, world_size=world_size, shard_group=shard_group,
+                        reduce_every_micro_step=reduce_every_micro_step) as session:
         try:
             with limits, session:
                 return session.run(micro_batch, window=window, micro_batches=micro_batches)
