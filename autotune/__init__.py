@@ -10,6 +10,9 @@ Public API::
                                  bytes of one step (one rank's under fsdp), estimated on fake
                                  tensors (EstimateUnavailable) (checkpointing: off/on or a bool,
                                  K blocks, or a fraction "1/3")
+    estimate_cuda_peaks(workload, micro_batches, *, gpu_name="", ...) -> {n: (tensors, reserved)}
+                                 the same for a CUDA device, with torch's caching allocator
+                                 modelled (what max_memory_reserved() would show)
     plan(workload, *, target_batch, ..., sharding="auto", shard_group=None) -> Plan
                                  micro-batch × accumulation × world = target; ddp or FSDP2 shards
     save_plan, load_plan, export_plan              the plan file and exports for other runners
@@ -48,7 +51,7 @@ from .orchestration.verify import VerifyResult, verify_plan
 from .precision import Precision
 from .probing.api import probe
 from .probing.deadline import trial_timeout
-from .probing.estimate import estimate_peak
+from .probing.estimate import estimate_cuda_peaks, estimate_peak
 from .probing.result import MemoryModel, ProbeResult, Trial
 from .report import plot_metrics, plot_plan, write_report
 from .report.notebook import register_display as _register_display
@@ -62,7 +65,8 @@ __all__ = [
     "AutotuneError", "Checkpointing", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
     "ProbeResult", "ReportError", "Sharding", "TrainError", "TrainResult", "Trial", "UserCodeError",
-    "VerifyResult", "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan",
+    "VerifyResult", "Workload", "WorkloadError", "__version__", "estimate_cuda_peaks", "estimate_peak",
+    "export_plan",
     "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan", "probe",
     "save_plan", "train", "trial_timeout", "verify_plan", "write_report",
 ]

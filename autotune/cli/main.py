@@ -437,13 +437,26 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
               help="Ranks to shard over (with --sharding fsdp; a fake process group, no ranks run).")
 @click.option("--shard-group", type=click.IntRange(min=1), default=None,
               help="Hybrid sharding: shard within groups of N ranks (default: the world size).")
+@click.option("--cuda", "cuda_name", default=None, metavar="NAME",
+              help="For a CUDA device (a name such as H100 or A100: Hopper's cuBLAS workspace is "
+                   "larger): model torch's caching allocator (PYTORCH_CUDA_ALLOC_CONF honoured) "
+                   "and print the reserved peak beside the tensors'.")
 @click.option("--json", "as_json", is_flag=True, help="Print {micro_batch: peak_bytes} as JSON.")
 @_errors_to_exit_codes
 def estimate(model_file, micro_batches, precision, checkpointing, sharding, world_size, shard_group,
-             as_json):
+             cuda_name, as_json):
     """Estimate the peak memory of one training step without allocating it (fake tensors)."""
-    from ..probing.estimate import estimate_peaks
+    from ..probing.estimate import estimate_cuda_peaks, estimate_peaks
+    from .format import format_cuda_estimate
 
+    if cuda_name is not None:
+        with _stdout_to_stderr(as_json):
+            peaks = estimate_cuda_peaks(model_file, micro_batches, gpu_name=cuda_name,
+                                        precision=precision.lower(), checkpointing=checkpointing,
+                                        sharding=sharding, world_size=world_size,
+                                        shard_group=shard_group)
+        click.echo(format_cuda_estimate(model_file, cuda_name, peaks, as_json=as_json))
+        return
     with _stdout_to_stderr(as_json):
         peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
                                checkpointing=checkpointing, sharding=sharding,
