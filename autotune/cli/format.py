@@ -19,8 +19,7 @@ def table(headers: list[str], rows: list[list], *, align: str | None = None) -> 
 
 def _reserved_text(plan) -> str:
     """For a CUDA estimate: the peak is reserved memory; what the tensors hold beside it."""
-    setting = plan.chosen_setting
-    trial = setting.probe.trial_at(plan.micro_batch) if setting and setting.probe else None
+    trial = plan.planned_trial
     if trial is None or trial.allocated_peak_bytes is None:
         return ""
     return (f" reserved by the caching allocator (modelled; tensors allocated "
@@ -203,8 +202,10 @@ def format_verify(result) -> str:
              f"{setting_label(plan.precision, plan.checkpointing_label)}, {result.steps} real steps",
              f"limit:      {format_bytes(result.usable_bytes)} = {format_bytes(result.budget_bytes)} "
              f"budget less {plan.headroom:.0%} headroom"]
-    predicted = format_bytes(plan.predicted_peak_bytes)
+    predicted = format_bytes(result.predicted)
     kind = "estimated" if plan.estimated else "predicted"
+    if result.predicted_bytes is not None:
+        kind += " (tensors; its peak is CUDA's reserved memory)"
     if result.measured_peak_bytes is None:
         lines.append(f"peak:       out of memory (the plan {kind} {predicted})")
     else:
