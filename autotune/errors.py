@@ -38,6 +38,12 @@ def given(name: str, value) -> str:
     return f"{option(name)}={value!r}"
 
 
+def flag(name: str) -> str:
+    """A switch turned on, as the caller wrote it: "--resume" on the command line, "resume=True"
+    from Python."""
+    return option(name) if _CLI_WORDS.get() else f"{name}=True"
+
+
 class AutotuneError(Exception):
     """Base class of every error autotune raises on purpose."""
 

@@ -171,7 +171,7 @@ def test_a_damaged_sharded_checkpoint_is_a_train_error(tmp_path, damage, expecte
     else:
         pointer = json.loads((tmp_path / "checkpoint.json").read_text())
         (tmp_path / "checkpoint.json").write_text(json.dumps({**pointer, "folder": "../elsewhere"}))
-    with pytest.raises(TrainError, match="--resume: .*" + expected.replace("(", r"\(")):
+    with pytest.raises(TrainError, match="resume=True: .*" + expected.replace("(", r"\(")):
         train(_sharded(), mlp_workload(16), steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)
 
 
@@ -227,7 +227,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused_naming_the_first(tmp_path, o
     plan = _sharded() if sharded else make_plan([4], lr=0.1)
     _lock(tmp_path, pid=other_process.pid)
     for resume in (False, True):
-        with pytest.raises(TrainError, match=f"--checkpoint-dir {tmp_path} is in use by another run: pid "
+        with pytest.raises(TrainError, match=f"checkpoint_dir {tmp_path} is in use by another run: pid "
                                              f"{other_process.pid} on .*, started 2026-01-01T00:00:00.* "
                                              f"\\(autotune train other.py\\)"):
             train(plan, mlp_workload(16), steps=1, checkpoint_dir=tmp_path, resume=resume, progress=False)

@@ -28,7 +28,10 @@ def test_every_accepted_form_parses(value, parsed):
 @pytest.mark.parametrize("value", ["-1", "3/2", "half", "1/0", "nan", "inf", -2, 1.5, float("nan"),
                                    None, "", "on off"])
 def test_bad_values_name_the_option_and_the_fix(value):
-    with pytest.raises(ConfigError, match=r"--checkpointing .*(use auto, off, on|0 or more|between 0 and 1)"):
+    fix = r".*(use auto, off, on|0 or more|between 0 and 1)"
+    with pytest.raises(ConfigError, match=r"^checkpointing=" + fix):  # Python's word, by default
+        CheckpointingRequest.parse(value)
+    with cli_words(), pytest.raises(ConfigError, match=r"^--checkpointing " + fix):
         CheckpointingRequest.parse(value)
 
 
@@ -60,7 +63,7 @@ def test_resolve_on_the_model(value, total, label):
 
 
 def test_resolve_refuses_more_blocks_than_the_model_has_and_fractions_without_a_count():
-    with pytest.raises(ConfigError, match=r"--checkpointing 5: model has 4 repeated blocks.*from 0 to 4"):
+    with pytest.raises(ConfigError, match=r"^checkpointing=5: model has 4 repeated blocks.*from 0 to 4"):
         CheckpointingRequest.parse("5").resolve(4)
     with pytest.raises(ConfigError, match="has 0 repeated blocks"):
         CheckpointingRequest.parse("2").resolve(0, source="m.py")

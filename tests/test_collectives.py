@@ -57,3 +57,15 @@ def test_only_the_ranks_of_a_real_process_group_agree_on_trials(gloo_group):
             assert dist.get_world_size() == 4 and _real_ranks() == 1
     finally:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def test_oom_recovery_on_a_ddp_without_the_reset_hook_names_the_torch_and_the_way_out():
+    from autotune.distributed import process_group
+    from autotune.errors import TrainError
+
+    model = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    object.__setattr__(model, "reducer", object())  # a reducer without _reset_state
+    with pytest.raises(TrainError) as caught:
+        process_group.forget_failed_window(model)
+    message = str(caught.value)
+    assert torch.__version__ in message and "reducer._reset_state" in message and "headroom" in message

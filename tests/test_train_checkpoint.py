@@ -117,11 +117,11 @@ def test_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypatch
 
 def test_resume_with_another_seed_is_refused(tmp_path):
     train(_plan(), _workload(), steps=1, checkpoint_dir=tmp_path, progress=False)
-    with pytest.raises(TrainError, match="--seed is 3 but the checkpoint"):
+    with pytest.raises(TrainError, match="resume=True: seed is 3 but the checkpoint"):
         train(_plan(), _workload(), steps=2, checkpoint_dir=tmp_path, resume=True, seed=3,
               progress=False)
 
 
 def test_resume_without_a_checkpoint_names_the_fix(tmp_path):
-    with pytest.raises(TrainError, match="no checkpoint at .*checkpoint-dir"):
+    with pytest.raises(TrainError, match="no checkpoint at .*checkpoint_dir .*drop resume=True"):
         train(_plan(), _workload(), steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)

@@ -116,7 +116,7 @@ def test_no_dataset_needs_steps():
 @pytest.mark.parametrize("kwargs, message", [
     ({"steps": 0}, "steps must be a positive integer"),
     ({"steps": 1, "checkpoint_every": 2}, "checkpoint_every needs checkpoint_dir"),
-    ({"steps": 1, "resume": True}, "resume needs checkpoint_dir"),
+    ({"steps": 1, "resume": True}, "resume=True needs checkpoint_dir"),
     ({"steps": 1, "clip_grad_norm": -1.0}, "clip_grad_norm must be positive"),
 ])
 def test_bad_options(kwargs, message):

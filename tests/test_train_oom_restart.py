@@ -122,7 +122,7 @@ def test_sharded_oom_records_the_split_and_resume_uses_it(tmp_path, capsys):
     failing = _wrapped(fail_at={5})  # step 3, first micro-step
     with pytest.raises(TrainError, match=r"at step 3 with micro-batch 8 in a forward or backward of an "
                                          r"FSDP2 .* this process was not launched by torchrun: rerun with "
-                                         r"--resume \(it continues from the checkpoint of step 2"):
+                                         r"resume=True \(it continues from the checkpoint of step 2"):
         train(_sharded([8, 8]), failing, steps=3, progress=False, checkpoint_dir=tmp_path / "c",
               checkpoint_every=1)
     record = json.loads((tmp_path / "c" / RECORD_NAME).read_text())
@@ -168,7 +168,7 @@ def test_a_sharded_checkpoint_is_not_started_over_without_resume_or_overwrite(tm
     """A first launch into a folder holding a checkpoint: refused, not lost (a torchrun restart
     continues its own run's checkpoint: tests/test_checkpoint_safety.py)."""
     train(_sharded([8, 8]), _wrapped(), steps=1, progress=False, checkpoint_dir=tmp_path / "c")
-    with pytest.raises(OutputError, match="already holds a checkpoint .*checkpoint.json.*--resume"):
+    with pytest.raises(OutputError, match="already holds a checkpoint .*checkpoint.json.*resume=True, start over with overwrite=True"):
         train(_sharded([8, 8]), _wrapped(), steps=2, progress=False, checkpoint_dir=tmp_path / "c")
 
 
@@ -183,7 +183,7 @@ def test_a_damaged_record_is_refused_naming_the_file(tmp_path, text, message):
 
 def test_sharded_oom_without_a_checkpoint_folder_says_how_to_enable_recovery():
     failing = _wrapped(fail_at={2})
-    with pytest.raises(TrainError, match="needs a checkpoint folder: train with --checkpoint-dir D .* under "
+    with pytest.raises(TrainError, match="needs a checkpoint folder: train with checkpoint_dir D .* under "
                                          "torchrun --max-restarts N"):
         train(_sharded([8, 8]), failing, steps=2, progress=False)
 

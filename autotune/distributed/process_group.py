@@ -127,8 +127,10 @@ def forget_failed_window(model: torch.nn.Module) -> None:
         return
     reset = getattr(model.reducer, "_reset_state", None)
     if reset is None:
-        raise TrainError("this torch's DistributedDataParallel has no reducer._reset_state; "
-                           "out-of-memory recovery under DDP needs torch >= 2.4")
+        raise TrainError(f"torch {torch.__version__}'s DistributedDataParallel has no private "
+                         f"reducer._reset_state, which out-of-memory recovery under DDP relies on "
+                         f"(torch 2.13 to 2.14 have it); train with a torch in that range, or "
+                         f"plan a micro-batch with more headroom so no window is redone")
     model._has_rebuilt_buckets = False
     reset()
 

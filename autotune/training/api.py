@@ -24,7 +24,7 @@ from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_
 from .checkpoint import written_by as checkpoint_written_by
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
-from ..errors import AutotuneError, OutputError, UserCodeError
+from ..errors import AutotuneError, OutputError, UserCodeError, option, flag
 from .errors import NonFiniteError, OOMRestart, TrainError
 from .loop import StepRunner, TrainState, run_steps
 from .metrics import MetricsLog, PlanCheck
@@ -271,8 +271,8 @@ class _Session:
         written but ``--save`` (the checkpoint's model), the same on every rank."""
         if progress and self.ctx.is_main:
             print(f"nothing to train: the checkpoint in {self.checkpoint_dir} is at step {self.state.step} "
-                  f"and this run asks for {self.total_steps} steps in all; give --steps (or --epochs) "
-                  f"beyond {self.state.step} to train on", file=sys.stderr, flush=True)
+                  f"and this run asks for {self.total_steps} steps in all; give {option('steps')} "
+                  f"(or {option('epochs')}) beyond {self.state.step} to train on", file=sys.stderr, flush=True)
         return TrainResult(
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
             steps=self.state.step, metrics=[], skipped_steps=self.state.skipped_steps,
@@ -410,7 +410,7 @@ class _Session:
 
     def _last_good(self) -> str:
         if self.path is None:
-            return "no checkpoint was kept (train with --checkpoint-dir to keep one)"
+            return f"no checkpoint was kept (train with {option('checkpoint_dir')} to keep one)"
         if self.saved_step is None:
             return f"no checkpoint was written to {self.path.parent} before it"
         return f"the last good checkpoint, {self.path} (step {self.saved_step}), is kept"
@@ -433,21 +433,21 @@ class _Session:
                         required=TRAIN_STATE_KEYS if self.sharding.sharded else REQUIRED_KEYS)
         check_train_state(saved, path=self.path, rank=self.ctx.rank)
         data = saved["data"]
-        for option, name, value in (("--seed", "seed", self.seed),
-                                    ("the plan's effective batch", "effective_batch", self.plan.effective_batch),
-                                    ("the dataset size", "dataset_size", self.dataset_size)):
+        for label, name, value in ((option("seed"), "seed", self.seed),
+                                   ("the plan's effective batch", "effective_batch", self.plan.effective_batch),
+                                   ("the dataset size", "dataset_size", self.dataset_size)):
             if data[name] != value:
                 raise TrainError(
-                    f"--resume: {option} is {value} but the checkpoint {self.path} was trained with "
-                    f"{data[name]}; resume with the same setting (or start a new --checkpoint-dir)"
+                    f"{flag('resume')}: {label} is {value} but the checkpoint {self.path} was trained with "
+                    f"{data[name]}; resume with the same setting (or start a new {option('checkpoint_dir')})"
                 )
         if not self.sharding.sharded:  # a sharded checkpoint loaded its shards in place
             try:
                 self.model.load_state_dict(saved["model"])
             except RuntimeError as exc:  # shapes or names: the model changed in a way the hash missed
-                raise TrainError(f"--resume: the checkpoint {self.path} holds another model's weights "
+                raise TrainError(f"{flag('resume')}: the checkpoint {self.path} holds another model's weights "
                                  f"({str(exc).splitlines()[0]} ...); resume with the model it was "
-                                 f"trained with, or start a new --checkpoint-dir") from None
+                                 f"trained with, or start a new {option('checkpoint_dir')}") from None
             self.optimizer.load_state_dict(saved["optimizer"])
         for name, restore in (("scaler", self.scaler.load_state_dict),
                                ("scheduler", self.scheduler.load_state_dict),
@@ -457,9 +457,10 @@ class _Session:
                 try:
                     restore(saved[name])
                 except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-                    raise TrainError(f"--resume: in checkpoint {self.path}, the field {name!r} cannot be "
+                    raise TrainError(f"{flag('resume')}: in checkpoint {self.path}, the field {name!r} cannot be "
                                      f"restored ({type(exc).__name__}: {exc}); the checkpoint is damaged "
-                                     f"or was edited. Start a new --checkpoint-dir (or --overwrite)") from None
+                                     f"or was edited. Start a new {option('checkpoint_dir')} "
+                                     f"(or {flag('overwrite')})") from None
         self.state.step = self.saved_step = saved["step"]
         self.state.skipped_steps = saved["skipped_steps"]
         ranks = saved["rng"]
@@ -522,5 +523,5 @@ def _write_model(result: TrainResult, state: dict, path) -> None:
     except OutputError as exc:
         kept = (f"the trained model is in the last checkpoint, {result.checkpoint}"
                 if result.checkpoint is not None and result.checkpoint.is_file()
-                else "the trained model was not kept (no --checkpoint-dir)")
+                else f"the trained model was not kept (no {option('checkpoint_dir')})")
         raise OutputError(f"--save {exc}; {kept}") from None

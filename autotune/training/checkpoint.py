@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..files.outputs import write_atomic
-from ..errors import OutputError
+from ..errors import OutputError, option, flag
 from ..planning.planfile import plan_to_json
 from .errors import TrainError
 
@@ -40,8 +40,8 @@ def save_atomic(state: dict, path: Path) -> None:
 def load(path: Path) -> dict:
     if not path.is_file():
         raise TrainError(
-            f"--resume: no checkpoint at {path}; train once with --checkpoint-dir {path.parent} "
-            f"(or drop --resume to start from scratch)"
+            f"{flag('resume')}: no checkpoint at {path}; train once with {option('checkpoint_dir')} {path.parent} "
+            f"(or drop {flag('resume')} to start from scratch)"
         )
     try:
         # weights_only=True: a checkpoint is data. Unpickling arbitrary objects would run whatever
@@ -49,14 +49,14 @@ def load(path: Path) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise TrainError(
-            f"--resume: checkpoint {path} holds objects other than tensors and plain Python types "
+            f"{flag('resume')}: checkpoint {path} holds objects other than tensors and plain Python types "
             f"(an older autotune's format 1, another program's file, or a tampered one); it was not loaded, so "
-            f"none of its code ran. Start a new --checkpoint-dir") from None
+            f"none of its code ran. Start a new {option('checkpoint_dir')}") from None
     except Exception as exc:
-        raise TrainError(f"--resume: checkpoint {path} cannot be read ({type(exc).__name__}: {exc})") from exc
+        raise TrainError(f"{flag('resume')}: checkpoint {path} cannot be read ({type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise TrainError(
-            f"--resume: {path} is not an autotune training checkpoint of format {FORMAT_VERSION}"
+            f"{flag('resume')}: {path} is not an autotune training checkpoint of format {FORMAT_VERSION}"
         )
     return state
 
@@ -102,8 +102,8 @@ def _check_rng(state: dict, *, path, rank: int) -> None:
 
 
 def _damaged(path, field: str, what: str) -> TrainError:
-    return TrainError(f"--resume: in checkpoint {path}, the field {field!r} is {what}; the checkpoint is "
-                      f"damaged or was edited. Start a new --checkpoint-dir (or --overwrite)")
+    return TrainError(f"{flag('resume')}: in checkpoint {path}, the field {field!r} is {what}; the checkpoint is "
+                      f"damaged or was edited. Start a new {option('checkpoint_dir')} (or {flag('overwrite')})")
 
 
 TRAIN_STATE_KEYS = ("scaler", "scheduler", "rng", "step", "skipped_steps", "split", "data", "plan")
@@ -133,8 +133,8 @@ def check_resumable(saved: dict, plan, workload, *, path: Path, required=REQUIRE
     differs (resuming would silently train on with the old schedule, or fail on a shape)."""
     missing = [key for key in required if key not in saved]
     if missing:
-        raise TrainError(f"--resume: checkpoint {path} lacks {', '.join(missing)}; it is damaged or "
-                         f"not an autotune training checkpoint. Start a new --checkpoint-dir")
+        raise TrainError(f"{flag('resume')}: checkpoint {path} lacks {', '.join(missing)}; it is damaged or "
+                         f"not an autotune training checkpoint. Start a new {option('checkpoint_dir')}")
     now = plan_record(plan, workload)
     for label, keys in _RESUME_FIELDS:
         was, is_now = _get(saved["plan"], keys), _get(now, keys)
@@ -142,9 +142,9 @@ def check_resumable(saved: dict, plan, workload, *, path: Path, required=REQUIRE
             if keys[-1] == "file_sha256":
                 was, is_now = str(was)[:12] + "…", str(is_now)[:12] + "…"
             raise TrainError(
-                f"--resume: {label} was {was} when checkpoint {path} was written and is {is_now} "
+                f"{flag('resume')}: {label} was {was} when checkpoint {path} was written and is {is_now} "
                 f"now; resume with the plan and model file it was trained with, or start a new "
-                f"--checkpoint-dir (or --overwrite) to train under the new ones")
+                f"{option('checkpoint_dir')} (or {flag('overwrite')}) to train under the new ones")
 
 
 def _get(data, keys):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..files.outputs import host_name, process_alive
-from ..errors import OutputError
+from ..errors import OutputError, option
 from .errors import TrainError
 from .restart import Restarts
 
@@ -61,7 +61,7 @@ def acquire(directory, restarts: Restarts | None = None) -> CheckpointLock:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"--checkpoint-dir {directory} cannot be made ({exc.strerror or exc})") from None
+        raise OutputError(f"{option('checkpoint_dir')} {directory} cannot be made ({exc.strerror or exc})") from None
     record = _own_record(restarts)
     data = json.dumps(record, indent=2).encode()
     for _ in range(3):  # another run may take a stale lock at the same moment: one of us wins
@@ -75,7 +75,7 @@ def acquire(directory, restarts: Restarts | None = None) -> CheckpointLock:
                 path.unlink(missing_ok=True)
             continue
         except OSError as exc:
-            raise OutputError(f"--checkpoint-dir: {path} cannot be written ({exc.strerror or exc})") from None
+            raise OutputError(f"{option('checkpoint_dir')}: {path} cannot be written ({exc.strerror or exc})") from None
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -133,8 +133,8 @@ def _in_use(directory, path: Path, held: dict | None) -> TrainError:
         who = (f"pid {held.get('pid')} on {held.get('host')}, started {held.get('started')}"
                + (f" ({held['command']})" if held.get("command") else ""))
     return TrainError(
-        f"--checkpoint-dir {directory} is in use by another run: {who}. Two runs in one folder would "
-        f"replace each other's checkpoints; wait for it to end or choose another --checkpoint-dir "
+        f"{option('checkpoint_dir')} {directory} is in use by another run: {who}. Two runs in one folder would "
+        f"replace each other's checkpoints; wait for it to end or choose another {option('checkpoint_dir')} "
         f"(if that run is gone, e.g. its machine crashed, delete {path})")
 
 

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from ..distributed.environment import Launch, launch_environment
-from ..errors import ConfigError, OutputError, PlanFileError, WorkloadError, given, option
+from ..errors import ConfigError, OutputError, PlanFileError, WorkloadError, given, option, flag
 from ..files.outputs import check_outputs as check_all_outputs
 from ..planning.types import Plan
 from ..planning.planfile import load_plan as read_plan_file
@@ -112,9 +112,9 @@ def check_dataset_size(size: int, plan: Plan, *, source: str) -> None:
 def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, num_workers,
                   seed: int = 0, overwrite: bool = False) -> None:
     if resume and overwrite:
-        raise ConfigError(f"{option('resume')} and {option('overwrite')} contradict each other: "
-                          f"{option('resume')} continues the checkpoint in {option('checkpoint_dir')}, "
-                          f"{option('overwrite')} replaces it; give one of them")
+        raise ConfigError(f"{flag('resume')} and {flag('overwrite')} contradict each other: "
+                          f"{flag('resume')} continues the checkpoint in {option('checkpoint_dir')}, "
+                          f"{flag('overwrite')} replaces it; give one of them")
     if checkpoint_every is not None:
         if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ConfigError(f"{option('checkpoint_every')} must be a positive integer, got "
@@ -123,7 +123,7 @@ def check_options(*, checkpoint_dir, checkpoint_every, resume, clip_grad_norm, n
             raise ConfigError(f"{option('checkpoint_every')} needs {option('checkpoint_dir')} to write "
                               f"checkpoints into")
     if resume and checkpoint_dir is None:
-        raise ConfigError(f"{option('resume')} needs {option('checkpoint_dir')} (the folder holding "
+        raise ConfigError(f"{flag('resume')} needs {option('checkpoint_dir')} (the folder holding "
                           f"checkpoint.pt)")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ConfigError(f"{option('clip_grad_norm')} must be positive, got {clip_grad_norm!r}")
@@ -148,5 +148,5 @@ def check_outputs(*, checkpoint_dir, resume: bool, overwrite: bool, metrics_path
     found = next((p for p in (path, pointer_path(checkpoint_dir)) if p.exists()), None)
     if found is not None and not resume and not overwrite:
         raise OutputError(
-            f"--checkpoint-dir {checkpoint_dir} already holds a checkpoint ({found}); continue it "
-            f"with --resume, start over with --overwrite, or choose another folder")
+            f"{option('checkpoint_dir')} {checkpoint_dir} already holds a checkpoint ({found}); continue it "
+            f"with {flag('resume')}, start over with {flag('overwrite')}, or choose another folder")

@@ -21,7 +21,7 @@ from . import noise_scale
 from ..distributed import process_group as distributed
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
 from .data import Window, slice_batch, split_micro_batches
-from ..errors import WorkloadError
+from ..errors import WorkloadError, option, flag
 from .errors import NonFiniteError, TrainError
 from .metrics import PeakMeter, PlanCheck
 from .recovery import SplitPolicy
@@ -393,7 +393,7 @@ class DivergenceWatch:
         self.warned = True
         return (f"the loss grew from {first_loss:.4g} at step {first_step} to {loss:.4g} at step "
                 f"{step} (over {self.FACTOR:g}x): training looks divergent; lower the learning "
-                f"rate or clip gradients (--clip-grad-norm)")
+                f"rate or clip gradients ({option('clip_grad_norm')})")
 
 
 def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics, stop,
@@ -439,6 +439,6 @@ def run_steps(runner: StepRunner, layout, batches, *, total_steps: int, metrics,
         last = time.perf_counter()
         if outcome.stop:
             metrics.note(f"stopped by {stop.signal_name or 'a signal on another rank'} after step "
-                         f"{state.step}; resume with --resume")
+                         f"{state.step}; resume with {flag('resume')}")
             return records, True
     return records, False

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..files.outputs import host_name, write_atomic
+from ..errors import option, flag
 from .errors import OOMRestart, TrainError
 from .recovery import SplitPolicy
 
@@ -92,8 +93,8 @@ def restart_after_oom(*, directory, rank: int, step: int, where: str, micro_batc
                f"the LR schedule are unchanged)")
     if directory is None:
         return TrainError(
-            f"{what}. Recovering it needs a checkpoint folder: train with --checkpoint-dir D (and "
-            f"--checkpoint-every K to redo at most K steps) under torchrun --max-restarts N, and the "
+            f"{what}. Recovering it needs a checkpoint folder: train with {option('checkpoint_dir')} D (and "
+            f"{option('checkpoint_every')} K to redo at most K steps) under torchrun --max-restarts N, and the "
             f"ranks restart with {smaller}; or re-plan with autotune plan --micro-batch {max(finer)}")
     path = record_path(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +115,7 @@ def restart_after_oom(*, directory, rank: int, step: int, where: str, micro_batc
     else:
         why = f"torchrun has no restart left (--max-restarts {restarts.maximum}, all used)"
     rerun = ("rerun the same command (it starts over with it)" if from_step is None
-             else f"rerun with --resume (it continues from {start} with it)")
+             else f"rerun with {flag('resume')} (it continues from {start} with it)")
     return TrainError(f"{what}. {smaller[0].upper()}{smaller[1:]} is recorded in {path}, but {why}: "
                       f"{rerun}, and launch with torchrun --max-restarts N (N >= 1) so the ranks "
                       f"restart by themselves next time")

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..files.outputs import fsync_directory, write_atomic
-from ..errors import OutputError
+from ..errors import OutputError, option, flag
 from .dcp_reader import METADATA_NAME, SafeLoadPlanner, SafeReader, UnsafeCheckpoint, read_metadata
 from .errors import TrainError
 
@@ -73,10 +73,10 @@ def check_folder(directory) -> None:
     for entry in sorted(entries):
         if _is_step_name(entry.name) and entry.name != current and not _is_ours(entry):
             raise OutputError(
-                f"--checkpoint-dir {directory} holds {entry.name}, which is named as autotune names "
+                f"{option('checkpoint_dir')} {directory} holds {entry.name}, which is named as autotune names "
                 f"its step folders but was not written by it (no {MARKER_NAME} inside); autotune "
                 f"never replaces or removes what it did not write. Rename or move it, or choose "
-                f"another --checkpoint-dir")
+                f"another {option('checkpoint_dir')}")
 
 
 def save(directory, *, step: int, world_size: int, model, optimizer, train_state: dict,
@@ -100,7 +100,7 @@ def save(directory, *, step: int, world_size: int, model, optimizer, train_state
     try:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
     except CheckpointException as exc:  # a BaseException: it would slip past `except Exception`
-        raise OutputError(f"--checkpoint-dir: the checkpoint of step {step} could not be written to "
+        raise OutputError(f"{option('checkpoint_dir')}: the checkpoint of step {step} could not be written to "
                           f"{temporary} ({_failure_summary(exc)}); the previous checkpoint is kept") from None
     if is_main:
         write_atomic(temporary / STATE_NAME, lambda handle: torch.save(train_state, handle))
@@ -121,9 +121,9 @@ def save(directory, *, step: int, world_size: int, model, optimizer, train_state
 
 def _refuse_unless_ours(path: Path) -> None:
     if not _is_ours(path):
-        raise OutputError(f"--checkpoint-dir: {path} is in the way of the checkpoint of this step and was "
+        raise OutputError(f"{option('checkpoint_dir')}: {path} is in the way of the checkpoint of this step and was "
                           f"not written by autotune (no {MARKER_NAME} inside); it is left as it is. "
-                          f"Move it and resume with --resume")
+                          f"Move it and resume with {flag('resume')}")
 
 
 def load(directory, *, world_size: int, model, optimizer) -> dict:
@@ -138,8 +138,8 @@ def load(directory, *, world_size: int, model, optimizer) -> dict:
     except UnsafeCheckpoint as exc:
         raise _unsafe(metadata, exc) from None
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as exc:
-        raise TrainError(f"--resume: sharded checkpoint {folder} cannot be read: {metadata} is damaged "
-                         f"({type(exc).__name__}: {exc}); start a new --checkpoint-dir") from None
+        raise TrainError(f"{flag('resume')}: sharded checkpoint {folder} cannot be read: {metadata} is damaged "
+                         f"({type(exc).__name__}: {exc}); start a new {option('checkpoint_dir')}") from None
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
@@ -148,9 +148,9 @@ def load(directory, *, world_size: int, model, optimizer) -> dict:
         unsafe = next((e for e in _failures(exc) if isinstance(e, UnsafeCheckpoint)), None)
         if unsafe is not None:
             raise _unsafe(folder, unsafe) from None
-        raise TrainError(f"--resume: sharded checkpoint {folder} cannot be read "
+        raise TrainError(f"{flag('resume')}: sharded checkpoint {folder} cannot be read "
                          f"({_failure_summary(exc)}); it is damaged or was written for another "
-                         f"model: start a new --checkpoint-dir") from None
+                         f"model: start a new {option('checkpoint_dir')}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     # weights_only=True: the train state is tensors and plain types (RNG states included), so a
@@ -158,19 +158,19 @@ def load(directory, *, world_size: int, model, optimizer) -> dict:
     try:
         return torch.load(folder / STATE_NAME, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise TrainError(f"--resume: {folder / STATE_NAME} holds objects other than tensors and plain "
+        raise TrainError(f"{flag('resume')}: {folder / STATE_NAME} holds objects other than tensors and plain "
                          f"Python types; it was not loaded, so none of its code ran. Start a new "
-                         f"--checkpoint-dir") from None
+                         f"{option('checkpoint_dir')}") from None
     except Exception as exc:
-        raise TrainError(f"--resume: {folder / STATE_NAME} cannot be read ({type(exc).__name__}: "
+        raise TrainError(f"{flag('resume')}: {folder / STATE_NAME} cannot be read ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''}); start a new "
-                         f"--checkpoint-dir") from None
+                         f"{option('checkpoint_dir')}") from None
 
 
 def _unsafe(path: Path, exc: UnsafeCheckpoint) -> TrainError:
-    return TrainError(f"--resume: {path} holds objects other than the ones torch.distributed.checkpoint "
+    return TrainError(f"{flag('resume')}: {path} holds objects other than the ones torch.distributed.checkpoint "
                       f"writes ({exc}); it was not loaded, so none of its code ran. Start a new "
-                      f"--checkpoint-dir")
+                      f"{option('checkpoint_dir')}")
 
 
 def _failures(exc: BaseException) -> list[BaseException]:
@@ -222,25 +222,25 @@ def _checkpoint_folder(directory: Path, world_size: int) -> Path:
     path = pointer_path(directory)
     if not path.is_file():
         raise TrainError(
-            f"--resume: no sharded checkpoint at {directory} (no {POINTER_NAME}); train once with "
-            f"--checkpoint-dir {directory} (or drop --resume to start from scratch)"
+            f"{flag('resume')}: no sharded checkpoint at {directory} (no {POINTER_NAME}); train once with "
+            f"{option('checkpoint_dir')} {directory} (or drop {flag('resume')} to start from scratch)"
         )
     try:
         pointer = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise TrainError(f"--resume: {path} cannot be read ({exc})") from exc
+        raise TrainError(f"{flag('resume')}: {path} cannot be read ({exc})") from exc
     if not isinstance(pointer, dict) or pointer.get("format") != FORMAT:
-        raise TrainError(f"--resume: {path} is not an autotune sharded checkpoint ({FORMAT})")
+        raise TrainError(f"{flag('resume')}: {path} is not an autotune sharded checkpoint ({FORMAT})")
     folder, saved_world = pointer.get("folder"), pointer.get("world_size")
     if not isinstance(folder, str) or not _is_step_name(folder) or folder.startswith("."):
-        raise TrainError(f"--resume: {path} names the folder {folder!r}, not a step-NNNNNNNN folder "
-                         f"beside it; it is damaged or not autotune's. Start a new --checkpoint-dir")
+        raise TrainError(f"{flag('resume')}: {path} names the folder {folder!r}, not a step-NNNNNNNN folder "
+                         f"beside it; it is damaged or not autotune's. Start a new {option('checkpoint_dir')}")
     if isinstance(saved_world, bool) or not isinstance(saved_world, int) or saved_world < 1:
-        raise TrainError(f"--resume: {path} holds world_size {saved_world!r}, not a positive integer; "
-                         f"it is damaged. Start a new --checkpoint-dir")
+        raise TrainError(f"{flag('resume')}: {path} holds world_size {saved_world!r}, not a positive integer; "
+                         f"it is damaged. Start a new {option('checkpoint_dir')}")
     if saved_world != world_size:
         raise TrainError(
-            f"--resume: the checkpoint in {directory} was written by {saved_world} ranks "
+            f"{flag('resume')}: the checkpoint in {directory} was written by {saved_world} ranks "
             f"but this run has {world_size}; resume with torchrun --nproc_per_node "
             f"{saved_world}"
         )

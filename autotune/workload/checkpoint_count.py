@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from ..errors import ConfigError, given
+from ..errors import option as _caller_words
 
 CHECKPOINTING_VALUES = "auto, off, on, a block count K or a fraction such as 1/3"
 
@@ -64,7 +65,7 @@ class Checkpointing:
         return cls(blocks=total if blocks is None else blocks, total=total)
 
     @classmethod
-    def parse(cls, value, *, total: int | None = None, option: str = "--checkpointing",
+    def parse(cls, value, *, total: int | None = None, option: str = "checkpointing",
               source: str = "model") -> "Checkpointing":
         """A user's value other than "auto" (see ``CheckpointingRequest.parse``), resolved on
         ``total`` blocks where known (a fraction needs them)."""
@@ -73,7 +74,7 @@ class Checkpointing:
         return CheckpointingRequest.parse(value, option=option, allow_auto=False).resolve(
             total, option=option, source=source)
 
-    def resolve_on(self, total: int, option: str = "--checkpointing",
+    def resolve_on(self, total: int, option: str = "checkpointing",
                    source: str = "model") -> "Checkpointing":
         """This setting on a model of ``total`` blocks (every block stays every block)."""
         return CheckpointingRequest.parse(self, option=option).resolve(total, option=option, source=source)
@@ -163,7 +164,7 @@ class CheckpointingRequest:
     """"auto", "off", "on", an int K >= 0 or a Fraction in (0, 1]."""
 
     @classmethod
-    def parse(cls, value, *, option: str = "--checkpointing", allow_auto: bool = True) -> "CheckpointingRequest":
+    def parse(cls, value, *, option: str = "checkpointing", allow_auto: bool = True) -> "CheckpointingRequest":
         """"auto", "off", "on", an int K >= 0, a Fraction or float in [0, 1], their strings
         ("4", "1/3", "0.5"); bools mean on/off; a ``Checkpointing`` asks for itself. Anything else
         is a ConfigError naming ``option`` and the values it takes."""
@@ -216,12 +217,12 @@ class CheckpointingRequest:
         block count is known."""
         return describe_blocks(self.value, None) if isinstance(self.value, int) else str(self.value)
 
-    def resolve(self, total: int | None, *, option: str = "--checkpointing",
+    def resolve(self, total: int | None, *, option: str = "checkpointing",
                 source: str = "model") -> Checkpointing:
         """The ``Checkpointing`` this asks for on a model of ``total`` repeated blocks (None: not
         known yet, which only "off", "on" and counts can do without)."""
         if self.auto:
-            raise ConfigError(f"{option} auto: only plan chooses the checkpointing; use off, on, a "
+            raise ConfigError(f"{given(option, 'auto')}: only plan chooses the checkpointing; use off, on, a "
                               f"block count K or a fraction such as 1/3")
         value = self.value
         if value == "off":
@@ -230,7 +231,7 @@ class CheckpointingRequest:
             if value == "on":
                 return Checkpointing.every_block()
             if isinstance(value, Fraction):
-                raise ConfigError(f"{option} {value}: a fraction of the blocks needs the model's "
+                raise ConfigError(f"{given(option, str(value))}: a fraction of the blocks needs the model's "
                                   f"block count; give a count K, on or off")
             return Checkpointing.of(value)
         count = resolve_blocks(self, total, option=option, source=source)
@@ -255,7 +256,7 @@ def _fraction(number: Fraction, option: str, value) -> Fraction | str:
     return "off" if number == 0 else number
 
 
-def resolve_blocks(value, total: int, *, option: str = "--checkpointing", source: str = "model") -> int:
+def resolve_blocks(value, total: int, *, option: str = "checkpointing", source: str = "model") -> int:
     """The number of blocks to checkpoint, of ``total``, for a value other than "auto"."""
     value = CheckpointingRequest.parse(value, option=option, allow_auto=False).value
     if value == "off":
@@ -267,10 +268,10 @@ def resolve_blocks(value, total: int, *, option: str = "--checkpointing", source
     else:
         count = value
     if count > total:
-        raise ConfigError(f"{option} {count}: {source} has {total} repeated blocks to checkpoint; "
+        raise ConfigError(f"{given(option, count)}: {source} has {total} repeated blocks to checkpoint; "
                           f"use a count from 0 to {total}, a fraction, or on")
     if count and not total:
-        raise ConfigError(f"{option}: {source} has no repeated blocks (an nn.ModuleList or "
+        raise ConfigError(f"{_caller_words(option)}: {source} has no repeated blocks (an nn.ModuleList or "
                           f"nn.Sequential of layers) to checkpoint; use off")
     return count
 
