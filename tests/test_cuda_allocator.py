@@ -201,6 +201,15 @@ def test_cpu_estimates_replay_nothing():
     assert backend.memory_picture() == {}
 
 
+def test_cuda_estimates_read_the_allocator_settings_as_torch_does(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert EstimateMemoryBackend(for_cuda=True).allocator.config.expandable_segments
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")  # the newer name wins
+    config = EstimateMemoryBackend(for_cuda=True).allocator.config
+    assert config.max_split_size == 64 * MiB and not config.expandable_segments
+
+
 def test_cuda_estimate_peak_is_reserved_and_holds_the_cublas_workspaces():
     peaks = autotune.estimate_cuda_peaks(TINY_LM, [1, 16], gpu_name="NVIDIA H100", precision="bf16")
     cpu = autotune.probing.estimate.estimate_peaks(TINY_LM, [16], precision="bf16")
