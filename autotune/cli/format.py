@@ -26,13 +26,8 @@ def _reserved_text(plan) -> str:
             f"{format_bytes(trial.allocated_peak_bytes)})")
 
 
-def format_cuda_estimate(source, device: str, peaks: dict, *, as_json: bool = False) -> str:
+def format_cuda_estimate(source, device: str, peaks: dict) -> str:
     """``autotune estimate --cuda``: the tensors' and the modelled reserved peak per micro-batch."""
-    if as_json:
-        import json
-
-        return json.dumps({str(n): {"allocated_bytes": a, "reserved_bytes": r}
-                           for n, (a, r) in peaks.items()}, indent=2)
     rows = [[n, format_bytes(a), format_bytes(r), f"{r / a:.3f}" if a else "-"]
             for n, (a, r) in peaks.items()]
     return "\n".join([f"{source}: estimated peak of one training step on {device} (fake tensors, "

@@ -455,7 +455,9 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
                                         precision=precision.lower(), checkpointing=checkpointing,
                                         sharding=sharding, world_size=world_size,
                                         shard_group=shard_group)
-        click.echo(format_cuda_estimate(model_file, cuda_name, peaks, as_json=as_json))
+        click.echo(json.dumps({str(n): {"allocated_bytes": a, "reserved_bytes": r}
+                               for n, (a, r) in peaks.items()}, indent=2) if as_json
+                   else format_cuda_estimate(model_file, cuda_name, peaks))
         return
     with _stdout_to_stderr(as_json):
         peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
