@@ -219,6 +219,32 @@ def test_cuda_estimate_peak_is_reserved_and_holds_the_cublas_workspaces():
     assert peaks[16][0] >= cpu[16]  # the foreach optimizer path as on CUDA
 
 
+def _wide_workload():
+    """32 MiB of activations per sample: a micro-step at 1 caches segments a step at 4 cannot use."""
+    import torch
+
+    from autotune import Workload
+
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(1024, 8192), torch.nn.ReLU(), torch.nn.Linear(8192, 1))
+
+    return Workload(model=build, make_batch=lambda n: torch.randn(n, 1024, 1024),
+                    loss_fn=lambda model, x: model(x).mean(), source="<wide>")
+
+
+def test_a_window_trial_reserves_no_stale_segments_of_its_stand_in_micro_step():
+    # The window's first micro-step runs at micro-batch 1 in place of one at n; what the modelled
+    # allocator cached for it must not stay reserved beside the measured micro-step at n.
+    from autotune.probing.api import window_trial
+
+    def overhead(window):
+        trial = window_trial(_wide_workload(), EstimateMemoryBackend(for_cuda=True), micro_batch=4,
+                             window=window, precision="fp32", checkpointing=False)
+        return trial.reserved_peak_bytes - trial.allocated_peak_bytes
+
+    assert overhead(2) <= overhead(1) + 20 * MiB
+
+
 def test_workspaces_and_hopper():
     assert cublas_workspaces(True, {}) == [32 * MiB, MiB]
     assert cublas_workspaces(False, {}) == [8 * MiB + 128 * KiB, MiB]

@@ -114,6 +114,10 @@ class EstimateMemoryBackend(CPUMemoryBackend):
         if self.allocator is not None:
             self.allocator.empty_cache()  # as the CUDA backend's release does
 
+    def release_cached(self) -> None:
+        if self.allocator is not None:
+            self.allocator.empty_cache()
+
     def peak_bytes(self) -> int:
         return self.allocator.peak_reserved if self.allocator is not None else self.tracker.peak
 
