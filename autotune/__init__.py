@@ -5,6 +5,8 @@ Public API::
 
     probe(workload, *, device=None, precision="fp32", checkpointing=False,
           memory_limit=None, max_micro_batch=None, use_estimate=True) -> ProbeResult
+    probe_seq_len(workload, *, micro_batch=1, seq_multiple=1, ...) -> SeqLenResult
+                                 the longest sequence that fits (make_batch(batch_size, seq_len))
     estimate_peak(workload, micro_batch, *, precision="fp32", checkpointing=False,
                   sharding="ddp", world_size=1, shard_group=None) -> int
                                  bytes of one step (one rank's under fsdp), estimated on fake
@@ -13,8 +15,13 @@ Public API::
     estimate_cuda_peaks(workload, micro_batches, *, gpu_name="", ...) -> {n: (tensors, reserved)}
                                  the same for a CUDA device, with torch's caching allocator
                                  modelled (what max_memory_reserved() would show)
+    predict_step_time(workload, micro_batches, *, precision="fp32", checkpointing=False, ...,
+                      gpu=None) -> {micro_batch: StepTimePrediction}
+                                 compute time of one step (roofline on the fake step's FLOPs and
+                                 bytes; this CPU measured once, or a GPU profile)
     plan(workload, *, target_batch, ..., sharding="auto", shard_group=None) -> Plan
                                  micro-batch × accumulation × world = target; ddp or FSDP2 shards
+                                 (or target_tokens=, seq_len=N|"auto": × seq_len = tokens)
     save_plan, load_plan, export_plan              the plan file and exports for other runners
     train(plan, workload, *, steps=None, epochs=None, ...) -> TrainResult   the built-in loop
     verify_plan(plan, *, device=None, memory_limit=None, steps=3) -> VerifyResult
@@ -38,8 +45,8 @@ from .version import check_torch as _check_torch
 _check_torch()  # an older torch: one clear ImportError naming the floor, before any import fails
 
 from .errors import (
-    AutotuneError, ConfigError, EstimateUnavailable, OutputError, PlanError, PlanFileError, ProbeError,
-    ReportError, UserCodeError, WorkloadError,
+    AutotuneError, AutotuneWarning, ConfigError, EstimateUnavailable, OutputError, PlanError,
+    PlanFileError, ProbeError, ReportError, UserCodeError, WorkloadError,
 )
 from .memory import DeviceInfo
 from .memory.oom import is_oom_error
@@ -53,22 +60,26 @@ from .probing.api import probe
 from .probing.deadline import trial_timeout
 from .probing.estimate import estimate_cuda_peaks, estimate_peak
 from .probing.result import MemoryModel, ProbeResult, Trial
+from .probing.seq_len import SeqLenResult, probe_seq_len
 from .report import plot_metrics, plot_plan, write_report
 from .report.notebook import register_display as _register_display
 from .distributed.sharding import Sharding
+from .timing.predict import StepTimePrediction, predict_step_time
 from .training import NonFiniteError, TrainError, TrainResult, train
 from .version import __version__
 from .workload import Workload, load_workload
 from .workload.checkpoint_count import Checkpointing
 
 __all__ = [
-    "AutotuneError", "Checkpointing", "ConfigError", "DeviceInfo", "EstimateUnavailable", "LRDecision", "MemoryModel",
+    "AutotuneError", "AutotuneWarning", "Checkpointing", "ConfigError", "DeviceInfo",
+    "EstimateUnavailable", "LRDecision", "MemoryModel",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
-    "ProbeResult", "ReportError", "Sharding", "TrainError", "TrainResult", "Trial", "UserCodeError",
-    "VerifyResult", "Workload", "WorkloadError", "__version__", "estimate_cuda_peaks", "estimate_peak",
-    "export_plan",
-    "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan", "probe",
-    "save_plan", "train", "trial_timeout", "verify_plan", "write_report",
+    "ProbeResult", "ReportError", "Sharding", "StepTimePrediction", "TrainError", "TrainResult",
+    "Trial", "UserCodeError",
+    "VerifyResult", "Workload", "WorkloadError", "__version__", "estimate_cuda_peaks", "estimate_peak", "export_plan",
+    "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan",
+    "predict_step_time", "probe", "probe_seq_len", "SeqLenResult", "save_plan", "train",
+    "trial_timeout", "verify_plan", "write_report",
 ]
 
 _register_display()  # Plan, ProbeResult and TrainResult show as HTML in Jupyter

@@ -90,6 +90,10 @@ class EstimateUnavailable(AutotuneError):
     tensor values in Python): its memory can only be measured with real trials."""
 
 
+class AutotuneWarning(UserWarning):
+    """Something the user should know that stops nothing (the CLI prints it on one line)."""
+
+
 class ReportError(AutotuneError):
     """A plot or report cannot be made (matplotlib missing, an unreadable metrics file)."""
 

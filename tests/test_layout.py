@@ -61,8 +61,8 @@ def test_no_module_imports_itself_back():
 
 # The packages from the bottom up: each may import only those before it (and the basics).
 # orchestration (plan(), verify_plan(): probe, tune, build) sits above the pure planning package.
-PACKAGE_ORDER = ("files", "memory", "workload", "distributed", "probing", "gpus", "planning",
-                 "training", "report", "tuning", "orchestration", "integrations", "cli")
+PACKAGE_ORDER = ("files", "memory", "workload", "distributed", "probing", "gpus", "timing",
+                 "planning", "training", "report", "tuning", "orchestration", "integrations", "cli")
 BASICS = ("errors", "units", "version", "choices", "precision", "progress")
 """Flat modules at autotune/*.py: cross-cutting basics any package may import; they import only
 one another (and torch)."""

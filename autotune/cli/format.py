@@ -73,6 +73,23 @@ def format_probe(result, source: str = "") -> str:
     return "\n".join(head)
 
 
+def format_seq_len(result, source: str = "") -> str:
+    """``autotune probe --max-seq-len``: the answer, each real step, and the notes."""
+    budget = format_bytes(result.budget_bytes)
+    capped = " (the model's limit: longer might fit)" if result.capped else ""
+    lines = [f"model:        {source}", f"device:       {result.device.name} ({budget} budget)",
+             f"setting:      {setting_label(result.precision, result.checkpointing)}, micro-batch "
+             f"{result.micro_batch}, lengths in multiples of {result.seq_multiple}",
+             f"max seq len:  {result.max_seq_len}{capped} = {result.tokens:,} tokens per micro-batch",
+             "",
+             table(["seq len", "fits", "peak"],
+                   [[t.seq_len, "yes" if t.fits else "out of memory", format_bytes(t.peak_bytes)]
+                    for t in result.trials]),
+             f"\n{len(result.trials)} real step(s) in {result.seconds:.1f}s"]
+    lines += [f"note: {note}" for note in result.notes]
+    return "\n".join(lines)
+
+
 def _describe_model(model) -> str:
     a, b, c = model.activation
     d, e = model.step
@@ -103,10 +120,25 @@ def format_devices(cuda: list[dict], cpu) -> str:
     return "\n".join(lines)
 
 
+def _parameters(workload) -> str:
+    """"131,840 parameters", or with frozen ones "trainable 11.3K of 131.8K parameters"."""
+    trainable = workload.trainable_param_count
+    if trainable is None or trainable == workload.param_count:
+        return f"{workload.param_count:,} parameters"
+    return f"trainable {_count(trainable)} of {_count(workload.param_count)} parameters"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
 def format_plan(plan) -> str:
     """The readable summary of a ``Plan``: device, budget, settings tried, the split, LR, warnings."""
     info = plan.device
-    lines = [f"model:        {plan.workload.source} ({plan.workload.param_count:,} parameters, "
+    lines = [f"model:        {plan.workload.source} ({_parameters(plan.workload)}, "
              f"{format_bytes(plan.workload.param_bytes)})"]
     if info is not None:
         lines.append(f"device:       {info.name}")
@@ -138,6 +170,11 @@ def format_plan(plan) -> str:
               f"precision:    {plan.precision} ({plan.reasons.get('precision', '')})",
               f"checkpointing: {plan.checkpointing_label} "
               f"({plan.reasons.get('checkpointing', '')})"]
+    if getattr(plan, "seq_len", None) is not None:
+        lines.append(f"tokens:       {plan.tokens_per_step:,} per optimizer step = {plan.effective_batch} "
+                     f"sequences × seq len {plan.seq_len} ({plan.reasons.get('seq_len', '')})")
+        if "batch_shapes" in plan.reasons:
+            lines.append(f"shapes:       {plan.reasons['batch_shapes']}")
     if "sharding" in plan.reasons:
         group = f", shard group {plan.shard_group}" if plan.shard_group else ""
         lines.append(f"sharding:     {plan.sharding}{group} ({plan.reasons['sharding']})")
@@ -146,6 +183,9 @@ def format_plan(plan) -> str:
     if plan.predicted_peak_bytes is not None:
         lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)}{_reserved_text(plan)} "
                      f"predicted at micro-batch {plan.micro_batch}")
+    if "eval" in plan.reasons:
+        size = plan.eval_micro_batch if plan.eval_micro_batch is not None else "-"
+        lines.append(f"eval batch:   {size} ({plan.reasons['eval']})")
     lr = plan.lr
     lines.append(f"lr:           {lr.lr:.4g} ({lr.rule} rule, ×{lr.scale:.4g})" if lr.lr is not None
                  else f"lr:           the optimizer's own ({lr.rule} rule not applied)")
@@ -237,3 +277,23 @@ def format_metrics(runs: dict[str, list[dict]]) -> str:
         rows.append([name, f"{first['step']}-{last['step']}", f"{first['loss']:.4f}",
                      f"{last['loss']:.4f}", peak.strip()])
     return table(["metrics", "steps", "first loss", "last loss", "last peak"], rows, align="lrrrr")
+
+
+def format_step_times(predictions: dict, *, as_json: bool = False) -> str:
+    """``predict_step_time``'s answer: per micro-batch the step's compute time, its parts, FLOPs
+    and bytes moved (``as_json``: the same numbers as JSON)."""
+    import json
+
+    if as_json:
+        return json.dumps({str(n): {"seconds": p.seconds, "breakdown_seconds": p.breakdown,
+                                    "flops": p.costs.total_flops, "bytes": p.costs.total_bytes,
+                                    "ops": p.costs.op_count, "device": p.device}
+                           for n, p in predictions.items()}, indent=2)
+    parts = ("matmul", "attention", "elementwise", "optimizer", "other", "recompute")
+    rows = [[str(n), f"{p.seconds * 1e3:.3f}", *(f"{p.breakdown[k] * 1e3:.3f}" for k in parts),
+             f"{p.costs.total_flops / 1e9:.3f}", format_bytes(int(p.costs.total_bytes)),
+             str(p.costs.op_count)] for n, p in predictions.items()]
+    device = next(iter(predictions.values())).device if predictions else ""
+    return (f"predicted compute time of one training step on {device} (no communication):\n"
+            + table(["micro-batch", "step ms", *(f"{k} ms" for k in parts), "GFLOP", "moved", "ops"],
+                    rows))

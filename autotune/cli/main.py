@@ -6,11 +6,12 @@ import contextlib
 import functools
 import json
 import sys
+import warnings
 
 import click
 
 from ..version import __version__
-from ..errors import AutotuneError, ConfigError, WorkloadError, cli_words
+from ..errors import AutotuneError, AutotuneWarning, ConfigError, WorkloadError, cli_words
 from ..precision import Precision
 from ..units import format_bytes, parse_bytes
 from ..planning.export import TARGETS as EXPORT_TARGETS
@@ -60,7 +61,8 @@ def _errors_to_exit_codes(command):
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            with cli_words():  # the library's messages name --options, not keyword arguments
+            with cli_words(), warnings.catch_warnings():  # the library's messages name --options
+                warnings.showwarning = _one_line_warning(warnings.showwarning)
                 return command(*args, **kwargs)
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from exc
@@ -73,6 +75,18 @@ def _errors_to_exit_codes(command):
             raise click.ClickException(str(exc)) from exc
 
     return wrapper
+
+
+def _one_line_warning(show):
+    """The library's own warnings (``AutotuneWarning``) as one line each, no source line."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, AutotuneWarning):
+            click.echo(f"autotune: warning: {message}", err=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
 
 
 def _quiet_option(command):
@@ -139,6 +153,24 @@ def cli():
     """OOM-aware auto-tuner for PyTorch training."""
 
 
+class _SeqLen(click.ParamType):
+    """auto, or a sequence length of at least 1."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            length = int(value)
+        except ValueError:
+            length = 0
+        if length < 1:
+            self.fail(f"{value!r} is not a sequence length: use auto or a whole number of at least 1",
+                      param, ctx)
+        return length
+
+
 def _model_file(function):
     return click.argument("model_file", type=click.Path(exists=True, dir_okay=False))(function)
 
@@ -155,15 +187,47 @@ def _model_file(function):
               help="Memory budget to emulate a smaller device, e.g. 8GiB, 512MiB or bytes.")
 @click.option("--max-micro-batch", type=click.IntRange(min=1), default=None,
               help="Largest micro-batch worth finding (default: the true maximum).")
+@click.option("--max-seq-len", "max_seq_len", is_flag=True,
+              help="Find the longest sequence length that fits at --micro-batch instead (needs "
+                   "make_batch(batch_size, seq_len) in the model file).")
+@click.option("--micro-batch", type=click.IntRange(min=1), default=None,
+              help="With --max-seq-len: the micro-batch to fit (default 1).")
+@click.option("--seq-multiple", type=click.IntRange(min=1), default=None,
+              help="With --max-seq-len: only lengths that are multiples of this (default 1; 8 or "
+                   "64 suit tensor cores and flash attention).")
+@click.option("--seq-len-limit", type=click.IntRange(min=1), default=None,
+              help="With --max-seq-len: the longest length worth trying (default: the model's "
+                   "max_position_embeddings or n_positions, else no limit).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_quiet_option
 @_errors_to_exit_codes
 @_trial_timeout_option
-def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_batch, as_json):
-    """Find the exact largest micro-batch whose full training step fits."""
+def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_batch, max_seq_len,
+          micro_batch, seq_multiple, seq_len_limit, as_json):
+    """Find the exact largest micro-batch whose full training step fits (--max-seq-len: the
+    longest sequence at a micro-batch)."""
     from ..probing.api import probe as run_probe
-    from .format import format_probe
+    from .format import format_probe, format_seq_len
 
+    seq_options = {"--micro-batch": micro_batch, "--seq-multiple": seq_multiple,
+                   "--seq-len-limit": seq_len_limit}
+    if max_seq_len:
+        if max_micro_batch is not None:
+            raise click.UsageError("--max-micro-batch finds a micro-batch; --max-seq-len a sequence "
+                                   "length at --micro-batch N: use one of them")
+        from ..probing.seq_len import probe_seq_len
+
+        with _stdout_to_stderr(as_json):
+            found = probe_seq_len(model_file, micro_batch=micro_batch or 1,
+                                  seq_multiple=seq_multiple or 1, max_seq_len=seq_len_limit,
+                                  device=device, precision=precision, checkpointing=checkpointing,
+                                  memory_limit=memory_limit)
+        click.echo(json.dumps(found.to_dict(), indent=2) if as_json else format_seq_len(found, model_file))
+        return
+    for name, value in seq_options.items():
+        if value is not None:
+            raise click.UsageError(f"{name} applies to --max-seq-len only; add --max-seq-len or "
+                                   f"drop {name}")
     with _stdout_to_stderr(as_json):
         result = run_probe(model_file, device=device, precision=precision,
                            checkpointing=checkpointing, memory_limit=memory_limit,
@@ -190,8 +254,16 @@ def devices(memory_limit, as_json):
 
 @cli.command("plan")
 @_model_file
-@click.option("--target-batch", type=click.IntRange(min=1), required=True,
-              help="Effective batch per optimizer step, over all devices.")
+@click.option("--target-batch", type=click.IntRange(min=1), default=None,
+              help="Effective batch per optimizer step, over all devices (or --target-tokens).")
+@click.option("--target-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens per optimizer step over all devices: micro-batch × --seq-len × "
+                   "accumulation × world size, exactly (instead of --target-batch).")
+@click.option("--seq-len", type=_SeqLen(), default=None,
+              help="Sequence length to plan at (make_batch(batch_size, seq_len)), or auto: the "
+                   "longest that fits at micro-batch 1 (default with --target-tokens: auto).")
+@click.option("--seq-multiple", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--seq-len auto takes a multiple of this (8 or 64 suit tensor cores).")
 @click.option("--world-size", type=click.IntRange(min=1), default=None,
               help="Number of processes (default: WORLD_SIZE, else 1).")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available).")
@@ -235,6 +307,11 @@ def devices(memory_limit, as_json):
 @click.option("--shard-group", type=click.IntRange(min=1), default=None,
               help="Hybrid sharding: shard within groups of N ranks, replicate across groups "
                    "(default: the world size).")
+@click.option("--eval-batch/--no-eval-batch", default=True, show_default=True,
+              help="Also plan the largest eval micro-batch (forward only under no_grad), proved "
+                   "with real forwards.")
+@click.option("--max-eval-batch", type=click.IntRange(min=1), default=None,
+              help="The largest eval micro-batch to plan (a cap on that search).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
@@ -242,10 +319,12 @@ def devices(memory_limit, as_json):
 @_quiet_option
 @_errors_to_exit_codes
 @_trial_timeout_option
-def plan_command(model_file, target_batch, world_size, device, precision, checkpointing, base_lr,
+def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
-                 gpu, even, sharding, shard_group, output, as_json, grad_scaler):
-    """Plan micro-batch × accumulation × world size = --target-batch, and write the plan file."""
+                 gpu, even, sharding, shard_group, output, as_json, grad_scaler, eval_batch,
+                 max_eval_batch):
+    """Plan micro-batch × accumulation × world size = --target-batch (or × --seq-len =
+    --target-tokens), and write the plan file."""
     from ..files.outputs import check_outputs
     from ..planning.planfile import plan_to_json, save_plan
     from ..orchestration.planner import plan as make_plan
@@ -263,7 +342,10 @@ def plan_command(model_file, target_batch, world_size, device, precision, checkp
                            base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule, optimize=optimize,
                            **({} if budget is None else {"budget": budget}), storage=storage, gpu=gpu,
                            grad_scaler=grad_scaler, even=even, sharding=sharding,
-                           shard_group=shard_group)
+                           shard_group=shard_group, target_tokens=target_tokens,
+                           seq_len="auto" if seq_len is None and target_tokens is not None else seq_len,
+                           seq_multiple=seq_multiple, eval_batch=eval_batch,
+                           max_eval_batch=max_eval_batch)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)
@@ -442,12 +524,31 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
                    "larger): model torch's caching allocator (PYTORCH_CUDA_ALLOC_CONF honoured) "
                    "and print the reserved peak beside the tensors'.")
 @click.option("--json", "as_json", is_flag=True, help="Print {micro_batch: peak_bytes} as JSON.")
+@click.option("--time", "step_time", is_flag=True,
+              help="Predict the compute time of one step instead: FLOPs and bytes per op on the fake "
+                   "step, a roofline with this CPU's measured speed (or --gpu's profile).")
+@click.option("--gpu", default=None,
+              help="With --time: predict for this GPU profile (a name or a .toml path).")
 @_errors_to_exit_codes
 def estimate(model_file, micro_batches, precision, checkpointing, sharding, world_size, shard_group,
-             cuda_name, as_json):
+             cuda_name, as_json, step_time, gpu):
     """Estimate the peak memory of one training step without allocating it (fake tensors)."""
     from ..probing.estimate import estimate_cuda_peaks, estimate_peaks
     from .format import format_cuda_estimate
+
+    if gpu is not None and not step_time:
+        raise click.UsageError("--gpu needs --time (the memory estimate is this device's; "
+                               "autotune plan --gpu plans memory for a GPU)")
+    if step_time:
+        from ..timing.predict import predict_step_time
+        from .format import format_step_times
+
+        with _stdout_to_stderr(as_json):
+            predictions = predict_step_time(model_file, list(micro_batches), precision=precision.lower(),
+                                            checkpointing=checkpointing, sharding=sharding,
+                                            world_size=world_size, shard_group=shard_group, gpu=gpu)
+        click.echo(format_step_times(predictions, as_json=as_json))
+        return
 
     if cuda_name is not None:
         with _stdout_to_stderr(as_json):
@@ -459,6 +560,7 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
                                for n, (a, r) in peaks.items()}, indent=2) if as_json
                    else format_cuda_estimate(model_file, cuda_name, peaks))
         return
+
     with _stdout_to_stderr(as_json):
         peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
                                checkpointing=checkpointing, sharding=sharding,

@@ -59,7 +59,8 @@ class AutotuneCallback(Callback):
 
 
 def apply_plan(plan: Plan, trainer, pl_module) -> None:
-    """Set the plan's batch size, accumulation, clipping and checkpointing; check its precision."""
+    """Set the plan's batch size (and eval batch, on a ``val_batch_size`` attribute where the
+    datamodule or module has one), accumulation, clipping and checkpointing; check its precision."""
     expected = to_lightning(plan).config["trainer"]
     if str(trainer.precision) != expected["precision"]:
         raise ConfigError(f"the Trainer runs precision {trainer.precision!r} and the plan "
@@ -78,6 +79,8 @@ def apply_plan(plan: Plan, trainer, pl_module) -> None:
         lightning_setattr(pl_module, "batch_size", even.micro_batch)
     else:
         target.batch_size = even.micro_batch
+    if plan.eval_micro_batch is not None and hasattr(target, "val_batch_size"):
+        target.val_batch_size = plan.eval_micro_batch  # what its val_dataloader() batches by
     trainer.accumulate_grad_batches = even.accumulation_steps
     trainer.gradient_clip_val = plan.clip_grad_norm
     trainer.gradient_clip_algorithm = "norm" if plan.clip_grad_norm is not None else None

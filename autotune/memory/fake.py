@@ -17,7 +17,6 @@ raises ``EstimateUnavailable`` and callers fall back to real trials.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import logging
@@ -34,6 +33,7 @@ from ..errors import ConfigError, EstimateUnavailable
 from .base import DeviceInfo
 from .cpu import CPUMemoryBackend, StorageTracker, tracking_resizes
 from .cuda_allocator import AllocatorConfig, CachingAllocatorModel, cublas_workspaces
+from .fake_build import build_fake_model
 
 # Failures that mean "this model cannot run on fake tensors", as opposed to a bug in the model
 # (which fails the same way on real tensors and must reach the user untouched).
@@ -106,6 +106,11 @@ class EstimateMemoryBackend(CPUMemoryBackend):
                 yield
         finally:
             self._mode = None
+
+    @property
+    def fake_mode(self):
+        """The fake-tensor mode of the tracking in force (None outside it)."""
+        return self._mode
 
     def release(self) -> None:
         # Between trials gloo's worker threads have long let go of the last collective.
@@ -357,7 +362,9 @@ def checked_micro_batch(n) -> int:
 
 
 def on_fake_tensors(workload, *, foreach: bool = False):
-    """The workload with a model factory that the session calls inside the fake mode.
+    """The workload with a model factory that the session calls inside the fake mode (see
+    ``fake_build``: a model that cannot be built on fake tensors is built on the meta device, or
+    for real, and converted).
 
     ``foreach``: optimizers left to choose their implementation (``foreach=None``) take the
     foreach path, as they do on CUDA; on CPU tensors they would loop per parameter, and the
@@ -367,12 +374,8 @@ def on_fake_tensors(workload, *, foreach: bool = False):
     if foreach:
         workload = dataclasses.replace(workload, build_optimizer=_foreach_optimizer(workload))
 
-    def build_fake_model() -> torch.nn.Module:
-        if original.model_is_instance:
-            # A fake copy: the user's module and its real tensors stay untouched.
-            model = _fake_copy(original.model, original.source)
-        else:
-            model = original.new_model()
+    def fake_model() -> torch.nn.Module:
+        model = build_fake_model(original)
         # Module.to() swaps fake parameters for new ones, and torch refuses the swap because the
         # fake mode keeps weak references to them. Fake CPU tensors are already where the step
         # runs, so the move is a no-op by definition.
@@ -382,7 +385,7 @@ def on_fake_tensors(workload, *, foreach: bool = False):
         model.to = lambda *args, **kwargs: model_ref()
         return model
 
-    return dataclasses.replace(workload, model=build_fake_model)
+    return dataclasses.replace(workload, model=fake_model)
 
 
 def _foreach_optimizer(workload):
@@ -395,17 +398,6 @@ def _foreach_optimizer(workload):
         return optimizer
 
     return build
-
-
-def _fake_copy(model: torch.nn.Module, source: str) -> torch.nn.Module:
-    try:
-        return copy.deepcopy(model)
-    except (TypeError, RuntimeError, copy.Error) as exc:
-        raise EstimateUnavailable(
-            f"{source}: the model instance cannot be copied onto fake tensors "
-            f"({type(exc).__name__}: {exc}); pass the model file (a build_model() factory) or "
-            f"measure with real trials (autotune probe)"
-        ) from exc
 
 
 def is_fake_tensor_limit(exc: BaseException) -> bool:
@@ -432,7 +424,7 @@ def _unavailable_message(workload, exc: BaseException) -> str:
 # The phase of the probe's step that a frame of autotune's own code is in (innermost wins).
 _PHASES = {
     "new_model": "building the model",
-    "_fake_copy": "copying the model instance",
+    "fake_copy": "copying the model onto fake tensors",
     "_allocate_optimizer_state": "allocating the optimizer state",
     "batch": "making the batch",
     "_forward_backward": "the forward and backward pass",

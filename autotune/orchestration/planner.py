@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..distributed import collectives
 from ..errors import EstimateUnavailable, PlanError, ProbeError, option
 from ..memory.fake import fake_tensor_limits
+from ..memory.fake_build import build_fake_model
 from ..memory import backend_for
 from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointing_worth_probing,
@@ -42,7 +43,10 @@ from ..units import format_bytes
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates,
                                 search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
+from .eval_batch import plan_eval_batch
 from .request import PlanOptions
+from . import tokens
+from ..distributed import environment
 from ..workload.contract import Workload, load_workload
 from ..workload.dataset_batch import check_default_collate
 
@@ -51,7 +55,7 @@ from ..workload.dataset_batch import check_default_collate
 def plan(
     workload,
     *,
-    target_batch: int,
+    target_batch: int | None = None,
     world_size: int | None = None,
     device=None,
     precision: str = "auto",
@@ -70,8 +74,19 @@ def plan(
     even: bool = False,
     sharding: str = "auto",
     shard_group: int | None = None,
+    seq_len=None,
+    target_tokens: int | None = None,
+    seq_multiple: int = 1,
+    eval_batch: bool = True,
+    max_eval_batch: int | None = None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
+
+    ``seq_len`` (N or "auto") plans at ``make_batch(n, seq_len)``; ``target_tokens`` asks for
+    that many tokens per optimizer step instead of ``target_batch`` samples (micro-batches ×
+    seq_len × world size, exactly). "auto" takes the longest length, a multiple of
+    ``seq_multiple``, whose accumulation micro-step fits at micro-batch 1 (see
+    ``autotune.orchestration.tokens``); the plan records ``seq_len`` and ``target_tokens``.
 
     ``world_size`` defaults to torch.distributed's world size when initialised, else the
     WORLD_SIZE environment variable, else 1. ``precision`` is auto|fp32|bf16|fp16 and
@@ -106,15 +121,60 @@ def plan(
     more the smaller its group), and the plan takes the fewest steps, the least communication
     among equals. ``plan.reasons["sharding"]``
     says why.
+
+    ``eval_batch`` (default on) also plans the largest eval micro-batch (``plan.eval_micro_batch``:
+    the forward alone under ``no_grad``, optimizer state alive, proved with real forwards),
+    at most ``max_eval_batch``.
     """
     workload = load_workload(workload)
+    tokens.check_token_options(target_batch=target_batch, target_tokens=target_tokens,
+                               seq_len=seq_len, seq_multiple=seq_multiple)
+    token_request = None
+    if seq_len is not None or target_tokens is not None:
+        workload.check_takes_seq_len()
+        token_request = tokens.resolve(
+            target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len,
+            seq_multiple=seq_multiple, world_size=environment.resolve_world_size(
+                world_size, environment.torchrun_group()),
+            longest=lambda: _longest_at_one(workload, device=device, memory_limit=memory_limit,
+                                            gpu=gpu, optimize=optimize, precision=precision,
+                                            checkpointing=checkpointing, headroom=headroom,
+                                            world_size=world_size, seq_multiple=seq_multiple))
+        workload, target_batch = workload.at_seq_len(token_request.seq_len), token_request.target_batch
     options = PlanOptions(
         target_batch=target_batch, world_size=world_size, device=device, precision=precision,
         checkpointing=checkpointing, memory_limit=memory_limit, headroom=headroom,
         micro_batch=micro_batch, base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
         optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
-        even=even, sharding=sharding, shard_group=shard_group)
-    return _Planner(workload, options).run()
+        even=even, sharding=sharding, shard_group=shard_group, eval_batch=eval_batch,
+        max_eval_batch=max_eval_batch)
+    planned = _Planner(workload, options).run()
+    planned.reasons["batch_shapes"] = tokens.batch_shapes(workload, planned.micro_batch)
+    return planned if token_request is None else tokens.with_tokens(planned, token_request)
+
+
+def _longest_at_one(workload, *, device, memory_limit, gpu, optimize, precision, checkpointing,
+                    headroom, world_size, seq_multiple):
+    """``seq_len="auto"``: the longest length at micro-batch 1 in the setting that saves the most
+    activations among those asked for (checkpointing every block under "auto"), within the
+    budget less the headroom and DDP's buckets."""
+    target = (profile_target(gpu, device=device, memory_limit=memory_limit, optimize=optimize)
+              if gpu is not None else None)
+    backend = target.backend if target else backend_for(device, memory_limit)
+    chosen, _ = (target.choose_precision(precision) if target else choose_precision(
+        precision, device_kind=backend.device.type, bf16_supported=supports_bf16(backend.device)))
+    fingerprint = fingerprint_workload(workload)
+    request = _requested_blocks(checkpointing, fingerprint)
+    blocks = ("on" if fingerprint.checkpointable else "off") if request.auto else request
+    world = environment.resolve_world_size(world_size, environment.torchrun_group())
+    limit = (usable_bytes(backend.info().budget_bytes, headroom)
+             - ddp_bucket_bytes(world, fingerprint.param_bytes))
+    found = tokens.longest_at_one(workload, backend, device=device, limit_bytes=limit,
+                                  precision=chosen, checkpointing=blocks, seq_multiple=seq_multiple)
+    if environment.torchrun_group():
+        # Every rank probed its own device: all plan the shortest answer, or they would differ.
+        found.max_seq_len = collectives.min_across_ranks(found.max_seq_len)
+    return found
 
 
 class _Planner:
@@ -169,11 +229,14 @@ class _Planner:
     def run(self) -> Plan:
         options = self.options
         if options.optimize == "throughput":
-            return self._fastest()
-        if options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
+            result = self._fastest()
+        elif options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
             result = _cpu_auto_precision(self.settings_in, self.build, bf16=supports_bf16(self.backend.device))
         else:
             result = self.build(self.chosen, self.settings_in(self.chosen))
+        if options.eval_batch:
+            result = plan_eval_batch(result, self.workload, self.backend, usable=self.usable,
+                                     extra=self.extra, upper=options.max_eval_batch, agree=self.agree)
         if self.distributed:
             collectives.settle()  # every rank got here: the caller may exit right away
         return result
@@ -547,14 +610,15 @@ def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: Setting
 def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
     """What the plan needs to know about the model: sizes, optimizer, BatchNorm, repeated blocks.
 
-    Read from a model built on fake tensors (shapes and dtypes, no data): planning a model never
-    allocates its weights. A model whose construction fake tensors cannot run is built for real.
+    Read from a model built on fake tensors (shapes and dtypes, no data; or on the meta device,
+    see ``memory.fake_build``): planning a model never allocates its weights. A model whose
+    construction fake tensors cannot run is built for real.
     """
     if workload.model_is_instance:
         return _fingerprint(workload, workload.model)  # already built: nothing to save
     try:
         with fake_tensor_limits(workload), FakeTensorMode(allow_non_fake_inputs=True):
-            return _fingerprint(workload, workload.new_model())
+            return _fingerprint(workload, build_fake_model(workload))
     except EstimateUnavailable:
         pass  # the probe's real trials build it anyway (--gpu refused such a model earlier)
     return _fingerprint(workload, workload.new_model())
@@ -569,7 +633,8 @@ def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerpr
     return WorkloadFingerprint(
         source=workload.source,
         file_sha256=workload.file_sha256,
-        param_count=sum(p.numel() for p in params),
+        param_count=sum(_weights(p) for p in params),
+        trainable_param_count=sum(_weights(p) for p in trainable),
         param_bytes=sum(p.numel() * p.element_size() for p in trainable),
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
         # A NaN or infinite LR is no LR to keep (and JSON cannot hold it).
@@ -580,6 +645,13 @@ def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerpr
         repeated_blocks=len(blocks),
         has_dataset=workload.build_dataset is not None,
     )
+
+
+def _weights(param: torch.Tensor) -> int:
+    """The weights a parameter holds: a quantized one (bitsandbytes' 4-bit, two to a byte) keeps
+    its original shape in its ``quant_state``."""
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else param.numel()
 
 
 _OPTIMIZER_SETTINGS = ("momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "amsgrad",

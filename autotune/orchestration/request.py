@@ -40,6 +40,8 @@ class PlanOptions:
     even: bool = False
     sharding: str = "auto"
     shard_group: int | None = None
+    eval_batch: bool = True
+    max_eval_batch: int | None = None
     distributed: bool = False
     """Set here: planned by every rank of a torchrun launch."""
     budget_s: float | None = None
@@ -64,6 +66,14 @@ class PlanOptions:
         if throughput:
             self.budget_s = parse_duration(self.budget, option=option("budget"))
             check_storage(self.storage)
+        if self.max_eval_batch is not None and (isinstance(self.max_eval_batch, bool) or not isinstance(
+                self.max_eval_batch, int) or self.max_eval_batch < 1):
+            raise ConfigError(f"{given('max_eval_batch', self.max_eval_batch)} must be a positive "
+                              f"int (the largest eval micro-batch to plan), e.g. {option('max_eval_batch')} 256")
+        if self.max_eval_batch is not None and not self.eval_batch:
+            skip = "--no-eval-batch" if option("eval_batch").startswith("--") else "eval_batch=False"
+            raise ConfigError(f"{option('max_eval_batch')} caps the eval batch, which {skip} "
+                              f"skips; drop one of them")
         self.distributed = environment.torchrun_group()
         if self.distributed and throughput:
             raise ConfigError(f"{given('optimize', 'throughput')} measures in one process; plan "

@@ -144,7 +144,10 @@ def plan_window(plan: Plan) -> list[int]:
 def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
     lr = plan.lr
     return make_plan(
-        workload, target_batch=plan.target_batch, world_size=plan.world_size, device=device,
+        workload, world_size=plan.world_size, device=device,
+        # A token plan stays one: the same tokens per step at the same sequence length.
+        **({"target_tokens": plan.target_tokens} if plan.target_tokens is not None
+           else {"target_batch": plan.target_batch}), seq_len=plan.seq_len,
         memory_limit=budget, precision=plan.precision,
         # The same setting, so the new micro-batch answers for the one that did not fit.
         checkpointing=plan.checkpointing, headroom=plan.headroom,

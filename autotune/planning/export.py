@@ -226,6 +226,8 @@ def to_hf(plan: Plan) -> Export:
         checkpointing_field or _HF_CHECKPOINTING_OLD: plan.checkpointing.enabled,
         "max_grad_norm": plan.clip_grad_norm if plan.clip_grad_norm is not None else 0.0,
     }
+    if plan.eval_micro_batch is not None:
+        config["per_device_eval_batch_size"] = plan.eval_micro_batch
     if _on_cpu(plan):
         # Without it TrainingArguments refuses bf16/fp16 on a machine with no GPU.
         config["use_cpu"] = True
@@ -336,6 +338,10 @@ def to_lightning(plan: Plan) -> Export:
         trainer.update(gradient_clip_val=plan.clip_grad_norm, gradient_clip_algorithm="norm")
     config = {"trainer": trainer, "dataloader": {"batch_size": even.micro_batch}}
     notes = _common_notes(plan, "Lightning")
+    if plan.eval_micro_batch is not None:
+        config["val_dataloader"] = {"batch_size": plan.eval_micro_batch}
+        notes.append("val_dataloader.batch_size is the largest eval micro-batch (forward only): "
+                     "give it to the DataLoader of val_dataloader()")
     if plan.sharding.sharded:
         hybrid = plan.shard_group is not None and plan.shard_group != plan.world_size
         config["fsdp_strategy"] = {"sharding_strategy": "HYBRID_SHARD" if hybrid else "FULL_SHARD",
@@ -508,8 +514,23 @@ def export_plan(plan: Plan, target: str, *, plan_path: str = "plan.json",
     if target not in exporters:
         raise ConfigError(f"--to {target!r} is not an export target; use one of {', '.join(TARGETS)}")
     exported = exporters[target](plan)
+    if plan.seq_len is not None:
+        exported.notes.append(_seq_len_note(plan, target))
     if target != "deepspeed" and plan.precision == "fp16" and plan.grad_scaler != GradScalerSettings():
         exported.notes.append(f"{target}'s configuration has no GradScaler settings: create "
                               f"torch.amp.GradScaler(**{plan.grad_scaler.to_dict()}) in code and hand "
                               f"it to the runner (autotune train uses the plan's)")
     return exported
+
+
+def _seq_len_note(plan: Plan, target: str) -> str:
+    """Where a runner takes the plan's sequence length: none of these configurations has a field
+    for it (TrainingArguments refuses unknown keys), so the note names the places that do."""
+    tokens = f" ({plan.tokens_per_step:,} tokens per optimizer step)"
+    where = (f"TRL's SFTConfig(max_length={plan.seq_len}) (max_seq_length before TRL 0.20), or the "
+             f"tokenizer's max_length={plan.seq_len} with truncation and padding or packing to it"
+             if target == "hf" else
+             f"the data pipeline: tokenize with max_length={plan.seq_len}, truncating and padding "
+             f"or packing to it")
+    return (f"the plan was probed at sequences of exactly {plan.seq_len} positions{tokens}: train at "
+            f"that length through {where}; longer sequences would pass the planned peak")

@@ -11,6 +11,7 @@ lr = base_lr × rule(target_batch / base_batch), where rule is
 from __future__ import annotations
 
 import math
+import re
 
 from ..errors import ConfigError
 from .types import LRDecision
@@ -25,12 +26,19 @@ WARMUP_EPOCHS = 5
 
 _LINEAR_OPTIMIZERS = {"sgd", "asgd", "lars"}
 _SQRT_OPTIMIZERS = {"adam", "adamw", "adamax", "nadam", "radam", "sparseadam", "adagrad",
-                    "adadelta", "rmsprop", "lamb", "adafactor"}
+                    "adadelta", "rmsprop", "lamb", "adafactor", "ademamix"}
+_LOW_BIT = re.compile(r"^(paged)?(.+?)(8bit|4bit|32bit|fp8)?$")
+"""bitsandbytes' and torchao's variants keep the algorithm and change how the state is stored
+(``PagedAdamW8bit``, ``AdamW4bit``, ``AdamWFp8``, ``SGD8bit``): the rule is the algorithm's."""
+
+
+def _algorithm(optimizer: str | None) -> str:
+    return _LOW_BIT.match((optimizer or "").lower() or "?").group(2)
 
 
 def rule_for_optimizer(optimizer: str | None) -> tuple[str, str]:
     """The rule ``auto`` means for an optimizer class name, and why."""
-    name = (optimizer or "").lower()
+    name = _algorithm(optimizer)
     if name in _LINEAR_OPTIMIZERS:
         return "linear", f"{optimizer} is SGD-like: linear rule (Goyal et al. 2017)"
     if name in _SQRT_OPTIMIZERS:

@@ -105,6 +105,10 @@ def _semantic_error(data: dict) -> str | None:
         if sum(split["counts"]) > data["target_batch"]:
             return (f"field micro_batches has {sum(split['counts'])} accumulation steps, more than "
                     f"target_batch {data['target_batch']}")
+    tokens, seq_len = data.get("target_tokens"), data.get("seq_len")
+    if tokens is not None and (seq_len is None or data["target_batch"] * seq_len != tokens):
+        return (f"field target_tokens is {tokens}, but target_batch {data['target_batch']} × "
+                f"seq_len {seq_len} is not that")
     workload = data["workload"]
     if workload["file_sha256"] is None and workload["source"].endswith(".py"):
         return (f"field workload.file_sha256 is null for the model file {workload['source']}; "
@@ -188,13 +192,14 @@ def model_file_not_found(plan: Plan, plan_path) -> PlanFileError:
 def load_planned_workload(plan: Plan, workload, *, source: str = "<plan>") -> Workload:
     """``load_workload(workload)`` for ``plan``: a model file whose sha256 differs from the plan's
     is refused before any of it is imported (a plan names the file to run; it must not choose the
-    code)."""
+    code). A plan with ``seq_len`` gets the workload at that length (``Workload.at_seq_len``)."""
     def check(model_source: str, sha256: str) -> None:
         _check_sha256(plan, sha256, model_source, source)
 
     loaded = load_workload(workload, check_sha256=check)
     check_workload(plan, loaded, source=source)
-    return loaded
+    # A plan with a sequence length was probed at it: every batch is made at it too.
+    return loaded.at_seq_len(plan.seq_len) if plan.seq_len is not None else loaded
 
 
 def check_workload(plan: Plan, workload: Workload, *, source: str = "<plan>") -> None:

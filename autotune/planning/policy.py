@@ -761,6 +761,8 @@ def _memory_reason(setting: SettingTried, device: DeviceInfo, headroom: float, e
             f"{setting.allowed_micro_batch} is predicted to stay within the margin")
     if extra:
         text += f" (counting {format_bytes(extra)} of DDP gradient buckets)"
+    if setting.probe is not None and setting.probe.unestimated:
+        text += f"; {setting.probe.unestimated}"  # e.g. an optimizer that reads values in its step
     if setting.sharding.offload:
         host = max((t.host_peak_bytes or 0 for t in setting.probe.trials), default=0) if setting.probe else 0
         text += (f"; peaks are the device's, one rank's of {world_size} under {setting.layout} "

@@ -75,6 +75,10 @@ class WorkloadFingerprint:
     file_sha256: str | None
     param_count: int
     param_bytes: int
+    """Bytes of the trainable parameters (those with ``requires_grad``)."""
+    trainable_param_count: int | None = None
+    """Parameters that train (``requires_grad``); fewer than ``param_count`` with frozen ones
+    (PEFT adapters on a frozen base). None: not recorded, older files."""
     optimizer: str | None = None
     """Class name of the optimizer ``build_optimizer`` returns (drives the "auto" LR rule)."""
     optimizer_lr: float | None = None
@@ -311,6 +315,16 @@ class Plan(SplitArithmetic):
     """The fp16 GradScaler's knobs (init_scale, growth_factor, backoff_factor, growth_interval);
     recorded for every plan, used where the precision is fp16. Absent in older files: torch's
     defaults."""
+    seq_len: int | None = None
+    """Positions per sample every batch is made at (``make_batch(n, seq_len)``), probed and
+    trained at; None: the model file's own batches."""
+    target_tokens: int | None = None
+    """Tokens per optimizer step asked for (``--target-tokens``): micro-batches × ``seq_len`` ×
+    world size, exactly; None where a batch in samples was asked for."""
+    eval_micro_batch: int | None = None
+    """The largest evaluation micro-batch per rank: the forward alone under ``torch.no_grad``,
+    model in ``eval()``, with the optimizer state alive, within the budget less the headroom
+    (``reasons["eval"]`` says how it was proved); None: not planned (older files, or skipped)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
@@ -334,6 +348,12 @@ class Plan(SplitArithmetic):
     @property
     def budget_bytes(self) -> int | None:
         return self.device.budget_bytes if self.device is not None else None
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        """Positions per optimizer step over every rank (effective batch × ``seq_len``); None
+        without a planned sequence length."""
+        return self.effective_batch * self.seq_len if self.seq_len is not None else None
 
     @property
     def total_blocks(self) -> int | None:
@@ -397,7 +417,7 @@ class Plan(SplitArithmetic):
         data["grad_scaler"] = self.grad_scaler.to_dict()
         data["checkpointing"] = self.checkpointing.to_dict()
         # Derived numbers, written for readers and other tools; ignored when read back.
-        data["derived"] = {"accumulation_steps": self.accumulation_steps,
+        data["derived"] = {"accumulation_steps": self.accumulation_steps, "tokens_per_step": self.tokens_per_step,
                            "micro_batch": self.micro_batch, "effective_batch": self.effective_batch,
                            "budget_bytes": self.budget_bytes, "headroom_bytes": self.headroom_bytes,
                            "checkpointed_blocks": self.blocks, "total_blocks": self.total_blocks}

@@ -93,27 +93,37 @@ def estimate_cuda_peaks(workload, micro_batches, *, gpu_name: str = "", precisio
 def _estimate_trials(workload, micro_batches, *, precision, checkpointing, sharding, world_size,
                      shard_group, window: int = 1, reduce_every: bool = False,
                      for_cuda: str | None = None) -> dict:
+    sizes = [checked_micro_batch(n) for n in micro_batches]
+    with estimate_session(workload, precision=precision, checkpointing=checkpointing,
+                          sharding=sharding, world_size=world_size, shard_group=shard_group,
+                          reduce_every=reduce_every, for_cuda=for_cuda) as session:
+        return {n: session.run(n, window=window) for n in sizes}
+
+
+@contextlib.contextmanager
+def estimate_session(workload, *, precision, checkpointing, sharding, world_size, shard_group,
+                     reduce_every: bool = False, session_type: type | None = None,
+                     for_cuda: str | None = None):
+    """The estimate's session (``session_type``, default ``EstimateSession``) on the fake model,
+    set up and entered: ``run(n)`` on it is one fake training step. Other counts of the same
+    step (``autotune.timing``) run their own subclass here. ``for_cuda``: the CUDA device's
+    name; its caching allocator is modelled (see ``EstimateMemoryBackend``)."""
     checkpointing = CheckpointingRequest.parse(checkpointing, option=option("checkpointing"),
                                                allow_auto=False)
     workload = load_workload(workload)
     precision = Precision.parse(precision)
     sharding = Sharding.parse(sharding)
-    sizes = [checked_micro_batch(n) for n in micro_batches]
-    trials = {}
-    # for_cuda: the device's name; its allocator is modelled (see EstimateMemoryBackend).
     target = DeviceInfo(kind="cuda", name=for_cuda, budget_bytes=0) if for_cuda else None
     backend = EstimateMemoryBackend(offload=sharding.offload, for_cuda=bool(for_cuda), target=target)
     with sharded_step(on_fake_tensors(workload, foreach=backend.for_cuda), sharding=sharding,
                       world_size=world_size, shard_group=shard_group,
                       precision=precision) as step_workload:
-        session = EstimateSession(step_workload, backend,
-                                  precision=precision, checkpointing=checkpointing,
-                                  sharded=sharding.sharded, offload=sharding.offload,
-                                  reduce_every_micro_step=reduce_every)
+        session = (session_type or EstimateSession)(
+            step_workload, backend, precision=precision,
+            checkpointing=checkpointing, sharded=sharding.sharded, offload=sharding.offload,
+            reduce_every_micro_step=reduce_every)
         with fake_tensor_limits(workload), session:
-            for n in sizes:
-                trials[n] = session.run(n, window=window)
-    return trials
+            yield session
 
 
 class EstimateSession(TrialSession):
@@ -373,4 +383,4 @@ def _foreach_path(optimizer: torch.optim.Optimizer):
 
 
 __all__ = ["EstimateSession", "estimate_cuda_peaks", "estimate_offload_host_peaks", "estimate_peak",
-           "estimate_peaks"]
+           "estimate_peaks", "estimate_session"]

@@ -164,6 +164,10 @@ def _largest_root(coeffs, budget) -> float | None:
     return None if a <= budget else -1.0
 
 
+UNESTIMATED = "no estimate, so real trials only"
+"""How ``ProbeResult.notes`` begins the note of a probe the estimate could not seed."""
+
+
 @dataclass(kw_only=True)
 class ProbeResult:
     """The exact largest micro-batch that fits, and how it was found."""
@@ -228,6 +232,12 @@ class ProbeResult:
     def steps(self) -> int:
         """Training steps executed (one forward pass each)."""
         return len(self.trials)
+
+    @property
+    def unestimated(self) -> str | None:
+        """The note saying why the fake-tensor estimate could not seed this probe (None: it did,
+        or was not asked to)."""
+        return next((n for n in self.notes if n.startswith(UNESTIMATED)), None)
 
     def windowed(self, micro_batch: int) -> bool:
         """Whether a plan whose largest micro-batch is ``micro_batch`` accumulates (micro-batches

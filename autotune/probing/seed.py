@@ -17,7 +17,7 @@ from ..memory.base import MemoryBackend
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from .. import progress
-from .result import MemoryModel, Trial, setting_label
+from .result import UNESTIMATED, MemoryModel, Trial, setting_label
 from .share import search_with_share, window_steps
 from .trial import SetupOutOfMemory, TrialSession
 
@@ -53,7 +53,7 @@ class EstimateSeed:
     def note(self, best: int, trials: list[Trial]) -> str:
         """One line for ProbeResult.notes: what the estimate said and what the real trials found."""
         if self.answer is None:
-            return f"no estimate, so real trials only: {self.unavailable}"
+            return f"{UNESTIMATED}: {self.unavailable}"
         said = (f"the estimate ({self.steps} steps on fake tensors, {self.seconds:.1f}s, nothing "
                 f"allocated) put the answer at {self.answer}")
         if best == self.answer:

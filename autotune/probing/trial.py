@@ -28,7 +28,9 @@ from ..memory.base import MemoryBackend
 from ..memory.oom import free_memory, is_oom_error
 from ..precision import Precision, autocast, grad_scaler
 from ..workload.contract import Workload, move_batch
+from ..workload.optimizer_steps import counted_step
 from .deadline import deadline
+from .fake_optimizers import build_with_real_constants, fake_step
 from .result import Trial
 from .step_errors import is_step_failure, original, step_failed
 
@@ -125,7 +127,7 @@ class TrialSession:
         if not self.params:
             raise WorkloadError(f"{self.workload.source}: the model has no trainable parameters")
         self.gradient_bytes = sum(_local(p).numel() * p.element_size() for p in self.params)
-        self.optimizer = self.workload.new_optimizer(self.params)
+        self.optimizer = self._new_optimizer()
         self.scaler = grad_scaler(self.precision, self.device)
         self.backend.adopt([*self.model.parameters(), *self.model.buffers()])
         if self.offload:
@@ -140,13 +142,30 @@ class TrialSession:
                 self._warm_up()
             self._check_state_fits()
 
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        fake_mode = getattr(self.backend, "fake_mode", None)
+        if fake_mode is None:
+            return self.workload.new_optimizer(self.params)
+        return build_with_real_constants(lambda: self.workload.new_optimizer(self.params), fake_mode)
+
+    def _stepping(self):
+        """Around every ``optimizer.step()``: what the optimizer needs to step where memory is
+        counted (``counted_step``), and on fake tensors (``fake_step``)."""
+        if getattr(self.backend, "fake_mode", None) is None:
+            return counted_step()
+        stack = contextlib.ExitStack()
+        stack.enter_context(counted_step())
+        stack.enter_context(fake_step(self.optimizer))
+        return stack
+
     def _allocate_optimizer_state(self):
         # Adam-like optimizers allocate their state lazily at the first step; a trial that ran
         # without it would miss a large share of the peak. A step on zero gradients allocates it
         # without a forward pass (the probe's model is a copy, or restored afterwards).
         for p in self.params:
             p.grad = torch.zeros_like(p)
-        self.optimizer.step()
+        with self._stepping():
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.adopt(optimizer_state_tensors(self.optimizer))
 
@@ -390,7 +409,8 @@ class TrialSession:
     def _optimizer_step(self):
         # optimizer.step() directly, not scaler.step(): a real fp16 step that found inf would be
         # skipped, and the probe must still measure what the optimizer step costs.
-        self.optimizer.step()
+        with self._stepping():
+            self.optimizer.step()
 
     def _release_memory(self):
         free_memory()

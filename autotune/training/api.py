@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..workload.activation_checkpointing import enable_checkpointing
+from ..workload.optimizer_steps import group_lr
 from ..workload.dataset_batch import check_default_collate
 from ..planning.planfile import load_planned_workload, planned_model_file
 from ..precision import Precision, grad_scaler, scaler_settings
@@ -327,7 +328,7 @@ class _Session:
 
     def _describe(self) -> str:
         plan = self.plan
-        lr = plan.lr.lr if plan.lr.lr is not None else self.optimizer.param_groups[0]["lr"]
+        lr = plan.lr.lr if plan.lr.lr is not None else group_lr(self.optimizer.param_groups[0])
         data = ("make_batch (no dataset)" if self.dataset_size is None else
                 f"{self.dataset_size} samples, {self.layout.windows_per_epoch} steps per epoch")
         return (f"{self.total_steps} optimizer steps from step {self.state.step}: micro-batches "

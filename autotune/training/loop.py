@@ -16,7 +16,8 @@ import torch
 from ..memory.oom import free_memory, is_oom_error
 from ..precision import Precision, autocast
 from ..distributed.sharding import wrap as sharding
-from ..workload.contract import Workload, move_batch
+from ..workload.contract import Workload, check_within_seq_len, move_batch
+from ..workload.optimizer_steps import counted_step, group_lr
 from . import noise_scale
 from ..distributed import process_group as distributed
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
@@ -199,6 +200,8 @@ class StepRunner:
                     padding: bool = False) -> bool:
         out_of_memory = agreed = False
         try:
+            if self.workload.seq_len is not None:  # a plan in tokens: no batch past its length
+                check_within_seq_len(part, self.workload.seq_len, source=self.workload.source)
             batch = move_batch(part, self.device)
             with distributed.sync_context(self.model, final=final or self.reduce_every_micro_step):
                 with autocast(self.precision, self.device):
@@ -259,17 +262,19 @@ class StepRunner:
             # fp16's GradScaler skips non-finite steps on purpose; anywhere else a NaN or infinite
             # gradient would turn every weight into NaN, and training on would hide it.
             self._check_finite(window, norm=float(norm), reduced=reduced)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = group_lr(self.optimizer.param_groups[0])
         skipped = False
         if self.scaler.is_enabled():
             before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
+            with counted_step():
+                self.scaler.step(self.optimizer)
             self.scaler.update()
             # GradScaler skips optimizer.step() on inf/NaN and lowers the scale: then the
             # scheduler must not advance either.
             skipped = self.scaler.get_scale() < before
         else:
-            self.optimizer.step()
+            with counted_step():
+                self.optimizer.step()
         if skipped:
             self.state.skipped_steps += 1
         else:

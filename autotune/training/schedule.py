@@ -6,6 +6,7 @@ import torch
 
 from ..errors import WorkloadError
 from ..planning.lr import WARMUP_EPOCHS
+from ..workload.optimizer_steps import set_group_lr
 
 
 def apply_plan_lr(optimizer: torch.optim.Optimizer, plan) -> None:
@@ -17,7 +18,7 @@ def apply_plan_lr(optimizer: torch.optim.Optimizer, plan) -> None:
     if lr is None:
         return
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        set_group_lr(group, lr)
 
 
 def build_scheduler(workload, optimizer: torch.optim.Optimizer, plan):

@@ -1,7 +1,11 @@
 """The model-file contract: load a user's ``model.py`` (or objects) into a checked ``Workload``.
 
 A model file defines ``build_model()`` and ``make_batch(batch_size)`` (or, instead of
-``make_batch``, ``build_dataset()``: the probe then batches its largest examples); optionally
+``make_batch``, ``build_dataset()``: the probe then batches its largest examples).
+``make_batch(batch_size, seq_len)`` (the second parameter named ``seq_len``, optionally with a
+default) makes the sequence length a planned dimension: ``autotune probe --max-seq-len`` and
+``autotune plan --seq-len/--target-tokens`` call it with the length to measure or train, and
+every batch then holds ``seq_len`` positions per sample (the second dimension). Optionally
 ``loss_fn(model, batch)``, ``build_optimizer(params)``, ``build_dataset()``,
 ``collate_fn(examples)`` (how a list of the dataset's examples becomes a batch, e.g. padding
 variable-length sequences; default: torch's default_collate), ``build_scheduler(optimizer,
@@ -11,9 +15,11 @@ plan)`` and the constants ``BASE_LR`` / ``BASE_BATCH``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -56,6 +62,10 @@ class Workload:
     source: str = "<python objects>"
     file_sha256: str | None = None
     namespace: dict = field(default_factory=dict, repr=False)
+    seq_len: int | None = None
+    """The sequence length every batch is made at (``make_batch(n, seq_len)``); None: the
+    model file's own (``make_batch(n)``). Set with ``at_seq_len``, as a plan with ``seq_len``
+    does for ``train`` and ``verify``."""
 
     def __post_init__(self):
         if not (isinstance(self.model, torch.nn.Module) or callable(self.model)):
@@ -95,6 +105,19 @@ class Workload:
         if self.build_optimizer is None:
             return torch.optim.AdamW(params)
         optimizer = self.build_optimizer(params)
+        if isinstance(optimizer, (list, tuple)) and all(
+                isinstance(o, torch.optim.Optimizer) for o in optimizer):
+            # The probe's step, the plan's LR and the loop's step, checkpoint and recovery each
+            # act on one optimizer.
+            names = ", ".join(type(o).__name__ for o in optimizer)
+            raise WorkloadError(
+                f"{self.source}: build_optimizer(params) returned {len(optimizer)} optimizers "
+                f"({names}); autotune probes and trains one optimizer. Return one optimizer with "
+                f"a parameter group per part instead, e.g. torch.optim.AdamW([{{'params': "
+                f"decay, 'weight_decay': 0.1}}, {{'params': no_decay, 'weight_decay': 0.0, "
+                f"'lr': 1e-4}}]) (each group keeps its own lr and settings); models that need two "
+                f"optimizers stepped apart (GANs, Muon with AdamW) are not supported"
+            )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise WorkloadError(
                 f"{self.source}: build_optimizer(params) must return a torch.optim.Optimizer, "
@@ -102,16 +125,54 @@ class Workload:
             )
         return optimizer
 
-    def batch(self, batch_size: int):
-        """``make_batch(batch_size)``, checked to hold exactly ``batch_size`` samples."""
-        batch = self.make_batch(batch_size)
+    def batch(self, batch_size: int, seq_len: int | None = None):
+        """``make_batch(batch_size)``, checked to hold exactly ``batch_size`` samples; with a
+        ``seq_len`` (or the workload's ``seq_len``) ``make_batch(batch_size, seq_len)``, checked
+        to hold ``seq_len`` positions per sample."""
+        seq_len = seq_len if seq_len is not None else self.seq_len
+        if seq_len is None:
+            batch = self.make_batch(batch_size)
+        else:
+            self.check_takes_seq_len()
+            batch = self.make_batch(batch_size, seq_len)
         found = count_samples(batch, source=self.source)
+        call = f"make_batch({batch_size}{'' if seq_len is None else f', {seq_len}'})"
         if found != batch_size:
             raise WorkloadError(
-                f"{self.source}: make_batch({batch_size}) returned {found} samples; it must return "
+                f"{self.source}: {call} returned {found} samples; it must return "
                 f"exactly batch_size samples (the first dimension of every tensor)"
             )
+        if seq_len is not None:
+            check_seq_len(batch, seq_len, call=call, source=self.source)
         return batch
+
+    @functools.cached_property
+    def takes_seq_len(self) -> bool:
+        """Whether ``make_batch`` has the two-argument form ``make_batch(batch_size, seq_len)``
+        (read once from its signature)."""
+        return takes_seq_len(self.make_batch)
+
+    def check_takes_seq_len(self) -> None:
+        """Raises a ``WorkloadError`` naming the two-argument form where ``make_batch`` lacks it."""
+        if self.takes_seq_len:
+            return
+        if isinstance(self.make_batch, LargestExamples):
+            raise WorkloadError(
+                f"{self.source}: the sequence length cannot be planned for a model file without "
+                f"make_batch: the probe batches build_dataset()'s largest examples as they are, "
+                f"and the training loop would batch the dataset's own lengths; define "
+                f"make_batch(batch_size, seq_len) -> a batch of seq_len positions per sample "
+                f"(e.g. packing or truncating the dataset's sequences), or plan without a "
+                f"sequence length")
+        raise WorkloadError(
+            f"{self.source}: make_batch takes no sequence length; define the two-argument form "
+            f"make_batch(batch_size, seq_len) (the second parameter named seq_len) returning "
+            f"seq_len positions per sample, to probe or plan the sequence length")
+
+    def at_seq_len(self, seq_len: int) -> "Workload":
+        """This workload with every batch made at ``seq_len`` (``make_batch(n, seq_len)``)."""
+        self.check_takes_seq_len()
+        return dataclasses.replace(self, seq_len=seq_len)
 
     def loss(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor | int | None]:
         """The loss to differentiate and, for ``(loss_sum, item_count)`` losses, the item count.
@@ -144,6 +205,46 @@ class Workload:
                 f"not require grad (it was detached, computed under torch.no_grad(), or the model "
                 f"has no trainable parameters); return the loss the parameters produced")
         return loss.reshape(()), count
+
+
+def takes_seq_len(make_batch) -> bool:
+    """``make_batch(batch_size, seq_len)``: a parameter named ``seq_len`` that can be passed
+    second, by position (a default is allowed: the one-argument calls still work)."""
+    if make_batch is None or isinstance(make_batch, LargestExamples):
+        return False
+    try:
+        signature = inspect.signature(make_batch)
+    except (TypeError, ValueError):  # builtins and C callables without a signature
+        return False
+    names = list(signature.parameters)
+    parameter = signature.parameters.get("seq_len")
+    return (parameter is not None and names.index("seq_len") == 1
+            and parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD))
+
+
+def check_seq_len(batch, seq_len: int, *, call: str, source: str) -> None:
+    """A batch made at ``seq_len`` holds it as the second dimension of one of its tensors at
+    least (token ids, labels, position_ids); one that ignored it would make any length "fit"."""
+    shapes = [tuple(t.shape) for t in _leaves(batch) if isinstance(t, torch.Tensor)]
+    if not any(len(shape) >= 2 and shape[1] == seq_len for shape in shapes):
+        raise WorkloadError(
+            f"{source}: {call} returned tensors of shapes {shapes[:6]}, none with {seq_len} "
+            f"positions as its second dimension; make_batch(batch_size, seq_len) must return "
+            f"seq_len positions per sample (batch first, then the sequence)")
+
+
+def check_within_seq_len(batch, seq_len: int, *, source: str) -> None:
+    """A training batch of a plan made at ``seq_len`` (from ``build_dataset()``, whose lengths the
+    plan did not choose) holds no sequence longer than it: a longer one would pass the peak the
+    plan measured."""
+    longest = max((t.shape[1] for t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim() >= 2),
+                  default=0)
+    if longest > seq_len:
+        raise WorkloadError(
+            f"{source}: a training batch holds sequences of {longest} positions, but the plan was "
+            f"probed at seq_len {seq_len} (make_batch(batch_size, {seq_len})); truncate or pack "
+            f"build_dataset()'s sequences to at most {seq_len} (in the dataset or collate_fn), or "
+            f"plan at a --seq-len that covers them")
 
 
 def _check_count(count, source: str) -> None:

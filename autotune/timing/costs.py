@@ -1,0 +1,119 @@
+"""What one training step costs, counted op by op on fake tensors: pure data, no device.
+
+``StepCosts`` is what ``count.count_step_costs`` records and what ``roofline.compute_time`` (and
+the communication model) turn into seconds. Bytes are bytes moved: every input an op reads and
+every output it writes; a collective's bytes are its full (gathered / unscattered) buffer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+OP_CLASSES = ("matmul", "attention", "elementwise", "optimizer", "other")
+"""matmul: mm/addmm/bmm/convolution and their backward; attention: scaled_dot_product_* kernels;
+elementwise: every other op that moves data (pointwise, reductions, norms, softmax, indexing);
+optimizer: every op of the optimizer phase (unscale, clip, step, zero_grad); other: ops that move
+no data (views, aliases, empty tensors), which cost only their dispatch."""
+
+PHASES = ("forward", "backward", "recompute", "optimizer")
+"""recompute: the forward of checkpointed blocks run again during backward."""
+
+KERNELS = ("mm", "convolution", "convolution_backward", "attention", "attention_backward",
+           "pooling", "pooling_backward", "batch_norm", "batch_norm_backward")
+"""Kernel families a device's speed can tell apart: of the FLOP-counted ops (a CPU runs a
+convolution's backward or a small attention far below its matmul rate), and of the
+memory-bound ones (a CPU's pooling and batch norm kernels move far fewer bytes per second than
+an add)."""
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv",
+                    "all_to_all")
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """``count`` calls of ops alike in class, phase, FLOPs and bytes; ``flops`` and ``bytes`` are
+    the totals of all ``count`` calls (``flops / count`` is one call's)."""
+
+    op_class: str
+    phase: str
+    flops: float
+    bytes: float
+    count: int
+    kernel: str = ""
+    """The kernel family where a device's speed can tell them apart (``KERNELS``); "" else."""
+
+    def __post_init__(self):
+        _check_choice("op_class", self.op_class, OP_CLASSES)
+        _check_choice("phase", self.phase, PHASES)
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective this rank issues: ``bytes`` of the full buffer, over ``group_size`` ranks."""
+
+    kind: str
+    bytes: int
+    group_size: int
+    phase: str
+
+    def __post_init__(self):
+        _check_choice("collective kind", self.kind, COLLECTIVE_KINDS)
+        _check_choice("phase", self.phase, PHASES)
+
+
+@dataclass
+class StepCosts:
+    """Every op and collective of one steady-state training step at ``micro_batch`` samples
+    (``tokens``: the tokens in that micro-batch where the batch has a sequence dimension)."""
+
+    ops: tuple[OpCost, ...]
+    collectives: tuple[CollectiveCall, ...]
+    micro_batch: int
+    tokens: int | None = None
+
+    @property
+    def total_flops(self) -> float:
+        return sum(op.flops for op in self.ops)
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(op.bytes for op in self.ops)
+
+    @property
+    def op_count(self) -> int:
+        return sum(op.count for op in self.ops)
+
+    def flops_by(self, key: str) -> dict[str, float]:
+        """FLOPs summed by ``"op_class"`` or ``"phase"``."""
+        return self._sum_by(key, "flops")
+
+    def bytes_by(self, key: str) -> dict[str, float]:
+        """Bytes moved summed by ``"op_class"`` or ``"phase"``."""
+        return self._sum_by(key, "bytes")
+
+    def count_by(self, key: str) -> dict[str, int]:
+        """Op calls summed by ``"op_class"`` or ``"phase"``."""
+        return self._sum_by(key, "count")
+
+    def collective_bytes_by_kind(self) -> dict[str, int]:
+        totals: dict[str, int] = defaultdict(int)
+        for call in self.collectives:
+            totals[call.kind] += call.bytes
+        return dict(totals)
+
+    def _sum_by(self, key: str, field: str) -> dict:
+        if key not in ("op_class", "phase"):
+            raise ValueError(f"StepCosts sums by 'op_class' or 'phase', not {key!r}")
+        totals: dict = defaultdict(int)
+        for op in self.ops:
+            totals[getattr(op, key)] += getattr(op, field)
+        return dict(totals)
+
+
+def _check_choice(what: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what} {value!r} is not one of {allowed}")
+
+
+__all__ = ["COLLECTIVE_KINDS", "CollectiveCall", "KERNELS", "OP_CLASSES", "OpCost", "PHASES", "StepCosts"]

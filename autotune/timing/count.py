@@ -1,0 +1,271 @@
+"""FLOPs, bytes moved and collectives of one training step, counted on fake tensors.
+
+The step is the estimate's (``probing.estimate.estimate_session``: the probe's steady-state step
+on a fake model, sharded over a fake process group where asked), run once more with a
+``TorchDispatchMode`` on top of the fake mode that records every op it sees: the ops eager
+execution of the same step dispatches. FLOPs come from torch's own formulas
+(``torch.utils.flop_counter``); bytes are what each op reads and writes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..memory.fake import checked_micro_batch
+from ..probing.estimate import EstimateSession, _on_local_shards, estimate_session
+from ..probing.trial import TrialSession
+from .costs import CollectiveCall, OpCost, StepCosts
+
+
+def count_step_costs(workload, micro_batch: int, *, precision="fp32", checkpointing=False,
+                     sharding="ddp", world_size: int = 1, shard_group: int | None = None) -> StepCosts:
+    """What one steady-state training step at ``micro_batch`` costs, op by op (see ``StepCosts``).
+
+    Arguments as ``estimate_peak``'s; raises ``EstimateUnavailable`` when the model cannot run on
+    fake tensors. Under checkpointing the recomputed forward is counted (phase "recompute");
+    sharded, every collective of this rank's step is recorded with its buffer's bytes.
+    """
+    return count_steps_costs(workload, [micro_batch], precision=precision,
+                             checkpointing=checkpointing, sharding=sharding,
+                             world_size=world_size, shard_group=shard_group)[micro_batch]
+
+
+def count_steps_costs(workload, micro_batches, *, precision="fp32", checkpointing=False,
+                      sharding="ddp", world_size: int = 1,
+                      shard_group: int | None = None) -> dict[int, StepCosts]:
+    """``count_step_costs`` for several micro-batches, building the fake model once."""
+    sizes = [checked_micro_batch(n) for n in micro_batches]
+    costs = {}
+    with estimate_session(workload, precision=precision, checkpointing=checkpointing,
+                          sharding=sharding, world_size=world_size, shard_group=shard_group,
+                          session_type=_CountingSession) as session:
+        for n in sizes:
+            costs[n] = session.count(n)
+    return costs
+
+
+class _CountingSession(EstimateSession):
+    """The estimate's session with every op of the measured step recorded. Its optimizer phase
+    runs whole each time (the estimate's shortcuts count bytes, not ops): the user's optimizer
+    over every parameter, on each rank's local shards when sharded."""
+
+    _recorder: "_OpRecorder | None" = None
+
+    def count(self, n: int) -> StepCosts:
+        self._recorder = _OpRecorder()
+        try:
+            self.run(n)
+            recorder = self._recorder
+        finally:
+            self._recorder = None
+        return recorder.costs(n)
+
+    def _window(self, sizes):
+        if self._recorder is None:  # the sharded warm-up step: no steady state
+            return super()._window(sizes)
+        with self._recorder:
+            return super()._window(sizes)
+
+    def _gradient_sync(self, enabled: bool) -> None:
+        super()._gradient_sync(enabled)
+        if self._recorder is not None:  # called as each micro-step starts: its forward
+            self._recorder.backward_started = False
+
+    def _optimizer_phase(self) -> int:
+        if self._recorder is None:
+            return super()._optimizer_phase()
+        self._recorder.optimizer = True
+        try:
+            return TrialSession._optimizer_phase(self)
+        finally:
+            self._recorder.optimizer = False
+
+    def _optimizer_step(self):
+        if self._recorder is None:
+            return super()._optimizer_step()
+        if self.sharded:
+            with _on_local_shards(self.optimizer):
+                TrialSession._optimizer_step(self)
+            return
+        TrialSession._optimizer_step(self)
+
+
+# c10d ops (and their functional forms) -> the collective they issue, and which argument holds
+# the full buffer (the gathered output, the unscattered input).
+_COLLECTIVES = {
+    "c10d::_allgather_base_": ("all_gather", 0),
+    "c10d::allgather_into_tensor_coalesced": ("all_gather", 0),
+    "c10d::allgather_": ("all_gather", 0),
+    "_c10d_functional::all_gather_into_tensor": ("all_gather", "out"),
+    "_c10d_functional::all_gather_into_tensor_coalesced": ("all_gather", "out"),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_tensor_coalesced": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_": ("reduce_scatter", 1),
+    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", 0),
+    "_c10d_functional::reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+    "c10d::allreduce_": ("all_reduce", 0),
+    "c10d::allreduce_coalesced_": ("all_reduce", 0),
+    "_c10d_functional::all_reduce": ("all_reduce", 0),
+    "_c10d_functional::all_reduce_coalesced": ("all_reduce", 0),
+    "c10d::broadcast_": ("broadcast", 0),
+    "_c10d_functional::broadcast": ("broadcast", 0),
+    "c10d::send": ("send", 0),
+    "c10d::recv_": ("recv", 0),
+    "c10d::alltoall_base_": ("all_to_all", 1),
+    "c10d::alltoall_": ("all_to_all", 1),
+    "_c10d_functional::all_to_all_single": ("all_to_all", 0),
+}
+
+_ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "flex_attention")
+
+# Allocate without writing: no bytes moved.
+_UNWRITTEN = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+              "aten::new_empty_strided", "aten::lift_fresh", "aten::_to_copy.fake"}
+
+# The CPU's flash-attention kernels, which torch's flop counter does not list; their FLOPs are
+# those of the other scaled_dot_product kernels (same arguments: query, key, value, ...).
+_CPU_SDPA = "aten::_scaled_dot_product_flash_attention_for_cpu"
+_CPU_SDPA_BACKWARD = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records (class, phase, FLOPs, bytes) of every op, and every collective, it sees.
+
+    The phase: "optimizer" while the session's optimizer phase runs; otherwise ops run by the
+    autograd engine (inside a backward node) are "backward", except those it runs with grad mode
+    on, which is how ``torch.utils.checkpoint`` recomputes a checkpointed forward ("recompute");
+    once the first backward node ran, ops outside nodes are still "backward" (the engine's final
+    callbacks: FSDP2's last reduce-scatters) until the next micro-step starts
+    (``backward_started`` reset); the rest are "forward".
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.optimizer = False
+        self.backward_started = False
+        self.ops: Counter = Counter()
+        self.collectives: list[CollectiveCall] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim":  # metadata queries (device, layout) of Python dispatch
+            return out
+        phase = self._phase()
+        name = func._schema.name
+        collective = _COLLECTIVES.get(name)
+        if collective is not None:
+            self.collectives.append(_collective_call(collective, args, kwargs, out, phase))
+            return out
+        if func.namespace == "_c10d_functional":  # waits: no work of their own
+            return out
+        flops = _flops(func, args, kwargs, out)
+        moved = _bytes_moved(func, args, kwargs, out)
+        op_class = _op_class(func, name, flops, moved, phase)
+        self.ops[(op_class, phase, flops, moved, _kernel(name, flops))] += 1
+        return out
+
+    def _phase(self) -> str:
+        if self.optimizer:
+            return "optimizer"
+        if torch._C._current_autograd_node() is None:
+            return "backward" if self.backward_started else "forward"
+        self.backward_started = True
+        return "recompute" if torch.is_grad_enabled() else "backward"
+
+    def costs(self, micro_batch: int) -> StepCosts:
+        ops = tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k, kernel=kernel)
+                    for (c, p, f, b, kernel), k in self.ops.items())
+        return StepCosts(ops=ops, collectives=tuple(self.collectives), micro_batch=micro_batch)
+
+
+def _op_class(func, name: str, flops: float, moved: float, phase: str) -> str:
+    if phase == "optimizer":
+        return "optimizer"
+    if any(word in name for word in _ATTENTION_WORDS):
+        return "attention"
+    if flops:
+        return "matmul"  # the flop counter's other ops: mm, addmm, bmm, baddbmm, convolutions
+    return "elementwise" if moved else "other"
+
+
+def _kernel(name: str, flops: float) -> str:
+    """The op's family in ``costs.KERNELS``, or "" (an elementwise op like any other)."""
+    suffix = "_backward" if "backward" in name else ""
+    if any(word in name for word in _ATTENTION_WORDS):
+        return "attention" + suffix
+    if flops:
+        return "convolution" + suffix if "conv" in name else "mm"
+    if "pool" in name:
+        return "pooling" + suffix
+    if "batch_norm" in name:
+        return "batch_norm" + suffix
+    return ""
+
+
+def _flops(func, args, kwargs, out) -> float:
+    formula = flop_counter.flop_registry.get(func._overloadpacket)
+    if formula is not None:
+        return float(formula(*args, **kwargs, out_val=out))
+    name = func._schema.name
+    if name == _CPU_SDPA:
+        query, key, value = args[:3]
+        return float(flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape))
+    if name == _CPU_SDPA_BACKWARD:
+        grad_out, query, key, value = args[:4]
+        return float(flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape,
+                                                           value.shape))
+    return 0.0
+
+
+def _bytes_moved(func, args, kwargs, out) -> float:
+    """Bytes an op reads (its tensor inputs) and writes (its outputs); none for views, which
+    alias their input, and for allocations that write nothing."""
+    returns = func._schema.returns
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        return 0.0
+    if func._schema.name in _UNWRITTEN:
+        return 0.0
+    read = sum(_tensor_bytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    written = sum(_tensor_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    return float(read + written)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    # A view reads its own elements, not its base's whole storage; an expanded tensor (stride 0)
+    # reads no more than its storage holds.
+    own = t.numel() * t.element_size()
+    try:
+        return min(own, t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+        return own
+
+
+def _collective_call(collective, args, kwargs, out, phase: str) -> CollectiveCall:
+    kind, where = collective
+    buffer = out if where == "out" else args[where]
+    size = sum(_tensor_bytes(t) for t in tree_leaves(buffer) if isinstance(t, torch.Tensor))
+    return CollectiveCall(kind=kind, bytes=int(size), group_size=_group_size(args, kwargs),
+                          phase=phase)
+
+
+def _group_size(args, kwargs) -> int:
+    import torch.distributed as dist
+
+    for value in tree_leaves((args, kwargs)):
+        if isinstance(value, dist.ProcessGroup):
+            return value.size()
+        if isinstance(value, str) and value:  # functional collectives name their group
+            try:
+                return dist.distributed_c10d._resolve_process_group(value).size()
+            except (RuntimeError, ValueError, KeyError):
+                continue
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+__all__ = ["count_step_costs", "count_steps_costs"]

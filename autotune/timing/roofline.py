@@ -1,0 +1,160 @@
+"""Seconds of compute from a step's counted costs: a roofline per op, plus its dispatch.
+
+Each op takes the longer of its FLOPs at the device's achievable matmul (or attention) rate and
+its bytes at the device's achievable memory bandwidth, plus the fixed cost of issuing one op
+(``op_overhead_s``: a kernel launch on a GPU, a dispatch on the CPU). Achievable means a fraction
+of the peak: for a GPU profile the constants below, each from a public benchmark; for this CPU
+the fractions its own microbenchmark measured (``cpu_profile``), by op size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from ..precision import Precision
+from .costs import StepCosts
+
+BREAKDOWN = ("matmul", "attention", "elementwise", "optimizer", "other", "recompute")
+"""``compute_time``'s parts: the op classes outside recompute, and recompute on its own."""
+
+GPU_FRACTIONS = {
+    # Large bf16/fp16 GEMMs reach about 80% of the dense datasheet peak on an H100 SXM and 86%
+    # on an A100 SXM: "Maximum Achievable Matmul FLOPS" table, Stas Bekman, Machine Learning
+    # Engineering, compute/accelerator/README.md (github.com/stas00/ml-engineering), measured
+    # with its mamf-finder.py.
+    "matmul": 0.80,
+    # FlashAttention-2 (Dao, 2023, arXiv:2307.08691, abstract and section 4.1): "50-73% of the
+    # theoretical maximum FLOPs/s on A100"; the backward pass sits at the low end.
+    "attention": 0.50,
+    # Achievable memory bandwidth: BabelStream (Deakin et al., "Evaluating attainable memory
+    # bandwidth of parallel programming models via BabelStream", 2018; github.com/UoB-HPC/
+    # BabelStream results) reaches 85-90% of datasheet HBM bandwidth on NVIDIA data-centre GPUs.
+    "memory": 0.85,
+}
+
+GPU_OP_OVERHEAD_S = 5e-6
+"""A CUDA kernel launch from eager PyTorch costs a few microseconds of CPU time each ("Accelerating
+PyTorch with CUDA Graphs", pytorch.org/blog/accelerating-pytorch-with-cuda-graphs/, 2021), the
+floor of any op whose kernel is shorter."""
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """How fast a device computes: peaks, achievable fractions and the per-op cost.
+
+    ``fractions``: the achievable fraction of ``peak_flops`` per op class ("matmul",
+    "attention") and of ``memory_bandwidth`` ("memory"). ``matmul_curve`` / ``memory_curve``
+    (optional, measured): (FLOPs, or bytes, of one op -> fraction) points, interpolated on a log
+    scale, for devices where small ops reach less of the peak than large ones (this CPU).
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    """FLOP/s per precision ("fp32", "bf16", "fp16"); a precision's matmuls run at its rate."""
+    memory_bandwidth: float
+    """Bytes/s."""
+    fractions: dict[str, float]
+    op_overhead_s: float = 0.0
+    recompute_op_overhead_s: float = 0.0
+    """Fixed cost of one recomputed op under activation checkpointing, where it differs from
+    ``op_overhead_s`` (0: the same): on the CPU, checkpoint's Python pack/unpack hooks and
+    re-entry run on the same thread as the ops."""
+    matmul_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """Per precision, (FLOPs of one matmul, fraction of that precision's peak), ascending."""
+    memory_curve: tuple[tuple[float, float], ...] = ()
+    """(bytes one op moves, fraction of ``memory_bandwidth``), ascending."""
+    kernel_curves: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """Per kernel family (``costs.KERNELS``; measured: this CPU), (FLOPs of one op, fraction of
+    the precision's peak), ascending; a family without one takes ``matmul_curve``."""
+    kernel_byte_curves: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """Per memory-bound kernel family (measured: this CPU), (bytes one op moves, fraction of
+    ``memory_bandwidth``), ascending; a family without one takes ``memory_curve``."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each number comes from."""
+
+    def __post_init__(self):
+        numbers = [*self.peak_flops.values(), self.memory_bandwidth, *self.fractions.values(),
+                   self.op_overhead_s, self.recompute_op_overhead_s]
+        numbers += [v for curve in self.matmul_curve.values() for point in curve for v in point]
+        numbers += [v for point in self.memory_curve for v in point]
+        numbers += [v for curves in (self.kernel_curves, self.kernel_byte_curves)
+                    for curve in curves.values() for point in curve for v in point]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in numbers):
+            raise ValueError(f"device speed {self.name!r}: every number must be finite and >= 0")
+        if self.memory_bandwidth <= 0 or any(v <= 0 for v in self.fractions.values()):
+            raise ValueError(f"device speed {self.name!r}: bandwidth and fractions must be > 0")
+
+    def flop_rate(self, precision: Precision, op_class: str, flops_per_op: float,
+                  kernel: str = "") -> float:
+        """FLOP/s one op of ``flops_per_op`` (of the kernel family ``kernel``) reaches."""
+        peak = self.peak_flops.get(precision.value) or self.peak_flops["fp32"]
+        curve = (self.kernel_curves.get(kernel) or self.matmul_curve.get(precision.value)
+                 or self.matmul_curve.get("fp32"))
+        if curve and op_class in ("matmul", "attention"):
+            return peak * _interpolate(curve, flops_per_op)
+        return peak * self.fractions.get(op_class, self.fractions["matmul"])
+
+    def byte_rate(self, bytes_per_op: float, kernel: str = "") -> float:
+        """Bytes/s one op moving ``bytes_per_op`` (of the family ``kernel``) reaches."""
+        curve = self.kernel_byte_curves.get(kernel)
+        if curve:
+            return self.memory_bandwidth * _interpolate(curve, bytes_per_op)
+        if self.memory_curve:
+            return self.memory_bandwidth * _interpolate(self.memory_curve, bytes_per_op)
+        return self.memory_bandwidth * self.fractions["memory"]
+
+
+def compute_time(costs: StepCosts, speed: DeviceSpeed, precision="fp32") -> dict[str, float]:
+    """Seconds of the step's compute, split as ``BREAKDOWN`` (plus "total"): per op, the longer
+    of its FLOPs at the achievable rate and its bytes at the achievable bandwidth, plus the
+    device's per-op overhead. Collectives are not included (the communication model's part)."""
+    precision = Precision.parse(precision)
+    parts = dict.fromkeys(BREAKDOWN, 0.0)
+    for op in costs.ops:
+        flops, moved = op.flops / op.count, op.bytes / op.count
+        seconds = speed.op_overhead_s
+        if op.phase == "recompute" and speed.recompute_op_overhead_s:
+            seconds = speed.recompute_op_overhead_s
+        if flops:
+            seconds += max(flops / speed.flop_rate(precision, op.op_class, flops, op.kernel),
+                           moved / speed.byte_rate(moved))
+        elif moved:
+            seconds += moved / speed.byte_rate(moved, op.kernel)
+        parts["recompute" if op.phase == "recompute" else op.op_class] += seconds * op.count
+    parts["total"] = sum(parts[k] for k in BREAKDOWN)
+    return parts
+
+
+def speed_for_profile(profile) -> DeviceSpeed:
+    """A GPU profile's speed: its datasheet peaks and bandwidth, the cited ``GPU_FRACTIONS``."""
+    from ..gpus.catalog import load_profile
+
+    profile = load_profile(profile)
+    tera = 1e12
+    peaks = {"fp32": profile.peak_tflops_fp32 * tera}
+    for name in ("bf16", "fp16"):
+        if profile.supports(name):
+            peaks[name] = profile.peak_tflops(name) * tera
+    return DeviceSpeed(
+        name=profile.name, peak_flops=peaks, memory_bandwidth=profile.memory_bandwidth_gb_per_s * 1e9,
+        fractions=dict(GPU_FRACTIONS), op_overhead_s=GPU_OP_OVERHEAD_S,
+        sources={"peaks": profile.source or profile.path, "fractions": "roofline.GPU_FRACTIONS"})
+
+
+def _interpolate(curve, x: float) -> float:
+    """The curve's fraction at ``x``, linear in log(x) between points, flat beyond the ends."""
+    xs = [point[0] for point in curve]
+    if x <= xs[0]:
+        return curve[0][1]
+    if x >= xs[-1]:
+        return curve[-1][1]
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return y0 + t * (y1 - y0)
+
+
+__all__ = ["BREAKDOWN", "DeviceSpeed", "GPU_FRACTIONS", "GPU_OP_OVERHEAD_S", "compute_time",
+           "speed_for_profile"]

@@ -1,0 +1,216 @@
+"""The step-time model (autotune.timing): exact FLOPs of the fake step, recompute under
+checkpointing, FSDP2's collectives, the roofline, the CPU speed cache and ``estimate --time``."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from autotune import Workload
+from autotune.cli.main import cli
+from autotune.timing import cpu_profile
+from autotune.timing.costs import OpCost, StepCosts
+from autotune.timing.count import count_step_costs
+from autotune.timing.roofline import DeviceSpeed, compute_time, speed_for_profile
+
+N, D_IN, D_HID, D_OUT = 4, 16, 32, 8
+
+
+def _sum_loss(model, batch):
+    return model(batch).sum()
+
+
+def _workload(build) -> Workload:
+    return Workload(model=build, make_batch=lambda n: torch.randn(n, D_IN), loss_fn=_sum_loss,
+                    build_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+                    source=build.__name__)
+
+
+def _two_linears():
+    return nn.Sequential(nn.Linear(D_IN, D_HID, bias=False), nn.Linear(D_HID, D_OUT, bias=False))
+
+
+def _blocks():
+    # ReLU saves its output, so recomputing a block re-runs every op of it.
+    def block(i, o):
+        return nn.Sequential(nn.Linear(i, o, bias=False), nn.ReLU())
+
+    return nn.Sequential(block(D_IN, D_HID), block(D_HID, D_HID), block(D_HID, D_OUT))
+
+
+def test_matmul_flops_are_exact_forward_and_backward():
+    costs = count_step_costs(_workload(_two_linears), N)
+    first, second = 2 * N * D_IN * D_HID, 2 * N * D_HID * D_OUT
+    by_phase = costs.flops_by("phase")
+    assert by_phase["forward"] == first + second
+    # Backward: the gradients of both weights and of the second layer's input (the batch needs
+    # none): twice the forward, less the first layer's input gradient.
+    assert by_phase["backward"] == 2 * (first + second) - first
+    assert costs.flops_by("op_class")["matmul"] == costs.total_flops
+    assert {op.kernel for op in costs.ops if op.flops} == {"mm"}
+    assert costs.flops_by("op_class").get("optimizer", 0) == 0
+    assert costs.count_by("phase")["optimizer"] > 0  # AdamW's update ops, with their bytes
+    assert costs.bytes_by("phase")["optimizer"] > 4 * (D_IN * D_HID + D_HID * D_OUT) * 4
+
+
+def test_recompute_under_checkpointing_is_the_checkpointed_forward():
+    off = count_step_costs(_workload(_blocks), N, checkpointing=False)
+    on = count_step_costs(_workload(_blocks), N, checkpointing=True)
+    forward = 2 * N * (D_IN * D_HID + D_HID * D_HID + D_HID * D_OUT)
+    assert off.flops_by("phase").get("recompute", 0) == 0
+    assert on.flops_by("phase")["recompute"] == forward
+    assert on.total_flops == off.total_flops + forward
+    for phase in ("forward", "backward"):
+        assert on.flops_by("phase")[phase] == off.flops_by("phase")[phase]
+
+
+def _fsdp_blocks():
+    return nn.Sequential(*(nn.Sequential(nn.Linear(D_HID, D_HID), nn.ReLU()) for _ in range(3)))
+
+
+def test_fsdp_collectives_gather_and_scatter_each_block():
+    workload = Workload(model=_fsdp_blocks, make_batch=lambda n: torch.randn(n, D_HID),
+                        loss_fn=_sum_loss, source="fsdp-blocks")
+    costs = count_step_costs(workload, N, sharding="fsdp", world_size=4)
+    block_bytes = (D_HID * D_HID + D_HID) * 4  # fp32 weight and bias, gathered whole
+    gathers = [c for c in costs.collectives if c.kind == "all_gather"]
+    scatters = [c for c in costs.collectives if c.kind == "reduce_scatter"]
+    assert {c.group_size for c in costs.collectives} == {4}
+    assert [c.bytes for c in gathers if c.phase == "forward"] == [block_bytes] * 3
+    # Resharded after forward: the backward gathers the blocks again (FSDP2 keeps the last one).
+    assert all(c.bytes == block_bytes for c in gathers)
+    assert len([c for c in gathers if c.phase == "backward"]) >= 2
+    assert [c.bytes for c in scatters] == [block_bytes] * 3
+    assert all(c.phase == "backward" for c in scatters)
+    # Each rank computes the whole micro-batch's matmuls on the gathered parameters.
+    assert costs.flops_by("phase")["forward"] == 3 * 2 * N * D_HID * D_HID
+
+
+def _speed(**changes) -> DeviceSpeed:
+    values = dict(name="test", peak_flops={"fp32": 1e9}, memory_bandwidth=1e8,
+                  fractions={"matmul": 0.5, "attention": 0.25, "memory": 0.5}, op_overhead_s=1e-6)
+    return DeviceSpeed(**{**values, **changes})
+
+
+def test_roofline_takes_the_slower_of_flops_and_bytes_plus_overhead():
+    costs = StepCosts(ops=(OpCost("matmul", "forward", flops=2e6, bytes=1e3, count=2),
+                           OpCost("elementwise", "backward", flops=0, bytes=1e5, count=1),
+                           OpCost("matmul", "recompute", flops=1e3, bytes=1e5, count=1)),
+                      collectives=(), micro_batch=1)
+    parts = compute_time(costs, _speed())
+    assert parts["matmul"] == pytest.approx(2 * (1e6 / 5e8 + 1e-6))  # compute-bound
+    assert parts["elementwise"] == pytest.approx(1e5 / 5e7 + 1e-6)
+    assert parts["recompute"] == pytest.approx(1e5 / 5e7 + 1e-6)  # memory-bound
+    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+
+
+def test_roofline_uses_a_kernel_family_curve_where_the_device_has_one():
+    costs = StepCosts(ops=(OpCost("matmul", "backward", flops=1e6, bytes=0, count=1,
+                                  kernel="convolution_backward"),
+                           OpCost("matmul", "backward", flops=1e6, bytes=0, count=1, kernel="mm")),
+                      collectives=(), micro_batch=1)
+    curves = {"convolution_backward": ((1e3, 0.1), (1e9, 0.1))}
+    parts = compute_time(costs, _speed(op_overhead_s=0.0, matmul_curve={"fp32": ((1e3, 1.0),)},
+                                       kernel_curves=curves))
+    assert parts["matmul"] == pytest.approx(1e6 / 1e8 + 1e6 / 1e9)
+
+
+def _conv_net():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(8 * 4 * 4, 2))
+
+
+def test_convolution_pooling_and_batch_norm_are_told_apart():
+    workload = Workload(model=_conv_net, make_batch=lambda n: torch.randn(n, 3, 8, 8),
+                        loss_fn=_sum_loss, source="conv-net")
+    kernels = {(op.kernel, op.phase) for op in count_step_costs(workload, 2).ops if op.kernel}
+    assert kernels == {(k, phase) for base in ("convolution", "batch_norm", "pooling", "mm")
+                       for k, phase in ((base, "forward"), (f"{base}_backward", "backward"))
+                       if k != "mm_backward"} | {("mm", "backward")}
+    speed = _cached_speed()
+    assert speed.byte_rate(1e3, "pooling") == pytest.approx(0.1 * speed.memory_bandwidth)
+    assert speed.byte_rate(1e3) == pytest.approx(2.0 * speed.memory_bandwidth)
+
+
+def test_recomputed_ops_take_the_recompute_overhead():
+    costs = StepCosts(ops=(OpCost("other", "recompute", flops=0, bytes=0, count=10),),
+                      collectives=(), micro_batch=1)
+    assert compute_time(costs, _cached_speed())["recompute"] == pytest.approx(10 * 3e-5)
+    assert compute_time(costs, _speed())["recompute"] == pytest.approx(10 * 1e-6)
+
+
+def test_gpu_profile_speed_uses_its_datasheet_peaks():
+    speed = speed_for_profile("h100-80gb")
+    assert speed.peak_flops["bf16"] == pytest.approx(989.5e12)
+    assert speed.memory_bandwidth == pytest.approx(3350e9)
+    assert all(0 < f <= 1 for f in speed.fractions.values())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_device_speed_refuses_non_finite_or_negative_numbers(bad):
+    with pytest.raises(ValueError):
+        _speed(memory_bandwidth=bad)
+
+
+def _cached_speed() -> DeviceSpeed:
+    return _speed(matmul_curve={"fp32": ((1e3, 0.1), (1e9, 1.0))}, memory_curve=((1e3, 2.0), (1e8, 1.0)),
+                  kernel_curves={"convolution_backward": ((1e3, 0.05),)},
+                  kernel_byte_curves={"pooling": ((1e3, 0.1), (1e6, 0.2))}, recompute_op_overhead_s=3e-5)
+
+
+def test_cpu_speed_cache_round_trips_and_is_used(tmp_path, monkeypatch):
+    speed = _cached_speed()
+    cpu_profile.save_cached(tmp_path / cpu_profile.CACHE_FILE, cpu_profile.machine_key(), speed)
+    assert cpu_profile.load_cached(tmp_path / cpu_profile.CACHE_FILE, cpu_profile.machine_key()) == speed
+
+    def no_measuring():
+        raise AssertionError("measured although cached")
+
+    monkeypatch.setattr(cpu_profile, "measure_cpu_speed", no_measuring)
+    assert cpu_profile.cpu_speed(cache_dir=tmp_path) == speed
+
+
+@pytest.mark.parametrize("corrupt", ["not json", "[]", "NaN-entry", "other-key", "negative"])
+def test_cpu_speed_cache_refuses_corrupt_files(tmp_path, monkeypatch, corrupt):
+    path, key = tmp_path / cpu_profile.CACHE_FILE, cpu_profile.machine_key()
+    cpu_profile.save_cached(path, key, _cached_speed())
+    entry = json.loads(path.read_text())[key]
+    if corrupt == "NaN-entry":
+        entry["memory_bandwidth"] = math.nan
+        path.write_text(json.dumps({key: entry}))
+    elif corrupt == "negative":
+        entry["op_overhead_s"] = -1
+        path.write_text(json.dumps({key: entry}))
+    elif corrupt == "other-key":
+        path.write_text(json.dumps({"another machine": entry}))
+    else:
+        path.write_text(corrupt)
+    assert cpu_profile.load_cached(path, key) is None
+    fresh = dataclasses.replace(_cached_speed(), name="measured again")
+    monkeypatch.setattr(cpu_profile, "measure_cpu_speed", lambda: fresh)
+    assert cpu_profile.cpu_speed(cache_dir=tmp_path) == fresh
+    assert cpu_profile.load_cached(path, key) == fresh  # and the file is good again
+
+
+def test_cli_estimate_time_prints_the_breakdown(monkeypatch):
+    result = CliRunner().invoke(cli, ["estimate", "examples/mlp.py", "--micro-batch", "8",
+                                      "--micro-batch", "64", "--time", "--gpu", "h100-80gb"])
+    assert result.exit_code == 0, result.output
+    assert "H100" in result.output and "matmul ms" in result.output and "recompute ms" in result.output
+    monkeypatch.setattr(cpu_profile, "cpu_speed", lambda **_: _cached_speed())
+    result = CliRunner().invoke(cli, ["estimate", "examples/mlp.py", "--micro-batch", "8", "--time",
+                                      "--checkpointing", "on", "--json"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.output)["8"]
+    assert answer["device"] == "test" and answer["flops"] > 0
+    assert answer["seconds"] == pytest.approx(sum(answer["breakdown_seconds"].values()))
+
+
+def test_cli_estimate_gpu_needs_time():
+    result = CliRunner().invoke(cli, ["estimate", "examples/mlp.py", "--micro-batch", "8", "--gpu",
+                                      "h100-80gb"])
+    assert result.exit_code == 2 and "--gpu needs --time" in result.output
