@@ -45,7 +45,7 @@ from .version import check_torch as _check_torch
 _check_torch()  # an older torch: one clear ImportError naming the floor, before any import fails
 
 from .errors import (
-    AutotuneError, AutotuneWarning, ConfigError, EstimateUnavailable, OutputError, PlanError,
+    AutotuneError, AutotuneWarning, ConfigError, EstimateCrashed, EstimateUnavailable, OutputError, PlanError,
     PlanFileError, ProbeError, ReportError, UserCodeError, WorkloadError,
 )
 from .memory import DeviceInfo
@@ -72,7 +72,7 @@ from .workload.checkpoint_count import Checkpointing
 
 __all__ = [
     "AutotuneError", "AutotuneWarning", "Checkpointing", "ConfigError", "DeviceInfo",
-    "EstimateUnavailable", "LRDecision", "MemoryModel",
+    "EstimateCrashed", "EstimateUnavailable", "LRDecision", "MemoryModel",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
     "ProbeResult", "ReportError", "Sharding", "StepTimePrediction", "TrainError", "TrainResult",
     "Trial", "UserCodeError",

@@ -90,6 +90,11 @@ class EstimateUnavailable(AutotuneError):
     tensor values in Python): its memory can only be measured with real trials."""
 
 
+class EstimateCrashed(AutotuneError):
+    """The child process that ran the fake-tensor estimate of a compiled model died (a signal, or
+    an exit without an answer): the planning process itself is unharmed."""
+
+
 class AutotuneWarning(UserWarning):
     """Something the user should know that stops nothing (the CLI prints it on one line)."""
 

@@ -1,7 +1,8 @@
 """A Llama-shaped decoder (RMSNorm, grouped-query attention, SwiGLU) at the size that
-AUTOTUNE_LLAMA names: 1b, 8b (Llama-3-8B: 32 layers, dim 4096, FFN 14336, vocab 128256) or 70b.
-Sequences of 2048 tokens (AUTOTUNE_LLAMA_SEQ sets another length), AdamW. Rotary embeddings are
-left out: they add no parameters and little memory. Used by bench/fsdp_plan_rss.py and
+AUTOTUNE_LLAMA names: 1b, 8b (Llama-3-8B: 32 layers, dim 4096, FFN 14336, vocab 128256), 70b or
+405b (Llama-3.1-405B: 126 layers, dim 16384, FFN 53248, 128 heads, 8 KV heads). Sequences of
+AUTOTUNE_LLAMA_SEQ tokens (default 2048), AdamW. Rotary embeddings are left out: they add no parameters and
+little memory. Used by bench/fsdp_plan_rss.py and
 bench/reserved_memory.py; far too large to build for real on this machine.
 """
 
@@ -15,9 +16,10 @@ SHAPES = {  # layers, dim, ffn, heads, kv_heads
     "1b": (16, 2048, 8192, 32, 8),
     "8b": (32, 4096, 14336, 32, 8),
     "70b": (80, 8192, 28672, 64, 8),
+    "405b": (126, 16384, 53248, 128, 8),
 }
 LAYERS, DIM, FFN, HEADS, KV_HEADS = SHAPES[os.environ.get("AUTOTUNE_LLAMA", "8b")]
-VOCAB, SEQ_LEN = 128256, int(os.environ.get("AUTOTUNE_LLAMA_SEQ", "2048"))
+VOCAB, SEQ_LEN = 128256, int(os.environ.get("AUTOTUNE_LLAMA_SEQ", 2048))
 BASE_LR, BASE_BATCH = 3e-4, 256
 
 

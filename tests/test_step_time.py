@@ -4,6 +4,7 @@ checkpointing, FSDP2's collectives, the roofline, the CPU speed cache and ``esti
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -66,6 +67,94 @@ def test_recompute_under_checkpointing_is_the_checkpointed_forward():
     assert on.total_flops == off.total_flops + forward
     for phase in ("forward", "backward"):
         assert on.flops_by("phase")[phase] == off.flops_by("phase")[phase]
+
+
+def test_module_calls_and_checkpoint_blocks_are_counted_exactly():
+    off = count_step_costs(_workload(_blocks), N, checkpointing=False)
+    on = count_step_costs(_workload(_blocks), N, checkpointing=True)
+    # The outer Sequential, its three blocks and their Linear and ReLU each: 1 + 3 + 6 calls.
+    assert off.module_calls == {"forward": 10}
+    assert off.checkpoint_blocks == 0
+    # Checkpointed, each block is recomputed once by its own forward: its Linear and ReLU again.
+    assert on.module_calls == {"forward": 10, "recompute": 6}
+    assert on.checkpoint_blocks == 3
+
+
+def _language_model():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.norm = nn.Embedding(50, D_HID), nn.LayerNorm(D_HID)
+            self.head = nn.Linear(D_HID, 50)
+
+        def forward(self, tokens):
+            logits = self.head(self.norm(self.embed(tokens)))
+            return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+    return Tiny()
+
+
+def test_norm_softmax_embedding_and_loss_kernels_are_told_apart():
+    workload = Workload(model=_language_model, make_batch=lambda n: torch.randint(0, 50, (n, 6)),
+                        loss_fn=lambda model, batch: model(batch), source="tiny language model",
+                        build_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    kernels = {op.kernel for op in count_step_costs(workload, N).ops}
+    for family in ("layer_norm", "softmax", "embedding", "nll_loss"):
+        assert {family, f"{family}_backward"} <= kernels
+
+
+def test_roofline_adds_module_calls_checkpoint_blocks_and_optimizer_ops():
+    costs = StepCosts(ops=(OpCost("optimizer", "optimizer", flops=0, bytes=0, count=4),),
+                      collectives=(), micro_batch=1, module_calls={"forward": 5, "recompute": 3},
+                      checkpoint_blocks=2)
+    parts = compute_time(costs, _cached_speed())
+    assert parts["other"] == pytest.approx(5 * 2e-6)
+    assert parts["recompute"] == pytest.approx(3 * 2e-6 + 2 * 4e-4)
+    assert parts["optimizer"] == pytest.approx(4 * 5e-6)
+    assert compute_time(costs, _speed())["optimizer"] == pytest.approx(4 * 1e-6)  # none: per op
+
+
+def test_scaled_speed_follows_the_probe():
+    speed = _cached_speed()
+    scaled = cpu_profile.scaled_speed(speed, (100.0, 10.0, 1e-6), (50.0, 20.0, 3e-6))
+    assert scaled.peak_flops["fp32"] == pytest.approx(speed.peak_flops["fp32"] / 2)
+    assert scaled.memory_bandwidth == pytest.approx(speed.memory_bandwidth * 2)
+    for name in ("op_overhead_s", "recompute_op_overhead_s", "optimizer_op_overhead_s",
+                 "module_call_s", "checkpoint_block_s"):
+        assert getattr(scaled, name) == pytest.approx(3 * getattr(speed, name))
+    assert scaled.matmul_curve == speed.matmul_curve  # fractions of the peak: unchanged
+
+
+def test_memory_kernel_microbenchmarks_count_bytes_as_the_step_does():
+    x = torch.randn(64, 32, requires_grad=True)
+    weight, bias = torch.ones(32, requires_grad=True), torch.zeros(32, requires_grad=True)
+    forward, backward = cpu_profile._family_bytes(
+        "layer_norm", lambda: nn.functional.layer_norm(x, (32,), weight, bias))
+    # Reads x, weight, bias; writes the output, the mean and the inverse deviation per row.
+    assert forward == 4 * (2 * 64 * 32 + 2 * 32 + 2 * 64)
+    assert backward > 4 * 2 * 64 * 32  # reads the output's gradient and x, writes x's gradient
+
+
+def test_one_thread_microbenchmarks_read_the_thread_cpu_clock():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert cpu_profile.clock() is time.thread_time
+        torch.set_num_threads(2)
+        assert cpu_profile.clock() is time.perf_counter
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_measured_windows_read_the_given_clock():
+    from autotune.memory.cpu import CPUMemoryBackend
+    from autotune.tuning.measure import Configuration, measure_configuration
+
+    ticks = iter(range(10**6))
+    config = Configuration(precision="fp32", checkpointing="off", micro_batches=(N,))
+    result = measure_configuration(_workload(_two_linears), CPUMemoryBackend(), config, windows=3,
+                                   min_seconds=0, clock=lambda: float(next(ticks)))
+    assert result.window_seconds == (1.0, 1.0, 1.0)  # one tick at each window's start and end
 
 
 def _fsdp_blocks():
@@ -159,7 +248,9 @@ def test_device_speed_refuses_non_finite_or_negative_numbers(bad):
 def _cached_speed() -> DeviceSpeed:
     return _speed(matmul_curve={"fp32": ((1e3, 0.1), (1e9, 1.0))}, memory_curve=((1e3, 2.0), (1e8, 1.0)),
                   kernel_curves={"convolution_backward": ((1e3, 0.05),)},
-                  kernel_byte_curves={"pooling": ((1e3, 0.1), (1e6, 0.2))}, recompute_op_overhead_s=3e-5)
+                  kernel_byte_curves={"pooling": ((1e3, 0.1), (1e6, 0.2)), "layer_norm": ((1e3, 0.3),)},
+                  recompute_op_overhead_s=3e-5, module_call_s=2e-6, checkpoint_block_s=4e-4,
+                  optimizer_op_overhead_s=5e-6)
 
 
 def test_cpu_speed_cache_round_trips_and_is_used(tmp_path, monkeypatch):

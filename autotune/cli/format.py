@@ -178,6 +178,9 @@ def format_plan(plan) -> str:
     if "sharding" in plan.reasons:
         group = f", shard group {plan.shard_group}" if plan.shard_group else ""
         lines.append(f"sharding:     {plan.sharding}{group} ({plan.reasons['sharding']})")
+    if plan.compile:
+        lines.append(f"compile:      {plan.compile_backend or 'build_model'} "
+                     f"({plan.reasons.get('compile', '')})")
     if "gradient_sync" in plan.reasons:  # sharded with accumulation: when gradients are reduced
         lines.append(f"grad sync:    {plan.reasons['gradient_sync']}")
     if plan.predicted_peak_bytes is not None:

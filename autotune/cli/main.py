@@ -142,6 +142,21 @@ def _scaler_options(command):
     return wrapper
 
 
+def _compile_options(command):
+    """--compile / --compile-backend NAME, gathered into ``compile`` (None, or a backend name)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, compile_step, compile_backend, **kwargs):
+        return command(*args, compile=compile_backend or (True if compile_step else None), **kwargs)
+
+    wrapper = click.option("--compile-backend", default=None, metavar="NAME",
+                           help="torch.compile backend for --compile (implies it): inductor "
+                                "(the default), aot_eager, eager, ...")(wrapper)
+    return click.option("--compile", "compile_step", is_flag=True,
+                        help="Run the training step torch.compile'd (batch sizes dynamic); the "
+                             "probe's real trials measure the compiled step.")(wrapper)
+
+
 def _stdout_to_stderr(active: bool):
     """While the model file is imported and run, its prints go to stderr: stdout carries --json."""
     return contextlib.redirect_stdout(sys.stderr) if active else contextlib.nullcontext()
@@ -199,11 +214,12 @@ def _model_file(function):
               help="With --max-seq-len: the longest length worth trying (default: the model's "
                    "max_position_embeddings or n_positions, else no limit).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_compile_options
 @_quiet_option
 @_errors_to_exit_codes
 @_trial_timeout_option
 def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_batch, max_seq_len,
-          micro_batch, seq_multiple, seq_len_limit, as_json):
+          micro_batch, seq_multiple, seq_len_limit, as_json, compile):
     """Find the exact largest micro-batch whose full training step fits (--max-seq-len: the
     longest sequence at a micro-batch)."""
     from ..probing.api import probe as run_probe
@@ -231,7 +247,7 @@ def probe(model_file, device, precision, checkpointing, memory_limit, max_micro_
     with _stdout_to_stderr(as_json):
         result = run_probe(model_file, device=device, precision=precision,
                            checkpointing=checkpointing, memory_limit=memory_limit,
-                           max_micro_batch=max_micro_batch)
+                           max_micro_batch=max_micro_batch, compile=compile)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_probe(result, model_file))
 
 
@@ -316,13 +332,14 @@ def devices(memory_limit, as_json):
               show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
 @_scaler_options
+@_compile_options
 @_quiet_option
 @_errors_to_exit_codes
 @_trial_timeout_option
 def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
                  gpu, even, sharding, shard_group, output, as_json, grad_scaler, eval_batch,
-                 max_eval_batch):
+                 max_eval_batch, compile):
     """Plan micro-batch × accumulation × world size = --target-batch (or × --seq-len =
     --target-tokens), and write the plan file."""
     from ..files.outputs import check_outputs
@@ -345,7 +362,7 @@ def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple,
                            shard_group=shard_group, target_tokens=target_tokens,
                            seq_len="auto" if seq_len is None and target_tokens is not None else seq_len,
                            seq_multiple=seq_multiple, eval_batch=eval_batch,
-                           max_eval_batch=max_eval_batch)
+                           max_eval_batch=max_eval_batch, compile=compile)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)
@@ -475,9 +492,11 @@ def export(plan_file, target, output, nproc_per_node):
 @click.option("-q", "--quiet", is_flag=True,
               help="No progress (bar or log lines) on stderr; warnings are still printed.")
 @_scaler_options
+@_compile_options
 @_errors_to_exit_codes
 def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoint_every, resume,
-                  overwrite, save_path, metrics_path, clip_grad_norm, seed, device, quiet, grad_scaler):
+                  overwrite, save_path, metrics_path, clip_grad_norm, seed, device, quiet, grad_scaler,
+                  compile):
     """Train MODEL_FILE as the plan says, with exact accumulation (under torchrun: DDP or FSDP2)."""
     from ..training import train
 
@@ -485,7 +504,7 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
     result = train(plan_file, model_file, steps=steps, epochs=epochs, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,
                    metrics_path=metrics_path, seed=seed, device=device, save_path=save_path,
-                   progress=not quiet, grad_scaler=grad_scaler, **clip)
+                   progress=not quiet, grad_scaler=grad_scaler, compile=compile, **clip)
     if result.rank != 0:
         return
     if result.metrics or result.interrupted:

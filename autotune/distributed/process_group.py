@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .environment import env_count
+from ..compiled import eager_module
 from ..errors import TrainError
 from ..memory import resolve_device
 from .sharding import wrap as sharding
@@ -107,6 +108,7 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
 def sync_context(model: torch.nn.Module, *, final: bool):
     """Gradients reduced on the last micro-step of a window only: DDP's ``no_sync()`` on the
     others, FSDP2's gradient sync switched off for them."""
+    model = eager_module(model)  # a compiled DDP module: the DDP module it wraps
     if sharding.is_sharded(model):
         sharding.set_gradient_sync(model, final)
         return contextlib.nullcontext()

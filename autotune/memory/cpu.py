@@ -182,10 +182,51 @@ def tracking_resizes(tracker: StorageTracker):
         torch.UntypedStorage.resize_ = original
 
 
+_COUNTING: list[StorageTracker] = []
+"""Trackers inside ``tracking_inductor_buffers`` (the innermost last)."""
+
+
+@contextlib.contextmanager
+def tracking_inductor_buffers(tracker: StorageTracker):
+    """Counts the buffers inductor's generated CPU code allocates: it calls
+    ``torch._C._dynamo.guards._empty_strided_cpu`` directly, which no dispatch mode sees (its
+    kernels then write into them). The generated module binds the function when it is loaded,
+    which is when the step compiles: a module compiled inside keeps the counting wrapper, which
+    counts on whichever tracker is inside this block when it runs (none: it only allocates)."""
+    guards = getattr(torch._C._dynamo, "guards", None)
+    original = getattr(guards, "_empty_strided_cpu", None)
+    if original is None:  # a torch without it: nothing of inductor's to count
+        yield
+        return
+
+    @functools.wraps(original)
+    def empty_strided_cpu(*args, **kwargs):
+        tensor = original(*args, **kwargs)
+        if _COUNTING:
+            _COUNTING[-1].add(tensor)
+        return tensor
+
+    guards._empty_strided_cpu = empty_strided_cpu
+    _COUNTING.append(tracker)
+    try:
+        yield
+    finally:
+        _COUNTING.pop()
+        guards._empty_strided_cpu = original
+
+
 class _TrackingMode(TorchDispatchMode):
     def __init__(self, tracker: StorageTracker):
         super().__init__()
         self.tracker = tracker
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile runs a frame eagerly while a dispatch mode that does not say this is
+        # active: a compiled step would be measured as the eager one. Saying it, the mode sees
+        # the compiled graph's ops at run time (not the tracing), which is the compiled step's
+        # memory (with inductor's own buffers: tracking_inductor_buffers).
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(hasattr(t, "__tensor_flatten__") for t in types):
@@ -241,7 +282,8 @@ class CPUMemoryBackend(MemoryBackend):
 
     @contextlib.contextmanager
     def tracking(self):
-        with tracking_resizes(self.tracker), _TrackingMode(self.tracker):
+        with tracking_resizes(self.tracker), tracking_inductor_buffers(self.tracker), \
+                _TrackingMode(self.tracker):
             yield
 
     def adopt(self, tensors) -> None:

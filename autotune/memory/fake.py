@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError, EstimateUnavailable
 from .base import DeviceInfo
+from ..compiled import eager_module
 from .cpu import CPUMemoryBackend, StorageTracker, tracking_resizes
 from .cuda_allocator import AllocatorConfig, CachingAllocatorModel, cublas_workspaces
 from .fake_build import build_fake_model
@@ -97,12 +98,18 @@ class EstimateMemoryBackend(CPUMemoryBackend):
                 self.allocator.malloc(("cublas workspace", index), nbytes)
         self._trial_reserved = self._trial_tensors = 0
 
+    def counting_mode(self) -> fake_tensor.FakeTensorMode:
+        """A fresh fake-tensor mode that counts into this backend's tracker."""
+        gloo = None if self.for_cuda else _GlooCollectiveBuffers(self.tracker)
+        return _CountingFakeTensorMode(self.tracker, gloo, uploads=self.offload)
+
     @contextlib.contextmanager
     def tracking(self):
-        gloo = None if self.for_cuda else _GlooCollectiveBuffers(self.tracker)
-        self._mode = _CountingFakeTensorMode(self.tracker, gloo, uploads=self.offload)
+        self._mode = self.counting_mode()
         try:
-            with tracking_resizes(self.tracker), self._mode:
+            # torch.compile'd code (a module or function the model compiled) runs eagerly here:
+            # tracing a compiled graph on fake tensors can crash the process.
+            with torch._dynamo.config.patch(disable=True), tracking_resizes(self.tracker), self._mode:
                 yield
         finally:
             self._mode = None
@@ -376,6 +383,8 @@ def on_fake_tensors(workload, *, foreach: bool = False):
 
     def fake_model() -> torch.nn.Module:
         model = build_fake_model(original)
+        # build_model()'s torch.compile: the eager module it wraps (see autotune/compiled.py).
+        model = eager_module(model)
         # Module.to() swaps fake parameters for new ones, and torch refuses the swap because the
         # fake mode keeps weak references to them. Fake CPU tensors are already where the step
         # runs, so the move is a no-op by definition.
@@ -385,7 +394,7 @@ def on_fake_tensors(workload, *, foreach: bool = False):
         model.to = lambda *args, **kwargs: model_ref()
         return model
 
-    return dataclasses.replace(workload, model=fake_model)
+    return dataclasses.replace(workload, model=fake_model, compile=None)
 
 
 def _foreach_optimizer(workload):

@@ -21,7 +21,8 @@ from ..version import __version__
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..distributed import collectives
-from ..errors import EstimateUnavailable, PlanError, ProbeError, option
+from ..compiled import eager_module, with_compile
+from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError, given, option
 from ..memory.fake import fake_tensor_limits
 from ..memory.fake_build import build_fake_model
 from ..memory import backend_for
@@ -79,6 +80,7 @@ def plan(
     seq_multiple: int = 1,
     eval_batch: bool = True,
     max_eval_batch: int | None = None,
+    compile=None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -125,8 +127,19 @@ def plan(
     ``eval_batch`` (default on) also plans the largest eval micro-batch (``plan.eval_micro_batch``:
     the forward alone under ``no_grad``, optimizer state alive, proved with real forwards),
     at most ``max_eval_batch``.
+
+    ``compile`` (True: inductor, or a torch.compile backend name) plans the compiled training
+    step: the probes' real trials run it (batch sizes dynamic), the plan records ``compile`` and
+    ``autotune train`` trains compiled; a ``build_model`` that returns a compiled module is
+    planned compiled without it. Compiled plans are DDP replicas (``sharding`` auto or ddp).
     """
-    workload = load_workload(workload)
+    workload = with_compile(load_workload(workload), compile)
+    if workload.compile is not None:
+        if sharding not in ("auto", "ddp"):
+            raise ConfigError(f"{given('sharding', sharding)} with {option('compile')}: compiled "
+                              f"steps are planned for DDP replicas only; use {given('sharding', 'ddp')} "
+                              f"or plan without {option('compile')}")
+        sharding = "ddp"
     tokens.check_token_options(target_batch=target_batch, target_tokens=target_tokens,
                                seq_len=seq_len, seq_multiple=seq_multiple)
     token_request = None
@@ -599,7 +612,7 @@ def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: Setting
         memory_model=memory_model, device=on.probe.device, precision=on.precision,
         checkpointing=Checkpointing.of(blocks, total), total_blocks=total, block_model=model,
         seconds=proof.seconds, oom_count=sum(not t.fits for t in proof.trials.values()),
-        share=request.share,
+        share=request.share, compiled=on.probe.compiled, compile_backend=on.probe.compile_backend,
         notes=[f"checkpointing {Checkpointing.of(blocks, total)} at micro-batch {micro_batch}: {said}; "
                f"real trials by blocks checkpointed: {tried}"])
     setting = SettingTried(precision=on.precision, checkpointing=result.checkpointing,
@@ -625,6 +638,7 @@ def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
 
 
 def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerprint:
+    model = eager_module(model)  # build_model()'s torch.compile: the blocks are the module's
     params = list(model.parameters())
     blocks = checkpointable_blocks(model)
     trainable = [p for p in params if p.requires_grad]

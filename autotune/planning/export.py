@@ -231,6 +231,9 @@ def to_hf(plan: Plan) -> Export:
     if _on_cpu(plan):
         # Without it TrainingArguments refuses bf16/fp16 on a machine with no GPU.
         config["use_cpu"] = True
+    if plan.compile:  # the planned peak is the compiled step's: Trainer compiles the model too
+        config["torch_compile"] = True
+        config["torch_compile_backend"] = plan.compile_backend or "inductor"
     _, lr, _ = _optimizer(plan)
     if lr is not None:
         config["learning_rate"] = lr

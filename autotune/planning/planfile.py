@@ -22,6 +22,7 @@ from ..errors import ConfigError, PlanFileError
 from ..memory.base import DeviceInfo
 from ..files.outputs import check_outputs
 from .types import READABLE_SCHEMA_VERSIONS, Plan
+from ..compiled import with_compile
 from ..workload.contract import Workload, load_workload
 
 
@@ -199,7 +200,11 @@ def load_planned_workload(plan: Plan, workload, *, source: str = "<plan>") -> Wo
     loaded = load_workload(workload, check_sha256=check)
     check_workload(plan, loaded, source=source)
     # A plan with a sequence length was probed at it: every batch is made at it too.
-    return loaded.at_seq_len(plan.seq_len) if plan.seq_len is not None else loaded
+    if plan.seq_len is not None:
+        loaded = loaded.at_seq_len(plan.seq_len)
+    # A plan made with --compile trains compiled with its backend (one made from a build_model
+    # that compiles needs nothing: the file compiles again).
+    return with_compile(loaded, plan.compile_backend) if plan.compile else loaded
 
 
 def check_workload(plan: Plan, workload: Workload, *, source: str = "<plan>") -> None:

@@ -673,6 +673,9 @@ def build_plan(
     }
     if sync_reason:
         reasons["gradient_sync"] = sync_reason
+    compiled = setting.probe is not None and setting.probe.compiled
+    if compiled:
+        reasons["compile"] = compile_reason(setting.probe)
     if estimated_for is not None:
         reasons["memory"] += f"; peaks estimated on fake tensors for the {estimated_for} (nothing allocated)"
     if throughput is not None:
@@ -690,6 +693,7 @@ def build_plan(
         estimated=estimated_for is not None,
         grad_scaler=request.grad_scaler, sharding=setting.sharding,
         shard_group=setting.shard_group if setting.sharding.sharded else None,
+        compile=compiled, compile_backend=setting.probe.compile_backend if compiled else None,
     )
     if plan.effective_batch != request.target_batch:  # a bug here would silently change training
         raise PlanError(f"internal error: planned {split} × {request.world_size} = "
@@ -699,6 +703,19 @@ def build_plan(
         plan.warnings.append(f"estimated for the {estimated_for} without the device: check it there "
                              f"with autotune verify PLAN.json before a long run")
     return plan
+
+
+def compile_reason(probe) -> str:
+    """Why a compiled plan's peak is what it says (``reasons["compile"]``)."""
+    how = (f"torch.compile backend {probe.compile_backend}" if probe.compile_backend
+           else "build_model() returns a torch.compile'd module")
+    seed = ("; the fake-tensor estimate ran the eager step (a compiled graph cannot run on fake "
+            "tensors) and only chose where the real trials started" if probe.estimate_steps else "")
+    graphs = (f" that compiled {probe.graphs_compiled} graph(s) in all"
+              if probe.graphs_compiled is not None else "")
+    return (f"the training step is compiled ({how}): the peak is the compiled step's, measured "
+            f"by compiled real trials{graphs} (batch sizes dynamic){seed}; autotune train trains "
+            f"compiled")
 
 
 def _gradient_sync(setting: SettingTried, split: list[int], peak: int, on_last: SyncOnLast | None,

@@ -325,6 +325,12 @@ class Plan(SplitArithmetic):
     """The largest evaluation micro-batch per rank: the forward alone under ``torch.no_grad``,
     model in ``eval()``, with the optimizer state alive, within the budget less the headroom
     (``reasons["eval"]`` says how it was proved); None: not planned (older files, or skipped)."""
+    compile: bool = False
+    """The training step runs torch.compile'd (``--compile``, or ``build_model()`` returns a
+    compiled module): ``predicted_peak_bytes`` is the compiled step's, measured by compiled real
+    trials, and ``autotune train`` trains compiled. Absent in older files: false."""
+    compile_backend: str | None = None
+    """The torch.compile backend ``--compile`` asked for (None: the model file compiles, or eager)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")

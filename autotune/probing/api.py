@@ -7,19 +7,21 @@ import time
 
 import torch
 
+from ..compiled import compiled_note, with_compile
 from ..errors import ConfigError, ProbeError, option
 from ..memory import MemoryBackend, backend_for
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from .. import progress
-from ..distributed.sharding.ranks import sharded_step
 from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..units import format_bytes
 from ..workload.checkpoint_count import CheckpointingRequest
 from ..workload.contract import load_workload
 from .result import MemoryModel, ProbeResult, Trial, setting_label
+from .affine_blocks import layout_session
 from .estimate import EstimateSession
 from .search import fit_memory_model, search_largest_fitting
+from .isolated import isolated, seed_in_child
 from .seed import estimate_seed
 from .share import search_with_share, window_steps
 from .trial import SetupOutOfMemory, TrialSession
@@ -42,6 +44,7 @@ def probe(
     hint: int | None = None,
     share: int | None = None,
     reduce_every_micro_step: bool = True,
+    compile=None,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -73,9 +76,15 @@ def probe(
     Where nothing fits, ``explain`` runs one more step with the budget lifted (CPU and estimate
     backends) so that the error says how far over the budget the model is. The error is a
     ``SetupOutOfMemory`` when parameters, buffers and optimizer state alone do not fit.
+
+    ``compile`` (True: inductor, or a torch.compile backend name; None: as the workload says)
+    runs the real trials' step compiled, batch sizes dynamic (a module ``build_model`` compiles
+    is run as it is); the estimate runs the eager step on fake tensors, in a child process for
+    a model file, and only seeds the search (see ``autotune.compiled``).
+    ``ProbeResult.graphs_compiled`` counts the graphs the trials compiled.
     """
     checkpointing = CheckpointingRequest.parse(checkpointing, option=option("checkpointing"), allow_auto=False)
-    workload = load_workload(workload)
+    workload = with_compile(load_workload(workload), compile)
     precision = Precision.parse(precision)
     sharding = Sharding.parse(sharding)
     if max_micro_batch is not None and (not isinstance(max_micro_batch, int) or max_micro_batch < 1):
@@ -86,8 +95,9 @@ def probe(
     estimating = isinstance(backend, EstimateMemoryBackend)
     seed = None
     if use_estimate and not estimating and not sharding.sharded:
-        seed = estimate_seed(workload, backend, precision=precision, checkpointing=checkpointing,
-                             upper=max_micro_batch, share=share)
+        seed = (seed_in_child if isolated(workload) else estimate_seed)(
+            workload, backend, precision=precision, checkpointing=checkpointing,
+            upper=max_micro_batch, share=share)
     # On the estimate backend the session's tensors are fake: the model is built inside the fake
     # mode, and a model that fake tensors cannot run raises EstimateUnavailable.
     run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
@@ -95,16 +105,13 @@ def probe(
         return fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
 
     setting = setting_label(precision, checkpointing)
-    with sharded_step(run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
-                      precision=precision, device_type=backend.device.type) as step_workload:
-        # On fake tensors the estimate's session counts the same bytes for less work (see
-        # EstimateSession): it sets up the optimizer state without a step and measures the
-        # optimizer phase once per session.
-        session_type = EstimateSession if estimating else TrialSession
-        session = session_type(step_workload, backend, precision=precision,
-                               checkpointing=checkpointing, sharded=sharding.sharded,
-                               offload=sharding.offload,
-                               reduce_every_micro_step=reduce_every_micro_step)
+    # On fake tensors the estimate's session counts the same bytes for less work (see
+    # EstimateSession): it sets up the optimizer state without a step and measures the
+    # optimizer phase once per session; identical blocks are measured on few of them.
+    with layout_session(run_workload, backend, session_type=EstimateSession if estimating else TrialSession,
+                        precision=precision, checkpointing=checkpointing, sharding=sharding,
+                        world_size=world_size, shard_group=shard_group,
+                        reduce_every_micro_step=reduce_every_micro_step) as session:
 
         def run_trial(n: int) -> Trial:
             return session.run(n, window=window_steps(n, share))
@@ -139,6 +146,9 @@ def probe(
                      f"{resolve_shard_group(shard_group, world_size)})")
     if estimating:
         notes.append(f"every trial ran on fake tensors ({info.name}): estimated, nothing allocated")
+    if session.compiled:
+        notes.append(compiled_note(workload, session.graphs_compiled, len(trials),
+                                   estimated=seed is not None and seed.answer is not None))
     if seed is not None:
         notes.append(seed.note(best, trials))
         model = seed.memory_model(trials, model)
@@ -169,6 +179,9 @@ def probe(
         estimate_steps=seed.steps if seed is not None else 0,
         estimated_max_micro_batch=seed.answer if seed is not None else None,
         share=share,
+        compiled=session.compiled,
+        compile_backend=workload.compile if session.compiled else None,
+        graphs_compiled=session.graphs_compiled if session.compiled else None,
     )
 
 
@@ -205,13 +218,11 @@ def window_trial(workload, backend: MemoryBackend, *, micro_batch: int, window: 
     estimating = isinstance(backend, EstimateMemoryBackend)
     run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
     limits = fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
-    with sharded_step(run_workload, sharding=sharding, world_size=world_size, shard_group=shard_group,
-                      precision=precision, device_type=backend.device.type) as step_workload:
-        session = (EstimateSession if estimating else TrialSession)(
-            step_workload, backend, precision=precision,
-            checkpointing=CheckpointingRequest.parse(checkpointing, allow_auto=False),
-            sharded=sharding.sharded, offload=sharding.offload,
-            reduce_every_micro_step=reduce_every_micro_step)
+    with layout_session(run_workload, backend, session_type=EstimateSession if estimating else TrialSession,
+                        precision=precision,
+                        checkpointing=CheckpointingRequest.parse(checkpointing, allow_auto=False),
+                        sharding=sharding, world_size=world_size, shard_group=shard_group,
+                        reduce_every_micro_step=reduce_every_micro_step) as session:
         try:
             with limits, session:
                 return session.run(micro_batch, window=window, micro_batches=micro_batches)

@@ -16,6 +16,8 @@ from ..errors import EstimateUnavailable
 from ..memory.base import MemoryBackend
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
+from ..distributed.sharding.settings import Sharding
+from .affine_blocks import layout_session
 from .estimate import EstimateSession
 from .result import BlockModel, Trial
 from .trial import SetupOutOfMemory, TrialSession
@@ -27,12 +29,11 @@ def learn_block_model(workload, backend: MemoryBackend, *, precision: Precision,
     steps on fake tensors with 0, 1 and all N blocks checkpointed. None when the model has no
     repeated blocks or cannot run on fake tensors."""
     estimator = EstimateMemoryBackend(None, for_cuda=backend.device.type == "cuda")
-    session = EstimateSession(on_fake_tensors(workload, foreach=estimator.for_cuda), estimator,
-                              precision=precision)
     sizes = sorted(set(micro_batches))
     peaks: dict[tuple[int, int], int] = {}
     try:
-        with fake_tensor_limits(workload), session:
+        with _session(on_fake_tensors(workload, foreach=estimator.for_cuda), estimator, EstimateSession,
+                      precision, False) as session, fake_tensor_limits(workload), session:
             total = session.total_blocks
             if total < 1:
                 return None
@@ -59,6 +60,13 @@ def _line(sizes: list[int], value) -> tuple[float, float]:
     low, high = sizes[0], sizes[-1]
     slope = (value(high) - value(low)) / (high - low)
     return value(low) - slope * low, slope
+
+
+def _session(workload, backend, session_type, precision, checkpointing):
+    # Replicated; on fake tensors identical blocks are measured on few of them.
+    return layout_session(workload, backend, session_type=session_type, precision=precision,
+                          checkpointing=checkpointing, sharding=Sharding.DDP, world_size=1,
+                          shard_group=None)
 
 
 @dataclass(kw_only=True)
@@ -88,11 +96,10 @@ def prove_fewest_blocks(workload, backend: MemoryBackend, *, precision: Precisio
     # On the estimate backend (--gpu) the trials run on fake tensors, as the probe's do there.
     estimating = isinstance(backend, EstimateMemoryBackend)
     run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
-    session = TrialSession(run_workload, backend, precision=precision, checkpointing=start)
     proof = BlocksProof(micro_batch=micro_batch, total_blocks=0)
     limits = fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
     try:
-        with limits, session:
+        with _session(run_workload, backend, TrialSession, precision, start) as session, limits, session:
             proof.total_blocks = total = session.total_blocks
 
             def fits(blocks: int) -> bool:

@@ -15,10 +15,10 @@ from ..errors import option
 from ..memory.base import DeviceInfo
 from ..memory.fake import EstimateMemoryBackend, checked_micro_batch, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
-from ..distributed.sharding.ranks import sharded_step
 from ..distributed.sharding.settings import Sharding
 from ..workload.checkpoint_count import CheckpointingRequest
 from ..workload.contract import load_workload
+from .affine_blocks import layout_session
 from .trial import TrialSession, optimizer_state_tensors
 
 
@@ -115,13 +115,12 @@ def estimate_session(workload, *, precision, checkpointing, sharding, world_size
     sharding = Sharding.parse(sharding)
     target = DeviceInfo(kind="cuda", name=for_cuda, budget_bytes=0) if for_cuda else None
     backend = EstimateMemoryBackend(offload=sharding.offload, for_cuda=bool(for_cuda), target=target)
-    with sharded_step(on_fake_tensors(workload, foreach=backend.for_cuda), sharding=sharding,
-                      world_size=world_size, shard_group=shard_group,
-                      precision=precision) as step_workload:
-        session = (session_type or EstimateSession)(
-            step_workload, backend, precision=precision,
-            checkpointing=checkpointing, sharded=sharding.sharded, offload=sharding.offload,
-            reduce_every_micro_step=reduce_every)
+    # Other counts of the step (a subclass) see every block: only the bytes are extended.
+    with layout_session(on_fake_tensors(workload, foreach=backend.for_cuda), backend,
+                        session_type=session_type or EstimateSession, few_blocks=session_type is None,
+                        precision=precision, checkpointing=checkpointing, sharding=sharding,
+                        world_size=world_size, shard_group=shard_group,
+                        reduce_every_micro_step=reduce_every) as session:
         with fake_tensor_limits(workload), session:
             yield session
 

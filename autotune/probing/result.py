@@ -200,6 +200,14 @@ class ProbeResult:
     """The samples per rank and optimizer step the probe planned for: trials below it measured
     accumulation windows, and ``memory_model`` was fitted to them (None: every trial is one
     step, as in files written before windows were measured)."""
+    compiled: bool = False
+    """The real trials ran the torch.compile'd step (``--compile``, or build_model compiled)."""
+    compile_backend: str | None = None
+    """The backend ``compile=`` asked for (None: build_model compiled the model, or eager)."""
+    graphs_compiled: int | None = None
+    """Compiled trials: the graphs torch.compile compiled over all of them (one per graph break,
+    and one more for every recompilation; a new micro-batch compiles none, except that torch
+    specialises micro-batch 1). None: not compiled."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")

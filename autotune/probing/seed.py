@@ -83,7 +83,9 @@ def estimate_seed(workload, backend: MemoryBackend, *, precision: Precision, che
     """Run the probe's search on fake tensors, against the real backend's budget."""
     budget = backend.info().budget_bytes
     # A CUDA step runs the optimizer's foreach path; estimate that one.
-    estimator = EstimateMemoryBackend(budget, for_cuda=backend.device.type == "cuda")
+    # (In the child process of probing/isolated.py the backend is the estimate's own.)
+    for_cuda = backend.device.type == "cuda" or getattr(backend, "for_cuda", False)
+    estimator = EstimateMemoryBackend(budget, for_cuda=for_cuda)
     session = TrialSession(on_fake_tensors(workload, foreach=estimator.for_cuda), estimator,
                            precision=precision, checkpointing=checkpointing)
     started = time.perf_counter()

@@ -27,6 +27,8 @@ from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from ..memory.base import MemoryBackend
 from ..memory.oom import free_memory, is_oom_error
 from ..precision import Precision, autocast, grad_scaler
+from ..compiled import compiled_step_module, eager_module, graphs_compiled, is_compiled, \
+    mark_batch_dynamic
 from ..workload.contract import Workload, move_batch
 from ..workload.optimizer_steps import counted_step
 from .deadline import deadline
@@ -43,6 +45,11 @@ class SetupOutOfMemory(ProbeError):
 
 
 class TrialSession:
+    compiled = False
+    """Whether the trials run a compiled step (set up from the workload, see ``_setup``)."""
+    graphs_compiled = 0
+    """Graphs torch.compile compiled during this session's trials (recompilations included)."""
+
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
                  checkpointing=False, sharded: bool = False, offload: bool = False,
                  reduce_every_micro_step: bool = False):
@@ -119,9 +126,13 @@ class TrialSession:
                 # fully_shard replaced the full parameters, but reference cycles can keep them
                 # (and their bytes in the count) alive until a collection.
                 self._release_memory()
-        self.model = model.to(self.device)
+        # Compiled (--compile, or build_model's own torch.compile): the trials run the compiled
+        # step; blocks and checkpointing are the eager module's, which the compiled one calls.
+        self.model = compiled_step_module(model.to(self.device), self.workload.compile)
+        self.compiled = is_compiled(self.model)
+        self.graphs_compiled = 0
         self.model.train()
-        self.total_blocks = len(checkpointable_blocks(self.model))
+        self.total_blocks = len(checkpointable_blocks(eager_module(self.model)))
         self.set_checkpointing(self.checkpointing)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
@@ -179,15 +190,16 @@ class TrialSession:
     def set_checkpointing(self, checkpointing) -> int:
         """Checkpoint those blocks (a ``Checkpointing``, off/on, K or a fraction) from the next
         step on; returns how many are."""
-        disable_checkpointing(self.model)
+        model = eager_module(self.model)
+        disable_checkpointing(model)
         request = CheckpointingRequest.parse(checkpointing, allow_auto=False)
         source = self.workload.source
         if request.value == "on":  # every block, and models' own switches (none: a WorkloadError)
-            self.checkpointed_blocks = enable_checkpointing(self.model, source=source)
+            self.checkpointed_blocks = enable_checkpointing(model, source=source)
             self.checkpointing = Checkpointing.every_block(self.total_blocks or None)
             return self.checkpointed_blocks
         wanted = request.resolve(self.total_blocks, source=source)
-        self.checkpointed_blocks = (enable_checkpointing(self.model, source=source, blocks=wanted.count)
+        self.checkpointed_blocks = (enable_checkpointing(model, source=source, blocks=wanted.count)
                                     if wanted else 0)
         self.checkpointing = wanted
         return self.checkpointed_blocks
@@ -240,6 +252,7 @@ class TrialSession:
         start = time.perf_counter()
         out_of_memory = False
         self._held = None
+        graphs = graphs_compiled()
         try:
             with self._soft_budget(), deadline(self, n):  # --trial-timeout
                 activation_peak, step_peak = self._window(sizes)
@@ -249,6 +262,9 @@ class TrialSession:
             if not is_oom_error(exc):
                 raise
             out_of_memory = True
+        finally:
+            if self.compiled:
+                self.graphs_compiled += graphs_compiled() - graphs
         seconds = time.perf_counter() - start
         if out_of_memory:
             # Outside the except block: the traceback no longer pins the failed step's tensors.
@@ -352,6 +368,8 @@ class TrialSession:
             for index, size in enumerate(sizes):
                 self._gradient_sync(index == last or self.reduce_every_micro_step)
                 batch = move_batch(self.workload.batch(size), self.device)
+                if self.compiled:
+                    mark_batch_dynamic(batch)
                 activation_peak = self._forward_backward(batch)
                 if index < last:
                     del batch
@@ -435,7 +453,7 @@ class TrialSession:
                 self.optimizer = None
             if self.model is not None:
                 if self.checkpointing:
-                    disable_checkpointing(self.model)
+                    disable_checkpointing(eager_module(self.model))
                 if self._saved is not None:
                     _restore_module_state(self.model, self._saved)
             self.model = None
@@ -467,7 +485,9 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
 
 
 def _save_module_state(model: torch.nn.Module) -> dict:
-    """Everything a probe changes on a module instance, copied to the CPU."""
+    """Everything a probe changes on a module instance, copied to the CPU (a compiled
+    instance's: its eager module's, under the keys ``_restore_module_state`` reads)."""
+    model = eager_module(model)
     first = next(iter(model.parameters()), None)
     return {
         "device": first.device if first is not None else torch.device("cpu"),
@@ -479,6 +499,7 @@ def _save_module_state(model: torch.nn.Module) -> dict:
 
 
 def _restore_module_state(model: torch.nn.Module, saved: dict) -> None:
+    model = eager_module(model)
     model.to(saved["device"])
     with torch.no_grad():
         model.load_state_dict(saved["state"])

@@ -8,7 +8,7 @@ every output it writes; a collective's bytes are its full (gathered / unscattere
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OP_CLASSES = ("matmul", "attention", "elementwise", "optimizer", "other")
 """matmul: mm/addmm/bmm/convolution and their backward; attention: scaled_dot_product_* kernels;
@@ -20,11 +20,13 @@ PHASES = ("forward", "backward", "recompute", "optimizer")
 """recompute: the forward of checkpointed blocks run again during backward."""
 
 KERNELS = ("mm", "convolution", "convolution_backward", "attention", "attention_backward",
-           "pooling", "pooling_backward", "batch_norm", "batch_norm_backward")
+           "pooling", "pooling_backward", "batch_norm", "batch_norm_backward", "layer_norm",
+           "layer_norm_backward", "softmax", "softmax_backward", "embedding", "embedding_backward",
+           "nll_loss", "nll_loss_backward")
 """Kernel families a device's speed can tell apart: of the FLOP-counted ops (a CPU runs a
 convolution's backward or a small attention far below its matmul rate), and of the
 memory-bound ones (a CPU's pooling and batch norm kernels move far fewer bytes per second than
-an add)."""
+an add; so do its layer norm, softmax, embedding and loss kernels)."""
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv",
                     "all_to_all")
@@ -71,6 +73,12 @@ class StepCosts:
     collectives: tuple[CollectiveCall, ...]
     micro_batch: int
     tokens: int | None = None
+    module_calls: dict[str, int] = field(default_factory=dict)
+    """``nn.Module`` calls per phase ("forward", "recompute"): each costs its Python ``__call__``
+    beyond the ops it dispatches."""
+    checkpoint_blocks: int = 0
+    """Checkpointed blocks recomputed in backward: each costs checkpoint's own set-up (its hooks,
+    the recompute's entry) beyond its ops."""
 
     @property
     def total_flops(self) -> float:

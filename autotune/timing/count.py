@@ -150,6 +150,31 @@ class _OpRecorder(TorchDispatchMode):
         self.backward_started = False
         self.ops: Counter = Counter()
         self.collectives: list[CollectiveCall] = []
+        self.module_calls: Counter = Counter()
+        self.checkpoint_blocks = 0
+        self._recomputing_node = None
+        self._hook = None
+
+    def __enter__(self):
+        # Every module's __call__ while the step runs: a global pre-hook sees the calls the
+        # model's own code makes (and checkpoint's recompute), whatever the model is.
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._hook.remove()
+        return super().__exit__(*exc)
+
+    def _count_checkpoint_block(self) -> None:
+        # Non-reentrant checkpoint recomputes a whole block inside the one backward node whose
+        # saved tensor was unpacked first: a new node recomputing is a new block.
+        node = torch._C._current_autograd_node()
+        if node is not self._recomputing_node:
+            self._recomputing_node = node
+            self.checkpoint_blocks += 1
+
+    def _module_called(self, module, args):
+        self.module_calls[self._phase()] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -157,6 +182,8 @@ class _OpRecorder(TorchDispatchMode):
         if func.namespace == "prim":  # metadata queries (device, layout) of Python dispatch
             return out
         phase = self._phase()
+        if phase == "recompute":
+            self._count_checkpoint_block()
         name = func._schema.name
         collective = _COLLECTIVES.get(name)
         if collective is not None:
@@ -181,7 +208,9 @@ class _OpRecorder(TorchDispatchMode):
     def costs(self, micro_batch: int) -> StepCosts:
         ops = tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k, kernel=kernel)
                     for (c, p, f, b, kernel), k in self.ops.items())
-        return StepCosts(ops=ops, collectives=tuple(self.collectives), micro_batch=micro_batch)
+        return StepCosts(ops=ops, collectives=tuple(self.collectives), micro_batch=micro_batch,
+                         module_calls=dict(self.module_calls),
+                         checkpoint_blocks=self.checkpoint_blocks)
 
 
 def _op_class(func, name: str, flops: float, moved: float, phase: str) -> str:
@@ -203,9 +232,16 @@ def _kernel(name: str, flops: float) -> str:
         return "convolution" + suffix if "conv" in name else "mm"
     if "pool" in name:
         return "pooling" + suffix
-    if "batch_norm" in name:
-        return "batch_norm" + suffix
+    for family in _BYTE_FAMILIES:
+        if family in name:
+            return family + suffix
     return ""
+
+
+# Memory-bound families by a word of their aten names (native_batch_norm, native_layer_norm,
+# _softmax / _log_softmax and their _backward_data, embedding / embedding_dense_backward,
+# nll_loss_forward / nll_loss_backward).
+_BYTE_FAMILIES = ("batch_norm", "layer_norm", "softmax", "embedding", "nll_loss")
 
 
 def _flops(func, args, kwargs, out) -> float:

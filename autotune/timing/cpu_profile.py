@@ -2,14 +2,17 @@
 
 Measured: ``torch.mm`` FLOP/s per precision at a few sizes (the peak is the best; smaller sizes
 give the fraction a smaller matmul reaches), memory bandwidth of ``torch.add`` at a few sizes
-(operands streamed from memory, not left in cache by the op before), and the cost of dispatching one tiny op. The result is
-cached as JSON under ``$XDG_CACHE_HOME/autotune`` (``~/.cache/autotune``), keyed by the CPU
-model, the thread count and the torch version; a cache file that does not hold finite, positive
-numbers is ignored and measured again.
+(operands streamed from memory, not left in cache by the op before), kernel families a CPU runs
+below those rates, and the fixed costs of an op, a module call and a checkpointed block. At one
+thread every timing reads the thread's CPU clock (``clock``). The result is cached as JSON under
+``$XDG_CACHE_HOME/autotune`` (``~/.cache/autotune``), keyed by the CPU model, the thread count, the
+torch version and ``PROFILE_VERSION``; a cache file that does not hold finite, positive numbers is
+ignored and measured again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -27,6 +30,9 @@ MEMORY_ELEMENTS = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 """fp32 elements per tensor of the bandwidth microbenchmark (4 KiB to 64 MiB; three tensors)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE_FILE = "cpu-speed.json"
+PROFILE_VERSION = 2
+"""2: the CPU clock at one thread, module-call, checkpoint-block and optimizer-op costs, layer
+norm / softmax / embedding / NLL loss curves."""
 _MIN_SECONDS = 0.02
 """Each timed repetition runs at least this long; the median of ``_REPEATS`` counts."""
 _REPEATS = 7
@@ -52,8 +58,10 @@ def default_cache_dir() -> Path:
 
 
 def machine_key() -> str:
-    """What the measurement depends on: the CPU, the threads torch uses, torch's version."""
-    return f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    """What the measurement depends on: the CPU, the threads torch uses, torch's version, and the
+    microbenchmarks' own version (``PROFILE_VERSION``: entries measured by older ones are stale)."""
+    return (f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+            f"|profile={PROFILE_VERSION}")
 
 
 def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
@@ -74,18 +82,44 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
     kernel_curves = {family: _at_least_smaller(tuple((flops, rate / peaks["fp32"]) for flops, rate in rates))
                      for family, rates in _kernel_rates(call).items()}
     byte_rates = _memory_kernel_rates(call)
+    byte_rates.update(_counted_kernel_rates(call))
+    checkpoint_block, recompute_op = _checkpoint_overheads()
     # The bandwidth is the largest op's; smaller ops reach less of it (or more, where the
     # prefetchers and cache lines already in flight help).
     bandwidth = rates[-1][1]
     return DeviceSpeed(
         name=f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads", peak_flops=peaks,
         memory_bandwidth=bandwidth, fractions={"matmul": 1.0, "attention": 1.0, "memory": 1.0},
-        op_overhead_s=_training_op_overhead(), recompute_op_overhead_s=_recompute_op_overhead(),
+        op_overhead_s=_training_op_overhead(), recompute_op_overhead_s=recompute_op,
+        optimizer_op_overhead_s=_optimizer_op_overhead(),
+        module_call_s=_module_call_overhead(), checkpoint_block_s=checkpoint_block,
         matmul_curve=curves, kernel_curves=kernel_curves,
         kernel_byte_curves={family: tuple((moved, rate / bandwidth) for moved, rate in rates)
                             for family, rates in byte_rates.items()},
         memory_curve=tuple((moved, rate / bandwidth) for moved, rate in rates),
         sources={"all": "measured on this machine by autotune.timing.cpu_profile"})
+
+
+def speed_probe() -> tuple[float, float, float]:
+    """A fraction of a second's look at the CPU's speed now: (FLOP/s of a 256² matmul, bytes/s of
+    a streamed add of 2^19 elements, seconds of a one-element op). ``scaled_speed`` rescales a
+    full measurement by two of these, taken then and now, on a machine whose load drifts."""
+    call = _op_time(_add(1))
+    n, elements = 256, 2**19
+    return (2.0 * n**3 / _work_time(_mm(n, torch.float32), call),
+            3.0 * 4 * elements / _work_time(_streaming_add(elements), call), call)
+
+
+def scaled_speed(speed: DeviceSpeed, then: tuple, now: tuple) -> DeviceSpeed:
+    """``speed`` (measured when ``speed_probe`` gave ``then``) at the speed ``now`` shows: peaks
+    by the matmul's ratio, bandwidth by the add's, every per-call cost by the one-element op's."""
+    flops, moved, call = now[0] / then[0], now[1] / then[1], now[2] / then[2]
+    return dataclasses.replace(
+        speed, peak_flops={k: v * flops for k, v in speed.peak_flops.items()},
+        memory_bandwidth=speed.memory_bandwidth * moved, op_overhead_s=speed.op_overhead_s * call,
+        recompute_op_overhead_s=speed.recompute_op_overhead_s * call,
+        optimizer_op_overhead_s=speed.optimizer_op_overhead_s * call,
+        module_call_s=speed.module_call_s * call, checkpoint_block_s=speed.checkpoint_block_s * call)
 
 
 def _work_time(op, call: float) -> float:
@@ -106,40 +140,107 @@ def _at_least_smaller(curve):
 
 
 def _training_op_overhead() -> float:
-    """Seconds per op of a training step's tiny ops: a chain of one-element ops with autograd
-    recording, then its backward, divided by the ops the dispatcher saw (forward, backward and
-    the engine's own)."""
-    x = torch.ones(1, requires_grad=True)
+    """Seconds per op of a training step's ops when their work is nil: a transformer-like block
+    written with torch's functions (layer norm, linear, attention, GELU, cross-entropy, views) on
+    a few elements, forward and backward, divided by the ops the dispatcher saw (forward,
+    backward and the engine's own). Its ops are those models dispatch: composite functions,
+    several outputs, the autograd nodes that save them; a chain of one-element adds costs half
+    as much per op."""
+    functional = torch.nn.functional
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    qkv, qkv_bias = torch.randn(12, 4, requires_grad=True), torch.zeros(12, requires_grad=True)
+    out, out_bias = torch.randn(4, 4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    scale, shift = torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    targets = torch.tensor([1, 2, 0, 3, 1, 2])
+    leaves = (x, qkv, qkv_bias, out, out_bias, scale, shift)
 
     def step():
-        _chain(x).sum().backward()
-        x.grad = None
+        h = functional.layer_norm(x, (4,), scale, shift)
+        q, k, v = functional.linear(h, qkv, qkv_bias).view(2, 3, 3, 1, 4).permute(2, 0, 3, 1, 4)
+        a = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + functional.gelu(functional.linear(a.transpose(1, 2).reshape(2, 3, 4), out, out_bias))
+        functional.cross_entropy(h.reshape(-1, 4), targets).backward()
+        for leaf in leaves:
+            leaf.grad = None
 
     return _op_time(step) / _dispatched_ops(step)
 
 
-def _recompute_op_overhead() -> float:
-    """Seconds per recomputed op under non-reentrant checkpointing: the same chain, checkpointed,
-    less the plain one, per op of its forward (each recomputed once, with checkpoint's hooks)."""
+def _optimizer_op_overhead() -> float:
+    """Seconds per op of the optimizer phase when its work is nil: gradient clipping and an AdamW
+    step (its for-loop form, torch's default for CPU tensors) over one-element parameters, per
+    op dispatched; its Python per parameter is spread over that parameter's ops."""
+    params = [torch.zeros(1, requires_grad=True) for _ in range(_CHAIN)]
+    optimizer = torch.optim.AdamW(params, foreach=False)
+    for param in params:
+        param.grad = torch.ones(1)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    step()  # the state is created by the first step
+    return _op_time(step) / _dispatched_ops(step)
+
+
+def _checkpoint_overheads() -> tuple[float, float]:
+    """(seconds per checkpointed block, seconds per recomputed op) under non-reentrant
+    checkpointing: a checkpointed chain of one-element ops less the plain chain, at a short and a
+    long chain; the long one's extra per extra op is the op's, what is left at the short one the
+    block's (its set-up in forward, the recompute's entry in backward)."""
     from torch.utils.checkpoint import checkpoint
 
     x = torch.ones(1, requires_grad=True)
 
-    def plain():
-        _chain(x).sum().backward()
-        x.grad = None
+    def extra(length: int) -> float:
+        def chain(y):
+            return _chain(y, length)
 
-    def checkpointed():
-        checkpoint(_chain, x, use_reentrant=False).sum().backward()
-        x.grad = None
+        def plain():
+            chain(x).sum().backward()
+            x.grad = None
 
-    forward_ops = _dispatched_ops(lambda: _chain(x.detach()))
-    extra = _op_time(checkpointed) - _op_time(plain)
-    return max(extra / forward_ops, 0.0)
+        def checkpointed():
+            checkpoint(chain, x, use_reentrant=False).sum().backward()
+            x.grad = None
+
+        return _op_time(checkpointed) - _op_time(plain)
+
+    ops_per_link = _dispatched_ops(lambda: _chain(x.detach(), 1))
+    short, long = extra(1), extra(_CHAIN)
+    per_op = max((long - short) / ((_CHAIN - 1) * ops_per_link), 0.0)
+    return max(short - per_op * ops_per_link, 0.0), per_op
 
 
-def _chain(y):
-    for _ in range(_CHAIN):
+def _module_call_overhead() -> float:
+    """Seconds of one ``nn.Module`` call beyond its op: a forward through a stack of modules
+    that each run one one-element op, less the same ops inline, per module (grad mode on, as in
+    training)."""
+    modules = torch.nn.ModuleList(_Scale() for _ in range(_CHAIN))
+    x = torch.ones(1, requires_grad=True)
+
+    def through_modules():
+        y = x
+        for module in modules:
+            y = module(y)
+        return y
+
+    def inline():
+        y = x
+        for _ in range(_CHAIN):
+            y = y * 1.0001
+        return y
+
+    return max((_op_time(through_modules) - _op_time(inline)) / _CHAIN, 0.0)
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, y):
+        return y * 1.0001
+
+
+def _chain(y, length: int = 0):
+    for _ in range(length or _CHAIN):
         y = torch.tanh(y * 1.0001)
     return y
 
@@ -173,6 +274,9 @@ def load_cached(path: Path, key: str) -> DeviceSpeed | None:
             fractions={str(k): float(v) for k, v in entry["fractions"].items()},
             op_overhead_s=float(entry["op_overhead_s"]),
             recompute_op_overhead_s=float(entry.get("recompute_op_overhead_s", 0.0)),
+            module_call_s=float(entry.get("module_call_s", 0.0)),
+            optimizer_op_overhead_s=float(entry.get("optimizer_op_overhead_s", 0.0)),
+            checkpoint_block_s=float(entry.get("checkpoint_block_s", 0.0)),
             matmul_curve=_curves(entry["matmul_curve"]),
             memory_curve=tuple((float(x), float(y)) for x, y in entry["memory_curve"]),
             kernel_curves=_curves(entry.get("kernel_curves", {})),
@@ -201,6 +305,8 @@ def save_cached(path: Path, key: str, speed: DeviceSpeed) -> None:
         "name": speed.name, "peak_flops": speed.peak_flops, "memory_bandwidth": speed.memory_bandwidth,
         "fractions": speed.fractions, "op_overhead_s": speed.op_overhead_s,
         "recompute_op_overhead_s": speed.recompute_op_overhead_s,
+        "module_call_s": speed.module_call_s, "checkpoint_block_s": speed.checkpoint_block_s,
+        "optimizer_op_overhead_s": speed.optimizer_op_overhead_s,
         "matmul_curve": {k: [list(p) for p in v] for k, v in speed.matmul_curve.items()},
         "memory_curve": [list(p) for p in speed.memory_curve], "sources": speed.sources,
         "kernel_curves": {k: [list(p) for p in v] for k, v in speed.kernel_curves.items()},
@@ -259,6 +365,60 @@ def _memory_kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
                         lambda x=x: torch.nn.functional.max_pool2d(x, 2), call)
         _add_byte_rates(rates, "batch_norm", size * 2, size * 3, lambda x=x, n=norm: n(x), call)
     return {family: sorted(points) for family, points in rates.items()}
+
+
+_COUNTED_FAMILIES = ("layer_norm", "softmax", "embedding", "nll_loss")
+ROWS = ((64, 64), (512, 256), (4096, 512))
+"""(rows, features) of the layer norm, softmax and loss microbenchmarks (fp32); embedding looks
+up ``rows`` tokens in a table of 8192 rows of ``features``."""
+
+
+def _counted_kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
+    """Bytes/s of layer norm, softmax (and log-softmax), embedding and the NLL loss, forward and
+    backward, at a few sizes. Their bytes are counted as the step's are (``count``'s rule: every
+    tensor an op reads and writes), so a lookup that reads a few rows of a large table, or a loss
+    that reads one logit per row, gets the rate that rule needs."""
+    functional = torch.nn.functional
+    rates: dict[str, list] = {f"{family}{suffix}": [] for family in _COUNTED_FAMILIES
+                              for suffix in ("", "_backward")}
+    for rows, features in ROWS:
+        x = torch.randn(rows, features, requires_grad=True)
+        weight, bias = torch.ones(features, requires_grad=True), torch.zeros(features, requires_grad=True)
+        table = torch.randn(8192, features, requires_grad=True)
+        tokens = torch.randint(0, 8192, (rows,))
+        log_probs = torch.randn(rows, features).log_softmax(-1).requires_grad_()
+        targets = torch.randint(0, features, (rows,))
+        for family, forward in (
+                ("layer_norm", lambda: functional.layer_norm(x, (features,), weight, bias)),
+                ("softmax", lambda: torch.softmax(x, -1)),
+                ("embedding", lambda: functional.embedding(tokens, table)),
+                ("nll_loss", lambda: functional.nll_loss(log_probs, targets))):
+            forward_bytes, backward_bytes = _family_bytes(family, forward)
+            _add_byte_rates(rates, family, forward_bytes, backward_bytes, forward, call)
+    return {family: sorted(points) for family, points in rates.items()}
+
+
+def _family_bytes(family: str, forward) -> tuple[float, float]:
+    """Bytes the step's count gives ``family``'s ops in ``forward`` and in its backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .count import _bytes_moved, _kernel
+
+    moved = {family: 0.0, f"{family}_backward": 0.0}
+
+    class _Bytes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            kernel = _kernel(func._schema.name, 0.0)
+            if kernel in moved:
+                moved[kernel] += _bytes_moved(func, args, kwargs, out)
+            return out
+
+    with _Bytes():
+        out = forward()
+        out.backward(torch.ones_like(out))
+    return moved[family], moved[f"{family}_backward"]
 
 
 def _add_byte_rates(rates: dict, family: str, forward_bytes: float, backward_bytes: float,
@@ -320,19 +480,28 @@ _STREAM_BYTES = 256 * 2**20
 
 def _op_time(op) -> float:
     """Seconds per call of ``op``: the median of several timed runs of many calls (the machine's
-    typical speed under the load it has, as the steps it predicts will see it)."""
+    typical speed under the load it has, as the steps it predicts will see it), on ``clock()``."""
+    now = clock()
     op()  # first call: allocations, kernel selection
-    calls, start = 1, time.perf_counter()
+    start = now()
     op()
-    once = time.perf_counter() - start
+    once = now() - start
     calls = max(1, int(_MIN_SECONDS / max(once, 1e-7)))
     runs = []
     for _ in range(_REPEATS):
-        start = time.perf_counter()
+        start = now()
         for _ in range(calls):
             op()
-        runs.append((time.perf_counter() - start) / calls)
+        runs.append((now() - start) / calls)
     return statistics.median(runs)
+
+
+def clock():
+    """The clock the microbenchmarks read: at one thread the thread's CPU time, which leaves out
+    the time slices a shared machine gives other processes (a 3 ms step preempted once takes 7 ms
+    of wall time) and so measures the work alone, as the step is measured (``time.thread_time``
+    in ``tuning.measure``); with a thread pool, wall time (the pool's threads run in parallel)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
 def _cpu_model() -> str:
@@ -345,5 +514,5 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-__all__ = ["cpu_speed", "default_cache_dir", "load_cached", "machine_key", "measure_cpu_speed",
-           "save_cached"]
+__all__ = ["clock", "cpu_speed", "default_cache_dir", "load_cached", "machine_key", "measure_cpu_speed",
+           "save_cached", "scaled_speed", "speed_probe"]

@@ -61,6 +61,15 @@ class DeviceSpeed:
     """Fixed cost of one recomputed op under activation checkpointing, where it differs from
     ``op_overhead_s`` (0: the same): on the CPU, checkpoint's Python pack/unpack hooks and
     re-entry run on the same thread as the ops."""
+    optimizer_op_overhead_s: float = 0.0
+    """Fixed cost of one optimizer-phase op, where it differs from ``op_overhead_s`` (0: the
+    same): in-place, without autograd, with the optimizer's Python per parameter around it."""
+    module_call_s: float = 0.0
+    """Python cost of one ``nn.Module`` call beyond its ops (``__call__``'s hook checks and
+    dispatch to ``forward``); on a GPU it overlaps the kernels already queued (0: not counted)."""
+    checkpoint_block_s: float = 0.0
+    """Fixed cost of one checkpointed block beyond its recomputed ops: ``checkpoint``'s set-up in
+    the forward and the recompute's entry in backward (0: not counted)."""
     matmul_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """Per precision, (FLOPs of one matmul, fraction of that precision's peak), ascending."""
     memory_curve: tuple[tuple[float, float], ...] = ()
@@ -76,7 +85,9 @@ class DeviceSpeed:
 
     def __post_init__(self):
         numbers = [*self.peak_flops.values(), self.memory_bandwidth, *self.fractions.values(),
-                   self.op_overhead_s, self.recompute_op_overhead_s]
+                   self.op_overhead_s, self.recompute_op_overhead_s, self.module_call_s,
+                   self.optimizer_op_overhead_s,
+                   self.checkpoint_block_s]
         numbers += [v for curve in self.matmul_curve.values() for point in curve for v in point]
         numbers += [v for point in self.memory_curve for v in point]
         numbers += [v for curves in (self.kernel_curves, self.kernel_byte_curves)
@@ -109,7 +120,9 @@ class DeviceSpeed:
 def compute_time(costs: StepCosts, speed: DeviceSpeed, precision="fp32") -> dict[str, float]:
     """Seconds of the step's compute, split as ``BREAKDOWN`` (plus "total"): per op, the longer
     of its FLOPs at the achievable rate and its bytes at the achievable bandwidth, plus the
-    device's per-op overhead. Collectives are not included (the communication model's part)."""
+    device's per-op overhead; and the Python cost of each module call and checkpointed block, where
+    the device has one (in "other", or "recompute" for the recomputed forward). Collectives are not
+    included (the communication model's part)."""
     precision = Precision.parse(precision)
     parts = dict.fromkeys(BREAKDOWN, 0.0)
     for op in costs.ops:
@@ -117,12 +130,17 @@ def compute_time(costs: StepCosts, speed: DeviceSpeed, precision="fp32") -> dict
         seconds = speed.op_overhead_s
         if op.phase == "recompute" and speed.recompute_op_overhead_s:
             seconds = speed.recompute_op_overhead_s
+        elif op.phase == "optimizer" and speed.optimizer_op_overhead_s:
+            seconds = speed.optimizer_op_overhead_s
         if flops:
             seconds += max(flops / speed.flop_rate(precision, op.op_class, flops, op.kernel),
                            moved / speed.byte_rate(moved))
         elif moved:
             seconds += moved / speed.byte_rate(moved, op.kernel)
         parts["recompute" if op.phase == "recompute" else op.op_class] += seconds * op.count
+    for phase, calls in costs.module_calls.items():
+        parts["recompute" if phase == "recompute" else "other"] += calls * speed.module_call_s
+    parts["recompute"] += costs.checkpoint_blocks * speed.checkpoint_block_s
     parts["total"] = sum(parts[k] for k in BREAKDOWN)
     return parts
 

@@ -16,6 +16,7 @@ from ..planning.planfile import load_planned_workload, planned_model_file
 from ..precision import Precision, grad_scaler, scaler_settings
 from ..distributed.sharding import Sharding
 from ..distributed.sharding.settings import resolve_shard_group
+from ..compiled import compiled_step_module, eager_module, is_compiled, with_compile
 from ..distributed.sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
 from . import checkpoint_lock, checks, restart, sharded_checkpoint
 from ..distributed import process_group as distributed
@@ -75,7 +76,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
           checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
           overwrite: bool = False, metrics_path=None, clip_grad_norm=_FROM_PLAN, seed: int = 0,
           device=None, num_workers: int = 0, progress: bool = True, measure_noise_scale: bool = True,
-          save_path=None, grad_scaler=None, on_checkpoint=None) -> TrainResult:
+          save_path=None, grad_scaler=None, on_checkpoint=None, compile=None) -> TrainResult:
     """Train ``workload`` as ``plan`` says: its micro-batches, accumulation, world size,
     precision, checkpointing, LR and warmup, with the gradient of each window exactly that of the
     whole window as one batch.
@@ -96,11 +97,13 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     complete (a cluster's own checkpointing takes it from there: ``autotune.integrations.ray``).
     Under ``srun`` without torchrun, SLURM's task environment gives the ranks
     (``autotune.distributed.environment.adopt_slurm``).
+    A plan with ``compile`` trains the compiled step (its backend); ``compile`` (True: inductor,
+    or a backend name) compiles a plan that was not, whose peak is then the eager step's.
     """
     adopt_slurm()
     plan_source = plan if isinstance(plan, (str, Path)) else "the plan"
     plan = checks.load_plan(plan)
-    workload = load_planned_workload(plan, workload, source=str(plan_source))
+    workload = with_compile(load_planned_workload(plan, workload, source=str(plan_source)), compile)
     clip = plan.clip_grad_norm if clip_grad_norm is _FROM_PLAN else clip_grad_norm
     checks.check_options(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          resume=resume, clip_grad_norm=clip, num_workers=num_workers, seed=seed,
@@ -183,7 +186,11 @@ class _Session:
         self.layout = WindowLayout(effective_batch=plan.effective_batch, micro_batches=plan.micro_batches,
                                    world_size=ctx.world_size, rank=ctx.rank, dataset_size=dataset_size)
         torch.manual_seed(seed)  # the same initial weights on every rank and in every run
-        model = workload.new_model().to(ctx.device)
+        built = workload.new_model()
+        # build_model()'s torch.compile: its eager module is the one checkpointed, sharded and
+        # saved (state dict keys without "_orig_mod."); the compiled one runs the steps.
+        model = eager_module(built).to(ctx.device)
+        self.compiled_by_model = built if is_compiled(built) else None
         model.train()
         if plan.checkpointing:
             enable_checkpointing(model, source=workload.source,
@@ -228,7 +235,7 @@ class _Session:
                              f"step {self.state.step} in {self.checkpoint_dir}")
             if recorded:
                 metrics.note(self._describe_recorded_split())
-            runner = StepRunner(model=distributed.wrap_model(self.model, self.ctx),
+            runner = StepRunner(model=self._step_model(),
                                 optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                 precision=self.precision, workload=self.workload, ctx=self.ctx,
                                 clip_grad_norm=self.clip, state=self.state, notify=metrics.note,
@@ -266,6 +273,13 @@ class _Session:
             micro_batches=_current_split(self.plan, self.state), interrupted=interrupted,
             checkpoint=self.path, rank=self.ctx.rank, world_size=self.ctx.world_size,
             noise_scale=noise, noise_scale_note=note, warnings=warnings)
+
+    def _step_model(self) -> torch.nn.Module:
+        """What each micro-step calls: the model wrapped for the ranks, compiled as the plan says
+        (``--compile``'s backend, or build_model's own compiled module)."""
+        if self.compiled_by_model is not None:
+            return distributed.wrap_model(self.compiled_by_model, self.ctx)
+        return compiled_step_module(distributed.wrap_model(self.model, self.ctx), self.workload.compile)
 
     def _nothing_to_train(self, progress: bool) -> TrainResult:
         """The checkpoint is at or past the last step asked for: no step is run and nothing is

@@ -76,15 +76,18 @@ class Measurement:
 
 
 def measure_configuration(workload: Workload, backend: MemoryBackend, config: Configuration, *,
-                          windows: int = TIMED_WINDOWS, min_seconds: float = MIN_TIMED_S) -> Measurement:
+                          windows: int = TIMED_WINDOWS, min_seconds: float = MIN_TIMED_S,
+                          clock=time.perf_counter) -> Measurement:
     """Run one warm-up window, then timed windows of ``config``: at least ``windows``, and more
-    until they add up to ``min_seconds`` (at most ``MAX_TIMED_WINDOWS``)."""
+    until they add up to ``min_seconds`` (at most ``MAX_TIMED_WINDOWS``). ``clock`` times each
+    window (wall time; ``time.thread_time`` for the work of a one-thread CPU step alone, without
+    the time slices a shared machine gives other processes)."""
     started = time.perf_counter()
     session = TrialSession(workload, backend, precision=Precision.parse(config.precision),
                            checkpointing=config.checkpointing)
     try:
         with session:
-            result = _measure_in(session, config, windows, min_seconds)
+            result = _measure_in(session, config, windows, min_seconds, clock)
     except SetupOutOfMemory:
         result = Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True)
     result.seconds = time.perf_counter() - started
@@ -120,7 +123,7 @@ def _window(config: Configuration) -> Window:
 
 
 def _measure_in(session: TrialSession, config: Configuration, windows: int,
-                min_seconds: float) -> Measurement:
+                min_seconds: float, clock=time.perf_counter) -> Measurement:
     backend = session.backend
     runner = _runner(session, session.precision, session.scaler)
     window = _window(config)
@@ -135,7 +138,7 @@ def _measure_in(session: TrialSession, config: Configuration, windows: int,
     times = []
     with _untracked(backend), _no_gc_pauses():
         while len(times) < windows or (sum(times) < min_seconds and len(times) < MAX_TIMED_WINDOWS):
-            seconds = _timed_window(runner, window, batch, session.device)
+            seconds = _timed_window(runner, window, batch, session.device, clock)
             if seconds is None:  # possible on CUDA (fragmentation) even after the warm-up fitted
                 return Measurement(samples_per_s=None, peak_bytes=peak, out_of_memory=True)
             times.append(seconds)
@@ -203,16 +206,17 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
     return times
 
 
-def _timed_window(runner: StepRunner, window: Window, batch, device: torch.device) -> float | None:
+def _timed_window(runner: StepRunner, window: Window, batch, device: torch.device,
+                  clock=time.perf_counter) -> float | None:
     """Seconds of one window, device work included; None when it ran out of memory."""
     _synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     ran = _run_window(runner, window, batch)
     _synchronize(device)
     if not ran:
         free_memory()
         return None
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _run_window(runner: StepRunner, window: Window, batch) -> bool:

@@ -74,9 +74,11 @@ def spread_evenly(count: int, total: int) -> list[int]:
     return [i * total // count for i in range(count)]
 
 
-def enable_checkpointing(model: torch.nn.Module, *, source: str = "model", blocks: int | None = None) -> int:
-    """Checkpoint ``blocks`` of the model's repeated blocks (spread evenly; None: all of them);
-    returns how many blocks are checkpointed.
+def enable_checkpointing(model: torch.nn.Module, *, source: str = "model", blocks: int | None = None,
+                         indices: list[int] | None = None) -> int:
+    """Checkpoint ``blocks`` of the model's repeated blocks (spread evenly; None: all of them),
+    or the blocks at ``indices`` (wrapped here, never by a model's own switch); returns how many
+    blocks are checkpointed.
 
     With every block, models with their own switch are switched with it, also where they sit
     inside the model (a Hugging Face model in a LightningModule), and the repeated blocks outside
@@ -91,7 +93,9 @@ def enable_checkpointing(model: torch.nn.Module, *, source: str = "model", block
             f"nn.Sequential of layers with parameters), and this model has none; use checkpointing off"
         )
     _cache_off(model)
-    if blocks is None or blocks == len(candidates):
+    if indices is not None:
+        count, chosen = 0, [candidates[i] for i in indices]
+    elif blocks is None or blocks == len(candidates):
         count = sum(_enable_own_switch(m) for m in switched)
         chosen = [b for b in repeated_blocks(model, skip=switched) if any(True for _ in b.parameters())]
     else:

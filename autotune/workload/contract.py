@@ -66,6 +66,9 @@ class Workload:
     """The sequence length every batch is made at (``make_batch(n, seq_len)``); None: the
     model file's own (``make_batch(n)``). Set with ``at_seq_len``, as a plan with ``seq_len``
     does for ``train`` and ``verify``."""
+    compile: str | None = None
+    """The torch.compile backend the training step runs under (``--compile``; None: the model
+    as ``build_model()`` returns it, compiled or not). See ``autotune/compiled.py``."""
 
     def __post_init__(self):
         if not (isinstance(self.model, torch.nn.Module) or callable(self.model)):

@@ -1,0 +1,175 @@
+"""Planning Llama-3.1-shaped models from few identical blocks: exactness, seconds and peak RSS.
+
+Two tables (bench/README.md, "llama_plans.py"):
+
+1. ``--check``: one rank's estimated step (fake tensors, CUDA accounting: the foreach AdamW as on
+   the GPU) of bench/llama_like.py from the small builds extended to every block, against the full
+   fake build, with the seconds of each. Each row runs in this process, one after the other.
+2. ``--plan``: ``autotune plan bench/llama_like.py --gpu h100-80gb`` at sequence 8192 (8B on 8
+   GPUs, 70B on 256, 405B on 512), each in a fresh process: its CPU seconds, wall seconds and peak
+   RSS (getrusage), the plan it made (layout, split, checkpointing, per-rank peak), and where
+   ``--full`` asks, the same plan from full builds (as before) with its seconds.
+
+    OMP_NUM_THREADS=1 python bench/llama_plans.py --check 8b 70b --plan 8b 70b 405b --full 8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SEQ_LEN = 8192
+PLANS = {"8b": (8, 64), "70b": (256, 512), "405b": (512, 1024)}  # world size, target batch
+CHECKS = {  # (world size, micro-batch, precision, checkpointing, shard group)
+    "8b": [(8, 1, "bf16", "on", None), (8, 2, "bf16", "on", None), (8, 1, "bf16", "off", None),
+           (64, 2, "bf16", "on", None), (8, 1, "fp32", "16", None), (16, 1, "bf16", "on", 8),
+           (1, 1, "bf16", "on", None)],
+    "70b": [(256, 1, "bf16", "on", None), (64, 2, "bf16", "on", 32)],
+}
+
+
+def check(shape: str) -> list[dict]:
+    """Rows of (few-block estimate, full-build estimate) for ``shape``, in a child process (the
+    model's shape is read from the environment at import)."""
+    code = ("import json, sys; sys.path.insert(0, %r); from bench.llama_plans import _check_rows; "
+            "print(json.dumps(_check_rows(%r)))" % (str(ROOT), shape))
+    done = subprocess.run([sys.executable, "-c", code], env=_env(shape), capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check_rows(shape: str) -> list[dict]:
+    from autotune.memory.fake import EstimateMemoryBackend
+    from autotune.probing.affine_blocks import full_builds
+    from autotune.probing.api import window_trial
+
+    rows = []
+    for world, n, precision, checkpointing, group in CHECKS[shape]:
+        args = dict(micro_batch=n, window=1, precision=precision, checkpointing=checkpointing,
+                    sharding="fsdp" if world > 1 else "ddp", world_size=world, shard_group=group)
+        found = {}
+        for way in ("few", "full"):
+            started = time.perf_counter()
+            with full_builds() if way == "full" else contextlib.nullcontext():
+                trial = window_trial(ROOT / "bench" / "llama_like.py",
+                                     EstimateMemoryBackend(None, for_cuda=True), **args)
+            found[way] = (trial.peak_bytes, trial.activation_peak_bytes, trial.step_peak_bytes,
+                          time.perf_counter() - started)
+        rows.append({"world": world, "group": group, "n": n, "precision": precision,
+                     "checkpointing": checkpointing, **found})
+    return rows
+
+
+def plan(shape: str, out: pathlib.Path, *, full: bool) -> dict:
+    world, target = PLANS[shape]
+    command = ["-m", "autotune", "plan", str(ROOT / "bench" / "llama_like.py"), "--gpu",
+               "h100-80gb", "--world-size", str(world), "--target-batch", str(target), "-o", str(out)]
+    if full:  # the same command with the estimates on full builds
+        command = ["-c", "import sys, runpy; from autotune.probing import affine_blocks; "
+                   "affine_blocks._enabled = False; sys.argv = ['autotune', *sys.argv[1:]]; "
+                   "runpy.run_module('autotune', run_name='__main__')", *command[2:]]
+    # getrusage(RUSAGE_CHILDREN) holds the largest finished child so far: each plan is measured
+    # from its own python so the numbers do not mix.
+    wrapper = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+               "rc = subprocess.run(sys.argv[1:]).returncode; u = resource.getrusage("
+               "resource.RUSAGE_CHILDREN); print(rc, u.ru_maxrss, u.ru_utime + u.ru_stime, "
+               "time.perf_counter() - t)")
+    done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, *command], env=_env(shape),
+                          capture_output=True, text=True)
+    rc, rss_kib, cpu_s, wall_s = done.stdout.strip().splitlines()[-1].split()
+    found = {"rss_gib": int(rss_kib) / 2**20, "cpu_s": float(cpu_s), "wall_s": float(wall_s)}
+    if int(rc):
+        # An answer too: no layout autotune plans today fits (405B at 8192 needs TP or PP).
+        error = next((line for line in done.stderr.splitlines() if line.startswith("Error: ")), None)
+        if error is None or "does not fit" not in error:
+            raise RuntimeError(done.stderr[-3000:])
+        return {**found, "plan": None, "error": error}
+    return {**found, "plan": json.loads(out.read_text())}
+
+
+def _fits_nowhere(error: str) -> str:
+    """The smallest per-rank need the error names (its settings' "needs X" or "with X in use")."""
+    import re
+
+    needs = re.findall(r"checkpointing (\w+), one rank of \d+ under ([\w-]+)\): one training step "
+                       r"at micro-batch 1 ran out of memory with ([\d.]+ [KMGT]iB) in use", error)
+    return "; ".join(f"{layout} ckpt {ckpt} {need}" for ckpt, layout, need in needs) or error[:200]
+
+
+def _env(shape: str) -> dict:
+    return dict(os.environ, AUTOTUNE_LLAMA=shape, AUTOTUNE_LLAMA_SEQ=str(SEQ_LEN),
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def _gib(value) -> str:
+    return "-" if value is None else f"{value / 2**30:.3f} GiB"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", nargs="*", default=[], choices=list(CHECKS))
+    parser.add_argument("--plan", nargs="*", default=[], choices=list(PLANS))
+    parser.add_argument("--full", nargs="*", default=[], choices=list(PLANS),
+                        help="also plan these from full builds, for the speed-up")
+    args = parser.parse_args()
+    ok = True
+    if args.check:
+        print(f"| model | world / group | n | precision | ckpt | few blocks: peak (forward-backward, "
+              f"optimizer) | full build | difference | few s | full s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for shape in args.check:
+            for row in check(shape):
+                few, full = row["few"], row["full"]
+                same = few[:3] == full[:3]
+                ok = ok and same
+                print(f"| {shape} | {row['world']} / {row['group'] or row['world']} | {row['n']} | "
+                      f"{row['precision']} | {row['checkpointing']} | {few[0]} ({few[1]}, {few[2]}) | "
+                      f"{full[0]} ({full[1]}, {full[2]}) | {few[0] - full[0]} B | {few[3]:.1f} | "
+                      f"{full[3]:.1f} |", flush=True)
+    if args.plan:
+        print("\n| model | world | target | CPU s | wall s | peak RSS | layout | split | ckpt | "
+              "per-rank peak | full build: CPU s (speed-up) | same plan |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        with tempfile.TemporaryDirectory(prefix="llama_plans_") as tmp:
+            for shape in args.plan:
+                found = plan(shape, pathlib.Path(tmp) / f"{shape}.json", full=False)
+                made = found["plan"]
+                if made is None:
+                    world, target = PLANS[shape]
+                    print(f"| {shape} | {world} | {target} | {found['cpu_s']:.0f} | {found['wall_s']:.0f} | "
+                          f"{found['rss_gib']:.2f} GiB | none fits: {_fits_nowhere(found['error'])} | "
+                          f"- | - | - | not run | - |", flush=True)
+                    ok = ok and found["cpu_s"] < 60 and found["rss_gib"] < 2
+                    continue
+                versus, same = "not run", "-"
+                if shape in args.full:
+                    before = plan(shape, pathlib.Path(tmp) / f"{shape}-full.json", full=True)
+                    versus = f"{before['cpu_s']:.0f} ({before['cpu_s'] / found['cpu_s']:.1f}x)"
+                    keys = ("micro_batches", "sharding", "shard_group", "checkpointing",
+                            "predicted_peak_bytes")
+                    same = "yes" if all(made.get(k) == before["plan"].get(k) for k in keys) else "NO"
+                    ok = ok and same == "yes"
+                group = f" / {made['shard_group']}" if made.get("shard_group") else ""
+                derived = made["derived"]
+                ckpt = made["checkpointing"]
+                print(f"| {shape} | {made['world_size']} | {made['target_batch']} | {found['cpu_s']:.0f} | "
+                      f"{found['wall_s']:.0f} | {found['rss_gib']:.2f} GiB | {made['sharding']}{group} | "
+                      f"{derived['micro_batch']} × {derived['accumulation_steps']} | "
+                      f"{ckpt['blocks']} of {ckpt['total']} | {_gib(made['predicted_peak_bytes'])} | "
+                      f"{versus} | {same} |", flush=True)
+                ok = ok and found["cpu_s"] < 60 and found["rss_gib"] < 2
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Estimates of a model with identical repeated blocks from small builds, extended to all blocks:
+the same bytes as the full fake build (autotune/probing/affine_blocks.py)."""
+
+import pathlib
+
+import pytest
+
+from autotune.memory.fake import EstimateMemoryBackend
+from autotune.probing import affine_blocks
+from autotune.probing.affine_blocks import (BlockPattern, block_pattern, full_builds,
+                                            identical_block_count)
+from autotune.probing.api import window_trial
+from autotune.probing.estimate import estimate_peaks
+from autotune.workload.contract import load_workload
+
+MODEL = pathlib.Path(__file__).with_name("twelve_block_lm.py")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def small_builds(monkeypatch):
+    """The largest model each trial of a FewBlocksSession ran (a full build of 12 blocks means
+    no extension happened, and an equality with the full build would prove nothing)."""
+    ran = []
+    original = affine_blocks.FewBlocksSession.run
+
+    def run(self, n, **kwargs):
+        ran.append(max(self._sizes()))
+        return original(self, n, **kwargs)
+
+    monkeypatch.setattr(affine_blocks.FewBlocksSession, "run", run)
+    return ran
+
+
+def both(micro_batches, **settings):
+    few = estimate_peaks(MODEL, micro_batches, **settings)
+    with full_builds():
+        full = estimate_peaks(MODEL, micro_batches, **settings)
+    return few, full
+
+
+@pytest.mark.parametrize("checkpointing, blocks", [
+    ("off", 5), pytest.param("on", 5, marks=pytest.mark.slow), (6, 10),
+    pytest.param(1, 6, marks=pytest.mark.slow)])
+def test_a_replica_from_few_blocks_is_the_full_build_to_the_byte(small_builds, checkpointing, blocks):
+    # off and on repeat one block (builds of 4 and 5), 6 of 12 one checkpointed and one plain
+    # block (8 and 10), 1 of 12 a checkpointed first block before plain ones (5 and 6).
+    few, full = both([1, 3], checkpointing=checkpointing)
+    assert few == full
+    assert small_builds and max(small_builds) == blocks
+
+
+def test_fsdp_with_k_of_n_checkpointing_from_few_blocks_is_the_full_build(small_builds):
+    few, full = both([2], sharding="fsdp", world_size=4, checkpointing=6, precision="bf16")
+    assert few == full
+    assert max(small_builds) == 10
+
+
+@pytest.mark.slow
+def test_the_foreach_optimizer_step_extends_to_the_byte(small_builds):
+    # --gpu plans count the foreach AdamW (one transient the size of every parameter at once).
+    def trial():
+        return window_trial(MODEL, EstimateMemoryBackend(None, for_cuda=True), micro_batch=2,
+                            window=3, precision="fp32", checkpointing="on", sharding="fsdp",
+                            world_size=2)
+
+    few = trial()
+    with full_builds():
+        full = trial()
+    fields = ("peak_bytes", "activation_peak_bytes", "step_peak_bytes", "baseline_bytes",
+              "gradient_bytes", "held_gradient_bytes")
+    assert [getattr(few, f) for f in fields] == [getattr(full, f) for f in fields]
+    assert max(small_builds) == 5
+
+
+def test_blocks_that_differ_are_estimated_on_the_full_build(monkeypatch, small_builds):
+    monkeypatch.setenv("AUTOTUNE_BLOCKS_DIFFER", "1")
+    assert identical_block_count(load_workload(MODEL)) is None
+    monkeypatch.delenv("AUTOTUNE_BLOCKS_DIFFER")
+    assert identical_block_count(load_workload(MODEL)) == 12
+
+
+OWN_LIST = """
+import runpy
+import torch
+
+_M = runpy.run_path({model!r})
+make_batch, loss_fn = _M["make_batch"], _M["loss_fn"]
+
+
+class OwnList(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _M["build_model"]()
+        self.__dict__["all_blocks"] = list(self.inner.blocks)
+
+    def forward(self, tokens):
+        x = self.inner.embed(tokens) + self.inner.pos[: tokens.shape[1]]
+        for block in self.__dict__["all_blocks"]:
+            x = block(x)
+        return self.inner.head(self.inner.ln(x))
+
+
+def build_model():
+    return OwnList()
+"""
+
+
+def test_a_model_running_blocks_it_keeps_elsewhere_falls_back_to_the_full_build(tmp_path, small_builds):
+    # The forward iterates a plain list of the blocks: cutting the container changes no step,
+    # and extending it would count blocks that are not cut as if they were.
+    path = tmp_path / "own_list.py"
+    path.write_text(OWN_LIST.format(model=str(MODEL)))
+    few = estimate_peaks(path, [2], checkpointing="on")
+    with full_builds():
+        full = estimate_peaks(path, [2], checkpointing="on")
+    assert few == full
+    assert max(small_builds) == 12  # the small builds' steps ran the cut blocks: the full build ran
+
+
+def test_block_patterns():
+    assert block_pattern(0, 32) == BlockPattern((), (False,), 32)
+    assert block_pattern(32, 32) == BlockPattern((), (True,), 32)
+    assert block_pattern(0, 32).small == (4, 5)
+    assert block_pattern(16, 32) == BlockPattern((), (True, False), 16)
+    assert block_pattern(1, 32) == BlockPattern((True,), (False,), 31)
+    assert block_pattern(8, 32) == BlockPattern((), (True, False, False, False), 8)
+    assert block_pattern(5, 32) is None  # 0, 6, 12, 19, 25: no repeating unit
+    assert block_pattern(4, 8) is None  # a unit of 2 blocks: the larger build has 10
+    assert BlockPattern((True,), (False,), 31).checkpointed(4) == [0]
+    assert BlockPattern((), (True, False), 16).checkpointed(2) == [0, 2]
+    # Named from the nearer end; the units between are not named (their peaks lie below).
+    pattern = BlockPattern((True,), (True, False), 10)
+    assert [pattern.position(i, 5) for i in range(11)] == [
+        ("prefix", 0), (0, 0), (0, 1), (1, 0), (1, 1), None, None, (-2, 0), (-2, 1), (-1, 0), (-1, 1)]
