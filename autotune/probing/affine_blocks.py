@@ -222,6 +222,11 @@ class FewBlocksSession:
     it reports is extended to the whole model; the budget is checked on the extended peak. A
     pattern that does not repeat runs on the full build."""
 
+    compiled = False
+    """Fake-tensor steps run eager (a compiled model's estimate runs apart, probing.isolated): the
+    probe asks every session."""
+    graphs_compiled = 0
+
     def __init__(self, workload, backend: EstimateMemoryBackend, *, session_type, total_blocks: int,
                  layout: dict, precision, checkpointing, sharded: bool, offload: bool,
                  reduce_every_micro_step: bool):
