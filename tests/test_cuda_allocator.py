@@ -245,6 +245,30 @@ def test_a_window_trial_reserves_no_stale_segments_of_its_stand_in_micro_step():
     assert overhead(2) <= overhead(1) + 20 * MiB
 
 
+BLOCKS_MODEL = """
+import torch
+def build_model():
+    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU())
+                                 for _ in range(8)))
+def make_batch(n):
+    return torch.randn(n, 256)
+def loss_fn(model, x):
+    return model(x).square().mean()
+def build_optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+"""
+
+
+def test_a_model_of_identical_blocks_is_estimated_whole_for_cuda(tmp_path):
+    # Tensor bytes extend from small builds of a block model; the allocator's reserved memory
+    # does not, so a CUDA estimate runs the whole model and its tensors are the CPU estimate's.
+    path = tmp_path / "blocks.py"
+    path.write_text(BLOCKS_MODEL)
+    tensors, reserved = autotune.estimate_cuda_peaks(path, [64])[64]
+    assert tensors == autotune.probing.estimate.estimate_peaks(path, [64])[64]
+    assert reserved >= tensors
+
+
 def test_workspaces_and_hopper():
     assert cublas_workspaces(True, {}) == [32 * MiB, MiB]
     assert cublas_workspaces(False, {}) == [8 * MiB + 128 * KiB, MiB]

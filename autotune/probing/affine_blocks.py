@@ -76,9 +76,11 @@ def layout_session(workload, backend, *, session_type, precision, checkpointing,
                         offload=sharding.offload, reduce_every_micro_step=reduce_every_micro_step)
     layout = dict(sharding=sharding, world_size=world_size, shard_group=shard_group,
                   precision=precision, device_type=backend.device.type)
+    # A modelled CUDA allocator's reserved memory (rounding, cached segments) does not extend
+    # from small builds as tensor bytes do: CUDA estimates run the whole model.
     total = (identical_block_count(workload)
              if _enabled and few_blocks and isinstance(backend, EstimateMemoryBackend)
-             and not torch.distributed.is_initialized() else None)
+             and backend.allocator is None and not torch.distributed.is_initialized() else None)
     if total is not None:
         yield FewBlocksSession(workload, backend, session_type=session_type, total_blocks=total,
                                layout=layout, **session_args)
