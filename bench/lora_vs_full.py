@@ -5,13 +5,15 @@ For the tiny GPT-2 and Llama of examples/real/ (``build_base()`` for full fine-t
 
 - micro-batch: the plan's largest micro-batch for ``--target-batch`` (fp32, checkpointing off)
 - trainable / total: the plan's parameter counts
-- estimate: the fake-tensor estimate of one step at that micro-batch ("-" where the model cannot be
-  built on fake tensors: QLoRA's quantized weights), against
+- estimate: the fake-tensor estimate of one step at that micro-batch (QLoRA's 4-bit layers as
+  stand-ins of the same storage, an unverified upper bound; "-" where there is none), against
 - measured: the CPU backend's peak of the same step (a real trial)
 - trained: the largest peak of 2 optimizer steps of the plan in the built-in loop, against the
   plan's predicted peak
+- "cache on": the LoRA example with Hugging Face's default ``use_cache=True`` (the examples turn
+  the key-value cache off, as peft's guides do for training)
 
-    python bench/lora_vs_full.py --markdown          # about 3 minutes on 2 loaded cores
+    python bench/lora_vs_full.py --markdown          # about 4 minutes on 2 loaded cores
 """
 
 from __future__ import annotations
@@ -34,17 +36,29 @@ REAL = pathlib.Path(__file__).resolve().parent.parent / "examples" / "real"
 MiB = 1 << 20
 
 
-def variants():
+def variants(folder: pathlib.Path):
     """(model, method, workload, model file to train)."""
     for name, model in (("gpt2_lora", "GPT-2"), ("llama_lora", "Llama")):
         lora = load_workload(REAL / f"{name}.py")
         yield model, "full", dataclasses.replace(lora, model=lora.namespace["build_base"]), None
         yield model, "LoRA", lora, REAL / f"{name}.py"
+        cached = _cache_on(REAL / f"{name}.py", folder)
+        yield model, "LoRA, cache on", load_workload(cached), cached
     try:
         import bitsandbytes  # noqa: F401
     except Exception:  # noqa: BLE001 - any import failure: no QLoRA row
         return
     yield "Llama", "QLoRA 4-bit", load_workload(REAL / "llama_qlora.py"), REAL / "llama_qlora.py"
+
+
+def _cache_on(model_file: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+    """The example with Hugging Face's default ``use_cache=True`` (the examples turn it off)."""
+    text = model_file.read_text()
+    if "use_cache=False" not in text:
+        raise SystemExit(f"{model_file} no longer sets use_cache=False: update the cache-on rows")
+    path = folder / f"{model_file.stem}_cache_on.py"
+    path.write_text(text.replace("use_cache=False", "use_cache=True"))
+    return path
 
 
 def measure(workload, model_file, *, limit: str, target_batch: int, folder: pathlib.Path) -> dict:
@@ -77,7 +91,7 @@ def main() -> None:
     rows, full = [], {}
     with tempfile.TemporaryDirectory(prefix="lora_vs_full_") as folder, quiet(), warnings.catch_warnings():
         warnings.simplefilter("ignore", AutotuneWarning)
-        for model, method, workload, model_file in variants():
+        for model, method, workload, model_file in variants(pathlib.Path(folder)):
             r = measure(workload, model_file, limit=args.memory_limit, target_batch=args.target_batch,
                         folder=pathlib.Path(folder))
             plan = r["plan"]

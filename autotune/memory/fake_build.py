@@ -7,9 +7,10 @@ mode holds weak references to (``_apply(): Couldn't swap Linear.weight``). Such 
 on the meta device instead (shapes and dtypes, nothing allocated) and each of its tensors
 replaced by a fake CPU tensor of the same shape, strides, dtype and ``requires_grad``; where even
 that fails (code that reads values while building), it is built for real on the CPU (counted, and
-refused past half the RAM available) and copied onto fake tensors as a model instance is; a model
-no way builds on fake tensors (quantized weights that are tensor subclasses) is measured with real
-trials only (``EstimateUnavailable``). Each fallback is said once per model factory (an
+refused past half the RAM available) and copied onto fake tensors as a model instance is, its
+bitsandbytes 4-bit layers replaced by stand-ins of the same storage (``memory.quantized``; the
+estimate is then unverified, ``estimate_caveat``); a model no way builds on fake tensors (other
+quantized tensor subclasses) is measured with real trials only (``EstimateUnavailable``). Each fallback is said once per model factory (an
 ``AutotuneWarning``), and later builds take the way that worked without trying the others.
 A build that fails for real too is the model file's own error and propagates untouched.
 """
@@ -30,11 +31,14 @@ from ..errors import AutotuneError, AutotuneWarning, EstimateUnavailable, UserCo
 from ..units import format_bytes
 from .cpu import CPUMemoryBackend
 from .oom import is_oom_error
+from .quantized import QuantizedLinear, replace_quantized
 
 _FAKE, _META, _REAL, _NONE = "fake", "meta", "real", "none"
 # How each model factory was last built, and why not on fake tensors (weak keys: a factory that
 # goes away takes its entry).
 _WAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Why a factory's estimate is unverified (quantized layers run as stand-ins).
+_CAVEATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def build_fake_model(workload) -> torch.nn.Module:
@@ -76,24 +80,60 @@ def build_fake_model(workload) -> torch.nn.Module:
         # No later build tries again: each would fail the same way, a real build at a time.
         _remember(workload.model, _NONE, None, why=str(exc))
         raise
+    stand_ins = sum(isinstance(m, QuantizedLinear) for m in model.modules())
+    if stand_ins:
+        _CAVEATS[workload.model] = (
+            f"the memory estimate of {workload.source} is unverified: {stand_ins} bitsandbytes "
+            f"4-bit layers cannot run on fake tensors, so they were counted by dtype (packed "
+            f"weights and quantization state, as built) and run with a dequantized stand-in weight "
+            f"(bitsandbytes' MatMul4Bit dequantizes in forward and backward; a fused kernel may "
+            f"use less); measure on the device (autotune probe, autotune verify) to confirm it")
     if way != _REAL:
         size = sum(t.untyped_storage().nbytes() for t in _tensors(real))
         _say(f"{workload.source}: build_model() cannot run on fake tensors nor on the meta device "
              f"({why}); built it for real on the CPU ({format_bytes(size)} of tensors, freed once "
-             f"copied) and copied it onto fake tensors")
+             f"copied) and copied it onto fake tensors" + (f"; {_CAVEATS[workload.model]}"
+                                                            if stand_ins else ""))
     return _remember(workload.model, _REAL, model)
+
+
+def estimate_caveat(workload) -> str | None:
+    """Why the estimate of ``workload``'s model is unverified (quantized stand-ins), or None;
+    known once a build on fake tensors ran."""
+    if workload.model_is_instance:
+        return None
+    try:
+        return _CAVEATS.get(workload.model)
+    except TypeError:
+        return None
 
 
 def fake_copy(model: torch.nn.Module, source: str) -> torch.nn.Module:
     """A deep copy of ``model`` made inside a fake mode: fake tensors of its real ones."""
     try:
-        return copy.deepcopy(model)
+        return copy.deepcopy(model, _plain_tensors_made_fake(model))
     except (TypeError, RuntimeError, copy.Error) as exc:
         raise EstimateUnavailable(
             f"{source}: the model instance cannot be copied onto fake tensors "
             f"({type(exc).__name__}: {exc}); pass the model file (a build_model() factory) or "
             f"measure with real trials (autotune probe)"
         ) from exc
+
+
+def _plain_tensors_made_fake(model: torch.nn.Module) -> dict:
+    """A ``deepcopy`` memo of each buffer and tensor attribute that is not a parameter: a fake
+    tensor of its layout, made in the fake mode in force (which counts it). ``Tensor.__deepcopy__``
+    copies such a tensor through its storage, which a fake mode refuses (Llama's rotary
+    frequencies, bitsandbytes' quantization state); a parameter copies through ``clone()``."""
+    memo = {}
+    for module in model.modules():
+        tensors = [*module._buffers.values(), *(v for v in vars(module).values()
+                                                if isinstance(v, torch.Tensor))]
+        for t in tensors:
+            if (t is not None and not isinstance(t, (torch.nn.Parameter, fake_tensor.FakeTensor))
+                    and type(t) is torch.Tensor and id(t) not in memo):
+                memo[id(t)] = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
+    return memo
 
 
 def _may_build_elsewhere(exc: Exception) -> bool:
@@ -171,6 +211,10 @@ def _real_build(workload, why: str) -> torch.nn.Module:
 
 
 def _copied(real: torch.nn.Module, source: str, why: str) -> torch.nn.Module:
+    # bitsandbytes' 4-bit layers, which no fake copy can make, become stand-ins that hold their
+    # storage by dtype (memory.quantized); the estimate is then unverified for this model.
+    with fake_tensor.unset_fake_temporarily():
+        replace_quantized(real)
     try:
         return fake_copy(real, source)
     except EstimateUnavailable as exc:
@@ -216,4 +260,4 @@ def _fake_from_meta(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-__all__ = ["build_fake_model", "fake_copy"]
+__all__ = ["build_fake_model", "estimate_caveat", "fake_copy"]

@@ -24,7 +24,7 @@ from ..distributed import collectives
 from ..compiled import eager_module, with_compile
 from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError, given, option
 from ..memory.fake import fake_tensor_limits
-from ..memory.fake_build import build_fake_model
+from ..memory.fake_build import build_fake_model, estimate_caveat
 from ..memory import backend_for
 from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointing_worth_probing,
@@ -162,6 +162,9 @@ def plan(
         even=even, sharding=sharding, shard_group=shard_group, eval_batch=eval_batch,
         max_eval_batch=max_eval_batch)
     planned = _Planner(workload, options).run()
+    caveat = estimate_caveat(workload)
+    if planned.estimated and caveat is not None:  # real trials would have measured it
+        planned.warnings.append(caveat)
     planned.reasons["batch_shapes"] = tokens.batch_shapes(workload, planned.micro_batch)
     return planned if token_request is None else tokens.with_tokens(planned, token_request)
 
