@@ -2,7 +2,8 @@
 
 For every bundled example at three micro-batches, with and without activation checkpointing:
 the predicted step time (``predict_step_time``'s parts: the fake step's FLOPs, bytes, module calls
-and checkpointed blocks, timed by the roofline with this CPU's speed) next to the measured one
+and checkpointed blocks, timed by the roofline with this CPU's speed, plus the training loop's own
+work per micro-step and per window, ``roofline.window_time``) next to the measured one
 (single process, the training loop's own step via ``autotune.tuning.measure``: the median of its
 timed windows of one micro-step each; the fastest is printed beside it). One thread, in the
 microbenchmarks and in the step, both timed on the thread's CPU clock (``cpu_profile.clock``).
@@ -36,7 +37,8 @@ from autotune.cli.format import table  # noqa: E402
 from autotune.memory.cpu import CPUMemoryBackend  # noqa: E402
 from autotune.timing.cpu_profile import clock, measure_cpu_speed, scaled_speed, speed_probe  # noqa: E402
 from autotune.timing.count import count_steps_costs  # noqa: E402
-from autotune.timing.roofline import compute_time  # noqa: E402
+from autotune.timing.roofline import window_time  # noqa: E402
+from autotune.tuning.loop_cost import with_loop_costs  # noqa: E402
 from autotune.tuning.measure import Configuration, measure_configuration  # noqa: E402
 from autotune.workload import load_workload  # noqa: E402
 
@@ -75,12 +77,14 @@ def measured_step(workload, n: int, checkpointing: str, windows: int) -> tuple[f
 
 def _measured_speed():
     started = time.perf_counter()
-    speed = measure_cpu_speed(precisions=("fp32",))
+    speed = with_loop_costs(measure_cpu_speed(precisions=("fp32",)))
     print(f"  {speed.name}: fp32 matmul {speed.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, memory "
           f"{speed.memory_bandwidth / 1e9:.2f} GB/s, {speed.op_overhead_s * 1e6:.2f} us per op, "
           f"{speed.recompute_op_overhead_s * 1e6:.1f} us per recomputed op, "
           f"{speed.module_call_s * 1e6:.1f} us per module call, "
-          f"{speed.checkpoint_block_s * 1e6:.0f} us per checkpointed block "
+          f"{speed.checkpoint_block_s * 1e6:.0f} us per checkpointed block, loop "
+          f"{speed.loop_micro_step_s * 1e6:.0f} us per micro-step + {speed.loop_window_s * 1e6:.0f} us "
+          f"per window "
           f"(measured in {time.perf_counter() - started:.1f} s)", flush=True)
     return speed
 
@@ -109,7 +113,7 @@ def main() -> int:
                 before = after
                 seconds, fastest = measured_step(workload, n, checkpointing, args.windows)
                 after = speed_probe()
-                around = [compute_time(costs[n], scaled_speed(speed, base, probe))
+                around = [window_time(costs[n], scaled_speed(speed, base, probe))
                           for probe in (before, after)]
                 parts = {k: math.sqrt(around[0][k] * around[1][k]) for k in around[0]}
                 low, high = sorted(p["total"] / seconds for p in around)
@@ -127,7 +131,7 @@ def main() -> int:
                              str(sum(costs[n].module_calls.values())), str(costs[n].checkpoint_blocks),
                              " ".join(f"{k[:4]} {parts[k] * 1e3:.2f}" for k in
                                       ("matmul", "attention", "elementwise", "optimizer", "other",
-                                       "recompute") if parts[k])])
+                                       "recompute", "loop") if parts[k])])
         spearmans[example] = spearman(predicted, measured)
     print(table(["example", "micro-batch", "ckpt", "predicted ms", "measured ms", "fastest ms", "ratio",
                  "band", "GFLOP", "ops", "modules", "blocks", "breakdown ms"], rows))

@@ -1,5 +1,7 @@
 """The step-time model (autotune.timing): exact FLOPs of the fake step, recompute under
-checkpointing, FSDP2's collectives, the roofline, the CPU speed cache and ``estimate --time``."""
+checkpointing, FSDP2's collectives, the roofline, the CPU speed cache and ``estimate --time``; the
+checkpoint microbenchmark's recomputed ops, and the training loop's own cost per window and per
+micro-step (``roofline.window_time``, ``tuning.loop_cost``)."""
 
 import dataclasses
 import json
@@ -16,7 +18,8 @@ from autotune.cli.main import cli
 from autotune.timing import cpu_profile
 from autotune.timing.costs import OpCost, StepCosts
 from autotune.timing.count import count_step_costs
-from autotune.timing.roofline import DeviceSpeed, compute_time, speed_for_profile
+from autotune.timing.roofline import DeviceSpeed, compute_time, speed_for_profile, window_time
+from autotune.tuning import loop_cost
 
 N, D_IN, D_HID, D_OUT = 4, 16, 32, 8
 
@@ -305,3 +308,66 @@ def test_cli_estimate_gpu_needs_time():
     result = CliRunner().invoke(cli, ["estimate", "examples/mlp.py", "--micro-batch", "8", "--gpu",
                                       "h100-80gb"])
     assert result.exit_code == 2 and "--gpu needs --time" in result.output
+
+
+def test_window_time_adds_the_loop_per_window_and_per_micro_step_and_one_optimizer_step():
+    costs = StepCosts(ops=(OpCost("elementwise", "forward", flops=0, bytes=0, count=10),
+                           OpCost("optimizer", "optimizer", flops=0, bytes=0, count=4)),
+                      collectives=(), micro_batch=1)
+    speed = _speed(loop_micro_step_s=3e-5, loop_window_s=2e-4)
+    parts = window_time(costs, speed, 5)
+    assert parts["elementwise"] == pytest.approx(5 * 10 * 1e-6)
+    assert parts["optimizer"] == pytest.approx(4 * 1e-6)  # once per window
+    assert parts["loop"] == pytest.approx(2e-4 + 5 * 3e-5)
+    assert parts["total"] == pytest.approx(5 * 10e-6 + 4e-6 + 2e-4 + 5 * 3e-5)
+    assert window_time(costs, _speed(), 1)["loop"] == 0.0  # a profile without loop costs
+    with pytest.raises(ValueError):
+        window_time(costs, speed, 0)
+
+
+def test_scaled_speed_scales_the_loop_costs_as_every_per_call_cost():
+    speed = _speed(loop_micro_step_s=3e-5, loop_window_s=2e-4)
+    scaled = cpu_profile.scaled_speed(speed, (100.0, 10.0, 1e-6), (100.0, 10.0, 2e-6))
+    assert scaled.loop_micro_step_s == pytest.approx(6e-5)
+    assert scaled.loop_window_s == pytest.approx(4e-4)
+
+
+def test_checkpoint_microbenchmark_divides_by_the_ops_the_step_counts_as_recomputed():
+    body, leaves = cpu_profile._checkpoint_layers(3)
+
+    class Layers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = torch.nn.ParameterList(leaves[1:])
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+
+    workload = Workload(model=Layers, make_batch=lambda n: torch.randn(n, 4),
+                        loss_fn=lambda model, batch: model(batch).sum(), source="layers")
+    recomputed = sum(op.count for op in count_step_costs(workload, 2).ops if op.phase == "recompute")
+    assert recomputed == cpu_profile._recomputed_ops(body, leaves)
+
+
+def test_checkpoint_microbenchmark_is_finite_and_positive():
+    block, per_op = cpu_profile._checkpoint_overheads(5e-6)
+    assert math.isfinite(block) and block >= 0
+    assert math.isfinite(per_op) and per_op > 0
+
+
+def test_loop_costs_are_measured_once_and_cached_with_the_profile(tmp_path, monkeypatch):
+    speed = _speed(peak_flops={"fp32": 1e11}, memory_bandwidth=1e10,
+                   matmul_curve={"fp32": ((1e3, 0.1), (1e9, 1.0))})
+    monkeypatch.setattr(cpu_profile, "measure_cpu_speed", lambda: speed)
+    measured = loop_cost.cpu_speed_with_loop(cache_dir=tmp_path)
+    for value in (measured.loop_micro_step_s, measured.loop_window_s):
+        assert math.isfinite(value) and value >= 0
+    assert measured.loop_micro_step_s + measured.loop_window_s > 0  # the loop does cost something
+    assert dataclasses.replace(measured, loop_micro_step_s=0.0, loop_window_s=0.0,
+                               sources=speed.sources) == speed
+
+    def no_measuring(_):
+        raise AssertionError("measured although cached")
+
+    monkeypatch.setattr(loop_cost, "with_loop_costs", no_measuring)
+    assert loop_cost.cpu_speed_with_loop(cache_dir=tmp_path) == measured

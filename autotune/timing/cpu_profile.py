@@ -30,9 +30,9 @@ MEMORY_ELEMENTS = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 """fp32 elements per tensor of the bandwidth microbenchmark (4 KiB to 64 MiB; three tensors)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE_FILE = "cpu-speed.json"
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 """2: the CPU clock at one thread, module-call, checkpoint-block and optimizer-op costs, layer
-norm / softmax / embedding / NLL loss curves."""
+norm / softmax / embedding / NLL loss curves. 3: checkpoint costs from transformer-like layers."""
 _MIN_SECONDS = 0.02
 """Each timed repetition runs at least this long; the median of ``_REPEATS`` counts."""
 _REPEATS = 7
@@ -41,7 +41,7 @@ _REPEATS = 7
 def cpu_speed(*, refresh: bool = False, cache_dir: Path | None = None) -> DeviceSpeed:
     """This CPU's ``DeviceSpeed`` at the current thread count: from the cache, or measured (and
     cached) when absent, unreadable or ``refresh``."""
-    path = (cache_dir or default_cache_dir()) / CACHE_FILE
+    path = cache_path(cache_dir)
     key = machine_key()
     if not refresh:
         cached = load_cached(path, key)
@@ -50,6 +50,11 @@ def cpu_speed(*, refresh: bool = False, cache_dir: Path | None = None) -> Device
     speed = measure_cpu_speed()
     save_cached(path, key, speed)
     return speed
+
+
+def cache_path(cache_dir: Path | None = None) -> Path:
+    """The cache file: under ``cache_dir``, or else ``default_cache_dir()``."""
+    return (cache_dir or default_cache_dir()) / CACHE_FILE
 
 
 def default_cache_dir() -> Path:
@@ -83,14 +88,15 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
                      for family, rates in _kernel_rates(call).items()}
     byte_rates = _memory_kernel_rates(call)
     byte_rates.update(_counted_kernel_rates(call))
-    checkpoint_block, recompute_op = _checkpoint_overheads()
+    op_overhead = _training_op_overhead()
+    checkpoint_block, recompute_op = _checkpoint_overheads(op_overhead)
     # The bandwidth is the largest op's; smaller ops reach less of it (or more, where the
     # prefetchers and cache lines already in flight help).
     bandwidth = rates[-1][1]
     return DeviceSpeed(
         name=f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads", peak_flops=peaks,
         memory_bandwidth=bandwidth, fractions={"matmul": 1.0, "attention": 1.0, "memory": 1.0},
-        op_overhead_s=_training_op_overhead(), recompute_op_overhead_s=recompute_op,
+        op_overhead_s=op_overhead, recompute_op_overhead_s=recompute_op,
         optimizer_op_overhead_s=_optimizer_op_overhead(),
         module_call_s=_module_call_overhead(), checkpoint_block_s=checkpoint_block,
         matmul_curve=curves, kernel_curves=kernel_curves,
@@ -119,7 +125,8 @@ def scaled_speed(speed: DeviceSpeed, then: tuple, now: tuple) -> DeviceSpeed:
         memory_bandwidth=speed.memory_bandwidth * moved, op_overhead_s=speed.op_overhead_s * call,
         recompute_op_overhead_s=speed.recompute_op_overhead_s * call,
         optimizer_op_overhead_s=speed.optimizer_op_overhead_s * call,
-        module_call_s=speed.module_call_s * call, checkpoint_block_s=speed.checkpoint_block_s * call)
+        module_call_s=speed.module_call_s * call, checkpoint_block_s=speed.checkpoint_block_s * call,
+        loop_micro_step_s=speed.loop_micro_step_s * call, loop_window_s=speed.loop_window_s * call)
 
 
 def _work_time(op, call: float) -> float:
@@ -183,33 +190,73 @@ def _optimizer_op_overhead() -> float:
     return _op_time(step) / _dispatched_ops(step)
 
 
-def _checkpoint_overheads() -> tuple[float, float]:
+def _checkpoint_overheads(op_overhead: float) -> tuple[float, float]:
     """(seconds per checkpointed block, seconds per recomputed op) under non-reentrant
-    checkpointing: a checkpointed chain of one-element ops less the plain chain, at a short and a
-    long chain; the long one's extra per extra op is the op's, what is left at the short one the
-    block's (its set-up in forward, the recompute's entry in backward)."""
+    checkpointing: a checkpointed stack of transformer-like layers (layer norm, linear, GELU,
+    linear, residual; written with torch's functions, so no module calls) on a few elements, less
+    the same stack without checkpointing, at one layer and at ``_CHECKPOINT_LAYERS``; the extra per
+    extra recomputed op is the op's, what is left at one layer the block's (its set-up in forward,
+    the recompute's entry in backward). Real layers' ops, not a chain of one-element tanh: their
+    recompute packs and unpacks more saved tensors per op (weights, layer norm's statistics, GELU's
+    input), about three times the tanh chain's cost per op."""
+    def extra(layers: int) -> tuple[float, int]:
+        # Checkpointing also runs ops of its own outside the recompute (detaches of the saved
+        # tensors): the step counts them in their phase at ``op_overhead`` each.
+        body, leaves = _checkpoint_layers(layers)
+        plain, checkpointed = _plain_and_checkpointed(body, leaves)
+        recomputed = _recomputed_ops(body, leaves)
+        others = _dispatched_ops(checkpointed) - _dispatched_ops(plain) - recomputed
+        return _op_time(checkpointed) - _op_time(plain) - others * op_overhead, recomputed
+
+    (short, short_ops), (long, long_ops) = extra(1), extra(_CHECKPOINT_LAYERS)
+    per_op = max((long - short) / (long_ops - short_ops), 0.0)
+    return max(short - per_op * short_ops, 0.0), per_op
+
+
+def _plain_and_checkpointed(body, leaves):
+    """Forward and backward of ``body`` on ``leaves[0]``: as it is, and checkpointed."""
     from torch.utils.checkpoint import checkpoint
 
-    x = torch.ones(1, requires_grad=True)
+    def clear():
+        for leaf in leaves:
+            leaf.grad = None
 
-    def extra(length: int) -> float:
-        def chain(y):
-            return _chain(y, length)
+    def plain():
+        body(leaves[0]).sum().backward()
+        clear()
 
-        def plain():
-            chain(x).sum().backward()
-            x.grad = None
+    def checkpointed():
+        checkpoint(body, leaves[0], use_reentrant=False).sum().backward()
+        clear()
 
-        def checkpointed():
-            checkpoint(chain, x, use_reentrant=False).sum().backward()
-            x.grad = None
+    return plain, checkpointed
 
-        return _op_time(checkpointed) - _op_time(plain)
 
-    ops_per_link = _dispatched_ops(lambda: _chain(x.detach(), 1))
-    short, long = extra(1), extra(_CHAIN)
-    per_op = max((long - short) / ((_CHAIN - 1) * ops_per_link), 0.0)
-    return max(short - per_op * ops_per_link, 0.0), per_op
+def _recomputed_ops(body, leaves) -> int:
+    """The ops checkpoint's recompute of ``body`` reruns: it stops at the last saved tensor the
+    backward needs, so fewer than the forward's."""
+    return _dispatched_ops(_plain_and_checkpointed(body, leaves)[1], recomputed=True)
+
+
+_CHECKPOINT_LAYERS = 8
+
+
+def _checkpoint_layers(layers: int, width: int = 4):
+    """A stack of ``layers`` pre-norm MLP layers on a (2, width) input, as a function of the
+    input, and its leaves (the input first)."""
+    functional = torch.nn.functional
+    weights = [tuple(torch.randn(*shape, requires_grad=True) for shape in
+                     ((4 * width, width), (4 * width,), (width, 4 * width), (width,), (width,), (width,)))
+               for _ in range(layers)]
+
+    def body(h):
+        for up, up_bias, down, down_bias, scale, shift in weights:
+            inner = functional.gelu(functional.linear(functional.layer_norm(h, (width,), scale, shift),
+                                                      up, up_bias))
+            h = h + functional.linear(inner, down, down_bias)
+        return h
+
+    return body, [torch.randn(2, width, requires_grad=True), *(w for layer in weights for w in layer)]
 
 
 def _module_call_overhead() -> float:
@@ -239,20 +286,18 @@ class _Scale(torch.nn.Module):
         return y * 1.0001
 
 
-def _chain(y, length: int = 0):
-    for _ in range(length or _CHAIN):
-        y = torch.tanh(y * 1.0001)
-    return y
-
-
-def _dispatched_ops(fn) -> int:
+def _dispatched_ops(fn, *, recomputed: bool = False) -> int:
+    """The ops ``fn`` dispatches; with ``recomputed``, only checkpoint's recompute (grad mode on
+    inside a backward node: ``count``'s "recompute" phase)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Count(TorchDispatchMode):
         ops = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            _Count.ops += 1
+            if not recomputed or (torch._C._current_autograd_node() is not None
+                                  and torch.is_grad_enabled()):
+                _Count.ops += 1
             return func(*args, **(kwargs or {}))
 
     with _Count():
@@ -277,6 +322,8 @@ def load_cached(path: Path, key: str) -> DeviceSpeed | None:
             module_call_s=float(entry.get("module_call_s", 0.0)),
             optimizer_op_overhead_s=float(entry.get("optimizer_op_overhead_s", 0.0)),
             checkpoint_block_s=float(entry.get("checkpoint_block_s", 0.0)),
+            loop_micro_step_s=float(entry.get("loop_micro_step_s", 0.0)),
+            loop_window_s=float(entry.get("loop_window_s", 0.0)),
             matmul_curve=_curves(entry["matmul_curve"]),
             memory_curve=tuple((float(x), float(y)) for x, y in entry["memory_curve"]),
             kernel_curves=_curves(entry.get("kernel_curves", {})),
@@ -307,6 +354,7 @@ def save_cached(path: Path, key: str, speed: DeviceSpeed) -> None:
         "recompute_op_overhead_s": speed.recompute_op_overhead_s,
         "module_call_s": speed.module_call_s, "checkpoint_block_s": speed.checkpoint_block_s,
         "optimizer_op_overhead_s": speed.optimizer_op_overhead_s,
+        "loop_micro_step_s": speed.loop_micro_step_s, "loop_window_s": speed.loop_window_s,
         "matmul_curve": {k: [list(p) for p in v] for k, v in speed.matmul_curve.items()},
         "memory_curve": [list(p) for p in speed.memory_curve], "sources": speed.sources,
         "kernel_curves": {k: [list(p) for p in v] for k, v in speed.kernel_curves.items()},
@@ -514,5 +562,5 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-__all__ = ["clock", "cpu_speed", "default_cache_dir", "load_cached", "machine_key", "measure_cpu_speed",
+__all__ = ["cache_path", "clock", "cpu_speed", "default_cache_dir", "load_cached", "machine_key", "measure_cpu_speed",
            "save_cached", "scaled_speed", "speed_probe"]

@@ -70,6 +70,12 @@ class DeviceSpeed:
     checkpoint_block_s: float = 0.0
     """Fixed cost of one checkpointed block beyond its recomputed ops: ``checkpoint``'s set-up in
     the forward and the recompute's entry in backward (0: not counted)."""
+    loop_micro_step_s: float = 0.0
+    """The training loop's own work per micro-step beyond the step's ops (``autotune train``'s
+    ``StepRunner``: moving the batch, counting items, scaling the loss; measured on this CPU by
+    ``tuning.loop_cost``; 0: not counted)."""
+    loop_window_s: float = 0.0
+    """...and per window (one optimizer step: zero_grad, the scheduler, metrics)."""
     matmul_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """Per precision, (FLOPs of one matmul, fraction of that precision's peak), ascending."""
     memory_curve: tuple[tuple[float, float], ...] = ()
@@ -87,7 +93,7 @@ class DeviceSpeed:
         numbers = [*self.peak_flops.values(), self.memory_bandwidth, *self.fractions.values(),
                    self.op_overhead_s, self.recompute_op_overhead_s, self.module_call_s,
                    self.optimizer_op_overhead_s,
-                   self.checkpoint_block_s]
+                   self.checkpoint_block_s, self.loop_micro_step_s, self.loop_window_s]
         numbers += [v for curve in self.matmul_curve.values() for point in curve for v in point]
         numbers += [v for point in self.memory_curve for v in point]
         numbers += [v for curves in (self.kernel_curves, self.kernel_byte_curves)
@@ -145,6 +151,22 @@ def compute_time(costs: StepCosts, speed: DeviceSpeed, precision="fp32") -> dict
     return parts
 
 
+def window_time(costs: StepCosts, speed: DeviceSpeed, micro_steps: int = 1,
+                precision="fp32") -> dict[str, float]:
+    """Seconds of one window of ``micro_steps`` micro-steps like ``costs`` (one optimizer step),
+    as ``autotune train`` runs it: each micro-step's compute, the optimizer phase once, and the
+    training loop's own work (``loop``: per window, and per micro-step). Split as ``BREAKDOWN``
+    plus "loop" and "total"."""
+    if micro_steps < 1:
+        raise ValueError(f"window_time: micro_steps must be >= 1, got {micro_steps}")
+    parts = compute_time(costs, speed, precision)
+    parts.pop("total")
+    window = {k: v if k == "optimizer" else v * micro_steps for k, v in parts.items()}
+    window["loop"] = speed.loop_window_s + micro_steps * speed.loop_micro_step_s
+    window["total"] = sum(window.values())
+    return window
+
+
 def speed_for_profile(profile) -> DeviceSpeed:
     """A GPU profile's speed: its datasheet peaks and bandwidth, the cited ``GPU_FRACTIONS``."""
     from ..gpus.catalog import load_profile
@@ -175,4 +197,4 @@ def _interpolate(curve, x: float) -> float:
 
 
 __all__ = ["BREAKDOWN", "DeviceSpeed", "GPU_FRACTIONS", "GPU_OP_OVERHEAD_S", "compute_time",
-           "speed_for_profile"]
+           "speed_for_profile", "window_time"]
