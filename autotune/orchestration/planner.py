@@ -209,7 +209,8 @@ class _Planner:
         self.distributed = options.distributed
         self.world_size = options.world_size
         # --gpu: plan for a profile's device on fake tensors, without it (see autotune.gpus.target).
-        self.target = (profile_target(options.gpu, device=options.device, memory_limit=options.memory_limit)
+        self.target = (profile_target(options.gpu, device=options.device, memory_limit=options.memory_limit,
+                                      world_size=self.world_size)
                        if options.gpu is not None else None)
         self.backend = self.target.backend if self.target else backend_for(options.device, options.memory_limit)
         self.info = self.backend.info()
