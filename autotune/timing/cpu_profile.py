@@ -562,9 +562,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-__all__ = ["cache_path", "clock", "cpu_speed", "default_cache_dir", "load_cached", "machine_key", "measure_cpu_speed",
-           "save_cached", "scaled_speed", "speed_probe"]
-
-
 def _threads(count: int) -> str:
     return f"{count} thread" + ("" if count == 1 else "s")
+
+
+__all__ = ["cache_path", "clock", "cpu_speed", "default_cache_dir", "load_cached", "machine_key", "measure_cpu_speed",
+           "save_cached", "scaled_speed", "speed_probe"]
