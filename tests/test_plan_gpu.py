@@ -101,3 +101,10 @@ def test_model_fake_tensors_cannot_run_fails_clearly(tmp_path):
                                       "-o", str(tmp_path / "p.json")])
     assert result.exit_code == 1 and "Plan on the device" in result.output
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_profile_that_nccl_leaves_nothing_of_is_refused_naming_the_sizes(monkeypatch):
+    monkeypatch.setenv("NCCL_BUFFSIZE", str(2**30))  # 32 channels of 1 GiB: more than a T4 holds
+    with pytest.raises(ConfigError, match=r"--gpu t4: .*16(\.00)? GiB less .*NCCL buffers \(for 2 ranks\) "
+                                          r"leaves nothing for training.*NCCL_BUFFSIZE"):
+        autotune.plan(EXAMPLES / "mlp.py", target_batch=64, world_size=2, gpu="t4")

@@ -71,6 +71,11 @@ def profile_target(gpu, *, device=None, memory_limit=None, world_size: int | Non
     budget = profile.memory_bytes - profile.cuda_context_bytes - nccl
     outside = f"{format_bytes(profile.cuda_context_bytes)} CUDA context" + (
         f" and {format_bytes(nccl)} of NCCL buffers" if nccl else "")
+    if budget <= 0:
+        raise ConfigError(
+            f"--gpu {gpu}: {profile.name}'s {format_bytes(profile.memory_bytes)} less {outside} "
+            f"(for {world_size} ranks) leaves nothing for training; plan for a GPU with more "
+            f"memory" + (", or give NCCL less (NCCL_BUFFSIZE, NCCL_MAX_NCHANNELS)" if nccl else ""))
     info = DeviceInfo(
         kind="cuda", name=profile.name, total_bytes=profile.memory_bytes, budget_bytes=budget,
         budget_source=(f"GPU profile {profile.id}: {format_bytes(profile.memory_bytes)} less "
