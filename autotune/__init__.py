@@ -12,6 +12,9 @@ Public API::
                                  bytes of one step (one rank's under fsdp), estimated on fake
                                  tensors (EstimateUnavailable) (checkpointing: off/on or a bool,
                                  K blocks, or a fraction "1/3")
+    estimate_cuda_peaks(workload, micro_batches, *, gpu_name="", ...) -> {n: (tensors, reserved)}
+                                 the same for a CUDA device, with torch's caching allocator
+                                 modelled (what max_memory_reserved() would show)
     predict_step_time(workload, micro_batches, *, precision="fp32", checkpointing=False, ...,
                       gpu=None) -> {micro_batch: StepTimePrediction}
                                  compute time of one step (roofline on the fake step's FLOPs and
@@ -59,7 +62,7 @@ from .orchestration.verify import VerifyResult, verify_plan
 from .precision import Precision
 from .probing.api import probe
 from .probing.deadline import trial_timeout
-from .probing.estimate import estimate_peak
+from .probing.estimate import estimate_cuda_peaks, estimate_peak
 from .probing.result import MemoryModel, ProbeResult, Trial
 from .probing.seq_len import SeqLenResult, probe_seq_len
 from .report import plot_metrics, plot_plan, write_report
@@ -78,7 +81,8 @@ __all__ = [
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
     "ProbeResult", "ReportError", "Sharding", "StepTimePrediction", "TrainError", "TrainResult",
     "Trial", "UserCodeError",
-    "VerifyResult", "WindowTime", "Workload", "WorkloadError", "__version__", "estimate_peak", "export_plan",
+    "VerifyResult", "WindowTime", "Workload", "WorkloadError", "__version__", "estimate_cuda_peaks",
+    "estimate_peak", "export_plan",
     "is_oom_error", "load_plan", "load_workload", "plan", "plot_metrics", "plot_plan",
     "predict_step_time", "predict_window_time", "probe", "probe_seq_len", "SeqLenResult", "save_plan", "train",
     "trial_timeout", "verify_plan", "write_report",

@@ -2,7 +2,8 @@
 AUTOTUNE_LLAMA names: 1b, 8b (Llama-3-8B: 32 layers, dim 4096, FFN 14336, vocab 128256), 70b or
 405b (Llama-3.1-405B: 126 layers, dim 16384, FFN 53248, 128 heads, 8 KV heads). Sequences of
 AUTOTUNE_LLAMA_SEQ tokens (default 2048), AdamW. Rotary embeddings are left out: they add no parameters and
-little memory. Used by bench/fsdp_plan_rss.py; far too large to build for real on this machine.
+little memory. Used by bench/fsdp_plan_rss.py and
+bench/reserved_memory.py; far too large to build for real on this machine.
 """
 
 import os

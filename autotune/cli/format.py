@@ -17,12 +17,38 @@ def table(headers: list[str], rows: list[list], *, align: str | None = None) -> 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
 
 
+def _reserved_text(plan) -> str:
+    """For a CUDA estimate: the peak is reserved memory; what the tensors hold beside it."""
+    trial = plan.planned_trial
+    if trial is None or trial.allocated_peak_bytes is None:
+        return ""
+    return (f" reserved by the caching allocator (modelled; tensors allocated "
+            f"{format_bytes(trial.allocated_peak_bytes)})")
+
+
+def format_cuda_estimate(source, device: str, peaks: dict) -> str:
+    """``autotune estimate --cuda``: the tensors' and the modelled reserved peak per micro-batch."""
+    rows = [[n, format_bytes(a), format_bytes(r), f"{r / a:.3f}" if a else "-"]
+            for n, (a, r) in peaks.items()]
+    return "\n".join([f"{source}: estimated peak of one training step on {device} (fake tensors, "
+                      f"torch's CUDA caching allocator modelled; nothing allocated)",
+                      table(["micro-batch", "tensors (allocated)", "reserved", "reserved/allocated"],
+                            rows),
+                      "reserved: what torch.cuda.max_memory_reserved() would show, cuBLAS workspaces "
+                      "included; the CUDA context and NCCL buffers come on top"])
+
+
 def format_probe(result, source: str = "") -> str:
     info = result.device
     rows = [[i + 1, t.micro_batch, "yes" if t.fits else "OOM", format_bytes(t.peak_bytes),
              f"{t.seconds:.2f}"] for i, t in enumerate(result.trials)]
     headers = ["trial", "micro-batch", "fits", "peak", "seconds"]
-    if any(t.reserved_peak_bytes is not None for t in result.trials):
+    if any(t.allocated_peak_bytes is not None for t in result.trials):
+        # A CUDA estimate: the peak is the modelled allocator's reserved memory, tensors beside it.
+        headers = [*headers[:3], "reserved", "tensors", "seconds"]
+        rows = [[*row[:4], format_bytes(t.allocated_peak_bytes), row[4]]
+                for row, t in zip(rows, result.trials)]
+    elif any(t.reserved_peak_bytes is not None for t in result.trials):
         # CUDA: what tensors held (peak), what the cache held, retries, and the device as NVML sees it.
         headers = [*headers[:4], "reserved", "retries", "NVML used", "seconds"]
         rows = [[*row[:4], format_bytes(t.reserved_peak_bytes), t.alloc_retries if t.alloc_retries is not None else "-",
@@ -158,8 +184,8 @@ def format_plan(plan) -> str:
     if "gradient_sync" in plan.reasons:  # sharded with accumulation: when gradients are reduced
         lines.append(f"grad sync:    {plan.reasons['gradient_sync']}")
     if plan.predicted_peak_bytes is not None:
-        lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)} predicted at micro-batch "
-                     f"{plan.micro_batch}")
+        lines.append(f"peak:         {format_bytes(plan.predicted_peak_bytes)}{_reserved_text(plan)} "
+                     f"predicted at micro-batch {plan.micro_batch}")
     if plan.step_time is not None:
         lines += format_step_time(plan.step_time)
     if "eval" in plan.reasons:
@@ -252,8 +278,10 @@ def format_verify(result) -> str:
              f"{setting_label(plan.precision, plan.checkpointing_label)}, {result.steps} real steps",
              f"limit:      {format_bytes(result.usable_bytes)} = {format_bytes(result.budget_bytes)} "
              f"budget less {plan.headroom:.0%} headroom"]
-    predicted = format_bytes(plan.predicted_peak_bytes)
+    predicted = format_bytes(result.predicted)
     kind = "estimated" if plan.estimated else "predicted"
+    if result.predicted_bytes is not None:
+        kind += " (tensors; its peak is CUDA's reserved memory)"
     if result.measured_peak_bytes is None:
         lines.append(f"peak:       out of memory (the plan {kind} {predicted})")
     else:

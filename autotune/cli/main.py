@@ -546,6 +546,10 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
               help="Ranks to shard over (with --sharding fsdp; a fake process group, no ranks run).")
 @click.option("--shard-group", type=click.IntRange(min=1), default=None,
               help="Hybrid sharding: shard within groups of N ranks (default: the world size).")
+@click.option("--cuda", "cuda_name", default=None, metavar="NAME",
+              help="For a CUDA device (a name such as H100 or A100: Hopper's cuBLAS workspace is "
+                   "larger): model torch's caching allocator (PYTORCH_CUDA_ALLOC_CONF honoured) "
+                   "and print the reserved peak beside the tensors'.")
 @click.option("--json", "as_json", is_flag=True, help="Print {micro_batch: peak_bytes} as JSON.")
 @click.option("--time", "step_time", is_flag=True,
               help="Predict the compute time of one step instead: FLOPs and bytes per op on the fake "
@@ -554,9 +558,10 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
               help="With --time: predict for this GPU profile (a name or a .toml path).")
 @_errors_to_exit_codes
 def estimate(model_file, micro_batches, precision, checkpointing, sharding, world_size, shard_group,
-             as_json, step_time, gpu):
+             cuda_name, as_json, step_time, gpu):
     """Estimate the peak memory of one training step without allocating it (fake tensors)."""
-    from ..probing.estimate import estimate_peaks
+    from ..probing.estimate import estimate_cuda_peaks, estimate_peaks
+    from .format import format_cuda_estimate
 
     if gpu is not None and not step_time:
         raise click.UsageError("--gpu needs --time (the memory estimate is this device's; "
@@ -577,6 +582,17 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
                                             world_size=world_size, shard_group=shard_group, gpu=gpu,
                                             speed=speed)
         click.echo(format_step_times(predictions, as_json=as_json))
+        return
+
+    if cuda_name is not None:
+        with _stdout_to_stderr(as_json):
+            peaks = estimate_cuda_peaks(model_file, micro_batches, gpu_name=cuda_name,
+                                        precision=precision.lower(), checkpointing=checkpointing,
+                                        sharding=sharding, world_size=world_size,
+                                        shard_group=shard_group)
+        click.echo(json.dumps({str(n): {"allocated_bytes": a, "reserved_bytes": r}
+                               for n, (a, r) in peaks.items()}, indent=2) if as_json
+                   else format_cuda_estimate(model_file, cuda_name, peaks))
         return
 
     with _stdout_to_stderr(as_json):

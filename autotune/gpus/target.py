@@ -1,9 +1,15 @@
 """Planning for a GPU you do not have (``--gpu NAME``): the target comes from a GPU profile.
 
-The probe's search runs unchanged, on the estimate backend: fake CPU tensors with the profile's
-budget (memory less the CUDA context and the allocator reserve), the optimizer on its foreach
-path as on CUDA. Nothing is allocated and no device is needed; the plan is marked ``estimated``
-so that ``autotune verify`` can check it on the real device.
+The probe's search runs unchanged, on the estimate backend: fake CPU tensors, the optimizer on
+its foreach path as on CUDA, and every allocation replayed on a model of torch's CUDA caching
+allocator, so that the peaks are reserved memory (what ``torch.cuda.max_memory_reserved()``
+would show, cuBLAS workspaces included). The budget is the profile's memory less what lives
+outside torch's allocator (the CUDA context; NCCL's buffers for more than one rank, see
+``fixed_costs``). The profile's ``allocator_reserve_bytes`` (kept for fragmentation and
+workspaces when only tensor bytes were counted) is no longer subtracted: both are modelled now,
+and the plan's headroom guards what the model leaves out. Nothing is allocated and no device is
+needed; the plan is marked ``estimated`` so that ``autotune verify`` can check it on the real
+device.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from ..memory.fake import EstimateMemoryBackend
 from ..probing.estimate import estimate_peak
 from ..precision import Precision
 from .catalog import GPUProfile, load_profile
+from .fixed_costs import nccl_buffer_bytes
 from ..units import format_bytes
 
 
@@ -52,22 +59,27 @@ class ProfileTarget:
 
 
 
-def profile_target(gpu, *, device=None, memory_limit=None) -> ProfileTarget:
-    """The target for ``--gpu`` (a bundled profile name or a .toml path)."""
+def profile_target(gpu, *, device=None, memory_limit=None, world_size: int | None = 1) -> ProfileTarget:
+    """The target for ``--gpu`` (a bundled profile name or a .toml path); ``world_size`` ranks
+    (more than one: NCCL's buffers are kept out of the budget)."""
     for option, value in (("--device", device), ("--memory-limit", memory_limit)):
         if value is not None:
             raise ConfigError(f"{option} {value} and --gpu {gpu} both name the device to plan for; "
                               f"drop {option} (--gpu plans for the profile, without the device)")
     profile = load_profile(gpu)
+    nccl = nccl_buffer_bytes(world_size or 1)
+    budget = profile.memory_bytes - profile.cuda_context_bytes - nccl
+    outside = f"{format_bytes(profile.cuda_context_bytes)} CUDA context" + (
+        f" and {format_bytes(nccl)} of NCCL buffers" if nccl else "")
     info = DeviceInfo(
-        kind="cuda", name=profile.name, total_bytes=profile.memory_bytes,
-        budget_bytes=profile.budget_bytes,
+        kind="cuda", name=profile.name, total_bytes=profile.memory_bytes, budget_bytes=budget,
         budget_source=(f"GPU profile {profile.id}: {format_bytes(profile.memory_bytes)} less "
-                       f"{format_bytes(profile.cuda_context_bytes)} CUDA context and "
-                       f"{format_bytes(profile.allocator_reserve_bytes)} allocator reserve; estimated"),
+                       f"{outside}, outside torch's allocator; peaks are its reserved memory "
+                       f"(caching allocator modelled: fragmentation and cuBLAS workspaces "
+                       f"counted, so no {format_bytes(profile.allocator_reserve_bytes)} allocator "
+                       f"reserve); estimated"),
     )
-    return ProfileTarget(profile, EstimateMemoryBackend(profile.budget_bytes, for_cuda=True,
-                                                        target=info))
+    return ProfileTarget(profile, EstimateMemoryBackend(budget, for_cuda=True, target=info))
 
 
 __all__ = ["ProfileTarget", "profile_target"]

@@ -93,6 +93,12 @@ class MemoryBackend(abc.ABC):
     def release(self) -> None:
         """Give cached memory back after a trial."""
 
+    def release_cached(self) -> None:
+        """Inside a trial: forget what a *modelled* CUDA allocator caches and no tensor holds (the
+        estimate for CUDA). A window trial's first micro-step runs at micro-batch 1 in place of
+        one at n: its cached segments would stay reserved beside the next micro-step's, where
+        the real window's micro-steps reuse each other's. Real devices keep their cache."""
+
     def begin_trial(self) -> None:
         """Start the counters ``memory_picture`` reports for one trial."""
 

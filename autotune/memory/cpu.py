@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import ConfigError
 from ..units import format_bytes, parse_bytes
 from .base import DeviceInfo, MemoryBackend
+from .cuda_allocator import AllocatorOutOfMemory
 
 DEFAULT_RAM_FRACTION = 0.5
 """Without --memory-limit, the CPU budget is this share of the RAM psutil reports available."""
@@ -34,6 +35,10 @@ class StorageTracker:
         self._watch: dict[int, weakref.ref] = {}
         self.current = 0
         self.peak = 0
+        self.allocator = None
+        """A ``cuda_allocator.CachingAllocatorModel`` that every allocation, resize and free is
+        replayed on, in order (estimates for a CUDA device); None: storages are only counted. Its
+        limit is this tracker's budget: a segment past it is refused like a byte past it."""
 
     def add(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -62,6 +67,8 @@ class StorageTracker:
         delta = nbytes if known is None else nbytes - known
         if delta > 0:
             self.check_growth(delta)
+        if self.allocator is not None and (delta or known is None):
+            self._replay(key, known, nbytes)
         if known is None:
             # A plain weak reference with a callback: weakref.finalize costs several times more,
             # and the fake-tensor estimate pays it for every storage of the step.
@@ -95,6 +102,31 @@ class StorageTracker:
             self.peak = max(self.peak, self.current + delta)
             raise self._out_of_memory(delta)
 
+    def _replay(self, key: int, known: int | None, nbytes: int) -> None:
+        self.allocator.limit = self.budget_bytes
+        try:
+            if known is None:
+                self.allocator.malloc(key, nbytes)
+            else:
+                self.allocator.resize(key, nbytes)
+        except AllocatorOutOfMemory as exc:
+            self.peak = max(self.peak, self.current + max(nbytes - (known or 0), 0))
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (modelled caching allocator): tried to allocate "
+                f"{format_bytes(nbytes)} needing a new {format_bytes(exc.requested)} of reserved "
+                f"memory with {format_bytes(exc.reserved)} reserved, for "
+                f"{format_bytes(self.current)} of tensors, of the {format_bytes(exc.limit)} "
+                f"autotune budget") from None
+
+    def count_transient(self, nbytes: int) -> None:
+        """An allocation freed before the next op: moves the peaks, leaves nothing."""
+        self.check_growth(nbytes)
+        if self.allocator is not None:
+            key = ("transient", self)
+            self._replay(key, None, nbytes)
+            self.allocator.free(key)
+        self.peak = max(self.peak, self.current + nbytes)
+
     def _out_of_memory(self, delta: int) -> torch.OutOfMemoryError:
         # Worded as torch's own CPU allocator failure, so every OOM handler (ours, Lightning's,
         # Accelerate's) recognises it the same way it recognises a real one.
@@ -108,6 +140,8 @@ class StorageTracker:
         self._watch.pop(key, None)
         nbytes = self._live.pop(key, 0)
         self.current -= nbytes
+        if self.allocator is not None:
+            self.allocator.free(key)
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -119,6 +153,9 @@ class StorageTracker:
         """Stop counting these storages (they stay watched: freeing one later changes nothing)."""
         dropped = sum(self._live.pop(key, 0) for key in keys)
         self.current -= dropped
+        if self.allocator is not None:
+            for key in keys:
+                self.allocator.free(key)
         return dropped
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import traceback
 import weakref
 
@@ -32,6 +33,7 @@ from ..errors import ConfigError, EstimateUnavailable
 from .base import DeviceInfo
 from ..compiled import eager_module
 from .cpu import CPUMemoryBackend, StorageTracker, tracking_resizes
+from .cuda_allocator import AllocatorConfig, CachingAllocatorModel, cublas_workspaces
 from .fake_build import build_fake_model
 
 # Failures that mean "this model cannot run on fake tensors", as opposed to a bug in the model
@@ -54,12 +56,20 @@ class EstimateMemoryBackend(CPUMemoryBackend):
 
     With ``budget_bytes`` the tracker raises the same out-of-memory error as the CPU backend when
     the step passes it, so a probe search can run on estimates alone.
+
+    ``for_cuda``: the storages are also replayed, in order, on a model of torch's CUDA caching
+    allocator (``memory.cuda_allocator``, configured as ``PYTORCH_ALLOC_CONF`` or
+    ``PYTORCH_CUDA_ALLOC_CONF`` configure torch's, or by ``allocator_config``), with the cuBLAS
+    workspaces torch takes from it. Then, as on CUDA, the peak is what the allocator reserves
+    (``peak_bytes``, what ``torch.cuda.max_memory_reserved()`` would show) and the budget holds
+    reserved memory; ``memory_picture`` also gives the tensors' own peak (``allocated_peak_bytes``).
     """
 
     kind = "estimate"
 
     def __init__(self, budget_bytes: int | None = None, *, for_cuda: bool = False,
-                 target: DeviceInfo | None = None, offload: bool = False):
+                 target: DeviceInfo | None = None, offload: bool = False,
+                 allocator_config: AllocatorConfig | None = None):
         # Not CPUMemoryBackend.__init__: its budget comes from this machine's RAM, which has
         # nothing to do with the device being estimated. Counting (adopt, peaks) is inherited.
         self.device = torch.device("cpu")
@@ -78,6 +88,15 @@ class EstimateMemoryBackend(CPUMemoryBackend):
             budget_bytes=budget_bytes if budget_bytes is not None else 0,
             budget_source="estimate budget" if budget_bytes is not None else "none (estimate only)",
         )
+        self.allocator = None
+        if for_cuda:
+            config = allocator_config or AllocatorConfig.parse(
+                os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+            self.allocator = self.tracker.allocator = CachingAllocatorModel(config)
+            for index, nbytes in enumerate(cublas_workspaces(hopper=is_hopper(self._info.name))):
+                # Taken at the first matmul and kept: they are in every step's reserved memory.
+                self.allocator.malloc(("cublas workspace", index), nbytes)
+        self._trial_reserved = self._trial_tensors = 0
 
     def counting_mode(self) -> fake_tensor.FakeTensorMode:
         """A fresh fake-tensor mode that counts into this backend's tracker."""
@@ -104,6 +123,23 @@ class EstimateMemoryBackend(CPUMemoryBackend):
         # Between trials gloo's worker threads have long let go of the last collective.
         if self._mode is not None and self._mode.gloo is not None:
             self._mode.gloo.release()
+        if self.allocator is not None:
+            self.allocator.empty_cache()  # as the CUDA backend's release does
+
+    def release_cached(self) -> None:
+        if self.allocator is not None:
+            self.allocator.empty_cache()
+
+    def peak_bytes(self) -> int:
+        return self.allocator.peak_reserved if self.allocator is not None else self.tracker.peak
+
+    def reset_peak(self) -> None:
+        if self.allocator is not None:
+            # A trial's reserved and tensor peaks span its phases (as the CUDA backend's).
+            self._trial_reserved = max(self._trial_reserved, self.allocator.peak_reserved)
+            self._trial_tensors = max(self._trial_tensors, self.tracker.peak)
+            self.allocator.reset_peak()
+        self.tracker.reset_peak()
 
     def on_host(self):
         return self.tracker.on_host() if self.offload else contextlib.nullcontext()
@@ -116,9 +152,24 @@ class EstimateMemoryBackend(CPUMemoryBackend):
     def begin_trial(self) -> None:
         if self.offload:
             self.tracker.host_peak = self.tracker.host_current
+        if self.allocator is not None:
+            # The trial's peaks start here, not with what setup and warm-up reached before.
+            self._trial_reserved = self._trial_tensors = 0
+            self.allocator.reset_peak()
+            self.tracker.reset_peak()
 
     def memory_picture(self) -> dict:
-        return {"host_peak_bytes": self.tracker.host_peak} if self.offload else {}
+        picture = {"host_peak_bytes": self.tracker.host_peak} if self.offload else {}
+        if self.allocator is not None:
+            picture["reserved_peak_bytes"] = max(self._trial_reserved, self.allocator.peak_reserved)
+            picture["allocated_peak_bytes"] = max(self._trial_tensors, self.tracker.peak)
+        return picture
+
+
+def is_hopper(name: str) -> bool:
+    """Whether a device (or GPU profile) name is a Hopper GPU (sm90), whose cuBLAS workspace
+    torch makes larger."""
+    return re.search(r"\b(G?H(100|200|800)|H20)\b", name or "") is not None
 
 
 class _HostDeviceTracker(StorageTracker):
@@ -166,6 +217,8 @@ class _HostDeviceTracker(StorageTracker):
         if key in self._host:
             return
         self.current -= self._live.pop(key, 0)
+        if self.allocator is not None:
+            self.allocator.free(key)
         self._count_on_host(storage)
 
     def _count_on_host(self, storage: torch.UntypedStorage) -> None:
@@ -175,11 +228,6 @@ class _HostDeviceTracker(StorageTracker):
         self.host_current += nbytes - self._host.get(key, 0)
         self._host[key] = nbytes
         self.host_peak = max(self.host_peak, self.host_current)
-
-    def count_transient(self, nbytes: int) -> None:
-        """A device allocation that is freed before the next op: it only moves the peak."""
-        self.check_growth(nbytes)
-        self.peak = max(self.peak, self.current + nbytes)
 
     def _forget(self, key: int, _ref=None) -> None:
         if key in self._host:
@@ -417,5 +465,5 @@ def failure_site(exc: BaseException, source: str) -> str:
     return (", " + " ".join(parts)) if parts else ""
 
 
-__all__ = ["EstimateMemoryBackend", "checked_micro_batch", "failure_site", "fake_tensor_limits",
+__all__ = ["EstimateMemoryBackend", "checked_micro_batch", "is_hopper", "failure_site", "fake_tensor_limits",
            "is_fake_tensor_limit", "on_fake_tensors"]

@@ -180,7 +180,7 @@ def _longest_at_one(workload, *, device, memory_limit, gpu, precision, checkpoin
     """``seq_len="auto"``: the longest length at micro-batch 1 in the setting that saves the most
     activations among those asked for (checkpointing every block under "auto"), within the
     budget less the headroom and DDP's buckets."""
-    target = (profile_target(gpu, device=device, memory_limit=memory_limit)
+    target = (profile_target(gpu, device=device, memory_limit=memory_limit, world_size=world_size)
               if gpu is not None else None)
     backend = target.backend if target else backend_for(device, memory_limit)
     chosen, _ = (target.choose_precision(precision) if target else choose_precision(
@@ -209,7 +209,8 @@ class _Planner:
         self.distributed = options.distributed
         self.world_size = options.world_size
         # --gpu: plan for a profile's device on fake tensors, without it (see autotune.gpus.target).
-        self.target = (profile_target(options.gpu, device=options.device, memory_limit=options.memory_limit)
+        self.target = (profile_target(options.gpu, device=options.device, memory_limit=options.memory_limit,
+                                      world_size=self.world_size)
                        if options.gpu is not None else None)
         self.backend = self.target.backend if self.target else backend_for(options.device, options.memory_limit)
         self.info = self.backend.info()

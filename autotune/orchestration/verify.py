@@ -39,6 +39,10 @@ class VerifyResult:
     measured_peak_bytes: int | None
     """Largest peak over the steps, plus the plan's DDP buckets; None when a step ran out of memory."""
     steps: int
+    predicted_bytes: int | None = None
+    """What the plan predicted of what was measured here (None: its ``predicted_peak_bytes``). A
+    plan estimated for CUDA predicts reserved memory; checked where nothing reserves (the CPU),
+    the measured tensors are compared with the tensors it predicted."""
     new_plan: Plan | None = None
     """The re-plan on this device, when the plan was not confirmed."""
     replan_error: str | None = None
@@ -49,16 +53,20 @@ class VerifyResult:
         return self.measured_peak_bytes is not None and self.measured_peak_bytes <= self.usable_bytes
 
     @property
+    def predicted(self) -> int | None:
+        return self.predicted_bytes if self.predicted_bytes is not None else self.plan.predicted_peak_bytes
+
+    @property
     def error_bytes(self) -> int | None:
         """Measured less predicted peak (positive: the plan under-estimated)."""
-        predicted = self.plan.predicted_peak_bytes
+        predicted = self.predicted
         if self.measured_peak_bytes is None or predicted is None:
             return None
         return self.measured_peak_bytes - predicted
 
     @property
     def error_fraction(self) -> float | None:
-        predicted = self.plan.predicted_peak_bytes
+        predicted = self.predicted
         return self.error_bytes / predicted if self.error_bytes is not None and predicted else None
 
 
@@ -96,15 +104,28 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
         except SetupOutOfMemory:
             trials = []  # parameters and optimizer state alone pass the budget: nothing fits
     fits = bool(trials) and all(t.fits for t in trials)
-    measured = max(t.peak_bytes for t in trials) + plan.ddp_bucket_bytes if fits else None
+    planned_tensors = _planned_tensor_bytes(plan)
+    reserved = planned_tensors is not None and all(t.reserved_peak_bytes is not None for t in trials)
+    # A plan estimated for CUDA predicts reserved memory: measured so on CUDA, else its tensors.
+    peaks = [t.reserved_peak_bytes if reserved else t.peak_bytes for t in trials]
+    measured = max(peaks) + plan.ddp_bucket_bytes if fits else None
+    predicted = (planned_tensors + plan.ddp_bucket_bytes
+                 if planned_tensors is not None and not reserved else None)
     result = VerifyResult(plan=plan, device=info, budget_bytes=budget, usable_bytes=usable,
-                          measured_peak_bytes=measured, steps=steps)
+                          measured_peak_bytes=measured, steps=steps, predicted_bytes=predicted)
     if replan and not result.confirmed:
         try:
             result.new_plan = _replan(plan, workload, device=device, budget=budget)
         except PlanError as exc:  # nothing fits here: still an answer for the report
             result.replan_error = str(exc)
     return result
+
+
+def _planned_tensor_bytes(plan: Plan) -> int | None:
+    """The tensors' peak a plan estimated for CUDA predicted at its micro-batch (its peak is the
+    modelled reserved memory); None for any other plan."""
+    trial = plan.planned_trial
+    return trial.allocated_peak_bytes if trial is not None else None
 
 
 def plan_window(plan: Plan) -> list[int]:

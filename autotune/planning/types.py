@@ -452,6 +452,13 @@ class Plan(SplitArithmetic):
                             sharding=self.sharding, shard_group=self.shard_group).layout
 
     @property
+    def planned_trial(self):
+        """The chosen setting's fitting trial at the planned micro-batch, where the probe (or the
+        planner's own check) ran one."""
+        setting = self.chosen_setting
+        return setting.probe.trial_at(self.micro_batch) if setting and setting.probe else None
+
+    @property
     def raw_max_micro_batch(self) -> int | None:
         """What the probe of the chosen setting found, before the headroom."""
         chosen = self.chosen_setting

@@ -12,6 +12,7 @@ import inspect
 import torch
 
 from ..errors import option
+from ..memory.base import DeviceInfo
 from ..memory.fake import EstimateMemoryBackend, checked_micro_batch, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from ..distributed.sharding.settings import Sharding
@@ -75,28 +76,47 @@ def estimate_offload_host_peaks(workload, micro_batches, *, precision="fp32", ch
     return {n: trial.host_peak_bytes for n, trial in trials.items()}
 
 
+def estimate_cuda_peaks(workload, micro_batches, *, gpu_name: str = "", precision="fp32",
+                        checkpointing=False, sharding="ddp", world_size: int = 1,
+                        shard_group: int | None = None) -> dict[int, tuple[int, int]]:
+    """``estimate_peaks`` for a CUDA device: {micro_batch: (tensor bytes, reserved bytes)}, the
+    tensors' peak and what torch's caching allocator would reserve for them (modelled, see
+    ``autotune.memory.cuda_allocator``; ``PYTORCH_CUDA_ALLOC_CONF`` is honoured), cuBLAS
+    workspaces included (larger on Hopper: ``gpu_name`` such as "H100"). Optimizers left to
+    choose take their foreach path, as on CUDA."""
+    trials = _estimate_trials(workload, micro_batches, precision=precision, checkpointing=checkpointing,
+                              sharding=sharding, world_size=world_size, shard_group=shard_group,
+                              for_cuda=gpu_name or "CUDA")
+    return {n: (trial.allocated_peak_bytes, trial.reserved_peak_bytes) for n, trial in trials.items()}
+
+
 def _estimate_trials(workload, micro_batches, *, precision, checkpointing, sharding, world_size,
-                     shard_group, window: int = 1, reduce_every: bool = False) -> dict:
+                     shard_group, window: int = 1, reduce_every: bool = False,
+                     for_cuda: str | None = None) -> dict:
     sizes = [checked_micro_batch(n) for n in micro_batches]
     with estimate_session(workload, precision=precision, checkpointing=checkpointing,
                           sharding=sharding, world_size=world_size, shard_group=shard_group,
-                          reduce_every=reduce_every) as session:
+                          reduce_every=reduce_every, for_cuda=for_cuda) as session:
         return {n: session.run(n, window=window) for n in sizes}
 
 
 @contextlib.contextmanager
 def estimate_session(workload, *, precision, checkpointing, sharding, world_size, shard_group,
-                     reduce_every: bool = False, session_type: type | None = None):
+                     reduce_every: bool = False, session_type: type | None = None,
+                     for_cuda: str | None = None):
     """The estimate's session (``session_type``, default ``EstimateSession``) on the fake model,
     set up and entered: ``run(n)`` on it is one fake training step. Other counts of the same
-    step (``autotune.timing``) run their own subclass here."""
+    step (``autotune.timing``) run their own subclass here. ``for_cuda``: the CUDA device's
+    name; its caching allocator is modelled (see ``EstimateMemoryBackend``)."""
     checkpointing = CheckpointingRequest.parse(checkpointing, option=option("checkpointing"),
                                                allow_auto=False)
     workload = load_workload(workload)
     precision = Precision.parse(precision)
     sharding = Sharding.parse(sharding)
+    target = DeviceInfo(kind="cuda", name=for_cuda, budget_bytes=0) if for_cuda else None
+    backend = EstimateMemoryBackend(offload=sharding.offload, for_cuda=bool(for_cuda), target=target)
     # Other counts of the step (a subclass) see every block: only the bytes are extended.
-    with layout_session(on_fake_tensors(workload), EstimateMemoryBackend(offload=sharding.offload),
+    with layout_session(on_fake_tensors(workload, foreach=backend.for_cuda), backend,
                         session_type=session_type or EstimateSession, few_blocks=session_type is None,
                         precision=precision, checkpointing=checkpointing, sharding=sharding,
                         world_size=world_size, shard_group=shard_group,
@@ -134,7 +154,10 @@ class EstimateSession(TrialSession):
         before = self.backend.current_bytes()
         host = self.backend.tracker if self.offload else None  # fsdp-offload: the step is the host's
         layout = _gradient_layout(self.params)
-        if self._step_cost is not None and self._step_cost[0] == layout:
+        # With the CUDA allocator modelled the phase is replayed every time: where its blocks
+        # land depends on the cache the step before it left.
+        if (self._step_cost is not None and self._step_cost[0] == layout
+                and getattr(self.backend, "allocator", None) is None):
             # A budgeted search (the probe's) must still see the phase run out of memory.
             self.backend.tracker.check_growth(self._step_cost[1])
             if host is not None:
@@ -358,5 +381,5 @@ def _foreach_path(optimizer: torch.optim.Optimizer):
             group["foreach"] = value
 
 
-__all__ = ["EstimateSession", "estimate_offload_host_peaks", "estimate_peak", "estimate_peaks",
-           "estimate_session"]
+__all__ = ["EstimateSession", "estimate_cuda_peaks", "estimate_offload_host_peaks", "estimate_peak",
+           "estimate_peaks", "estimate_session"]

@@ -41,7 +41,11 @@ class Trial:
     gradient_bytes: int | None = None
     """Bytes of the trainable parameters' gradients (all live at the end of backward)."""
     reserved_peak_bytes: int | None = None
-    """CUDA: the caching allocator's reserved peak (``peak_bytes`` is what tensors held)."""
+    """CUDA: the caching allocator's reserved peak (``peak_bytes`` is what tensors held). A CUDA
+    estimate (fake tensors, e.g. ``--gpu``): the modelled allocator's, and ``peak_bytes`` is it."""
+    allocated_peak_bytes: int | None = None
+    """A CUDA estimate: the tensors' own peak (``peak_bytes`` is the modelled reserved peak, what
+    runs out on CUDA)."""
     alloc_retries: int | None = None
     """CUDA: cudaMalloc retries after freeing the cache during the trial (fragmentation)."""
     host_peak_bytes: int | None = None
@@ -251,11 +255,14 @@ class ProbeResult:
     def peak_at(self, micro_batch: int) -> int | None:
         """Measured peak at ``micro_batch`` when a fitting trial of the kind a plan at that
         micro-batch runs (a window below the share, else one step) ran there."""
+        trial = self.trial_at(micro_batch)
+        return trial.peak_bytes if trial is not None else None
+
+    def trial_at(self, micro_batch: int) -> Trial | None:
+        """The fitting trial of that kind at ``micro_batch`` (see ``peak_at``), if one ran."""
         window = self.windowed(micro_batch)
-        for trial in self.trials:
-            if trial.micro_batch == micro_batch and trial.fits and trial.window == window:
-                return trial.peak_bytes
-        return None
+        return next((t for t in self.trials
+                     if t.micro_batch == micro_batch and t.fits and t.window == window), None)
 
     def to_dict(self) -> dict:
         data = asdict(self)

@@ -378,6 +378,10 @@ class TrialSession:
                     # (unsharded under FSDP2 with sync off, sharded when it reduce-scatters).
                     self._held = self._gradient_bytes_held()
                     self._window_base = self.backend.current_bytes()
+                    if size < max(sizes):
+                        # A stand-in at a smaller micro-batch: what a modelled allocator caches
+                        # for it is no part of the real window (see release_cached).
+                        self.backend.release_cached()
         finally:
             self._gradient_sync(True)
         self.backend.reset_peak()
