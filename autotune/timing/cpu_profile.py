@@ -94,7 +94,7 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
     # prefetchers and cache lines already in flight help).
     bandwidth = rates[-1][1]
     return DeviceSpeed(
-        name=f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads", peak_flops=peaks,
+        name=f"CPU: {_cpu_model()}, {_threads(torch.get_num_threads())}", peak_flops=peaks,
         memory_bandwidth=bandwidth, fractions={"matmul": 1.0, "attention": 1.0, "memory": 1.0},
         op_overhead_s=op_overhead, recompute_op_overhead_s=recompute_op,
         optimizer_op_overhead_s=_optimizer_op_overhead(),
@@ -560,6 +560,10 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _threads(count: int) -> str:
+    return f"{count} thread" + ("" if count == 1 else "s")
 
 
 __all__ = ["cache_path", "clock", "cpu_speed", "default_cache_dir", "load_cached", "machine_key", "measure_cpu_speed",
