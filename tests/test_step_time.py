@@ -19,6 +19,7 @@ from autotune.timing import cpu_profile
 from autotune.timing.costs import OpCost, StepCosts
 from autotune.timing.count import count_step_costs
 from autotune.timing.roofline import DeviceSpeed, compute_time, speed_for_profile, window_time
+from autotune.timing.window import StepModel, WindowTime, predict_window
 from autotune.tuning import loop_cost
 
 N, D_IN, D_HID, D_OUT = 4, 16, 32, 8
@@ -295,12 +296,15 @@ def test_cli_estimate_time_prints_the_breakdown(monkeypatch):
                                       "--micro-batch", "64", "--time", "--gpu", "h100-80gb"])
     assert result.exit_code == 0, result.output
     assert "H100" in result.output and "matmul ms" in result.output and "recompute ms" in result.output
-    monkeypatch.setattr(cpu_profile, "cpu_speed", lambda **_: _cached_speed())
+    # On this CPU the step is the loop's window of one micro-step: the loop's own cost is in it.
+    speed = dataclasses.replace(_cached_speed(), loop_micro_step_s=3e-5, loop_window_s=2e-4)
+    monkeypatch.setattr(loop_cost, "cpu_speed_with_loop", lambda **_: speed)
     result = CliRunner().invoke(cli, ["estimate", "examples/mlp.py", "--micro-batch", "8", "--time",
                                       "--checkpointing", "on", "--json"])
     assert result.exit_code == 0, result.output
     answer = json.loads(result.output)["8"]
     assert answer["device"] == "test" and answer["flops"] > 0
+    assert answer["breakdown_seconds"]["loop"] == pytest.approx(2e-4 + 3e-5)
     assert answer["seconds"] == pytest.approx(sum(answer["breakdown_seconds"].values()))
 
 
@@ -323,6 +327,21 @@ def test_window_time_adds_the_loop_per_window_and_per_micro_step_and_one_optimiz
     assert window_time(costs, _speed(), 1)["loop"] == 0.0  # a profile without loop costs
     with pytest.raises(ValueError):
         window_time(costs, speed, 0)
+
+
+def test_predicted_window_adds_the_loop_per_window_and_per_micro_step():
+    costs = StepCosts(ops=(OpCost("elementwise", "forward", flops=0, bytes=0, count=10),
+                           OpCost("optimizer", "optimizer", flops=0, bytes=0, count=4)),
+                      collectives=(), micro_batch=2)
+    bare = predict_window(StepModel({2: costs}, _speed(), "fp32"), [2, 2, 2])
+    with_loop = predict_window(StepModel({2: costs}, _speed(loop_micro_step_s=3e-5, loop_window_s=2e-4),
+                                         "fp32"), [2, 2, 2])
+    assert bare.loop_s == 0.0  # a GPU profile has no loop costs
+    assert with_loop.loop_s == pytest.approx(2e-4 + 3 * 3e-5)
+    assert with_loop.step_s == pytest.approx(bare.step_s + with_loop.loop_s)
+    assert with_loop.compute_s == pytest.approx(bare.compute_s)  # the loop is not compute
+    assert with_loop.samples_per_s == pytest.approx(6 / with_loop.step_s)
+    assert WindowTime.from_dict(with_loop.to_dict()) == with_loop
 
 
 def test_scaled_speed_scales_the_loop_costs_as_every_per_call_cost():

@@ -330,8 +330,8 @@ def format_step_times(predictions: dict, *, as_json: bool = False) -> str:
                                     "flops": p.costs.total_flops, "bytes": p.costs.total_bytes,
                                     "ops": p.costs.op_count, "device": p.device}
                            for n, p in predictions.items()}, indent=2)
-    parts = ("matmul", "attention", "elementwise", "optimizer", "other", "recompute")
-    rows = [[str(n), f"{p.seconds * 1e3:.3f}", *(f"{p.breakdown[k] * 1e3:.3f}" for k in parts),
+    parts = ("matmul", "attention", "elementwise", "optimizer", "other", "recompute", "loop")
+    rows = [[str(n), f"{p.seconds * 1e3:.3f}", *(f"{p.breakdown.get(k, 0.0) * 1e3:.3f}" for k in parts),
              f"{p.costs.total_flops / 1e9:.3f}", format_bytes(int(p.costs.total_bytes)),
              str(p.costs.op_count)] for n, p in predictions.items()]
     device = next(iter(predictions.values())).device if predictions else ""

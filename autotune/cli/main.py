@@ -571,9 +571,16 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
         from .format import format_step_times
 
         with _stdout_to_stderr(as_json):
+            # This CPU's speed with the training loop's own cost (measured once, then cached).
+            speed = None
+            if gpu is None:
+                from ..tuning.loop_cost import cpu_speed_with_loop
+
+                speed = cpu_speed_with_loop()
             predictions = predict_step_time(model_file, list(micro_batches), precision=precision.lower(),
                                             checkpointing=checkpointing, sharding=sharding,
-                                            world_size=world_size, shard_group=shard_group, gpu=gpu)
+                                            world_size=world_size, shard_group=shard_group, gpu=gpu,
+                                            speed=speed)
         click.echo(format_step_times(predictions, as_json=as_json))
         return
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .count import count_steps_costs
 from .costs import StepCosts
-from .roofline import DeviceSpeed, compute_time, speed_for_profile
+from .roofline import DeviceSpeed, speed_for_profile, window_time
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,10 @@ def predict_step_time(workload, micro_batches, *, precision="fp32", checkpointin
     """Predicted compute time of one steady-state training step at each micro-batch (an int or
     several), counted on fake tensors (as ``estimate_peak``, same arguments) and timed by a
     roofline: on ``gpu`` (a profile name, path or ``GPUProfile``), on ``speed``, or else on this
-    CPU (its speed measured once, then cached). Communication is not included."""
+    CPU (its speed measured once, then cached). The step is a window of one micro-step
+    (``roofline.window_time``): with ``speed``'s loop costs where it has them ("loop" in the
+    breakdown; ``tuning.loop_cost.cpu_speed_with_loop()`` measures this CPU's, as ``autotune
+    estimate --time`` does). Communication is not included."""
     if isinstance(micro_batches, int):
         micro_batches = [micro_batches]
     if speed is None:
@@ -42,7 +45,7 @@ def predict_step_time(workload, micro_batches, *, precision="fp32", checkpointin
                               world_size=world_size, shard_group=shard_group)
     predictions = {}
     for n, cost in costs.items():
-        parts = compute_time(cost, speed, precision)
+        parts = window_time(cost, speed, 1, precision)
         predictions[n] = StepTimePrediction(micro_batch=n, seconds=parts.pop("total"), breakdown=parts,
                                             costs=cost, device=speed.name)
     return predictions

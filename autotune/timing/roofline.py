@@ -162,9 +162,15 @@ def window_time(costs: StepCosts, speed: DeviceSpeed, micro_steps: int = 1,
     parts = compute_time(costs, speed, precision)
     parts.pop("total")
     window = {k: v if k == "optimizer" else v * micro_steps for k, v in parts.items()}
-    window["loop"] = speed.loop_window_s + micro_steps * speed.loop_micro_step_s
+    window["loop"] = loop_time(speed, micro_steps)
     window["total"] = sum(window.values())
     return window
+
+
+def loop_time(speed: DeviceSpeed, micro_steps: int) -> float:
+    """The training loop's own seconds in a window of ``micro_steps`` (0 where ``speed`` has no
+    loop costs, as a GPU profile)."""
+    return speed.loop_window_s + micro_steps * speed.loop_micro_step_s
 
 
 def speed_for_profile(profile) -> DeviceSpeed:
@@ -197,4 +203,4 @@ def _interpolate(curve, x: float) -> float:
 
 
 __all__ = ["BREAKDOWN", "DeviceSpeed", "GPU_FRACTIONS", "GPU_OP_OVERHEAD_S", "compute_time",
-           "speed_for_profile", "window_time"]
+           "loop_time", "speed_for_profile", "window_time"]

@@ -25,7 +25,7 @@ from ..precision import Precision
 from .comm import Network, exposed_communication
 from .costs import CollectiveCall, StepCosts
 from .count import count_steps_costs
-from .roofline import compute_time
+from .roofline import compute_time, loop_time
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's ``bucket_cap_mb`` default (torch.nn.parallel.DistributedDataParallel)."""
@@ -59,6 +59,9 @@ class WindowTime:
     """All communication, exposed or hidden."""
     optimizer_s: float = 0.0
     """Part of ``compute_s``: the optimizer phase."""
+    loop_s: float = 0.0
+    """Part of ``step_s``, not of ``compute_s``: the training loop's own work (``speed``'s loop
+    costs per window and per micro-step; 0 on a GPU profile)."""
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -170,7 +173,9 @@ def predict_window(model: StepModel, micro_batches, *, network: Network | None =
                    reduce_every_micro_step: bool = True, gradient_bytes: int = 0,
                    pipeline_stages: int = 1) -> WindowTime:
     """The window of ``micro_batches`` (one rank's split): each micro-step from ``model``, its
-    exposed communication, then one optimizer phase.
+    exposed communication, then one optimizer phase, and the training loop's own work
+    (``roofline.loop_time`` on ``model.speed``: give a CPU speed with loop costs,
+    ``tuning.loop_cost.cpu_speed_with_loop()``).
 
     ``gradient_bytes`` sizes DDP's buckets (its all-reduces are not on the fake process group);
     ``network`` may be None for one rank."""
@@ -204,13 +209,15 @@ def predict_window(model: StepModel, micro_batches, *, network: Network | None =
     # Each of the p - 1 stages' fill and drain idles one micro-step: (p - 1) / m of the busy time,
     # the bubble_fraction of the whole.
     bubble = micro * (pipeline_stages - 1) / len(split)
-    step_s = compute + exposed + bubble
+    loop = loop_time(model.speed, len(split))
+    step_s = compute + exposed + bubble + loop
     peak = model.peak_flops
     return WindowTime(
         step_s=step_s, compute_s=compute, exposed_comm_s=exposed, bubble_s=bubble,
         recompute_s=recompute, samples_per_s=sum(split) / step_s,
         tokens_per_s=tokens / step_s if tokens else None,
-        mfu=model_flops / (step_s * peak) if peak else None, comm_s=comm, optimizer_s=optimizer_s)
+        mfu=model_flops / (step_s * peak) if peak else None, comm_s=comm, optimizer_s=optimizer_s,
+        loop_s=loop)
 
 
 def predict_window_time(workload, micro_batches, *, speed, precision="fp32", checkpointing=False,
@@ -219,7 +226,9 @@ def predict_window_time(workload, micro_batches, *, speed, precision="fp32", che
                       gradient_bytes: int | None = None) -> WindowTime:
     """The predicted time of one optimizer step of ``workload``: ``micro_batches`` (one rank's
     split, or one micro-batch) counted on fake tensors (``count.count_steps_costs``, the
-    estimate's step) and timed on ``speed`` with ``network`` between ranks."""
+    estimate's step) and timed on ``speed`` with ``network`` between ranks. For this CPU pass
+    ``speed=tuning.loop_cost.cpu_speed_with_loop()`` so the loop's own cost is in the window
+    (``timing`` sits below ``tuning`` and cannot measure it itself)."""
     split = [micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
     counted = count_steps_costs(workload, sorted(set(split)), precision=precision,
                                 checkpointing=checkpointing, sharding=sharding,
