@@ -196,6 +196,7 @@ def _fake_commands(tmp_path):
     return run, seen
 
 
+@pytest.mark.slow  # every check end to end: about 40 s alone, 90 s on a loaded machine
 def test_every_check_runs_on_the_cpu_with_cuda_faked(tmp_path, monkeypatch, capsys, one_thread):
     run, seen = _fake_commands(tmp_path)
     monkeypatch.setattr(gpu_proof, "run_command", run)
