@@ -179,10 +179,12 @@ def format_plan(plan) -> str:
         group = f", shard group {plan.shard_group}" if plan.shard_group else ""
         lines.append(f"sharding:     {plan.sharding}{group} ({plan.reasons['sharding']})")
     parallel = getattr(plan, "parallel", None)
-    if parallel is not None and not parallel.trivial:
+    if parallel is not None and (not parallel.trivial or "layout" in plan.reasons):
+        why = (f"{plan.data_parallel} data-parallel rank(s) of {plan.world_size} take different samples"
+               if not parallel.trivial else "")
+        why = "; ".join(w for w in (why, plan.reasons.get("layout")) if w)
         lines.append(f"layout:       {parallel.describe(plan.world_size, str(plan.sharding).upper())} "
-                     f"({plan.data_parallel} data-parallel rank(s) of {plan.world_size} take "
-                     f"different samples)")
+                     f"({why})")
     if plan.compile:
         lines.append(f"compile:      {plan.compile_backend or 'build_model'} "
                      f"({plan.reasons.get('compile', '')})")

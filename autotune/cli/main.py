@@ -158,25 +158,41 @@ def _compile_options(command):
                              "probe's real trials measure the compiled step.")(wrapper)
 
 
-def _layout_options(command):
+class _Degree(click.ParamType):
+    """A positive number of ranks, or "auto" (the plan's layout search)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.lower() == "auto":
+            return "auto"
+        return click.IntRange(min=1).convert(value, param, ctx)
+
+
+def _layout_options(command=None, *, search: bool = False):
     """--tp / --cp / --pp / --pp-schedule / --stages-per-rank, gathered into ``parallel``: the
     keyword arguments of ``plan()`` and ``parse_layout`` (checked there, inside the command, so
-    a bad combination exits as the other option errors do)."""
+    a bad combination exits as the other option errors do). ``search``: the degrees also take
+    "auto" (``autotune plan``)."""
+    if command is None:
+        return functools.partial(_layout_options, search=search)
 
     @functools.wraps(command)
     def wrapper(*args, tp, cp, pp, pp_schedule, stages_per_rank, **kwargs):
         return command(*args, parallel=dict(tp=tp, cp=cp, pp=pp, pp_schedule=pp_schedule,
                                             stages_per_rank=stages_per_rank), **kwargs)
 
+    degree = _Degree() if search else click.IntRange(min=1)
+    auto = " 'auto' (plan only) searches the layouts that fit; see plan.reasons['layout']." if search else ""
     options = [
-        click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+        click.option("--tp", type=degree, default=1, show_default=True,
                      help="Tensor parallel: ranks that split each layer's weight matrices (with "
-                          "sequence parallel norms); a divisor of the attention heads."),
-        click.option("--cp", type=click.IntRange(min=1), default=1, show_default=True,
+                          "sequence parallel norms); a divisor of the attention heads." + auto),
+        click.option("--cp", type=degree, default=1, show_default=True,
                      help="Context parallel: ranks that split each sample's sequence (ring "
-                          "attention over SDPA)."),
-        click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Pipeline parallel: ranks the repeated blocks are split over."),
+                          "attention over SDPA)." + auto),
+        click.option("--pp", type=degree, default=1, show_default=True,
+                     help="Pipeline parallel: ranks the repeated blocks are split over." + auto),
         click.option("--pp-schedule", type=click.Choice([s.value for s in PipelineSchedule]),
                      default=None, help="The pipeline's schedule (default 1f1b)."),
         click.option("--stages-per-rank", type=click.IntRange(min=1), default=None,
@@ -370,7 +386,7 @@ def devices(memory_limit, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
 @_scaler_options
 @_compile_options
-@_layout_options
+@_layout_options(search=True)
 @_quiet_option
 @_errors_to_exit_codes
 @_trial_timeout_option

@@ -33,6 +33,9 @@ from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointin
                       settings_below_fewest,
                       sharding_worth_estimating, split_for, usable_bytes)
 from ..distributed.layout import Layout, parse_layout
+from ..planning.layouts import is_auto
+from ..workload.model_shape import ModelShape, model_shape
+from .layout_search import search_layout
 from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
@@ -85,9 +88,9 @@ def plan(
     eval_batch: bool = True,
     max_eval_batch: int | None = None,
     compile=None,
-    tp: int = 1,
-    cp: int = 1,
-    pp: int = 1,
+    tp: int | str = 1,
+    cp: int | str = 1,
+    pp: int | str = 1,
     pp_schedule: str | None = None,
     stages_per_rank: int | None = None,
 ) -> Plan:
@@ -149,10 +152,22 @@ def plan(
     parallel, see ``autotune.Layout``; ``pp_schedule`` 1f1b|interleaved-1f1b|zero-bubble with
     ``stages_per_rank`` stages on each pipeline rank): the target then divides over the
     world_size / (tp × cp × pp) data-parallel ranks, and ``sharding``/``shard_group`` apply
-    to those. The plan records the split as ``plan.parallel``.
+    to those. The plan records the split as ``plan.parallel``. Any of them "auto" searches the
+    layouts (``autotune.planning.layouts``: the splits that fit the world, the hosts
+    (``gpus_per_node``, default the GPU profile's), the heads and the blocks, cheapest
+    communication first with early stops) and plans the fewest accumulation steps, then the least
+    communication (with ``gpu`` and ``optimize="throughput"``: the most samples/s predicted);
+    ``plan.reasons["layout"]`` says which layouts were tried and why this one won.
     """
-    parallel = parse_layout(tp=tp, cp=cp, pp=pp, pp_schedule=pp_schedule, stages_per_rank=stages_per_rank)
+    # "auto" degrees: the layout search plans each candidate (orchestration.layout_search).
+    degrees = dict(tp=tp, cp=cp, pp=pp, pp_schedule=pp_schedule, stages_per_rank=stages_per_rank)
+    searching = any(is_auto(v) for v in (tp, cp, pp))
+    parallel = Layout() if searching else parse_layout(**degrees)
     workload = with_compile(load_workload(workload), compile)
+    if searching and workload.compile is not None:
+        raise ConfigError(f"{option('compile')} with a layout search ({given('tp', tp)}, "
+                          f"{given('cp', cp)}, {given('pp', pp)}): compiled steps are planned for "
+                          f"DDP replicas only; plan without one of them")
     if workload.compile is not None:
         if not parallel.trivial:
             raise ConfigError(f"{option('compile')} with {parallel.describe_degrees()}: compiled "
@@ -184,7 +199,9 @@ def plan(
         even=even, sharding=sharding, shard_group=shard_group, gpus_per_node=gpus_per_node,
         network_gbps=network_gbps, eval_batch=eval_batch, max_eval_batch=max_eval_batch,
         parallel=parallel)
-    planned = _Planner(workload, options).run()
+    inspected = inspect_workload(workload)
+    planned = (search_layout(workload, options, degrees, make_planner=_Planner, inspected=inspected)
+               if searching else _Planner(workload, options, inspected=inspected).run())
     caveat = estimate_caveat(workload)
     if planned.estimated and caveat is not None:  # real trials would have measured it
         planned.warnings.append(caveat)
@@ -220,7 +237,8 @@ class _Planner:
     """One ``plan()`` call: the device, the request and what was probed so far; its methods probe
     settings and layouts and hand them to the pure policy."""
 
-    def __init__(self, workload: Workload, options: PlanOptions):
+    def __init__(self, workload: Workload, options: PlanOptions, *, inspected=None):
+        # inspected: the model's (fingerprint, ModelShape), where plan() already built it.
         self.workload = workload
         self.options = options
         self.distributed = options.distributed
@@ -237,7 +255,7 @@ class _Planner:
                 bf16_supported=supports_bf16(self.backend.device)))
         if self.target:
             self.target.check_estimable(workload, self.chosen)
-        self.fingerprint = fingerprint_workload(workload)
+        self.fingerprint, shape = inspected or inspect_workload(workload)
         self.checkpointing = _requested_blocks(options.checkpointing, self.fingerprint)
         self.request = PlanRequest(
             target_batch=options.target_batch, world_size=self.world_size, precision=self.chosen,
@@ -255,7 +273,8 @@ class _Planner:
             options.parallel.check_hosts(options.gpus_per_node or (
                 self.target.profile.gpus_per_node if self.target else None))
             options.parallel.check_model(blocks=self.fingerprint.repeated_blocks
-                                         if options.parallel.pp > 1 else None)
+                                         if options.parallel.pp > 1 else None,
+                                         heads=shape.heads, kv_heads=shape.kv_heads)
         self.usable = usable_bytes(self.info.budget_bytes, options.headroom)
         self.extra = ddp_bucket_bytes(self.world_size, self.fingerprint.param_bytes)
         self.agree = collectives.min_across_ranks if self.distributed else None
@@ -663,20 +682,30 @@ def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: Setting
 
 
 def fingerprint_workload(workload: Workload) -> WorkloadFingerprint:
-    """What the plan needs to know about the model: sizes, optimizer, BatchNorm, repeated blocks.
+    """What the plan needs to know about the model: sizes, optimizer, BatchNorm, repeated blocks
+    (``inspect_workload``'s first half)."""
+    return inspect_workload(workload)[0]
+
+
+def inspect_workload(workload: Workload) -> tuple[WorkloadFingerprint, ModelShape]:
+    """The model's fingerprint and the shapes a parallel layout depends on (heads, width, blocks).
 
     Read from a model built on fake tensors (shapes and dtypes, no data; or on the meta device,
     see ``memory.fake_build``): planning a model never allocates its weights. A model whose
     construction fake tensors cannot run is built for real.
     """
     if workload.model_is_instance:
-        return _fingerprint(workload, workload.model)  # already built: nothing to save
+        return _inspected(workload, workload.model)  # already built: nothing to save
     try:
         with fake_tensor_limits(workload), FakeTensorMode(allow_non_fake_inputs=True):
-            return _fingerprint(workload, build_fake_model(workload))
+            return _inspected(workload, build_fake_model(workload))
     except EstimateUnavailable:
         pass  # the probe's real trials build it anyway (--gpu refused such a model earlier)
-    return _fingerprint(workload, workload.new_model())
+    return _inspected(workload, workload.new_model())
+
+
+def _inspected(workload: Workload, model: torch.nn.Module) -> tuple[WorkloadFingerprint, ModelShape]:
+    return _fingerprint(workload, model), model_shape(eager_module(model))
 
 
 def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerprint:

@@ -55,7 +55,8 @@ def fastest_predicted(planner) -> Plan:
                                gradient_bytes=planner.fingerprint.param_bytes)
         ranked.append((setting, ConfigurationPredicted(
             precision=setting.precision, checkpointing=setting.checkpointing, micro_batches=split,
-            sharding=setting.sharding, shard_group=setting.shard_group, step_time=timed)))
+            sharding=setting.sharding, shard_group=setting.shard_group, parallel=setting.parallel,
+            step_time=timed)))
     if not ranked:
         raise PlanError(f"--optimize throughput --gpu {profile.id}: no configuration fits "
                         f"({_why_none(settings)}); lower --headroom, or plan for a larger GPU")
@@ -97,7 +98,8 @@ def _count(planner, setting: SettingTried, sizes, tokens: int | None) -> dict:
     """The setting's steps at ``sizes`` counted on fake tensors (with tokens per sample)."""
     counted = count_steps_costs(planner.workload, sizes, precision=setting.precision,
                                 checkpointing=setting.checkpointing, sharding=setting.sharding,
-                                world_size=planner.world_size, shard_group=setting.shard_group)
+                                world_size=planner.world_size, shard_group=setting.shard_group,
+                                parallel=setting.parallel)
     return with_tokens(counted, tokens)
 
 

@@ -37,13 +37,14 @@ def count_step_costs(workload, micro_batch: int, *, precision="fp32", checkpoint
 
 def count_steps_costs(workload, micro_batches, *, precision="fp32", checkpointing=False,
                       sharding="ddp", world_size: int = 1,
-                      shard_group: int | None = None) -> dict[int, StepCosts]:
-    """``count_step_costs`` for several micro-batches, building the fake model once."""
+                      shard_group: int | None = None, parallel=None) -> dict[int, StepCosts]:
+    """``count_step_costs`` for several micro-batches, building the fake model once.
+    ``parallel``: one rank's step under that model-parallel ``Layout``."""
     sizes = [checked_micro_batch(n) for n in micro_batches]
     costs = {}
     with estimate_session(workload, precision=precision, checkpointing=checkpointing,
                           sharding=sharding, world_size=world_size, shard_group=shard_group,
-                          session_type=_CountingSession) as session:
+                          session_type=_CountingSession, parallel=parallel) as session:
         for n in sizes:
             costs[n] = session.count(n)
     return costs

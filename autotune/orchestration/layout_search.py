@@ -1,0 +1,94 @@
+"""``plan(tp="auto", cp=..., pp=...)``: plan each candidate layout the search policy hands out
+(``autotune.planning.layouts``) as ``plan()`` plans a fixed one, and keep the one it chooses.
+
+Each candidate is a full planner run (the sharding and checkpointing search of that layout, on
+fake tensors for a sharded or model-parallel step), sharing one inspection of the model. A
+candidate whose split this build cannot estimate ("not available") is recorded as such and the
+search goes on; one that fits nowhere rules out every layout it dominates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..distributed.layout import Layout
+from ..errors import ConfigError, EstimateUnavailable, PlanError
+from ..planning.layouts import (LayoutOutcome, choose_layout, communication_bytes, layout_candidates,
+                                search_layouts)
+from ..planning.types import Plan
+from ..precision import Precision
+from ..timing.comm import network_from_profile
+from ..timing.layout import with_layout
+from .eval_batch import plan_eval_batch
+
+
+def search_layout(workload, options, degrees: dict, *, make_planner, inspected) -> Plan:
+    """The plan of the layout chosen among ``degrees``' candidates (tp/cp/pp, each "auto" or an
+    int, and pp_schedule/stages_per_rank); ``make_planner(workload, options, inspected=)`` is
+    ``plan()``'s planner, ``inspected`` the model's (fingerprint, ModelShape)."""
+    fingerprint, shape = inspected
+    first = make_planner(workload, dataclasses.replace(options, eval_batch=False), inspected=inspected)
+    gpus_per_node = options.gpus_per_node or (first.target.profile.gpus_per_node if first.target else None)
+    world = first.world_size
+    candidates, notes = layout_candidates(world, shape=shape, gpus_per_node=gpus_per_node,
+                                          seq_len=workload.seq_len, **degrees)
+    activation_bytes = 4 if Precision.parse(first.chosen) is Precision.FP32 else 2
+    rank_by_time = options.optimize == "throughput" and options.gpu is not None
+    planners = {Layout(): first}
+
+    def volume(layout: Layout, share: int, *, sharded: bool, steps: int = 1) -> float:
+        return communication_bytes(layout, world, shape=shape, seq_len=workload.seq_len, share=share,
+                                   param_bytes=fingerprint.param_bytes, activation_bytes=activation_bytes,
+                                   sharded=sharded, steps=steps)
+
+    def cost(layout: Layout) -> float:
+        return volume(layout, max(1, options.target_batch // layout.data_parallel(world)),
+                      sharded=options.sharding != "ddp")
+
+    def evaluate(layout: Layout) -> LayoutOutcome:
+        try:
+            planner = planners.get(layout) or make_planner(
+                workload, dataclasses.replace(options, parallel=layout, eval_batch=False), inspected=inspected)
+        except (ConfigError, PlanError) as exc:  # the layout's own limits (shard group, target)
+            return LayoutOutcome(layout, error=f"not planned: {exc}")
+        planners[layout] = planner
+        try:
+            planned = planner.run()
+        except PlanError as exc:
+            return LayoutOutcome(layout, error=_first_sentence(exc), fits_nowhere=True)
+        except (ConfigError, EstimateUnavailable) as exc:  # e.g. a split this build lacks
+            return LayoutOutcome(layout, error=f"not estimated: {_first_sentence(exc)}")
+        label = planned.parallel.describe(world, str(planned.sharding).upper())
+        if planned.shard_group and planned.shard_group != layout.data_parallel(world):
+            label += f" (shard group {planned.shard_group})"
+        timed = None
+        if rank_by_time and planned.step_time is not None:
+            planned.step_time = with_layout(
+                planned.step_time, layout, micro_batches=planned.micro_batches, seq_len=workload.seq_len,
+                hidden=shape.hidden, blocks=shape.blocks, activation_bytes=activation_bytes,
+                network=network_from_profile(planner.target.profile, gpus_per_node=options.gpus_per_node,
+                                             network_gbps=options.network_gbps))
+            timed = planned.step_time.samples_per_s
+        return LayoutOutcome(layout, steps=planned.accumulation_steps, label=label, plan=planned,
+                             communication=volume(layout, sum(planned.micro_batches),
+                                                  sharded=planned.sharding.sharded,
+                                                  steps=planned.accumulation_steps),
+                             samples_per_s=timed)
+
+    outcomes = search_layouts(candidates, evaluate, cost=cost, rank_by_time=rank_by_time)
+    winner, reason = choose_layout(outcomes, rank_by_time=rank_by_time)
+    planned: Plan = winner.plan
+    planned.reasons["layout"] = reason + "".join(f"; {note}" for note in notes)
+    if options.eval_batch:
+        planner = planners[winner.layout]
+        planned = plan_eval_batch(planned, planner.workload, planner.backend, usable=planner.usable,
+                                  extra=planner.extra, upper=options.max_eval_batch, agree=planner.agree)
+    return planned
+
+
+def _first_sentence(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+__all__ = ["search_layout"]

@@ -1,0 +1,270 @@
+"""The layout search (--tp/--cp/--pp auto): candidates, order and stops, the choice and its reason,
+the communication volume and the pipeline bubble. Pure: outcomes are hand-made."""
+
+import pytest
+import torch
+
+from autotune import ConfigError, Layout
+from autotune.distributed.layout import parse_layout
+from autotune.planning.layouts import (LayoutOutcome, choose_layout, communication_bytes, dominates,
+                                       layout_candidates, search_layouts)
+from autotune.timing.layout import pipeline_bubble
+from autotune.workload.model_shape import ModelShape, model_shape
+
+LLAMA_8B = ModelShape(heads=32, kv_heads=8, hidden=4096, blocks=32)
+
+
+def degrees(layouts):
+    return {(lay.tp, lay.cp, lay.pp) for lay in layouts}
+
+
+def test_candidates_divide_the_world_stay_in_a_host_and_respect_heads_blocks_and_sequence():
+    found, notes = layout_candidates(16, tp="auto", cp="auto", pp="auto", gpus_per_node=8,
+                                     shape=ModelShape(heads=32, kv_heads=8, hidden=64, blocks=4),
+                                     seq_len=8192)
+    assert notes == []
+    got = degrees(found)
+    assert (1, 1, 1) in got and (8, 1, 2) in got and (2, 4, 2) in got and (1, 1, 4) in got
+    assert all(t * c <= 8 and 8 % (t * c) == 0 for t, c, _ in got)  # inside a host of 8
+    assert all(p <= 4 for _, _, p in got)  # at most one block per stage
+    assert all(16 % (t * c * p) == 0 for t, c, p in got)
+    # tp divides 12 heads and 4 key/value heads: 1, 2, 4 (not 3 or 6: 4 kv heads; not 8)
+    found, _ = layout_candidates(24, tp="auto", shape=ModelShape(heads=12, kv_heads=4, blocks=2))
+    assert degrees(found) == {(1, 1, 1), (2, 1, 1), (4, 1, 1)}
+    # cp: the sequence splits into 2 × cp chunks (96 = 2 × 48: cp 1, 2, 4, 8 of world 8 but not 3)
+    found, _ = layout_candidates(24, cp="auto", shape=LLAMA_8B, seq_len=96)
+    assert degrees(found) == {(1, c, 1) for c in (1, 2, 3, 4, 6, 8, 12, 24) if 96 % (2 * c) == 0}
+    # interleaved pipelines need pp × stages_per_rank blocks
+    found, _ = layout_candidates(8, pp="auto", pp_schedule="interleaved-1f1b", shape=ModelShape(heads=32, blocks=6))
+    assert degrees(found) == {(1, 1, 1), (1, 1, 2)}
+    assert all(lay.stages_per_rank == 2 for lay in found if lay.pp > 1)
+
+
+def test_degrees_that_cannot_split_stay_one_with_a_note():
+    found, notes = layout_candidates(8, tp="auto", cp="auto", pp=2, shape=ModelShape(blocks=4))
+    assert degrees(found) == {(1, 1, 2)}
+    assert any(n.startswith("tp stays 1: the model names no attention heads") for n in notes)
+    assert any(n.startswith("cp stays 1: the plan has no sequence length") for n in notes)
+    _, notes = layout_candidates(8, tp="auto", shape=ModelShape(heads=2, kv_heads=1, blocks=4))
+    assert notes == ["tp stays 1: no degree above 1 divides the world size and fits the model's 2 "
+                     "attention and 1 key/value heads"]
+
+
+def test_model_shape_from_a_config_or_attention_modules():
+    from types import SimpleNamespace
+
+    class HFLike(torch.nn.Module):  # a Hugging Face model's config attributes (LlamaConfig's names)
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, hidden_size=64)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+    shape = model_shape(HFLike())
+    assert shape == ModelShape(heads=8, kv_heads=2, hidden=64, blocks=3)
+    assert shape.kv_hidden == 16
+    plain = torch.nn.Sequential(torch.nn.Embedding(10, 32),
+                                torch.nn.ModuleList(torch.nn.MultiheadAttention(32, 4) for _ in range(2)))
+    assert model_shape(plain).heads == 4 and model_shape(plain).kv_heads == 4
+    assert model_shape(torch.nn.Linear(3, 3)).heads is None
+
+
+def test_communication_volume_follows_the_formulas():
+    shape = ModelShape(heads=4, kv_heads=2, hidden=10, blocks=4)
+    args = dict(shape=shape, seq_len=100, share=2, param_bytes=8000, activation_bytes=2)
+    # DDP over 4: all-reduce 2 × 3/4 of the gradients; FSDP: 3 × 3/4 per micro-step.
+    assert communication_bytes(Layout(), 4, sharded=False, **args) == 2 * 0.75 * 8000
+    assert communication_bytes(Layout(), 4, sharded=True, steps=2, **args) == 6 * 0.75 * 8000
+    # TP 2 on 4 (dp 2): 8 collectives × 4 blocks × 200 tokens × 10 × 2 B × 1/2, plus FSDP over 2
+    # of the half the rank holds.
+    tp = 8 * 4 * 200 * 10 * 2 * 0.5 + 3 * 0.5 * 4000
+    assert communication_bytes(Layout(tp=2), 4, **args) == tp
+    # CP 2 on 2: 6 × 4 blocks × 200 tokens × kv width 5 × 2 B × 1/2
+    assert communication_bytes(Layout(cp=2), 2, **args) == 6 * 4 * 200 * 5 * 2 * 0.5
+    # PP 2 on 2: forward activation and backward gradient, per stage a rank holds
+    assert communication_bytes(Layout(pp=2), 2, **args) == 2 * 200 * 10 * 2
+    assert communication_bytes(parse_layout(pp=2, pp_schedule="interleaved-1f1b"), 2, **args) == 4 * 200 * 10 * 2
+
+
+def test_pipeline_bubble_by_schedule():
+    assert pipeline_bubble(Layout(), 1) == 0
+    assert pipeline_bubble(Layout(pp=4), 4) == pytest.approx(3 / 7)  # (p - 1)/(m + p - 1)
+    assert pipeline_bubble(Layout(pp=4), 1) == pytest.approx(3 / 4)
+    interleaved = parse_layout(pp=4, pp_schedule="interleaved-1f1b")  # 2 stages per rank
+    assert pipeline_bubble(interleaved, 4) == pytest.approx(1.5 / 5.5)
+    assert pipeline_bubble(parse_layout(pp=4, pp_schedule="zero-bubble"), 4) == pytest.approx(0.5 / 4.5)
+
+
+def _table(answers):
+    """evaluate() from {(tp, cp, pp): steps | "nowhere" | "unavailable"}, recording the calls."""
+    calls = []
+
+    def evaluate(layout):
+        calls.append((layout.tp, layout.cp, layout.pp))
+        answer = answers[(layout.tp, layout.cp, layout.pp)]
+        if answer == "nowhere":
+            return LayoutOutcome(layout, error="does not fit", fits_nowhere=True)
+        if answer == "unavailable":
+            return LayoutOutcome(layout, error="not estimated: not available")
+        return LayoutOutcome(layout, steps=answer, communication=10.0 * layout.model_parallel)
+
+    return evaluate, calls
+
+
+def _cost(layout):
+    return {(1, 1, 1): 100, (2, 1, 1): 50, (1, 1, 2): 60, (4, 1, 1): 70, (2, 1, 2): 80, (4, 1, 2): 90}[
+        (layout.tp, layout.cp, layout.pp)]
+
+
+CANDIDATES = [Layout(), Layout(tp=2), Layout(pp=2), Layout(tp=4), Layout(tp=2, pp=2), Layout(tp=4, pp=2)]
+
+
+def test_data_parallel_first_and_one_step_stops_the_search():
+    evaluate, calls = _table({(1, 1, 1): 1})
+    outcomes = search_layouts(CANDIDATES, evaluate, cost=_cost)
+    assert calls == [(1, 1, 1)]
+    assert [o.estimated for o in outcomes] == [True] + [False] * 5
+    assert "one accumulation step was reached" in outcomes[1].error
+    winner, reason = choose_layout(outcomes)
+    assert winner.layout == Layout()
+    assert reason.startswith("auto: data parallel: 1 accumulation step, the fewest")
+
+
+def test_then_cheapest_communication_first_with_patience():
+    evaluate, calls = _table({(1, 1, 1): 4, (2, 1, 1): 2, (1, 1, 2): 2, (4, 1, 1): 2, (2, 1, 2): 1,
+                              (4, 1, 2): 1})
+    outcomes = search_layouts(CANDIDATES, evaluate, cost=_cost, patience=2)
+    # tp 2 cut steps; pp 2 and tp 4 did not: two in a row, so the rest is not estimated.
+    assert calls == [(1, 1, 1), (2, 1, 1), (1, 1, 2), (4, 1, 1)]
+    assert all("2 layout(s) in a row" in o.error for o in outcomes if not o.estimated)
+    winner, reason = choose_layout(outcomes)
+    # tp 2, pp 2 and tp 4 take 2 steps: pp 2 idles in its bubble, tp 2 communicates least.
+    assert winner.layout == Layout(tp=2)
+    assert "least communication of the 3 with 2 accumulation steps" in reason
+
+
+def test_a_layout_that_fits_nowhere_rules_out_the_ones_it_dominates():
+    evaluate, calls = _table({(1, 1, 1): "nowhere", (4, 1, 2): 3, (2, 1, 1): "nowhere",
+                              (1, 1, 2): "nowhere", (4, 1, 1): 3, (2, 1, 2): "nowhere"})
+    outcomes = search_layouts(CANDIDATES, evaluate, cost=_cost, patience=5)
+    # After data parallel fit nowhere, the most split (tp 4 × pp 2) went next.
+    assert calls[:2] == [(1, 1, 1), (4, 1, 2)]
+    by = {(o.layout.tp, o.layout.pp): o for o in outcomes}
+    assert by[(2, 1)].estimated and by[(2, 2)].estimated
+    # pp 2 is dominated by tp 2 × pp 2 only if that ran first; here tp 2 × pp 2 costs more, so pp 2
+    # ran. Everything else got an answer.
+    assert {(o.layout.tp, o.layout.pp) for o in outcomes} == {(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (4, 2)}
+    winner, _ = choose_layout(outcomes)
+    assert winner.steps == 3
+    assert dominates(Layout(tp=2, pp=2), Layout(pp=2)) and not dominates(Layout(tp=2), Layout(pp=2))
+    # A dominated candidate is answered without an estimate.
+    evaluate, calls = _table({(4, 1, 2): "nowhere", (1, 1, 1): "nowhere"})
+    outcomes = search_layouts([Layout(), Layout(tp=4, pp=2), Layout(tp=2)], evaluate,
+                              cost=lambda lay: lay.model_parallel)
+    assert calls == [(1, 1, 1), (4, 1, 2)]
+    skipped = next(o for o in outcomes if o.layout == Layout(tp=2))
+    assert not skipped.estimated and skipped.fits_nowhere and "tp 4 × pp 2 (1f1b)" in skipped.error
+    with pytest.raises(ConfigError, match="no layout fits: data parallel \\(does not fit\\)"):
+        choose_layout(outcomes)
+
+
+def test_the_search_estimates_at_most_max_estimated():
+    evaluate, calls = _table({key: "unavailable" for key in
+                              [(1, 1, 1), (2, 1, 1), (1, 1, 2), (4, 1, 1), (2, 1, 2), (4, 1, 2)]})
+    outcomes = search_layouts(CANDIDATES, evaluate, cost=_cost, max_estimated=3)
+    assert len(calls) == 3
+    assert sum("at most 3 layouts" in (o.error or "") for o in outcomes) == 3
+
+
+def test_pipeline_bubble_breaks_ties_and_throughput_ranks_by_samples():
+    flat = LayoutOutcome(Layout(tp=2), steps=2, communication=500.0, label="FSDP 4 × TP 2")
+    piped = LayoutOutcome(Layout(pp=2), steps=2, communication=100.0, label="FSDP 4 × PP 2")
+    winner, reason = choose_layout([piped, flat])
+    assert winner is flat and "smallest pipeline bubble (0% of the step against FSDP 4 × PP 2's 33%)" in reason
+    piped.samples_per_s, flat.samples_per_s = 3.0, 2.0
+    winner, reason = choose_layout([piped, flat], rank_by_time=True)
+    assert winner is piped and "most samples/s per GPU predicted (3)" in reason
+
+
+class _StubPlanner:
+    """plan()'s planner for search_layout, with a plan per layout from a table of the largest
+    micro-batch each allows (None: fits nowhere; "unavailable": the split is not in this build)."""
+
+    allowed = {}
+
+    def __init__(self, workload, options, *, inspected):
+        from autotune.planning.policy import PlanRequest
+
+        self.options, self.target, self.world_size, self.chosen = options, None, options.world_size, "bf16"
+        self.request = PlanRequest(target_batch=options.target_batch, world_size=self.world_size,
+                                   checkpointing="off", headroom=0.0, parallel=options.parallel,
+                                   sharding="fsdp", precision="bf16")
+
+    def run(self):
+        import dataclasses
+
+        from autotune import PlanError
+        from autotune.planning.policy import build_plan
+        from plan_helpers import device, fingerprint, linear_probe, setting
+
+        allowed = self.allowed[self.options.parallel]
+        if allowed == "unavailable":
+            raise ConfigError("tp 2: tensor parallelism is not available in this build of autotune")
+        if allowed is None:
+            raise PlanError("nothing fits: every setting runs out of memory at micro-batch 1")
+        tried = dataclasses.replace(setting(linear_probe(allowed), precision="bf16", headroom=0.0),
+                                    sharding="fsdp", shard_group=self.request.data_parallel,
+                                    parallel=self.options.parallel)
+        return build_plan(self.request, workload=fingerprint(param_bytes=8 * 2**20), settings=[tried],
+                          device=device(), created_at="2026-12-01T00:00:00+00:00")
+
+
+def test_search_layout_plans_each_candidate_and_records_why(tmp_path):
+    from types import SimpleNamespace
+
+    from autotune.orchestration.layout_search import search_layout
+    from autotune.orchestration.request import PlanOptions
+
+    _StubPlanner.allowed = {Layout(): 2, Layout(tp=2): 4, Layout(tp=4): "unavailable", Layout(pp=2): None,
+                            Layout(tp=2, pp=2): 8, Layout(pp=4): None, Layout(tp=4, pp=2): 8,
+                            Layout(tp=2, pp=4): 8, Layout(tp=4, pp=4): 8, Layout(pp=8): None}
+    shape = ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)
+    options = PlanOptions(target_batch=64, world_size=8, sharding="fsdp", eval_batch=False)
+    workload = SimpleNamespace(seq_len=None)
+    planned = search_layout(workload, options, dict(tp="auto", pp="auto"), make_planner=_StubPlanner,
+                            inspected=(SimpleNamespace(param_bytes=8 * 2**20), shape))
+    # Data parallel: share 8, at most 2: 4 steps. With dp 1 the gradients cost nothing, so pp 8
+    # is the cheapest next; it fits nowhere, which answers pp 4 and pp 2 without an estimate. The
+    # tp × pp layouts take 8 steps (share 64, at most 8): two in a row without fewer steps stop it.
+    assert planned.accumulation_steps == 4 and planned.parallel == Layout()
+    reason = planned.reasons["layout"]
+    assert reason.startswith("auto: FSDP 8: 4 accumulation steps, the fewest of the layouts that fit. ")
+    assert "FSDP 8 (4 accumulation steps, 84.00 MiB); pp 8 (1f1b) (nothing fits" in reason
+    assert "FSDP 1 × TP 2 × PP 4 (1f1b) (8 accumulation steps, 72.00 KiB, bubble 27%)" in reason
+    assert ("pp 4 (1f1b), pp 2 (1f1b) (fits nowhere, not estimated: a rank holds no less than under "
+            "pp 8 (1f1b), which fits nowhere)") in reason
+    assert reason.endswith("tp 2 × pp 2 (1f1b), tp 4, tp 2 (not estimated: 2 layout(s) in a row fitted "
+                           "without fewer accumulation steps (later ones communicate more))")
+
+
+def test_cli_tp_auto_plans_data_parallel_when_it_takes_one_step(tmp_path, examples_dir):
+    from click.testing import CliRunner
+
+    from autotune.cli.main import cli
+    from autotune.planning.planfile import load_plan
+
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(cli, ["plan", str(examples_dir / "tiny_lm.py"), "--world-size", "4",
+                                      "--target-batch", "8", "--tp", "auto", "--pp", "auto",
+                                      "--memory-limit", "256MiB", "--no-eval-batch", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    planned = load_plan(out)
+    assert planned.parallel == Layout()
+    reason = planned.reasons["layout"]
+    assert reason.startswith("auto: DDP 4: 1 accumulation step, the fewest")
+    # tiny_lm's 4 heads and 4 blocks on 4 ranks: tp 2, 4; pp 2, 4; tp 2 × pp 2; none estimated.
+    for name in ("tp 2", "tp 4", "pp 2 (1f1b)", "pp 4 (1f1b)", "tp 2 × pp 2 (1f1b)"):
+        assert name in reason
+    assert "(not estimated: one accumulation step was reached" in reason
+    assert "layout:       DDP 4 (auto: DDP 4" in result.output
+    bad = CliRunner().invoke(cli, ["plan", str(examples_dir / "tiny_lm.py"), "--tp", "some"])
+    assert bad.exit_code == 2 and "'some' is not a valid integer" in bad.output
