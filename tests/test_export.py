@@ -33,7 +33,7 @@ def uneven():
 
 def test_even_split_of_an_even_plan_is_the_plan(even):
     split = even_split(even)
-    assert (split.micro_batch, split.accumulation_steps, split.world_size) == (32, 4, 1)
+    assert (split.micro_batch, split.accumulation_steps, split.data_parallel) == (32, 4, 1)
 
 
 def test_even_split_of_an_uneven_plan_keeps_the_effective_batch():

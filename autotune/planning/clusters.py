@@ -75,6 +75,13 @@ def layout(plan: Plan, nproc_per_node: int | None = None) -> Layout:
             f"{world} into whole nodes (nodes × processes per node = {world}); use one of "
             f"{', '.join(map(str, divisors))}, or re-plan with a world size that is a multiple of "
             f"{nproc_per_node} (--world-size)")
+    # Tensor/context-parallel groups are runs of neighbouring ranks: each must fit on one node.
+    inside = plan.parallel.tp * plan.parallel.cp
+    if nproc_per_node % inside:
+        raise ConfigError(f"the plan's {plan.parallel.describe_degrees()} puts {inside} ranks in each "
+                          f"tensor/context-parallel group, which must stay on one node, and "
+                          f"{given('nproc_per_node', nproc_per_node)} does not hold whole groups; "
+                          f"use a multiple of {inside} processes per node")
     return Layout(nodes=world // nproc_per_node, per_node=nproc_per_node)
 
 

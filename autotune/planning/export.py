@@ -38,11 +38,12 @@ TORCHRUN_STEPS = 1000
 class EvenSplit:
     micro_batch: int
     accumulation_steps: int
-    world_size: int
+    data_parallel: int
+    """Ranks that take different samples: the world size over the plan's tp × cp × pp."""
 
     @property
     def effective_batch(self) -> int:
-        return self.micro_batch * self.accumulation_steps * self.world_size
+        return self.micro_batch * self.accumulation_steps * self.data_parallel
 
 
 @dataclass(kw_only=True)
@@ -73,25 +74,60 @@ def even_split(plan: Plan) -> EvenSplit:
     largest divisor of the per-device share that is at most the planned micro-batch)."""
     share = plan.per_device_batch
     micro = largest_divisor_at_most(share, plan.micro_batch)
-    return EvenSplit(micro_batch=micro, accumulation_steps=share // micro, world_size=plan.world_size)
+    return EvenSplit(micro_batch=micro, accumulation_steps=share // micro, data_parallel=plan.data_parallel)
 
 
 def _even_notes(plan: Plan, target: str) -> list[str]:
     if plan.is_even:
         return []
     even = even_split(plan)
-    nearby = plan.micro_batch * plan.accumulation_steps * plan.world_size
-    lower = (plan.micro_batch - 1) * plan.accumulation_steps * plan.world_size
+    nearby = plan.micro_batch * plan.accumulation_steps * plan.data_parallel
+    lower = (plan.micro_batch - 1) * plan.accumulation_steps * plan.data_parallel
     return [
         f"the plan is uneven ({plan.split_text} per rank) and {target} "
         f"takes one micro-batch size, so this export uses the nearest even plan with the same "
         f"effective batch: {even.micro_batch} × {even.accumulation_steps} accumulation steps × "
-        f"{even.world_size} = {even.effective_batch}",
+        f"{even.data_parallel} = {even.effective_batch}",
         f"re-plan with --even (Python: even=True) for the best even split of this target batch "
         f"(checkpointing considered), or an even target: --target-batch {lower} "
         f"({plan.micro_batch - 1} × {plan.accumulation_steps}) or {nearby} ({plan.micro_batch} × "
         f"{plan.accumulation_steps}, if it fits)" if plan.micro_batch > 1 else "",
     ]
+
+
+_EXPRESSES = {"TrainingArguments": ("tp", "cp"), "Accelerate": ("tp", "cp")}
+"""The model-parallel degrees each runner's exported configuration carries (Accelerate's
+``ParallelismConfig``, which TrainingArguments takes as ``parallelism_config``: tp and cp over
+FSDP2; none has pipeline parallelism)."""
+
+
+def _layout_notes(plan: Plan, target: str) -> list[str]:
+    """A model-parallel plan: the per-device batch is per data-parallel rank, and what of the
+    layout this runner's configuration cannot hold."""
+    layout = plan.parallel
+    if layout.trivial:
+        return []
+    described = layout.describe(plan.world_size, str(plan.sharding).upper())
+    notes = [f"the plan's layout is {described}: {plan.data_parallel} data-parallel rank(s) of "
+             f"{plan.world_size} take different samples, so the batch sizes here are per "
+             f"data-parallel rank (tensor/context/pipeline peers share theirs)"]
+    missing = [name for name in ("tp", "cp", "pp") if getattr(layout, name) > 1
+               and name not in _EXPRESSES.get(target, ())]
+    if missing:
+        what = " × ".join(f"{name} {getattr(layout, name)}" for name in missing)
+        notes.append(f"{target}'s configuration cannot express {what}: set it up in the training "
+                     f"script, or train the plan with autotune's own loop (--to torchrun), which "
+                     f"applies the whole layout; without it each rank holds more than planned")
+    return notes
+
+
+def _parallelism_sizes(plan: Plan) -> dict:
+    """Accelerate's ``ParallelismConfig`` sizes for the plan (dp_replicate × dp_shard × cp × tp =
+    the world without the pipeline)."""
+    dp = plan.data_parallel
+    group = plan.shard_group or dp if plan.sharding.sharded else 1
+    return {"dp_replicate_size": dp // group, "dp_shard_size": group, "cp_size": plan.parallel.cp,
+            "tp_size": plan.parallel.tp}
 
 
 def _selective_notes(plan: Plan, target: str) -> list[str]:
@@ -112,6 +148,7 @@ def _common_notes(plan: Plan, target: str, *, carries_warmup: bool = False,
     """``carries_optimizer``: the export sets the optimizer and its LR (the plan's, else the
     optimizer's own)."""
     notes = [n for n in _even_notes(plan, target) if n] + _selective_notes(plan, target)
+    notes += _layout_notes(plan, target)
     if plan.lr.lr is None and carries_optimizer and plan.workload.optimizer_lr is not None:
         notes.append(f"the model file's optimizer LR {plan.workload.optimizer_lr:g} is exported "
                      f"as it is: {plan.lr.note}")
@@ -251,6 +288,15 @@ def to_hf(plan: Plan) -> Export:
     if plan.world_size > 1:
         notes.append(f"launch on {plan.world_size} processes (e.g. torchrun --nproc_per_node "
                      f"{plan.world_size}); TrainingArguments takes the per-device batch")
+    script = {}
+    if plan.parallel.tp > 1 or plan.parallel.cp > 1:
+        # TrainingArguments takes an accelerate.ParallelismConfig object, which JSON cannot hold.
+        script["parallelism_config"] = _parallelism_sizes(plan)
+        sizes = ", ".join(f"{k}={v}" for k, v in script["parallelism_config"].items())
+        notes.append(f"pass TrainingArguments(..., parallelism_config=accelerate.ParallelismConfig("
+                     f"{sizes})) (transformers 5, Accelerate 1.10 or later)"
+                     + (" and load the model with from_pretrained(..., tp_plan=\"auto\") so its "
+                        "layers split as the plan's" if plan.parallel.tp > 1 else ""))
     if plan.sharding.sharded:
         config["fsdp"] = "full_shard auto_wrap" + (" offload" if plan.sharding.offload else "")
         # Under FSDP, transformers takes checkpointing in fsdp_config (FSDP's own, per wrapped
@@ -260,7 +306,7 @@ def to_hf(plan: Plan) -> Export:
                                  "activation_checkpointing": plan.checkpointing.enabled}
         config[checkpointing_field or _HF_CHECKPOINTING_OLD] = False
         notes += _sharding_notes(plan)
-    return Export(target="hf", config=config, notes=notes)
+    return Export(target="hf", config=config, notes=notes, script=script)
 
 
 def _sharding_notes(plan: Plan) -> list[str]:
@@ -390,6 +436,16 @@ def to_accelerate(plan: Plan) -> Export:
         "num_machines": 1,
         "machine_rank": 0,
     }
+    if plan.parallel.pp > 1:
+        raise ConfigError(f"--to accelerate: the plan's layout "
+                          f"{plan.parallel.describe(plan.world_size, str(plan.sharding).upper())} has "
+                          f"a pipeline, which Accelerate's parallelism config cannot express (its "
+                          f"sizes must multiply to the {plan.world_size} processes); export --to "
+                          f"torchrun (autotune's own loop runs the pipeline), or plan with --pp 1")
+    if not plan.parallel.trivial and not plan.sharding.sharded:
+        raise ConfigError(f"--to accelerate: Accelerate splits tensor/context parallel layouts "
+                          f"over FSDP2 only, and the plan replicates ({plan.sharding}); export --to "
+                          f"torchrun, or plan with --sharding fsdp")
     if plan.sharding.sharded:
         config["distributed_type"] = "FSDP"
         config["fsdp_config"] = {
@@ -399,6 +455,12 @@ def to_accelerate(plan: Plan) -> Export:
             "fsdp_offload_params": plan.sharding.offload,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         }
+    if not plan.parallel.trivial:
+        # `accelerate launch` reads parallelism_config_* keys into its ParallelismConfig.
+        config["parallelism_config"] = {f"parallelism_config_{key}": value
+                                        for key, value in _parallelism_sizes(plan).items()}
+        if plan.parallel.cp > 1:
+            config["parallelism_config"]["parallelism_config_cp_backend"] = "torch"
     accelerator = {"gradient_accumulation_steps": even.accumulation_steps, "mixed_precision": mixed}
     if cpu:
         accelerator["cpu"] = True
@@ -452,6 +514,13 @@ def to_torchrun(plan: Plan, *, plan_path: str = "plan.json", model_file: str | N
     if plan.sharding.sharded:
         notes.append(f"autotune train shards the model as the plan says ({plan.sharding}, shard "
                      f"group {plan.shard_group})")
+    if not plan.parallel.trivial:
+        notes.append(f"autotune train reads the layout from the plan and applies it: "
+                     f"{plan.parallel.describe(plan.world_size, str(plan.sharding).upper())} "
+                     f"(--tp {plan.parallel.tp} --cp {plan.parallel.cp} --pp {plan.parallel.pp}"
+                     + (f" --pp-schedule {plan.parallel.pp_schedule} --stages-per-rank "
+                        f"{plan.parallel.stages_per_rank}" if plan.parallel.pp > 1 else "")
+                     + f"); {plan.data_parallel} data-parallel rank(s) take different samples")
     return Export(target="torchrun", config=shlex.join(command), notes=notes)
 
 

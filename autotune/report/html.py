@@ -52,11 +52,15 @@ def plan_summary(plan) -> list[tuple[str, str]]:
     info = plan.device
     lr = plan.lr
     rows = [("model", f"{plan.workload.source} ({plan.workload.param_count:,} parameters)"),
-            ("split", f"{' + '.join(map(str, plan.micro_batches))} per rank × {plan.world_size} "
-                      f"rank(s) = {plan.effective_batch} ({plan.accumulation_steps} accumulation "
-                      f"step(s))"),
+            ("split", f"{' + '.join(map(str, plan.micro_batches))} per rank × {plan.data_parallel} "
+                      f"{'data-parallel ' if not plan.parallel.trivial else ''}rank(s) = "
+                      f"{plan.effective_batch} ({plan.accumulation_steps} accumulation step(s))"),
             ("precision", f"{plan.precision}: {plan.reasons.get('precision', '')}"),
             ("checkpointing", f"{_on_off(plan.checkpointing)}: {plan.reasons.get('checkpointing', '')}")]
+    if not plan.parallel.trivial or "layout" in plan.reasons:
+        layout = plan.parallel.describe(plan.world_size, str(plan.sharding).upper())
+        rows.append(("layout", f"{layout} on {plan.world_size} rank(s)"
+                               + (f": {plan.reasons['layout']}" if "layout" in plan.reasons else "")))
     if info is not None:
         rows.append(("device", info.name))
         rows.append(("budget", f"{format_bytes(info.budget_bytes)} ({info.budget_source}); headroom "
