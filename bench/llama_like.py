@@ -1,7 +1,7 @@
 """A Llama-shaped decoder (RMSNorm, grouped-query attention, SwiGLU) at the size that
 AUTOTUNE_LLAMA names: 1b, 8b (Llama-3-8B: 32 layers, dim 4096, FFN 14336, vocab 128256), 70b or
 405b (Llama-3.1-405B: 126 layers, dim 16384, FFN 53248, 128 heads, 8 KV heads). Sequences of
-AUTOTUNE_LLAMA_SEQ tokens (default 2048), AdamW. Rotary embeddings are left out: they add no parameters and
+AUTOTUNE_LLAMA_SEQ tokens (default 2048; make_batch(n, seq_len) takes --seq-len), AdamW. Rotary embeddings are left out: they add no parameters and
 little memory. Used by bench/fsdp_plan_rss.py and
 bench/reserved_memory.py; far too large to build for real on this machine.
 """
@@ -27,6 +27,8 @@ class Block(nn.Module):
     def __init__(self):
         super().__init__()
         head_dim = DIM // HEADS
+        # What a layout search reads (autotune.workload.model_shape): tensor parallel splits heads.
+        self.num_heads, self.num_key_value_heads = HEADS, KV_HEADS
         self.attn_norm = nn.RMSNorm(DIM)
         self.q = nn.Linear(DIM, DIM, bias=False)
         self.kv = nn.Linear(DIM, 2 * KV_HEADS * head_dim, bias=False)
@@ -65,13 +67,15 @@ def build_model():
     return LlamaLike()
 
 
-def make_batch(batch_size):
-    return torch.randint(0, VOCAB, (batch_size, SEQ_LEN + 1))
+def make_batch(batch_size, seq_len=SEQ_LEN):
+    # seq_len positions per sample (what --seq-len plans), with next-token labels beside them.
+    return {"tokens": torch.randint(0, VOCAB, (batch_size, seq_len)),
+            "labels": torch.randint(0, VOCAB, (batch_size, seq_len))}
 
 
-def loss_fn(model, tokens):
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+def loss_fn(model, batch):
+    logits = model(batch["tokens"])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
 
 
 def build_optimizer(params):

@@ -5,12 +5,15 @@ Two tables (bench/README.md, "llama_plans.py"):
 1. ``--check``: one rank's estimated step (fake tensors, CUDA accounting: the foreach AdamW as on
    the GPU) of bench/llama_like.py from the small builds extended to every block, against the full
    fake build, with the seconds of each. Each row runs in this process, one after the other.
-2. ``--plan``: ``autotune plan bench/llama_like.py --gpu h100-80gb`` at sequence 8192 (8B on 8
-   GPUs, 70B on 256, 405B on 512), each in a fresh process: its CPU seconds, wall seconds and peak
-   RSS (getrusage), the plan it made (layout, split, checkpointing, per-rank peak), and where
-   ``--full`` asks, the same plan from full builds (as before) with its seconds.
+2. ``--plan``: ``autotune plan bench/llama_like.py --gpu h100-80gb --gpus-per-node 8 --tp auto
+   --cp auto --pp auto`` (issue 21's cases: 8B on 8 GPUs, 70B on 256, 405B on 512 at sequence
+   8192, and 8B at sequence 131072 on 8, which needs context parallelism), each in a fresh
+   process: its CPU seconds, wall seconds and peak RSS (getrusage), the layout the search chose,
+   its split, checkpointing and per-rank peak, how many layouts it estimated and which it could
+   not (a split this build lacks), and where ``--full`` asks, the same plan from full builds with
+   its seconds. ``--fixed`` plans data parallel only (the degrees at 1), as before the search.
 
-    OMP_NUM_THREADS=1 python bench/llama_plans.py --check 8b 70b --plan 8b 70b 405b --full 8b
+    OMP_NUM_THREADS=1 python bench/llama_plans.py --check 8b 70b --plan 8b 70b 405b 8b-128k --full 8b
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import pathlib
 import subprocess
 import sys
@@ -27,7 +31,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEQ_LEN = 8192
-PLANS = {"8b": (8, 64), "70b": (256, 512), "405b": (512, 1024)}  # world size, target batch
+PLANS = {"8b": (8, 64, SEQ_LEN), "70b": (256, 512, SEQ_LEN), "405b": (512, 1024, SEQ_LEN),
+         "8b-128k": (8, 8, 131072)}  # world size, target batch, sequence length
 CHECKS = {  # (world size, micro-batch, precision, checkpointing, shard group)
     "8b": [(8, 1, "bf16", "on", None), (8, 2, "bf16", "on", None), (8, 1, "bf16", "off", None),
            (64, 2, "bf16", "on", None), (8, 1, "fp32", "16", None), (16, 1, "bf16", "on", 8),
@@ -70,10 +75,13 @@ def _check_rows(shape: str) -> list[dict]:
     return rows
 
 
-def plan(shape: str, out: pathlib.Path, *, full: bool) -> dict:
-    world, target = PLANS[shape]
+def plan(shape: str, out: pathlib.Path, *, full: bool, search: bool = True) -> dict:
+    world, target, seq = PLANS[shape]
     command = ["-m", "autotune", "plan", str(ROOT / "bench" / "llama_like.py"), "--gpu",
-               "h100-80gb", "--world-size", str(world), "--target-batch", str(target), "-o", str(out)]
+               "h100-80gb", "--gpus-per-node", "8", "--world-size", str(world), "--target-batch",
+               str(target), "--seq-len", str(seq), "-o", str(out)]
+    if search:
+        command += ["--tp", "auto", "--cp", "auto", "--pp", "auto"]
     if full:  # the same command with the estimates on full builds
         command = ["-c", "import sys, runpy; from autotune.probing import affine_blocks; "
                    "affine_blocks._enabled = False; sys.argv = ['autotune', *sys.argv[1:]]; "
@@ -84,30 +92,44 @@ def plan(shape: str, out: pathlib.Path, *, full: bool) -> dict:
                "rc = subprocess.run(sys.argv[1:]).returncode; u = resource.getrusage("
                "resource.RUSAGE_CHILDREN); print(rc, u.ru_maxrss, u.ru_utime + u.ru_stime, "
                "time.perf_counter() - t)")
-    done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, *command], env=_env(shape),
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, *command],
+                          env=_env(shape.split("-")[0], seq), capture_output=True, text=True)
     rc, rss_kib, cpu_s, wall_s = done.stdout.strip().splitlines()[-1].split()
     found = {"rss_gib": int(rss_kib) / 2**20, "cpu_s": float(cpu_s), "wall_s": float(wall_s)}
     if int(rc):
-        # An answer too: no layout autotune plans today fits (405B at 8192 needs TP or PP).
+        # An answer too: no layout this build can estimate fits.
         error = next((line for line in done.stderr.splitlines() if line.startswith("Error: ")), None)
-        if error is None or "does not fit" not in error:
+        if error is None or "fit" not in error:
             raise RuntimeError(done.stderr[-3000:])
         return {**found, "plan": None, "error": error}
     return {**found, "plan": json.loads(out.read_text())}
 
 
+def _layout(made: dict) -> str:
+    from autotune.distributed.layout import Layout
+
+    layout = Layout.from_dict(made.get("parallel")).describe(made["world_size"], made["sharding"].upper())
+    group = made.get("shard_group")
+    return layout + (f" (shard group {group})" if group and "×" not in layout and group != made["world_size"]
+                     else "")
+
+
+def _searched(made: dict) -> str:
+    """Which splits the search could not estimate (not in this build)."""
+    reason = made["reasons"].get("layout", "")
+    lacking = sorted(set(re.findall(r"(tensor|context|pipeline) parallelism is not available", reason)))
+    return f"not in this build: {', '.join(lacking)}" if lacking else "every candidate answered"
+
+
 def _fits_nowhere(error: str) -> str:
     """The smallest per-rank need the error names (its settings' "needs X" or "with X in use")."""
-    import re
-
     needs = re.findall(r"checkpointing (\w+), one rank of \d+ under ([\w-]+)\): one training step "
                        r"at micro-batch 1 ran out of memory with ([\d.]+ [KMGT]iB) in use", error)
     return "; ".join(f"{layout} ckpt {ckpt} {need}" for ckpt, layout, need in needs) or error[:200]
 
 
-def _env(shape: str) -> dict:
-    return dict(os.environ, AUTOTUNE_LLAMA=shape, AUTOTUNE_LLAMA_SEQ=str(SEQ_LEN),
+def _env(shape: str, seq: int = SEQ_LEN) -> dict:
+    return dict(os.environ, AUTOTUNE_LLAMA=shape, AUTOTUNE_LLAMA_SEQ=str(seq),
                 PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
@@ -121,6 +143,9 @@ def main() -> int:
     parser.add_argument("--plan", nargs="*", default=[], choices=list(PLANS))
     parser.add_argument("--full", nargs="*", default=[], choices=list(PLANS),
                         help="also plan these from full builds, for the speed-up")
+    parser.add_argument("--fixed", action="store_true",
+                        help="plan data parallel only (--tp/--cp/--pp 1), as before the layout search")
+    parser.add_argument("--reasons", action="store_true", help="print each plan's layout reason")
     args = parser.parse_args()
     ok = True
     if args.check:
@@ -137,37 +162,38 @@ def main() -> int:
                       f"{full[0]} ({full[1]}, {full[2]}) | {few[0] - full[0]} B | {few[3]:.1f} | "
                       f"{full[3]:.1f} |", flush=True)
     if args.plan:
-        print("\n| model | world | target | CPU s | wall s | peak RSS | layout | split | ckpt | "
-              "per-rank peak | full build: CPU s (speed-up) | same plan |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| model | world | target | sequence | CPU s | wall s | peak RSS | layout | split | ckpt | "
+              "per-rank peak | search | full build: CPU s (speed-up) | same plan |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         with tempfile.TemporaryDirectory(prefix="llama_plans_") as tmp:
             for shape in args.plan:
-                found = plan(shape, pathlib.Path(tmp) / f"{shape}.json", full=False)
+                world, target, seq = PLANS[shape]
+                found = plan(shape, pathlib.Path(tmp) / f"{shape}.json", full=False, search=not args.fixed)
                 made = found["plan"]
+                ok = ok and found["cpu_s"] < 60 and found["rss_gib"] < 2
+                head = (f"| {shape} | {world} | {target} | {seq} | {found['cpu_s']:.0f} | "
+                        f"{found['wall_s']:.0f} | {found['rss_gib']:.2f} GiB |")
                 if made is None:
-                    world, target = PLANS[shape]
-                    print(f"| {shape} | {world} | {target} | {found['cpu_s']:.0f} | {found['wall_s']:.0f} | "
-                          f"{found['rss_gib']:.2f} GiB | none fits: {_fits_nowhere(found['error'])} | "
-                          f"- | - | - | not run | - |", flush=True)
-                    ok = ok and found["cpu_s"] < 60 and found["rss_gib"] < 2
+                    print(f"{head} none fits: {_fits_nowhere(found['error'])} | - | - | - | - | not run | - |",
+                          flush=True)
                     continue
                 versus, same = "not run", "-"
                 if shape in args.full:
-                    before = plan(shape, pathlib.Path(tmp) / f"{shape}-full.json", full=True)
+                    before = plan(shape, pathlib.Path(tmp) / f"{shape}-full.json", full=True,
+                                  search=not args.fixed)
                     versus = f"{before['cpu_s']:.0f} ({before['cpu_s'] / found['cpu_s']:.1f}x)"
                     keys = ("micro_batches", "sharding", "shard_group", "checkpointing",
-                            "predicted_peak_bytes")
-                    same = "yes" if all(made.get(k) == before["plan"].get(k) for k in keys) else "NO"
+                            "predicted_peak_bytes", "parallel")
+                    same = "yes" if before["plan"] and all(made.get(k) == before["plan"].get(k)
+                                                          for k in keys) else "NO"
                     ok = ok and same == "yes"
-                group = f" / {made['shard_group']}" if made.get("shard_group") else ""
-                derived = made["derived"]
-                ckpt = made["checkpointing"]
-                print(f"| {shape} | {made['world_size']} | {made['target_batch']} | {found['cpu_s']:.0f} | "
-                      f"{found['wall_s']:.0f} | {found['rss_gib']:.2f} GiB | {made['sharding']}{group} | "
-                      f"{derived['micro_batch']} × {derived['accumulation_steps']} | "
+                derived, ckpt = made["derived"], made["checkpointing"]
+                search = _searched(made) if "layout" in made["reasons"] else "data parallel only"
+                print(f"{head} {_layout(made)} | {derived['micro_batch']} × {derived['accumulation_steps']} | "
                       f"{ckpt['blocks']} of {ckpt['total']} | {_gib(made['predicted_peak_bytes'])} | "
-                      f"{versus} | {same} |", flush=True)
-                ok = ok and found["cpu_s"] < 60 and found["rss_gib"] < 2
+                      f"{search} | {versus} | {same} |", flush=True)
+                if args.reasons:
+                    print(f"\n  layout: {made['reasons'].get('layout')}\n", flush=True)
     return 0 if ok else 1
 
 

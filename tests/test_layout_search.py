@@ -230,20 +230,31 @@ def test_search_layout_plans_each_candidate_and_records_why(tmp_path):
     shape = ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)
     options = PlanOptions(target_batch=64, world_size=8, sharding="fsdp", eval_batch=False)
     workload = SimpleNamespace(seq_len=None)
+    screened = []
+
+    def screen(workload, planner, layout, checkpointable):  # the one-step estimate of the least memory
+        screened.append(layout)
+        return "nothing fits (screened)" if _StubPlanner.allowed[layout] is None else None
+
     planned = search_layout(workload, options, dict(tp="auto", pp="auto"), make_planner=_StubPlanner,
-                            inspected=(SimpleNamespace(param_bytes=8 * 2**20), shape))
-    # Data parallel: share 8, at most 2: 4 steps. With dp 1 the gradients cost nothing, so pp 8
-    # is the cheapest next; it fits nowhere, which answers pp 4 and pp 2 without an estimate. The
-    # tp × pp layouts take 8 steps (share 64, at most 8): two in a row without fewer steps stop it.
-    assert planned.accumulation_steps == 4 and planned.parallel == Layout()
+                            inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True), shape),
+                            screen=screen)
+    # Least split first: data parallel (share 8, at most 2: 4 steps), then pp 2 (fits nowhere), so
+    # the most split next: pp 8 (screened with one estimate: fits nowhere, which answers pp 4);
+    # then tp 2 (share 16, at most 4: 4 steps) and tp 2 × pp 2 (4 steps): two without fewer steps.
+    assert planned.accumulation_steps == 4 and planned.parallel == Layout(tp=2)
+    assert screened == [Layout(pp=8), Layout(tp=2), Layout(tp=2, pp=2)]
     reason = planned.reasons["layout"]
-    assert reason.startswith("auto: FSDP 8: 4 accumulation steps, the fewest of the layouts that fit. ")
-    assert "FSDP 8 (4 accumulation steps, 84.00 MiB); pp 8 (1f1b) (nothing fits" in reason
-    assert "FSDP 1 × TP 2 × PP 4 (1f1b) (8 accumulation steps, 72.00 KiB, bubble 27%)" in reason
-    assert ("pp 4 (1f1b), pp 2 (1f1b) (fits nowhere, not estimated: a rank holds no less than under "
-            "pp 8 (1f1b), which fits nowhere)") in reason
-    assert reason.endswith("tp 2 × pp 2 (1f1b), tp 4, tp 2 (not estimated: 2 layout(s) in a row fitted "
-                           "without fewer accumulation steps (later ones communicate more))")
+    assert reason.startswith("auto: FSDP 4 × TP 2: 4 accumulation steps, the fewest of the layouts that "
+                             "fit; the least communication of the 3 with 4 accumulation steps (36.06 MiB "
+                             "per rank and step against FSDP 8's 84.00 MiB). ")
+    assert ("FSDP 8 (4 accumulation steps, 84.00 MiB); pp 2 (1f1b) (nothing fits: every setting runs out "
+            "of memory at micro-batch 1); pp 8 (1f1b) (nothing fits (screened)); ") in reason
+    assert "FSDP 2 × TP 2 × PP 2 (1f1b) (4 accumulation steps, 12.07 MiB, bubble 20%)" in reason
+    assert ("pp 4 (1f1b) (fits nowhere, not estimated: a rank holds no less than under pp 8 (1f1b), "
+            "which fits nowhere)") in reason
+    assert reason.endswith("tp 4, tp 2 × pp 4 (1f1b), tp 4 × pp 2 (1f1b) (not estimated: 2 layout(s) in "
+                           "a row fitted without fewer accumulation steps (later ones communicate more))")
 
 
 def test_cli_tp_auto_plans_data_parallel_when_it_takes_one_step(tmp_path, examples_dir):

@@ -19,13 +19,17 @@ from ..planning.types import Plan
 from ..precision import Precision
 from ..timing.comm import network_from_profile
 from ..timing.layout import with_layout
+from ..probing.api import window_trial
+from ..units import format_bytes
 from .eval_batch import plan_eval_batch
 
 
-def search_layout(workload, options, degrees: dict, *, make_planner, inspected) -> Plan:
+def search_layout(workload, options, degrees: dict, *, make_planner, inspected, screen=None) -> Plan:
     """The plan of the layout chosen among ``degrees``' candidates (tp/cp/pp, each "auto" or an
     int, and pp_schedule/stages_per_rank); ``make_planner(workload, options, inspected=)`` is
-    ``plan()``'s planner, ``inspected`` the model's (fingerprint, ModelShape)."""
+    ``plan()``'s planner, ``inspected`` the model's (fingerprint, ModelShape); ``screen``
+    (default ``_screen``) says why a layout fits nowhere, or None."""
+    screen = screen or _screen
     fingerprint, shape = inspected
     first = make_planner(workload, dataclasses.replace(options, eval_batch=False), inspected=inspected)
     gpus_per_node = options.gpus_per_node or (first.target.profile.gpus_per_node if first.target else None)
@@ -45,16 +49,27 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected) 
         return volume(layout, max(1, options.target_batch // layout.data_parallel(world)),
                       sharded=options.sharding != "ddp")
 
+    screening = []  # set once a layout fits nowhere: cheaper splits may not either
+
     def evaluate(layout: Layout) -> LayoutOutcome:
+        # autotune's loop trains model-parallel layouts over FSDP2 only, sharded across every
+        # data-parallel rank as the published layouts are: no replica or shard-group search.
+        sharding = "fsdp" if options.sharding == "auto" and not layout.trivial else options.sharding
         try:
             planner = planners.get(layout) or make_planner(
-                workload, dataclasses.replace(options, parallel=layout, eval_batch=False), inspected=inspected)
+                workload, dataclasses.replace(options, parallel=layout, eval_batch=False, sharding=sharding),
+                inspected=inspected)
         except (ConfigError, PlanError) as exc:  # the layout's own limits (shard group, target)
             return LayoutOutcome(layout, error=f"not planned: {exc}")
         planners[layout] = planner
         try:
+            if screening and not layout.trivial:
+                short = screen(workload, planner, layout, fingerprint.checkpointable)
+                if short is not None:
+                    return LayoutOutcome(layout, error=short, fits_nowhere=True)
             planned = planner.run()
         except PlanError as exc:
+            screening.append(layout)
             return LayoutOutcome(layout, error=_first_sentence(exc), fits_nowhere=True)
         except (ConfigError, EstimateUnavailable) as exc:  # e.g. a split this build lacks
             return LayoutOutcome(layout, error=f"not estimated: {_first_sentence(exc)}")
@@ -84,6 +99,23 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected) 
         planned = plan_eval_batch(planned, planner.workload, planner.backend, usable=planner.usable,
                                   extra=planner.extra, upper=options.max_eval_batch, agree=planner.agree)
     return planned
+
+
+def _screen(workload, planner, layout: Layout, checkpointable: bool) -> str | None:
+    """Why ``layout`` fits nowhere, from one estimate of its least memory (micro-batch 1, every
+    block checkpointed, FSDP2 over all its data-parallel ranks); None where that fits (the
+    planner then searches it). One step instead of a planner's search: where data parallelism
+    fit nowhere, many candidates do not either."""
+    trial = window_trial(workload, planner.backend, micro_batch=1, window=1, precision=planner.chosen,
+                         checkpointing="on" if checkpointable else "off", sharding="fsdp",
+                         world_size=planner.world_size, parallel=layout)
+    least = "micro-batch 1" + (", every block checkpointed" if checkpointable else "")
+    if trial is None:
+        return f"nothing fits: parameters and optimizer state alone pass the budget ({least} screened)"
+    if not trial.fits or trial.peak_bytes > planner.usable:
+        return (f"nothing fits: {format_bytes(trial.peak_bytes)} at {least}, past the "
+                f"{format_bytes(planner.usable)} the headroom leaves")
+    return None
 
 
 def _first_sentence(exc: Exception) -> str:

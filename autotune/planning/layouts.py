@@ -9,15 +9,17 @@ known: tp stays 1), the pipeline's stages no more than the repeated blocks, and 
 the plan has a sequence length that divides into 2 × cp chunks (the causal load balancing of
 torch's context parallel gives each rank two chunks).
 
-Order and stops (never hundreds of estimates): data parallelism alone first (today's plan: no
-per-block traffic on the critical path, no pipeline bubble), then the other candidates cheapest
-communication first. A candidate needs no estimate where one with at least its every degree fitted nowhere:
+Order and stops (never hundreds of estimates): the least split first (tp × cp × pp ascending:
+data parallelism alone, today's plan, then splits over 2 ranks, 4, ...; each doubling roughly
+halves what a rank holds of the model and its activations, and adds per-block traffic or a
+bubble), the cheapest communication first among equally split ones. A candidate needs no estimate where one with at least its every degree fitted nowhere:
 with the world fixed, more tp, cp or pp never holds more per rank (parameters, gradients and
 optimizer state divide over tp × pp, FSDP's over the data-parallel ranks too; activations over
 tp × cp with sequence parallel; a 1F1B stage holds at most pp micro-batches of 1/pp of the
 blocks, no more than one micro-batch of all of them). After the first candidate that fits
-nowhere, the most-split candidates are estimated next, so one estimate rules out everything they
-dominate. The search stops at one accumulation step (nothing later has fewer steps, and it
+nowhere, the most split candidate is estimated next, so one estimate can rule out everything it
+dominates, and the planner screens each later candidate with one estimate of its least memory
+(micro-batch 1, every block checkpointed) before searching it. The search stops at one accumulation step (nothing later has fewer steps, and it
 communicates more), after ``PATIENCE`` estimates in a row that fit without cutting steps, or
 after ``MAX_ESTIMATED`` estimates; ``plan.reasons["layout"]`` says which.
 
@@ -182,10 +184,11 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
                    max_estimated: int = MAX_ESTIMATED, patience: int = PATIENCE) -> list[LayoutOutcome]:
     """Every candidate's outcome, in the order they were considered (see the module's
     docstring): ``evaluate`` plans one; ``cost`` orders them (communication at one step)."""
-    pending = sorted(candidates, key=lambda lay: (not lay.trivial, cost(lay), lay.model_parallel))
+    pending = sorted(candidates, key=lambda lay: (lay.model_parallel, cost(lay)))
     done: list[LayoutOutcome] = []
     stop: str | None = None
     best_steps, since_better, estimated = None, 0, 0
+    jumped: Layout | None = None
     while pending:
         layout = pending.pop(0)
         blocker = next((o for o in done if o.fits_nowhere and dominates(o.layout, layout)), None)
@@ -212,12 +215,14 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
         if outcome.steps is not None:
             improved = best_steps is None or outcome.steps < best_steps
             best_steps = outcome.steps if improved else best_steps
-            since_better = 0 if improved else since_better + 1
-        elif outcome.fits_nowhere and len([o for o in done if o.fits_nowhere]) == 1:
-            # The first that fits nowhere: the most split candidates next, so that one estimate
-            # can rule out all they dominate.
-            top = [c for c in pending if not any(dominates(o, c) and o != c for o in pending)]
-            pending = top + [c for c in pending if c not in top]
+            # The most split candidate ran out of order: it says nothing about the ones next.
+            since_better = 0 if improved else since_better + (layout is not jumped)
+        elif outcome.fits_nowhere and jumped is None and pending:
+            # The first that fits nowhere: the most split candidate next (the cheapest of those
+            # no other dominates), so that one estimate can rule out all it dominates.
+            jumped = max((c for c in pending if not any(dominates(o, c) and o != c for o in pending)),
+                         key=lambda c: (c.model_parallel, -cost(c)))
+            pending = [jumped] + [c for c in pending if c is not jumped]
     return done
 
 
@@ -247,8 +252,8 @@ def choose_layout(outcomes: list[LayoutOutcome], *, rank_by_time: bool = False) 
                 why += (f"; the least communication of the {len(fewest)} with {_steps(winner.steps)} "
                         f"({_gb(winner.communication)} per rank and step against {runner.name}'s "
                         f"{_gb(runner.communication)})")
-    return winner, (f"auto: {winner.name}: {why}. Layouts considered (data parallel, then "
-                    f"cheapest communication first): {_tried_words(outcomes)}")
+    return winner, (f"auto: {winner.name}: {why}. Layouts considered (least split first, "
+                    f"then cheapest communication): {_tried_words(outcomes)}")
 
 
 def _bubble(outcome: LayoutOutcome) -> float:
