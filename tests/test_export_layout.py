@@ -54,11 +54,16 @@ def test_hf_and_accelerate_carry_tensor_and_context_parallel_sizes():
     assert any("parallelism_config=accelerate.ParallelismConfig(dp_replicate_size=1, dp_shard_size=4, "
                "cp_size=2, tp_size=2)" in n and 'tp_plan="auto"' in n for n in hf.notes)
     assert not any("cannot express" in n for n in hf.notes + accelerate.notes)
-    accelerate_ = pytest.importorskip("accelerate")
-    made = accelerate_.ParallelismConfig(**hf.script["parallelism_config"])
-    assert made.total_size == 16  # what Accelerate checks against the processes it starts
     hybrid = export_plan(layout_plan(Layout(tp=2), world=16, target=64, group=2), "accelerate")
     assert hybrid.config["parallelism_config"]["parallelism_config_dp_replicate_size"] == 4
+
+
+@pytest.mark.slow  # importing accelerate takes 7-20 s on the loaded test machine
+def test_accelerate_takes_the_exported_sizes():
+    accelerate_ = pytest.importorskip("accelerate")
+    hf = export_plan(layout_plan(Layout(tp=2, cp=2), world=16, target=64), "hf")
+    made = accelerate_.ParallelismConfig(**hf.script["parallelism_config"])
+    assert made.total_size == 16  # what Accelerate checks against the processes it starts
 
 
 def test_runners_without_the_split_get_a_note_and_accelerate_refuses_what_it_cannot_launch():

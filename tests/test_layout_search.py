@@ -279,3 +279,38 @@ def test_cli_tp_auto_plans_data_parallel_when_it_takes_one_step(tmp_path, exampl
     assert "layout:       DDP 4 (auto: DDP 4" in result.output
     bad = CliRunner().invoke(cli, ["plan", str(examples_dir / "tiny_lm.py"), "--tp", "some"])
     assert bad.exit_code == 2 and "'some' is not a valid integer" in bad.output
+
+
+def test_a_layouts_step_time_adds_exposed_tensor_parallel_collectives_and_the_bubble():
+    from autotune.timing.comm import Link, Network, collective_time
+    from autotune.timing.layout import with_layout
+    from autotune.timing.window import WindowTime
+
+    network = Network(intra=Link(100e9, 1e-5), inter=None, gpus_per_node=8)
+    base = WindowTime(step_s=1.0, compute_s=0.9, exposed_comm_s=0.1, bubble_s=0.0, recompute_s=0.0,
+                      samples_per_s=4.0, tokens_per_s=4.0 * 1024, mfu=0.5, comm_s=0.2)
+    layout = Layout(tp=2, pp=2)
+    timed = with_layout(base, layout, micro_batches=[2, 2], seq_len=1024, hidden=4096, blocks=8,
+                        activation_bytes=2, network=network)
+    # 8 collectives per block of the stage's 4 blocks, per micro-step of 2 × 1024 tokens
+    one = collective_time("all_gather", 2 * 1024 * 4096 * 2, 2, network.intra)
+    comm = 2 * 8 * 4 * one
+    assert timed.exposed_comm_s == pytest.approx(0.1 + comm)
+    busy = 1.0 + comm  # 1F1B over 2 stages and 2 micro-batches idles 1/3 of the step
+    assert timed.step_s == pytest.approx(busy * 1.5) and timed.bubble_s == pytest.approx(busy * 0.5)
+    # One data-parallel rank's 4 samples are computed by its 4 GPUs.
+    assert timed.samples_per_s == pytest.approx(4 / timed.step_s / 4)
+    assert with_layout(base, Layout(), micro_batches=[2, 2], seq_len=1024, hidden=4096, blocks=8,
+                       activation_bytes=2, network=network) == base
+
+
+def test_a_fixed_tp_that_does_not_divide_the_heads_is_refused_naming_them(examples_dir):
+    from click.testing import CliRunner
+
+    from autotune.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["plan", str(examples_dir / "tiny_lm.py"), "--world-size", "6",
+                                      "--target-batch", "6", "--tp", "3", "--memory-limit", "256MiB"])
+    assert result.exit_code == 2  # a usage error, as the CLI's other option errors
+    assert "--tp 3 does not divide the model's 4 attention heads" in result.output
+    assert "use one of 1, 2, 4" in result.output
