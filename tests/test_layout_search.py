@@ -314,3 +314,20 @@ def test_a_fixed_tp_that_does_not_divide_the_heads_is_refused_naming_them(exampl
     assert result.exit_code == 2  # a usage error, as the CLI's other option errors
     assert "--tp 3 does not divide the model's 4 attention heads" in result.output
     assert "use one of 1, 2, 4" in result.output
+
+
+def test_a_split_this_build_lacks_is_answered_once():
+    calls = []
+
+    def evaluate(layout):
+        calls.append(layout)
+        if layout.tp > 1:
+            return LayoutOutcome(layout, error="not estimated: tp 2: not available", unavailable="tp")
+        return LayoutOutcome(layout, steps=4 // layout.pp)
+
+    outcomes = search_layouts([Layout(), Layout(tp=2), Layout(tp=4), Layout(tp=2, pp=2), Layout(pp=2)],
+                              evaluate, cost=lambda lay: lay.tp)
+    assert calls == [Layout(), Layout(pp=2), Layout(tp=2)]
+    assert [o.error for o in outcomes if not o.estimated] == [
+        "not estimated: tp > 1 is not available in this build (tp 2 showed it)"] * 2
+    assert choose_layout(outcomes)[0].layout == Layout(pp=2)

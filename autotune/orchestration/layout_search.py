@@ -10,6 +10,7 @@ search goes on; one that fits nowhere rules out every layout it dominates.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from ..distributed.layout import Layout
 from ..errors import ConfigError, EstimateUnavailable, PlanError
@@ -72,7 +73,9 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             screening.append(layout)
             return LayoutOutcome(layout, error=_first_sentence(exc), fits_nowhere=True)
         except (ConfigError, EstimateUnavailable) as exc:  # e.g. a split this build lacks
-            return LayoutOutcome(layout, error=f"not estimated: {_first_sentence(exc)}")
+            lacking = re.match(r"(tp|cp|pp) \d+: \w+ parallelism is not available", str(exc))
+            return LayoutOutcome(layout, error=f"not estimated: {_first_sentence(exc)}",
+                                 unavailable=lacking.group(1) if lacking else None)
         label = planned.parallel.describe(world, str(planned.sharding).upper())
         if planned.shard_group and planned.shard_group != layout.data_parallel(world):
             label += f" (shard group {planned.shard_group})"

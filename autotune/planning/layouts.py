@@ -167,6 +167,9 @@ class LayoutOutcome:
     """False: no estimate ran (dominated by one that fits nowhere, or the search had stopped)."""
     fits_nowhere: bool = False
     """A memory verdict: no micro-batch fits in any sharding (what ``dominated`` prunes by)."""
+    unavailable: str | None = None
+    """The degree ("tp", "cp", "pp") this build cannot estimate, where that stopped it: every
+    candidate with that degree above 1 is answered alike without an estimate."""
     plan: object = None
 
     @property
@@ -196,6 +199,12 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
             done.append(LayoutOutcome(layout, estimated=False, fits_nowhere=True, error=(
                 f"fits nowhere, not estimated: a rank holds no less than under {blocker.name}, "
                 f"which fits nowhere")))
+            continue
+        lacking = next((o for o in done if o.unavailable and getattr(layout, o.unavailable) > 1), None)
+        if lacking is not None:
+            done.append(LayoutOutcome(layout, estimated=False, error=(
+                f"not estimated: {lacking.unavailable} > 1 is not available in this build "
+                f"({lacking.name} showed it)")))
             continue
         if stop is None:
             if not rank_by_time and best_steps == 1:
