@@ -331,3 +331,16 @@ def test_a_split_this_build_lacks_is_answered_once():
     assert [o.error for o in outcomes if not o.estimated] == [
         "not estimated: tp > 1 is not available in this build (tp 2 showed it)"] * 2
     assert choose_layout(outcomes)[0].layout == Layout(pp=2)
+
+
+def test_a_measured_throughput_search_does_not_search_layouts():
+    from types import SimpleNamespace
+
+    from autotune.orchestration.layout_search import search_layout
+    from autotune.orchestration.request import PlanOptions
+
+    options = PlanOptions(target_batch=64, world_size=8, optimize="throughput")
+    with pytest.raises(ConfigError, match="optimize=.throughput. measures replicas on this device.*"
+                                          "tp='auto'.*add gpu \\(ranked"):
+        search_layout(SimpleNamespace(seq_len=None), options, dict(tp="auto", cp=1, pp="auto"),
+                      make_planner=_StubPlanner, inspected=(None, LLAMA_8B))

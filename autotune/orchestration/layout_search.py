@@ -13,7 +13,7 @@ import dataclasses
 import re
 
 from ..distributed.layout import Layout
-from ..errors import ConfigError, EstimateUnavailable, PlanError
+from ..errors import ConfigError, EstimateUnavailable, PlanError, given, option
 from ..planning.layouts import (LayoutOutcome, choose_layout, communication_bytes, layout_candidates,
                                 search_layouts)
 from ..planning.types import Plan
@@ -31,6 +31,11 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
     ``plan()``'s planner, ``inspected`` the model's (fingerprint, ModelShape); ``screen``
     (default ``_screen``) says why a layout fits nowhere, or None."""
     screen = screen or _screen
+    if options.optimize == "throughput" and options.gpu is None:
+        raise ConfigError(f"{given('optimize', 'throughput')} measures replicas on this device, not "
+                          f"the layouts {given('tp', degrees['tp'])}, {given('cp', degrees['cp'])}, "
+                          f"{given('pp', degrees['pp'])} would search; add {option('gpu')} (ranked by "
+                          f"predicted step time) or plan with {given('optimize', 'memory')}")
     fingerprint, shape = inspected
     first = make_planner(workload, dataclasses.replace(options, eval_batch=False), inspected=inspected)
     gpus_per_node = options.gpus_per_node or (first.target.profile.gpus_per_node if first.target else None)
