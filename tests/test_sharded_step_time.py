@@ -136,7 +136,8 @@ def test_sharded_microbenchmarks_measure_finite_costs_and_real_dispatch(monkeypa
 
     monkeypatch.setattr(cpu_profile, "_MIN_SECONDS", 0.002)  # shorter timings: a fast test
     monkeypatch.setattr(cpu_profile, "_REPEATS", 3)
-    measured = measure_sharded_overheads(cpu_profile._training_op_overhead())
+    measured = measure_sharded_overheads(cpu_profile._training_op_overhead(), cpu_profile._op_time,
+                                         cpu_profile._dispatched_ops)
     values = dataclasses.asdict(measured)
     assert all(math.isfinite(v) and v >= 0 for v in values.values()), values
     # FSDP2's hooks and DTensor's dispatch do cost this CPU something beyond their ops.
@@ -209,7 +210,8 @@ def _sharded_overheads_under_a_group(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
-        measured = measure_sharded_overheads(5e-6)  # measured in a fresh process
+        # Measured in a fresh process.
+        measured = measure_sharded_overheads(5e-6, cpu_profile._op_time, cpu_profile._dispatched_ops)
         with open(out, "w") as f:
             f.write(repr(dataclasses.asdict(measured)))
     finally:

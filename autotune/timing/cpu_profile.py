@@ -93,7 +93,7 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
     byte_rates.update(_counted_kernel_rates(call))
     op_overhead = _training_op_overhead()
     checkpoint_block, recompute_op = _checkpoint_overheads(op_overhead)
-    sharded = measure_sharded_overheads(op_overhead)
+    sharded = measure_sharded_overheads(op_overhead, _op_time, _dispatched_ops)
     # The bandwidth is the largest op's; smaller ops reach less of it (or more, where the
     # prefetchers and cache lines already in flight help).
     bandwidth = rates[-1][1]

@@ -52,9 +52,11 @@ class ShardedOverheads:
     """Per DTensor passed in a tensor list (foreach ops), beyond the op's own."""
 
 
-def measure_sharded_overheads(op_overhead: float) -> ShardedOverheads:
+def measure_sharded_overheads(op_overhead: float, time_op, count_ops) -> ShardedOverheads:
     """Runs the microbenchmarks (a few seconds) in a fake process group; in a process that
-    already has a process group (a fake one cannot be made beside it), in a fresh process."""
+    already has a process group (a fake one cannot be made beside it), in a fresh process.
+    ``time_op(fn)``: seconds per call of ``fn``; ``count_ops(fn)``: the ops ``fn`` dispatches
+    (``cpu_profile``'s, on its clock)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -62,42 +64,42 @@ def measure_sharded_overheads(op_overhead: float) -> ShardedOverheads:
         import multiprocessing
 
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(_measure_in_fresh_process, torch.get_num_threads(), op_overhead).result()
-    return _measure(op_overhead)
+            return pool.submit(_measure_in_fresh_process, torch.get_num_threads(), op_overhead,
+                               time_op, count_ops).result()
+    return _measure(op_overhead, time_op, count_ops)
 
 
-def _measure_in_fresh_process(threads: int, op_overhead: float):
+def _measure_in_fresh_process(threads: int, op_overhead: float, time_op, count_ops):
     torch.set_num_threads(threads)
-    return _measure(op_overhead)
+    return _measure(op_overhead, time_op, count_ops)
 
 
-def _measure(op_overhead: float) -> ShardedOverheads:
+def _measure(op_overhead: float, time_op, count_ops) -> ShardedOverheads:
     from ..distributed.sharding.ranks import fake_process_group
     from ..distributed.sharding.wrap import build_mesh
 
     with fake_process_group(WORLD):
         mesh = build_mesh("cpu", WORLD, WORLD)
-        step, unit, param = _fsdp_overheads(mesh, op_overhead)
-        op, listed = _dtensor_overheads(mesh)
+        step, unit, param = _fsdp_overheads(mesh, op_overhead, time_op, count_ops)
+        op, listed = _dtensor_overheads(mesh, time_op)
     return ShardedOverheads(fsdp_step_s=step, fsdp_unit_s=unit, fsdp_param_s=param,
                             dtensor_op_s=op, dtensor_list_tensor_s=listed)
 
 
-def _fsdp_overheads(mesh, op_overhead: float) -> tuple[float, float, float]:
-    (e1, u1, p1), (e2, u2, p2), (e3, u3, p3) = (_fsdp_extra(mesh, units, layers, op_overhead)
-                                                for units, layers in _UNIT_SHAPES)
+def _fsdp_overheads(mesh, op_overhead: float, time_op, count_ops) -> tuple[float, float, float]:
+    (e1, u1, p1), (e2, u2, p2), (e3, u3, p3) = (
+        _fsdp_extra(mesh, units, layers, op_overhead, time_op, count_ops) for units, layers in _UNIT_SHAPES)
     param = max((e3 - e2) / (p3 - p2), 0.0)
     unit = max((e2 - e1 - param * (p2 - p1)) / (u2 - u1), 0.0)
     step = max(e1 - unit * u1 - param * p1, 0.0)
     return step, unit, param
 
 
-def _fsdp_extra(mesh, units: int, layers: int, op_overhead: float) -> tuple[float, int, int]:
+def _fsdp_extra(mesh, units: int, layers: int, op_overhead: float, time_op,
+                count_ops) -> tuple[float, int, int]:
     """(seconds a sharded forward and backward takes beyond the plain one and the extra ops it
     dispatches, FSDP2 units, sharded parameters) of the stack (``units``, ``layers``)."""
     from torch.distributed.fsdp import fully_shard
-
-    from .cpu_profile import _dispatched_ops, _op_time
 
     plain, sharded = _unit_stack(units, layers), _unit_stack(units, layers)
     for block in list(sharded)[1:]:
@@ -114,8 +116,8 @@ def _fsdp_extra(mesh, units: int, layers: int, op_overhead: float) -> tuple[floa
 
     plain_step, sharded_step = step_of(plain), step_of(sharded)
     sharded_step()  # FSDP2's lazy initialisation
-    extra_ops = _dispatched_ops(sharded_step) - _dispatched_ops(plain_step)
-    extra = _op_time(sharded_step) - _op_time(plain_step) - extra_ops * op_overhead
+    extra_ops = count_ops(sharded_step) - count_ops(plain_step)
+    extra = time_op(sharded_step) - time_op(plain_step) - extra_ops * op_overhead
     return extra, units + 1, sum(1 for _ in sharded.parameters())
 
 
@@ -127,12 +129,10 @@ def _unit_stack(units: int, layers: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(_WIDTH, _WIDTH), *(unit() for _ in range(units)))
 
 
-def _dtensor_overheads(mesh) -> tuple[float, float]:
+def _dtensor_overheads(mesh, time_op) -> tuple[float, float]:
     """(seconds per DTensor op, per DTensor in a tensor list) beyond the same ops on plain
     tensors of the local shards' size (their local ops, which the fake step prices, cancel)."""
     from torch.distributed.tensor import Shard, distribute_tensor
-
-    from .cpu_profile import _op_time
 
     plain = [torch.nn.Parameter(torch.ones(_WIDTH // WORLD)) for _ in range(_PARAMS)]
     sharded = [torch.nn.Parameter(distribute_tensor(torch.ones(_WIDTH), mesh, [Shard(0)]))
@@ -149,9 +149,9 @@ def _dtensor_overheads(mesh) -> tuple[float, float]:
         return lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)
 
     ops, _ = _dtensor_dispatches(adam(sharded))
-    per_op = max((_op_time(adam(sharded)) - _op_time(adam(plain))) / max(ops, 1), 0.0)
+    per_op = max((time_op(adam(sharded)) - time_op(adam(plain))) / max(ops, 1), 0.0)
     ops, listed = _dtensor_dispatches(clip(sharded))
-    extra = _op_time(clip(sharded)) - _op_time(clip(plain)) - ops * per_op
+    extra = time_op(clip(sharded)) - time_op(clip(plain)) - ops * per_op
     return per_op, max(extra / max(listed, 1), 0.0)
 
 
