@@ -19,15 +19,15 @@ from .wrap import build_mesh, shard_model
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int):
-    """A process group of ``world_size`` ranks in this one process (this is rank 0)."""
+def fake_process_group(world_size: int, *, rank: int = 0):
+    """A process group of ``world_size`` ranks in this one process (this is rank ``rank``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise ConfigError(f"a sharded estimate for --world-size {world_size} needs its own (fake) "
                           f"process group, and one is already initialised (torchrun?); under "
                           f"torchrun the probe measures with the real ranks instead")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
