@@ -1,10 +1,11 @@
 """Run under torchrun (gloo, CPU): each rank's peak of a pipelined window, measured for real.
 
-    torchrun --nproc-per-node W tests/pp_peak_script.py MODEL.py OUT.json PP SCHEDULE STAGES_PER_RANK SHARDING ACCUM N [N ...]
+    torchrun --nproc-per-node W tests/pp_peak_script.py MODEL.py OUT.json PP SCHEDULE SHARDING ACCUM N [N ...]
 
 Every rank runs the probe's pipelined window (the schedule over ACCUM micro-batches of N, then
-the optimizer) PP_REPEATS times (default 3) with the CPU memory backend; rank 0 writes
-{"peaks": {N: [[rank 0's peaks], [rank 1's], ...]}} to OUT.json.
+the optimizer) PP_REPEATS times (default 3) with the CPU memory backend, the model split by the
+same ``sharded_step`` the estimate uses; rank 0 writes {"peaks": {N: [[rank 0's peaks], ...]}}
+to OUT.json.
 """
 
 import json
@@ -14,26 +15,27 @@ import sys
 import torch.distributed as dist
 
 from autotune.distributed.collectives import settle
-from autotune.distributed.pipeline import pipelined_step
+from autotune.distributed.layout import parse_layout
+from autotune.distributed.sharding.ranks import sharded_step
 from autotune.memory.cpu import CPUMemoryBackend
 from autotune.precision import Precision
-from autotune.probing.pipeline_trial import PipelineTrialSession
+from autotune.probing.pipeline_trial import pipelined_session_type
+from autotune.probing.trial import TrialSession
 from autotune.workload import load_workload
 
 REPEATS = int(os.environ.get("PP_REPEATS", "3"))
 
-model_file, out, pp, schedule, stages_per_rank, sharding, accumulation, *sizes = sys.argv[1:]
+model_file, out, pp, schedule, sharding, accumulation, *sizes = sys.argv[1:]
 dist.init_process_group("gloo")
 world = dist.get_world_size()
+parallel = parse_layout(pp=int(pp), pp_schedule=schedule)
 peaks = {}
-with pipelined_step(load_workload(model_file), pp=int(pp), world_size=world, schedule=schedule,
-                    stages_per_rank=int(stages_per_rank), sharding=sharding) as workload:
-    with PipelineTrialSession(workload, CPUMemoryBackend(), precision=Precision.FP32, sharded=True) as session:
+with sharded_step(load_workload(model_file), sharding=sharding, world_size=world,
+                  parallel=parallel) as workload:
+    session_type = pipelined_session_type(TrialSession)
+    with session_type(workload, CPUMemoryBackend(), precision=Precision.FP32, parallel=parallel) as session:
         for n in map(int, sizes):
-            trials = [session.run(n, window=int(accumulation)) for _ in range(REPEATS)]
-            mine = [t.peak_bytes for t in trials]
-            if os.environ.get("PP_DEBUG"):
-                print(dist.get_rank(), n, [(t.activation_peak_bytes, t.step_peak_bytes, t.baseline_bytes) for t in trials], flush=True)
+            mine = [session.run(n, window=int(accumulation)).peak_bytes for _ in range(REPEATS)]
             every = [None] * world
             dist.all_gather_object(every, mine)
             peaks[n] = every

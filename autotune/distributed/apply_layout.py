@@ -22,6 +22,11 @@ def apply_layout(model: torch.nn.Module, *, mesh, parallel: Layout, sharding, pr
     """``model`` split as ``parallel`` says on ``mesh`` (``build_mesh(..., parallel)``), then
     sharded over the data-parallel dims when ``sharding`` is FSDP2; returns the model."""
     sharding = Sharding.parse(sharding)
+    if parallel.pp > 1:
+        from .pipeline import pipeline_model
+
+        return pipeline_model(model, mesh=mesh, parallel=parallel, sharding=sharding,
+                              precision=precision, workload=workload)
     for name, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline")):
         degree = getattr(parallel, name)
         if degree > 1:

@@ -29,54 +29,17 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..choices import Choice
 from ..errors import ConfigError, WorkloadError, given
 from ..workload.activation_checkpointing import repeated_blocks
+from .layout import Layout, PipelineSchedule
 
 
-class PipelineSchedule(Choice):
-    """torch.distributed.pipelining's schedule a pipelined plan runs.
+def _schedule_class(schedule: PipelineSchedule):
+    from torch.distributed import pipelining
 
-    - ``1f1b``: one stage per rank; after a warm-up of ``pp - s`` forwards stage ``s`` alternates
-      one forward and one backward, so it holds up to ``pp - s`` micro-batches' activations.
-    - ``interleaved-1f1b``: ``stages_per_rank`` (≥ 2) stages per rank in loop placement: a
-      smaller bubble for more point-to-point traffic.
-    - ``zero-bubble``: interleaved, with each backward split into the input gradient (sent at
-      once) and the weight gradient (run where the pipeline would idle).
-    """
-
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved-1f1b"
-    ZERO_BUBBLE = "zero-bubble"
-
-    @property
-    def multi_stage(self) -> bool:
-        return self is not PipelineSchedule.ONE_F_ONE_B
-
-    def schedule_class(self):
-        from torch.distributed import pipelining
-
-        return {PipelineSchedule.ONE_F_ONE_B: pipelining.Schedule1F1B,
-                PipelineSchedule.INTERLEAVED: pipelining.ScheduleInterleaved1F1B,
-                PipelineSchedule.ZERO_BUBBLE: pipelining.ScheduleInterleavedZeroBubble}[self]
-
-
-def check_stages(pp: int, stages_per_rank: int, schedule, blocks: int, *, source: str = "model") -> None:
-    """The checks a pipeline layout needs once the model's blocks are known."""
-    schedule = PipelineSchedule.parse(schedule, option="--pp-schedule")
-    if schedule.multi_stage and stages_per_rank < 2:
-        raise ConfigError(f"{given('pp_schedule', schedule.value)} runs 2 or more stages per rank; "
-                          f"{given('stages_per_rank', stages_per_rank)} gives one (use 2, or the "
-                          f"1f1b schedule)")
-    if not schedule.multi_stage and stages_per_rank != 1:
-        raise ConfigError(f"the 1f1b schedule runs one stage per rank, not "
-                          f"{given('stages_per_rank', stages_per_rank)}; use interleaved-1f1b or "
-                          f"zero-bubble for several")
-    if pp * stages_per_rank > blocks:
-        limit = blocks // stages_per_rank
-        raise ConfigError(f"{source}: {given('pp', pp)} × {stages_per_rank} stage(s) per rank needs "
-                          f"{pp * stages_per_rank} blocks to split, and the model has {blocks} "
-                          f"repeated blocks; use a pipeline degree of at most {limit}")
+    return {PipelineSchedule.ONE_F_ONE_B: pipelining.Schedule1F1B,
+            PipelineSchedule.INTERLEAVED_1F1B: pipelining.ScheduleInterleaved1F1B,
+            PipelineSchedule.ZERO_BUBBLE: pipelining.ScheduleInterleavedZeroBubble}[schedule]
 
 
 def stage_bounds(blocks: int, stages: int) -> list[tuple[int, int]]:
@@ -335,8 +298,8 @@ class PipelinedModel(torch.nn.Module):
                 input_grads=None if module.first else received,
                 output_grads=None if module.last else sent,
                 group=self.group))
-        schedule_class = self.schedule.schedule_class()
-        stages_arg = pipeline_stages if self.schedule.multi_stage else pipeline_stages[0]
+        schedule_class = _schedule_class(self.schedule)
+        stages_arg = pipeline_stages if self.schedule.interleaved else pipeline_stages[0]
         try:
             schedule = schedule_class(stages_arg, len(batches), loss_fn=_backpropagated,
                                       scale_grads=False)
@@ -397,11 +360,12 @@ def build_pipeline(model: torch.nn.Module, *, pp: int, pp_rank: int, stages_per_
     last is seen on it, on fake tensors). ``shard(stage_module)`` (FSDP2 over the data-parallel
     ranks) is applied to each stage.
     """
-    schedule = PipelineSchedule.parse(schedule, option="--pp-schedule")
+    layout = Layout(pp=pp, pp_schedule=schedule, stages_per_rank=stages_per_rank)
+    schedule = layout.pp_schedule
     if device is not None:
         model = model.to(device)
     container = block_container(model, source=source)
-    check_stages(pp, stages_per_rank, schedule, len(container), source=source)
+    layout.check_model(blocks=len(container))
     num_stages = pp * stages_per_rank
     bounds = stage_bounds(len(container), num_stages)
     phases = parameter_phases(model, container, loss, example_batch, source=source)
@@ -434,61 +398,33 @@ def _cut(model, path: str, start: int, end: int, phases: dict[str, str], *, firs
                 _replace_with_placeholder(model, name)
 
 
-@contextlib.contextmanager
-def pipelined_step(workload, *, pp: int, world_size: int, stages_per_rank: int = 1, schedule="1f1b",
-                   sharding="ddp", precision="fp32", device_type: str = "cpu", pp_rank: int = 0):
-    """The workload with a model factory that builds this rank's stages (``PipelinedModel``).
-
-    The ranks form a (pp, dp_shard) mesh, pipeline outermost as in torchtitan; with data-parallel
-    ranks (``world_size // pp`` > 1) each stage is sharded over them with FSDP2. Without an
-    initialised process group a fake one of ``world_size`` ranks is made, in which this process is
-    the first data-parallel rank of pipeline rank ``pp_rank``: its step is that rank's, counted
-    in one process.
-    """
-    import dataclasses
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
+def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precision, workload) -> PipelinedModel:
+    """``apply_layout``'s pipeline: this rank's stages of ``model`` on ``mesh`` (its "pp" dim;
+    the rank's place along it picks the stages), each sharded with FSDP2 over the data-parallel
+    dims when there are several data-parallel ranks (with one, FSDP2 would only add a gathered
+    copy of every block)."""
     from ..precision import Precision, autocast
-    from .sharding.ranks import fake_process_group
     from .sharding.settings import Sharding
-    from .sharding.wrap import shard_model
+    from .sharding.wrap import data_parallel_mesh, shard_model
 
+    if parallel.tp > 1 or parallel.cp > 1:
+        raise ConfigError(f"{parallel.describe_degrees()}: a pipeline composes with FSDP2 here, not "
+                          f"yet with tensor or context parallelism; use --tp 1 --cp 1 with --pp")
+    if workload is None or workload.model_is_instance:
+        raise ConfigError("pipeline parallelism needs a model file's build_model(): it cuts the model")
     sharding, precision = Sharding.parse(sharding), Precision.parse(precision)
-    if world_size % pp:
-        raise ConfigError(f"{given('pp', pp)} does not divide {given('world_size', world_size)}; the "
-                          f"data-parallel size is world_size / pp")
-    dp = world_size // pp
-    if dp > 1 and not sharding.sharded:
-        raise ConfigError(f"{given('pp', pp)} on {world_size} ranks leaves {dp} data-parallel ranks per "
-                          f"stage, which pipeline plans shard with FSDP2: use --sharding fsdp (or "
-                          f"--world-size {pp})")
-    if workload.model_is_instance:
-        raise ConfigError(f"{workload.source}: pipeline parallelism needs a model factory "
-                          f"(build_model() in a model file), not a model instance: it cuts the model")
-    device = torch.device(device_type)
-    with contextlib.ExitStack() as stack:
-        if not dist.is_initialized():
-            stack.enter_context(fake_process_group(world_size, rank=pp_rank * dp))
-            stack.enter_context(_sends_held_by_their_work())
-        elif dist.get_world_size() != world_size:
-            raise ConfigError(f"{given('world_size', world_size)} differs from the "
-                              f"{dist.get_world_size()} ranks of the process group")
-        mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp_shard"))
-        rank = mesh.get_local_rank("pp")
+    dp_mesh = data_parallel_mesh(mesh)
+    device = torch.device(mesh.device_type)
 
-        def shard(module):
-            return shard_model(module, mesh=mesh["dp_shard"], sharding=sharding, precision=precision)
+    def shard(module):
+        return shard_model(module, mesh=dp_mesh, sharding=sharding, precision=precision)
 
-        def build():
-            return build_pipeline(workload.new_model(), pp=pp, pp_rank=rank, stages_per_rank=stages_per_rank,
-                                  schedule=schedule, loss=workload.loss, example_batch=workload.batch(1),
-                                  group=mesh["pp"].get_group(), device=device,
-                                  shard=shard if sharding.sharded else None,
-                                  autocast=lambda: autocast(precision, device), source=workload.source)
-
-        yield dataclasses.replace(workload, model=build)
+    return build_pipeline(model, pp=parallel.pp, pp_rank=mesh.get_local_rank("pp"),
+                          stages_per_rank=parallel.stages_per_rank, schedule=parallel.pp_schedule.value,
+                          loss=workload.loss, example_batch=workload.batch(1),
+                          group=mesh["pp"].get_group(), device=device,
+                          shard=shard if sharding.sharded and dp_mesh.size() > 1 else None,
+                          autocast=lambda: autocast(precision, device), source=workload.source)
 
 
 class _HeldWork:
@@ -503,7 +439,7 @@ class _HeldWork:
 
 
 @contextlib.contextmanager
-def _sends_held_by_their_work():
+def sends_held_by_their_work():
     """On the fake process group a send is done at once and its work holds nothing; gloo's work
     holds the sent tensor until the schedule drops the work (1F1B keeps the last send's work
     until the next send, the interleaved schedules every send's until the end of the window),
@@ -540,10 +476,11 @@ def pipeline_grad_norm(params, group, *, max_norm: float | None = None) -> torch
     dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
     norm = squared.sqrt().to(local.dtype)
     if max_norm is not None and grads:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        # As clip_grad_norm_ scales (never up); a number, which DTensor gradients take too.
+        coefficient = min(1.0, max_norm / (float(norm) + 1e-6))
+        torch._foreach_mul_(grads, coefficient)
     return norm
 
 
-__all__ = ["PipelineSchedule", "PipelinedModel", "StageModule", "block_container", "build_pipeline",
-           "check_stages", "parameter_phases", "pipeline_grad_norm", "pipelined_step", "rank_stage_ids",
-           "stage_bounds"]
+__all__ = ["PipelinedModel", "StageModule", "block_container", "build_pipeline", "parameter_phases", "pipeline_grad_norm", "pipeline_model", "rank_stage_ids",
+           "sends_held_by_their_work", "stage_bounds"]

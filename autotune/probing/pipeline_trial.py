@@ -3,22 +3,15 @@
 A pipelined window is one run of the schedule over the plan's accumulation steps (its
 micro-batches), then the optimizer phase. A rank's memory depends on which stages it holds: under
 1F1B stage s of p holds up to p − s micro-batches' activations at once, the first stage the most
-(and the embedding); the last holds the head, the loss and its logits. ``estimate_pipeline_peaks``
-runs the schedule of every pipeline rank in turn, each in this one process with a fake process
-group in which it is that rank, and gives every rank's peak; the plan holds the worst.
+(and the embedding); the last holds the head, the loss and its logits. The estimate
+(``estimate_peaks(..., parallel=Layout(pp=...))``) runs the schedule of every pipeline rank in
+turn, each in this one process with a fake process group in which it is that rank, and takes the
+worst rank's peak, which the plan must fit.
 """
 
 from __future__ import annotations
 
-from ..distributed.pipeline import pipelined_step
-from ..distributed.sharding.settings import Sharding
-from ..memory.fake import EstimateMemoryBackend, checked_micro_batch, fake_tensor_limits, on_fake_tensors
-from ..precision import Precision
-from ..workload.checkpoint_count import CheckpointingRequest
-from ..workload.contract import load_workload, move_batch
-from ..errors import option
-from .estimate import EstimateSession
-from .trial import TrialSession
+from ..workload.contract import move_batch
 
 
 class PipelineSessionMixin:
@@ -31,6 +24,7 @@ class PipelineSessionMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.sharded = True  # the full model the factory cuts is no rank's memory: see above
         # Each rank measures its own stages (their peaks differ by design): no agreement.
         self.ranks_agree = False
 
@@ -68,39 +62,37 @@ class PipelineSessionMixin:
         return activation_peak, step_peak
 
 
-class PipelineTrialSession(PipelineSessionMixin, TrialSession):
-    """The pipelined step measured for real (under torchrun, one stage set per rank)."""
+_PIPELINED: dict[type, type] = {}
 
 
-class PipelineEstimateSession(PipelineSessionMixin, EstimateSession):
-    """The pipelined step on fake tensors."""
+def pipelined_session_type(session_type: type) -> type:
+    """``session_type`` (``TrialSession`` or a subclass) running pipelined windows."""
+    if issubclass(session_type, PipelineSessionMixin):
+        return session_type
+    if session_type not in _PIPELINED:
+        _PIPELINED[session_type] = type(f"Pipelined{session_type.__name__}",
+                                        (PipelineSessionMixin, session_type), {})
+    return _PIPELINED[session_type]
 
 
-def estimate_pipeline_peaks(workload, micro_batches, *, pp: int, accumulation_steps: int,
-                            world_size: int | None = None, stages_per_rank: int = 1, schedule="1f1b",
-                            precision="fp32", checkpointing=False, sharding="ddp") -> dict[int, list[int]]:
-    """{micro_batch: [peak of pipeline rank 0, 1, ...]}: one steady-state window of
-    ``accumulation_steps`` micro-batches through the pipeline schedule, per pipeline rank (the
-    first data-parallel rank of each; with FSDP2 over ``world_size // pp`` data-parallel ranks
-    they all hold the same). Nothing the size of the model is allocated."""
-    workload = load_workload(workload)
-    sizes = [checked_micro_batch(n) for n in micro_batches]
-    precision = Precision.parse(precision)
-    sharding = Sharding.parse(sharding)
-    checkpointing = CheckpointingRequest.parse(checkpointing, option=option("checkpointing"),
-                                               allow_auto=False)
-    peaks = {n: [] for n in sizes}
-    for rank in range(pp):
-        backend = EstimateMemoryBackend()
-        with pipelined_step(on_fake_tensors(workload), pp=pp, world_size=world_size or pp,
-                            stages_per_rank=stages_per_rank, schedule=schedule, sharding=sharding,
-                            precision=precision, pp_rank=rank) as step_workload:
-            with fake_tensor_limits(workload), PipelineEstimateSession(
-                    step_workload, backend, precision=precision, checkpointing=checkpointing,
-                    sharded=True) as session:
-                for n in sizes:
-                    peaks[n].append(session.run(n, window=accumulation_steps).peak_bytes)
-    return peaks
+def pipeline_rank_trials(make_session, sizes, *, window: int, parallel, world_size: int) -> dict[int, list]:
+    """{n: [trial of pipeline rank 0, 1, ...]}: ``make_session(fake_rank)`` (a context manager
+    giving an entered session) for the first data-parallel rank of each pipeline rank in turn
+    (with FSDP2 over the data-parallel ranks they all hold the same)."""
+    data_parallel = parallel.data_parallel(world_size)
+    trials = {n: [] for n in sizes}
+    for pp_rank in range(parallel.pp):
+        with make_session(pp_rank * data_parallel) as session:
+            for n in sizes:
+                trials[n].append(session.run(n, window=window))
+    return trials
 
 
-__all__ = ["PipelineEstimateSession", "PipelineTrialSession", "estimate_pipeline_peaks"]
+def worst_pipeline_trials(make_session, sizes, *, window: int, parallel, world_size: int) -> dict:
+    """{n: the trial of the pipeline rank with the largest peak}: what a plan must fit."""
+    per_rank = pipeline_rank_trials(make_session, sizes, window=window, parallel=parallel,
+                                    world_size=world_size)
+    return {n: max(trials, key=lambda trial: trial.peak_bytes) for n, trials in per_rank.items()}
+
+
+__all__ = ["PipelineSessionMixin", "pipeline_rank_trials", "pipelined_session_type", "worst_pipeline_trials"]

@@ -206,8 +206,8 @@ class _Session:
                               f"--sharding fsdp")
         if not plan.parallel.trivial:
             # Before the optimizer is built: the split and fully_shard replace the parameters.
-            apply_layout(model, mesh=build_mesh(ctx.device.type, ctx.world_size, shard_group, plan.parallel),
-                         parallel=plan.parallel, sharding=sharding, precision=precision, workload=workload)
+            model = apply_layout(model, mesh=build_mesh(ctx.device.type, ctx.world_size, shard_group, plan.parallel),
+                                 parallel=plan.parallel, sharding=sharding, precision=precision, workload=workload)
         elif sharding.sharded:
             # Before the optimizer is built: fully_shard replaces the parameters with DTensors.
             shard_model(model, mesh=build_mesh(ctx.device.type, ctx.world_size, shard_group),
@@ -255,7 +255,8 @@ class _Session:
                                 measure_noise=measure_noise,
                                 reduce_every_micro_step=self.plan.reduce_every_micro_step,
                                 offload=self.sharding.offload,
-                                restart_after_oom=self._restart_after_oom)
+                                restart_after_oom=self._restart_after_oom,
+                                data_parallel=self.plan.parallel.data_parallel(self.ctx.world_size))
             batches = self._batches(num_workers)
             if rng is not None:
                 set_rng_state(rng)  # last, so nothing before the first step draws from it

@@ -36,14 +36,14 @@ def fake_process_group(world_size: int, *, rank: int = 0):
 
 @contextlib.contextmanager
 def sharded_step(workload, *, sharding, world_size: int, shard_group=None, precision="fp32",
-                 device_type: str = "cpu", parallel=None):
+                 device_type: str = "cpu", parallel=None, fake_rank: int = 0):
     """The workload with a model factory that shards the model as the plan would.
 
     Without an initialised process group a fake one of ``world_size`` ranks is made for the
     duration. The device mesh is built here, before any fake-tensor mode is entered: inside one,
     building it fails on a data-dependent op. ``parallel``: the plan's model-parallel
     ``Layout`` (None or trivial: data parallel only); ``shard_group`` then counts data-parallel
-    ranks.
+    ranks. ``fake_rank``: the rank this process is in a fake group (a pipeline's ranks differ).
     """
     sharding = Sharding.parse(sharding)
     parallel = parallel if parallel is not None and not parallel.trivial else None
@@ -61,7 +61,11 @@ def sharded_step(workload, *, sharding, world_size: int, shard_group=None, preci
                           f"instance's parameters")
     with contextlib.ExitStack() as stack:
         if not dist.is_initialized():
-            stack.enter_context(fake_process_group(world_size))
+            stack.enter_context(fake_process_group(world_size, rank=fake_rank))
+            if parallel is not None and parallel.pp > 1:
+                from ..pipeline import sends_held_by_their_work
+
+                stack.enter_context(sends_held_by_their_work())
         elif dist.get_world_size() != world_size:
             raise ConfigError(f"--world-size {world_size} differs from the {dist.get_world_size()} "
                               f"ranks of the process group; omit --world-size under torchrun")
