@@ -11,12 +11,24 @@ MICRO_BATCHES = [2, 2, 2, 2]  # one window: 4 micro-batches of 2 through the pip
 
 
 def pipeline_plan(pp: int, schedule: str, sharding: str, *, world_size: int):
-    """The plan trained under torchrun (``pp`` 1: the one-process reference)."""
-    parallel = parse_layout(pp=pp, pp_schedule=schedule) if pp > 1 else parse_layout()
+    """The plan trained under torchrun: windows of ``MICRO_BATCHES`` per data-parallel rank."""
+    parallel = parse_layout(pp=pp, pp_schedule=schedule)
     data_parallel = world_size // pp
     plan = make_plan(MICRO_BATCHES, world_size=world_size, lr=1e-2)
     return dataclasses.replace(plan, target_batch=sum(MICRO_BATCHES) * data_parallel,
                                sharding=sharding, parallel=parallel)
+
+
+def reference_plan(data_parallel: int):
+    """The same windows in one process: every data-parallel rank's micro-batches in turn."""
+    return make_plan(MICRO_BATCHES * data_parallel, lr=1e-2)
+
+
+def with_sgd(workload):
+    """The workload trained with SGD: Adam's nearly sign-like first steps turn the last-bit
+    differences of a reduce-scatter's summation order, in gradients near zero, into whole
+    learning-rate steps, which no comparison of parameters survives."""
+    return dataclasses.replace(workload, build_optimizer=lambda params: torch.optim.SGD(params, lr=1e-2))
 
 
 def own_parameters(model) -> dict:

@@ -19,18 +19,19 @@ import torch.distributed as dist
 from autotune.distributed.collectives import settle
 from autotune.training import train
 from autotune.workload.contract import load_workload
-from pp_plans import pipeline_plan, own_parameters
+from pp_plans import own_parameters, pipeline_plan, with_sgd
 
 out, model_file, pp, schedule, sharding, steps, *rest = sys.argv[1:]
 out = Path(out)
 dist.init_process_group("gloo")
-workload = load_workload(model_file)
+workload = with_sgd(load_workload(model_file))
 if os.environ.get("PP_SLOW"):
-    loss = workload.loss
+    loss = workload.loss_fn  # the model file's own function
 
     def slow_loss(model, batch):
         time.sleep(0.3)
         (out / "started").touch()
+        (out / f"pid-{dist.get_rank()}").write_text(str(os.getpid()))
         return loss(model, batch)
 
     import dataclasses

@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..errors import ConfigError, WorkloadError, given
+from ..errors import ConfigError, WorkloadError, given, option
 from ..workload.activation_checkpointing import repeated_blocks
 from .layout import Layout, PipelineSchedule
 
@@ -304,9 +304,10 @@ class PipelinedModel(torch.nn.Module):
             schedule = schedule_class(stages_arg, len(batches), loss_fn=_backpropagated,
                                       scale_grads=False)
         except ValueError as exc:
-            raise ConfigError(f"the {self.schedule.value} schedule cannot run {len(batches)} "
-                              f"micro-batches over {self.num_stages} stages ({exc}); plan more "
-                              f"accumulation steps (at least the pipeline degree)") from exc
+            raise ConfigError(f"the {self.schedule.value} schedule cannot run a window of "
+                              f"{len(batches)} micro-batch(es) over {self.num_stages} stages ({exc}); "
+                              f"use {option('accumulation_steps')} of at least "
+                              f"{self.num_stages // len(self.stage_ids)} (the pipeline degree)") from exc
         self._built = (key, schedule)
         return schedule
 
