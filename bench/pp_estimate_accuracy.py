@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's autotune, and the tests' helpers
 
 from autotune.units import format_bytes  # noqa: E402
 from pp_plans import estimated_rank_peaks, real_pipeline_peaks  # noqa: E402

@@ -321,14 +321,31 @@ class PipelinedModel(torch.nn.Module):
         count = len(batches)
         try:
             with self.autocast():
-                schedule.step(arg_mbs=[(torch.zeros(1, device=self.device),)] * count,
+                _step_unwrapping_oom(schedule,arg_mbs=[(torch.zeros(1, device=self.device),)] * count,
                               kwarg_mbs=[{"micro_batch": i} for i in range(count)],
-                              target_mbs=[None] * count, return_outputs=False)
+                                     target_mbs=[None] * count, return_outputs=False)
         finally:
             for module in self.stages:
                 module.batches, module.weigh = [], None
             for stage in schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]:
                 _drop_chunks(stage)
+
+
+def _step_unwrapping_oom(schedule, **kwargs) -> None:
+    """``schedule.step``, with an out-of-memory error raised as itself: the stage wraps whatever
+    its forward or backward raised in a RuntimeError of its own ("failed to run forward"),
+    which no out-of-memory handler would recognise."""
+    from ..memory.oom import is_oom_error
+
+    try:
+        schedule.step(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised, or its out-of-memory cause instead
+        cause = exc
+        while cause is not None and not is_oom_error(cause):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None or cause is exc:
+            raise
+        raise cause from None
 
 
 def _drop_chunks(stage) -> None:

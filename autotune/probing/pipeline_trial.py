@@ -29,7 +29,9 @@ class PipelineSessionMixin:
         self.ranks_agree = False
 
     def window_micro_batches(self, n: int, window: int) -> list[int]:
-        return [n] * max(window, 1)
+        # torch's schedules run at least as many micro-batches as pipeline ranks: a trial of a
+        # single step is a window of that many.
+        return [n] * max(window, self.parallel.pp if self.parallel is not None else 1)
 
     def _window_fields(self, sizes: list[int]) -> dict:
         return {}
@@ -41,6 +43,9 @@ class PipelineSessionMixin:
         pass  # the schedule reduces a sharded stage's gradients on its last backward
 
     def _window(self, sizes: list[int]) -> tuple[int, int]:
+        # A plan's window as another check names it ([first, second, last]) runs as the
+        # pipeline runs it: every micro-batch of one shape, at least pp of them.
+        sizes = self.window_micro_batches(max(sizes), len(sizes))
         batches = [move_batch(self.workload.batch(n), self.device) for n in sizes]
 
         def weigh(loss, count, index):
