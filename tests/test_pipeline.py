@@ -92,7 +92,7 @@ def test_the_estimate_is_the_worst_pipeline_rank():
 def test_cli_estimate_takes_the_pipeline_and_its_window():
     result = CliRunner().invoke(cli, ["estimate", str(EXAMPLES / "mlp.py"), "--micro-batch", "4",
                                       "--pp", "2", "--world-size", "2"])
-    assert result.exit_code == 2 and "--accumulation-steps of at least 2" in result.output
+    assert result.exit_code == 2 and "use --accumulation-steps 2 or more" in result.output
     result = CliRunner().invoke(cli, ["estimate", str(EXAMPLES / "mlp.py"), "--micro-batch", "4",
                                       "--pp", "2", "--world-size", "2", "--accumulation-steps", "2",
                                       "--json"])

@@ -103,7 +103,9 @@ def _estimate_trials(workload, micro_batches, *, precision, checkpointing, shard
     sizes = [checked_micro_batch(n) for n in micro_batches]
     if parallel is not None and parallel.pp > 1:
         # Each pipeline rank holds other stages: every one is estimated, the worst one counts.
-        from .pipeline_trial import worst_pipeline_trials
+        from .pipeline_trial import check_pipeline_window, worst_pipeline_trials
+
+        check_pipeline_window(window, parallel)
 
         return worst_pipeline_trials(
             lambda fake_rank: estimate_session(workload, precision=precision, checkpointing=checkpointing,

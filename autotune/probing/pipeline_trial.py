@@ -11,6 +11,7 @@ worst rank's peak, which the plan must fit.
 
 from __future__ import annotations
 
+from ..errors import ConfigError, given, option
 from ..workload.contract import move_batch
 
 
@@ -67,6 +68,14 @@ class PipelineSessionMixin:
         return activation_peak, step_peak
 
 
+def check_pipeline_window(window: int, parallel) -> None:
+    """torch's schedules run at least as many micro-batches per window as pipeline ranks."""
+    if window < parallel.pp:
+        raise ConfigError(f"a pipeline of {parallel.describe_degrees()} runs at least {parallel.pp} "
+                          f"micro-batches per window, and {given('accumulation_steps', window)} asks "
+                          f"for {window}; use {option('accumulation_steps')} {parallel.pp} or more")
+
+
 _PIPELINED: dict[type, type] = {}
 
 
@@ -100,4 +109,4 @@ def worst_pipeline_trials(make_session, sizes, *, window: int, parallel, world_s
     return {n: max(trials, key=lambda trial: trial.peak_bytes) for n, trials in per_rank.items()}
 
 
-__all__ = ["PipelineSessionMixin", "pipeline_rank_trials", "pipelined_session_type", "worst_pipeline_trials"]
+__all__ = ["PipelineSessionMixin", "check_pipeline_window", "pipeline_rank_trials", "pipelined_session_type", "worst_pipeline_trials"]
