@@ -79,6 +79,12 @@ def test_more_stages_than_blocks_is_an_error_naming_the_limit():
                        parallel=parse_layout(pp=5))
 
 
+def test_fp16_pipelines_are_refused():
+    with pytest.raises(ConfigError, match="use bf16 or fp32"):
+        estimate_peaks(EXAMPLES / "mlp.py", [1], accumulation_steps=2, world_size=2, precision="fp16",
+                       parallel=parse_layout(pp=2))
+
+
 # -- fast: the estimate ------------------------------------------------------------------------
 
 def test_the_estimate_is_the_worst_pipeline_rank():

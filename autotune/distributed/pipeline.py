@@ -431,6 +431,12 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
     if workload is None or workload.model_is_instance:
         raise ConfigError("pipeline parallelism needs a model file's build_model(): it cuts the model")
     sharding, precision = Sharding.parse(sharding), Precision.parse(precision)
+    if precision is Precision.FP16:
+        # Each rank's GradScaler finds inf/NaN in its own stages' gradients only; the stages
+        # would skip different steps and drift apart.
+        raise ConfigError(f"{given('precision', 'fp16')} with {option('pp')} {parallel.pp}: fp16's "
+                          f"GradScaler skips steps rank by rank, and a pipeline's stages must skip "
+                          f"together; use bf16 or fp32")
     dp_mesh = data_parallel_mesh(mesh)
     device = torch.device(mesh.device_type)
 
