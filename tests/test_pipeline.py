@@ -120,13 +120,18 @@ def _torchrun(nproc, *args):
             *map(str, args)]
 
 
-LAYOUTS = [("1f1b", "ddp", 2), ("interleaved-1f1b", "ddp", 2), ("1f1b", "fsdp", 4)]
+# (example, schedule, sharding, world, how far above the real peak the estimate may be). Below it
+# by at most 3% everywhere. Two known gaps (bench/README.md, "pp_estimate_accuracy.py"):
+# interleaved on tiny_lm is over by up to 4.3%; FSDP 2 × PP 2 on mlp depends on when gloo's worker
+# thread lets go of a collective's buffer (−18% to +3.8% at n = 2) and is not held to a bound here.
+ACCURACY = [("tiny_lm", "1f1b", "ddp", 2, 0.03), ("mlp", "1f1b", "ddp", 2, 0.03),
+            ("mlp", "interleaved-1f1b", "ddp", 2, 0.03), ("tiny_lm", "interleaved-1f1b", "ddp", 2, 0.05),
+            ("tiny_lm", "1f1b", "fsdp", 4, 0.03)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", ["tiny_lm", "mlp"])
-@pytest.mark.parametrize("schedule, sharding, world", LAYOUTS)
-def test_estimate_matches_real_gloo_pipeline_peaks(tmp_path, example, schedule, sharding, world):
+@pytest.mark.parametrize("example, schedule, sharding, world, over", ACCURACY)
+def test_estimate_matches_real_gloo_pipeline_peaks(tmp_path, example, schedule, sharding, world, over):
     model_file = EXAMPLES / f"{example}.py"
     real = real_pipeline_peaks(model_file, tmp_path, pp=2, schedule=schedule, sharding=sharding,
                                world=world, window=4, sizes=[2])
@@ -134,9 +139,7 @@ def test_estimate_matches_real_gloo_pipeline_peaks(tmp_path, example, schedule, 
     data_parallel = world // 2
     for pp_rank, estimate in enumerate(estimated):
         peak = max(max(real[2][pp_rank * data_parallel + d]) for d in range(data_parallel))
-        # interleaved: see bench/README.md ("Pipeline parallel estimate") for its known gap.
-        tolerance = 0.05 if schedule == "interleaved-1f1b" else 0.03
-        assert abs(estimate - peak) <= tolerance * peak, (pp_rank, estimate, peak)
+        assert -0.03 * peak <= estimate - peak <= over * peak, (pp_rank, estimate, peak)
 
 
 def _train(nproc, out, *args, **env):
