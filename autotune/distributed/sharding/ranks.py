@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ...errors import ConfigError
 from .settings import Sharding, resolve_shard_group
 from .wrap import build_mesh, shard_model
+from .. import context_parallel
 
 
 @contextlib.contextmanager
@@ -36,14 +37,21 @@ def fake_process_group(world_size: int):
 
 @contextlib.contextmanager
 def sharded_step(workload, *, sharding, world_size: int, shard_group=None, precision="fp32",
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", cp: int = 1):
     """The workload with a model factory that shards the model as the plan would.
 
     Without an initialised process group a fake one of ``world_size`` ranks is made for the
     duration. The device mesh is built here, before any fake-tensor mode is entered: inside one,
     building it fails on a data-dependent op.
+
+    ``cp`` > 1: context parallelism, every sequence sharded over groups of ``cp`` ranks (see
+    ``autotune.distributed.context_parallel``); FSDP2 then shards over the data-parallel ranks
+    and the cp ranks together, as torchtitan does.
     """
     sharding = Sharding.parse(sharding)
+    if cp > 1 and not sharding.sharded:
+        raise ConfigError(f"context parallelism (cp {cp}) shards the model with FSDP2 over the "
+                          f"data-parallel and cp ranks; plan it with sharding fsdp, not {sharding.value}")
     if not sharding.sharded:
         yield workload
         return
@@ -58,7 +66,11 @@ def sharded_step(workload, *, sharding, world_size: int, shard_group=None, preci
         elif dist.get_world_size() != world_size:
             raise ConfigError(f"--world-size {world_size} differs from the {dist.get_world_size()} "
                               f"ranks of the process group; omit --world-size under torchrun")
-        mesh = build_mesh(device_type, world_size, group)
+        if cp > 1:
+            mesh, cp_mesh = context_parallel.meshes(device_type, world_size, group, cp)
+            workload = stack.enter_context(context_parallel.context_parallel_step(workload, cp_mesh))
+        else:
+            mesh = build_mesh(device_type, world_size, group)
 
         def build_sharded():
             return shard_model(workload.new_model(), mesh=mesh, sharding=sharding, precision=precision)

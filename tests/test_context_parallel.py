@@ -1,0 +1,97 @@
+"""Context parallelism: sequences sharded over the cp ranks, attention as ring attention.
+
+Fast tests run on a fake process group (one process, fake tensors where it estimates); the real
+gloo runs (gradients, peaks, training) are slow.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from autotune.distributed.context_parallel import check_seq_len, shard_batch
+from autotune.errors import ConfigError, WorkloadError
+from autotune.workload import Workload
+import cp_models
+
+
+@contextlib.contextmanager
+def fake_ranks(world_size: int, rank: int = 0):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sequence_length_not_divisible_by_twice_cp_names_the_limit_and_the_fix():
+    with pytest.raises(ConfigError, match=r"seq_len=30 is not divisible by 2 × cp = 4.*use a sequence "
+                                          r"length of 28 or 32"):
+        check_seq_len(30, 2)
+    check_seq_len(32, 2)
+    check_seq_len(7, 1)  # no context parallelism: any length
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_holds_the_head_and_tail_chunks_of_every_sequence_tensor(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    batch = cp_models.make_causal_lm_batch(2, 16)
+    batch["weights"] = torch.ones(2)  # no sequence dimension: left whole
+    with fake_ranks(2, rank):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        local = shard_batch(batch, mesh)
+    # Chunks of 4 positions: rank 0 holds 0 and 3, rank 1 holds 1 and 2 (torch's head-tail balance).
+    chunks = [rank, 3 - rank]
+    expected = torch.cat([torch.arange(4 * c, 4 * c + 4) for c in chunks])
+    assert torch.equal(local["positions"][0], expected)
+    assert torch.equal(local["tokens"], batch["tokens"][:, expected])
+    assert torch.equal(local["targets"], batch["targets"][:, expected])
+    assert local["weights"] is batch["weights"]
+
+
+def _workload(build, make_batch=cp_models.make_causal_lm_batch, loss_fn=cp_models.causal_lm_loss):
+    return Workload(model=build, make_batch=make_batch, loss_fn=loss_fn, source=f"{build.__name__}.py")
+
+
+def _estimate(workload, n, *, world_size: int, cp: int):
+    """One rank's peak at micro-batch ``n`` (or {n: peak} for a list of them)."""
+    from autotune.probing.estimate import estimate_peaks
+
+    sizes = n if isinstance(n, list) else [n]
+    peaks = estimate_peaks(workload, sizes, sharding="fsdp", world_size=world_size, cp=cp)
+    return peaks if isinstance(n, list) else peaks[n]
+
+
+def test_context_parallel_estimate_holds_a_rank_s_part_of_each_sequence(one_thread):
+    workload = _workload(cp_models.build_causal_lm, lambda n: cp_models.make_causal_lm_batch(n, 64))
+    fsdp = _estimate(workload, [4, 8], world_size=2, cp=1)
+    cp = _estimate(workload, [4, 8], world_size=2, cp=2)
+    # The same shards (FSDP2 over both ranks either way), and per sample half of every sequence's
+    # activations plus the ring's key/value exchange: 0.79 of FSDP2's bytes per sample here.
+    assert cp[8] < fsdp[8]
+    assert (cp[8] - cp[4]) < 0.85 * (fsdp[8] - fsdp[4])
+
+
+def test_hugging_face_models_run_with_their_sdpa_attention_in_the_estimate(one_thread):
+    workload = _workload(cp_models.build_hf_llama, cp_models.make_hf_batch, loss_fn=None)
+    assert _estimate(workload, 2, world_size=2, cp=2) > 0
+
+
+@pytest.mark.parametrize("build, loss_fn, error, match", [
+    (cp_models.build_masked_lm, cp_models.causal_lm_loss, ConfigError, "with an attention mask.*causal attention only"),
+    (cp_models.build_attentionless_lm, cp_models.causal_lm_loss, ConfigError, "called no torch.nn.functional.scaled_dot_product_attention"),
+    (cp_models.build_causal_lm, cp_models.causal_lm_mean_loss, WorkloadError, r"return \(loss_sum, token_count\)"),
+])
+def test_what_context_parallelism_cannot_shard_is_a_clear_error(one_thread, build, loss_fn, error, match):
+    with pytest.raises(error, match=match):
+        _estimate(_workload(build, loss_fn=loss_fn), 1, world_size=2, cp=2)
+
+
+def test_a_hugging_face_model_without_sdpa_names_attn_implementation(one_thread):
+    workload = _workload(cp_models.build_eager_llama, cp_models.make_hf_batch, loss_fn=None)
+    with pytest.raises(ConfigError, match="attention is 'eager'.*attn_implementation=\"sdpa\""):
+        _estimate(workload, 1, world_size=2, cp=2)
