@@ -17,6 +17,7 @@ import sys
 import torch.distributed as dist
 
 from autotune.distributed.collectives import settle
+from autotune.distributed.layout import Layout
 from autotune.memory.cpu import CPUMemoryBackend
 from autotune.precision import Precision
 from autotune.probing.trial import TrialSession
@@ -33,7 +34,8 @@ group = os.environ.get("FSDP_SHARD_GROUP")
 cp = int(os.environ.get("FSDP_CP") or 1)
 peaks, fits = {}, {}
 with sharded_step(load_workload(model_file), sharding="fsdp", world_size=world,
-                  shard_group=int(group) if group else None, precision=precision, cp=cp) as workload:
+                  shard_group=int(group) if group else None, precision=precision,
+                  parallel=Layout(cp=cp) if cp > 1 else None) as workload:
     backend = CPUMemoryBackend(int(limit) if limit else None)
     with TrialSession(workload, backend, precision=Precision.parse(precision),
                       checkpointing=checkpointing == "on", sharded=True) as session:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from autotune.distributed.context_parallel import check_seq_len, shard_batch
+from autotune.distributed.layout import Layout
 from autotune.errors import ConfigError, WorkloadError
 from autotune.workload import Workload
 import cp_models
@@ -62,7 +63,8 @@ def _estimate(workload, n, *, world_size: int, cp: int):
     from autotune.probing.estimate import estimate_peaks
 
     sizes = n if isinstance(n, list) else [n]
-    peaks = estimate_peaks(workload, sizes, sharding="fsdp", world_size=world_size, cp=cp)
+    peaks = estimate_peaks(workload, sizes, sharding="fsdp", world_size=world_size,
+                           parallel=Layout(cp=cp) if cp > 1 else None)
     return peaks if isinstance(n, list) else peaks[n]
 
 

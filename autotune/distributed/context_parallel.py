@@ -43,12 +43,14 @@ IGNORE_INDEX = -100
 """The label Hugging Face's losses skip: the last position of every shifted sequence."""
 
 
-def check_seq_len(seq_len: int, cp: int, *, option: str = "seq_len") -> None:
+def check_seq_len(seq_len: int, cp: int, *, option: str | None = "seq_len") -> None:
     """Load balancing splits each sequence into 2 × cp chunks: the length must divide evenly
-    (torch would otherwise fall back silently to unbalanced contiguous shards)."""
+    (torch would otherwise fall back silently to unbalanced contiguous shards). ``option``: the
+    option that set the length (None: the batch's own)."""
     if cp > 1 and seq_len % (2 * cp):
         lower, upper = seq_len // (2 * cp) * 2 * cp, (seq_len // (2 * cp) + 1) * 2 * cp
-        raise ConfigError(f"{given(option, seq_len)} is not divisible by 2 × cp = {2 * cp}: context "
+        what = given(option, seq_len) if option else f"the batch's sequence length {seq_len}"
+        raise ConfigError(f"{what} is not divisible by 2 × cp = {2 * cp}: context "
                           f"parallelism splits every sequence into 2 × cp load-balanced chunks; use "
                           f"a sequence length of {lower or upper} or {upper}, or another cp")
 
@@ -276,7 +278,7 @@ def shard_batch(batch, mesh, *, source: str = "<batch>"):
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     length = sequence_length(batch, source=source)
-    check_seq_len(length, mesh.size(), option="sequence length")
+    check_seq_len(length, mesh.size(), option=None)
     leaves, spec = tree_flatten(batch)
     positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.dim() > SEQ_DIM]
     device = leaves[positions[0]].device
@@ -336,26 +338,18 @@ def context_parallel_step(workload, mesh):
         yield dataclasses.replace(workload, loss_fn=ContextParallelLoss(workload, mesh, attention))
 
 
-__all__ = ["ContextParallelLoss", "SEQ_DIM", "check_seq_len", "context_parallel_step",
+def fsdp_mesh(mesh):
+    """The part of a layout's mesh (``Layout.mesh_dims``) FSDP2 shards over under context
+    parallelism: the data-parallel shard and cp dims flattened into one ("dp_shard_cp", as
+    torchtitan does), beside "dp_replicate" where the plan replicates across shard groups.
+    The first call makes the flattened group: outside fake-tensor modes (see ``sharded_step``);
+    later calls on the same mesh reuse it."""
+    flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if "dp_replicate" in (mesh.mesh_dim_names or ()):
+        return mesh["dp_replicate", "dp_shard_cp"]
+    return flat
+
+
+__all__ = ["ContextParallelLoss", "SEQ_DIM", "check_seq_len", "context_parallel_step", "fsdp_mesh",
            "is_causal_lm_batch", "ring_attention", "sequence_length", "shard_batch"]
 
-
-def meshes(device_type: str, world_size: int, shard_group: int, cp: int):
-    """(FSDP2's mesh, the cp mesh) for ``world_size`` ranks: cp groups of consecutive ranks, FSDP2
-    sharding over the data-parallel and cp ranks together (torchtitan's ``dp_shard_cp``), and
-    replicating across ``world_size // shard_group`` groups where the shard group is smaller."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if world_size % cp or shard_group % cp:
-        raise ConfigError(f"cp {cp} must divide the world size {world_size} and the shard group "
-                          f"{shard_group}: every cp group holds whole sequences of one "
-                          f"data-parallel rank")
-    replicate, shard = world_size // shard_group, shard_group // cp
-    mesh = init_device_mesh(device_type, (replicate, shard, cp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
-    if replicate == 1:
-        fsdp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    else:
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        fsdp = mesh["dp_replicate", "dp_shard_cp"]
-    return fsdp, mesh["cp"]

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from ...errors import ConfigError
 from .settings import Sharding, resolve_shard_group
 from .wrap import build_mesh, shard_model
-from .. import context_parallel
 
 
 @contextlib.contextmanager
@@ -37,25 +36,25 @@ def fake_process_group(world_size: int):
 
 @contextlib.contextmanager
 def sharded_step(workload, *, sharding, world_size: int, shard_group=None, precision="fp32",
-                 device_type: str = "cpu", cp: int = 1):
+                 device_type: str = "cpu", parallel=None):
     """The workload with a model factory that shards the model as the plan would.
 
     Without an initialised process group a fake one of ``world_size`` ranks is made for the
     duration. The device mesh is built here, before any fake-tensor mode is entered: inside one,
-    building it fails on a data-dependent op.
-
-    ``cp`` > 1: context parallelism, every sequence sharded over groups of ``cp`` ranks (see
-    ``autotune.distributed.context_parallel``); FSDP2 then shards over the data-parallel ranks
-    and the cp ranks together, as torchtitan does.
+    building it fails on a data-dependent op. ``parallel``: the plan's model-parallel
+    ``Layout`` (None or trivial: data parallel only); ``shard_group`` then counts data-parallel
+    ranks.
     """
     sharding = Sharding.parse(sharding)
-    if cp > 1 and not sharding.sharded:
-        raise ConfigError(f"context parallelism (cp {cp}) shards the model with FSDP2 over the "
-                          f"data-parallel and cp ranks; plan it with sharding fsdp, not {sharding.value}")
-    if not sharding.sharded:
+    parallel = parallel if parallel is not None and not parallel.trivial else None
+    if not sharding.sharded and parallel is None:
         yield workload
         return
-    group = resolve_shard_group(shard_group, world_size)
+    if parallel is not None:
+        data_parallel = parallel.data_parallel(world_size)
+        group = resolve_shard_group(shard_group, data_parallel)
+    else:
+        group = resolve_shard_group(shard_group, world_size)
     if workload.model_is_instance:
         raise ConfigError(f"{workload.source}: sharding needs a model factory (build_model() "
                           f"in a model file), not a model instance: fully_shard replaces the "
@@ -66,14 +65,20 @@ def sharded_step(workload, *, sharding, world_size: int, shard_group=None, preci
         elif dist.get_world_size() != world_size:
             raise ConfigError(f"--world-size {world_size} differs from the {dist.get_world_size()} "
                               f"ranks of the process group; omit --world-size under torchrun")
-        if cp > 1:
-            mesh, cp_mesh = context_parallel.meshes(device_type, world_size, group, cp)
-            workload = stack.enter_context(context_parallel.context_parallel_step(workload, cp_mesh))
-        else:
-            mesh = build_mesh(device_type, world_size, group)
+        mesh = build_mesh(device_type, world_size, group, parallel)
+        if parallel is not None and parallel.cp > 1:
+            from ..context_parallel import context_parallel_step, fsdp_mesh
+
+            fsdp_mesh(mesh)  # its group is made here, before any fake-tensor mode
+            workload = stack.enter_context(context_parallel_step(workload, mesh["cp"]))
 
         def build_sharded():
-            return shard_model(workload.new_model(), mesh=mesh, sharding=sharding, precision=precision)
+            model = workload.new_model()
+            if parallel is not None:
+                from ..apply_layout import apply_layout  # it imports this package
+                return apply_layout(model, mesh=mesh, parallel=parallel, sharding=sharding,
+                                    precision=precision, workload=workload)
+            return shard_model(model, mesh=mesh, sharding=sharding, precision=precision)
 
         yield dataclasses.replace(workload, model=build_sharded)
 
