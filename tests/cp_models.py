@@ -128,3 +128,9 @@ def build_eager_llama():
 def causal_lm_mean_loss(model, batch):
     loss_sum, count = causal_lm_loss(model, batch)
     return loss_sum / count
+
+
+def build_sgd(params):
+    """Plain SGD for the equivalence runs: Adam turns a zero gradient's rounding noise (attention's
+    key bias gets none) into whole steps of ±lr, which no reordering of fp32 sums survives."""
+    return torch.optim.SGD(params, lr=0.1)

@@ -5,6 +5,7 @@ gloo runs (gradients, peaks, training) are slow.
 """
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from autotune.distributed.layout import Layout
 from autotune.errors import ConfigError, WorkloadError
 from autotune.workload import Workload
 import cp_models
+
+TESTS = Path(__file__).resolve().parent
 
 
 @contextlib.contextmanager
@@ -97,3 +100,85 @@ def test_a_hugging_face_model_without_sdpa_names_attn_implementation(one_thread)
     workload = _workload(cp_models.build_eager_llama, cp_models.make_hf_batch, loss_fn=None)
     with pytest.raises(ConfigError, match="attention is 'eager'.*attn_implementation=\"sdpa\""):
         _estimate(workload, 1, world_size=2, cp=2)
+
+
+# -- real gloo ranks (slow) -----------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["cp_hf_llama_model", "cp_hf_gpt2_model"])
+def test_estimate_matches_a_real_two_rank_context_parallel_run(tmp_path, model):
+    from fsdp_helpers import real_fsdp_peaks, worst_peak
+    from autotune.probing.estimate import estimate_peaks
+
+    sizes = [1, 2, 4]
+    model_file = TESTS / f"{model}.py"
+    estimated = estimate_peaks(model_file, sizes, sharding="fsdp", world_size=2, parallel=Layout(cp=2))
+    real = real_fsdp_peaks(model_file, 2, sizes, tmp_path, cp=2)
+    for n in sizes:
+        # The largest peak of any rank and repeat (gloo's threads release buffers when they do).
+        assert abs(estimated[n] - worst_peak(real[n])) <= 0.03 * worst_peak(real[n]), (n, estimated[n], real[n])
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    """On 2 ranks of cp 2: the equality runs and an uninterrupted checkpointed run; then the same
+    run stopped by SIGTERM to one rank, and ``autotune train --resume`` finishing it."""
+    import os
+    import signal
+    import sys
+
+    from autotune.planning.planfile import save_plan
+    from cp_train_script import STEPS, plan
+    from test_train_fsdp import TIMEOUT, _run, _start, _wait_for
+
+    out = tmp_path_factory.mktemp("cp2")
+    script = TESTS / "cp_train_script.py"
+    _run(2, out, "equal", script, out, "equal", "reference")
+    child, log = _start(2, out, "sigterm", script, out, "sigterm")
+    try:
+        _wait_for(out / "started", child, log)
+        os.kill(int((out / "pid").read_text()), signal.SIGTERM)
+        assert child.wait(timeout=TIMEOUT) == 0, (out / "log-sigterm.txt").read_text()[-4000:]
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        log.close()
+    plan_file = save_plan(plan(2, 2), out / "plan.json")
+    _run(2, out, "resume", "--no-python", sys.executable, "-c", "from autotune.cli import main; main()",
+         "train", TESTS / "cp_causal_lm_model.py", "--plan", plan_file, "--steps", STEPS,
+         "--checkpoint-dir", out / "ckpt", "--resume", "--save", out / "resumed.pt")
+    return out
+
+
+def _saved(path):
+    return torch.cat([t.reshape(-1) for t in torch.load(path, weights_only=True)["model"].values()
+                      if t.is_floating_point()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["causal_lm", "hf_llama", "hf_gpt2"])
+def test_context_parallel_training_ends_where_one_process_does(cp_runs, tmp_path, name):
+    from autotune.training import train
+    from autotune.workload.contract import load_workload
+    from cp_train_script import MODELS, plan
+    from train_helpers import relative_error
+
+    train(plan(1, 1), load_workload(MODELS[name]), steps=3, progress=False, save_path=tmp_path / "one.pt")
+    one, cp = _saved(tmp_path / "one.pt"), _saved(cp_runs / f"{name}-cp.pt")
+    assert relative_error(cp, one) <= 1e-5
+    assert relative_error(one, _saved_initial(MODELS[name])) > 1e-3  # it trained
+
+
+def _saved_initial(path):
+    from autotune.workload.contract import load_workload
+
+    return torch.cat([t.reshape(-1) for t in load_workload(path).new_model().state_dict().values()
+                      if t.is_floating_point()])
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_continues_a_context_parallel_run_exactly(cp_runs):
+    from cp_train_script import STEPS
+    from test_train_fsdp import check_resumed_as_uninterrupted
+
+    check_resumed_as_uninterrupted(cp_runs, STEPS)
