@@ -81,6 +81,7 @@ def test_context_parallel_estimate_holds_a_rank_s_part_of_each_sequence(one_thre
     assert (cp[8] - cp[4]) < 0.85 * (fsdp[8] - fsdp[4])
 
 
+@pytest.mark.slow  # Hugging Face's import and model; the accuracy tests below cover it too
 def test_hugging_face_models_run_with_their_sdpa_attention_in_the_estimate(one_thread):
     workload = _workload(cp_models.build_hf_llama, cp_models.make_hf_batch, loss_fn=None)
     assert _estimate(workload, 2, world_size=2, cp=2) > 0
@@ -182,3 +183,11 @@ def test_sigterm_then_resume_continues_a_context_parallel_run_exactly(cp_runs):
     from test_train_fsdp import check_resumed_as_uninterrupted
 
     check_resumed_as_uninterrupted(cp_runs, STEPS)
+
+
+def test_plan_refuses_a_seq_len_that_cp_cannot_balance_before_probing():
+    from autotune.orchestration.planner import plan
+
+    with pytest.raises(ConfigError, match=r"seq_len=36 is not divisible by 2 × cp = 8"):
+        plan(TESTS / "cp_causal_lm_model.py", target_batch=4, world_size=4, cp=4, sharding="fsdp",
+             seq_len=36, memory_limit="1GiB")
