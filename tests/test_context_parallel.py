@@ -191,3 +191,16 @@ def test_plan_refuses_a_seq_len_that_cp_cannot_balance_before_probing():
     with pytest.raises(ConfigError, match=r"seq_len=36 is not divisible by 2 × cp = 8"):
         plan(TESTS / "cp_causal_lm_model.py", target_batch=4, world_size=4, cp=4, sharding="fsdp",
              seq_len=36, memory_limit="1GiB")
+
+
+def test_the_cli_names_the_seq_len_option_cp_cannot_balance():
+    from click.testing import CliRunner
+
+    from autotune.cli.main import cli
+
+    args = ["plan", TESTS / "cp_causal_lm_model.py", "--target-batch", 4, "--world-size", 4, "--cp", 4,
+            "--sharding", "fsdp", "--seq-len", 36, "--memory-limit", "1GiB"]
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code == 2, result.output  # an option's value: a usage error
+    assert "--seq-len 36 is not divisible by 2 × cp = 8" in result.output
+    assert "use a sequence length of 32 or 40" in result.output
