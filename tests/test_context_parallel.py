@@ -204,3 +204,16 @@ def test_the_cli_names_the_seq_len_option_cp_cannot_balance():
     assert result.exit_code == 2, result.output  # an option's value: a usage error
     assert "--seq-len 36 is not divisible by 2 × cp = 8" in result.output
     assert "use a sequence length of 32 or 40" in result.output
+
+
+@pytest.mark.slow
+def test_a_context_parallel_plan_is_what_verify_measures(one_thread):
+    import autotune
+
+    model_file = TESTS / "cp_causal_lm_model.py"
+    plan = autotune.plan(model_file, target_batch=8, world_size=2, cp=2, sharding="fsdp",
+                         precision="fp32", checkpointing="off", memory_limit="2MiB")
+    assert plan.parallel.cp == 2
+    result = autotune.verify_plan(plan, workload=model_file, steps=2)
+    assert result.confirmed
+    assert result.measured_peak_bytes == plan.predicted_peak_bytes
