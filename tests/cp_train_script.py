@@ -30,17 +30,28 @@ MICRO_BATCHES = [1, 2]  # an uneven window: items weighed across micro-steps and
 STEPS = 8
 
 
-def plan(world_size: int, cp: int, *, lr=0.1):
+CHECKPOINTED = {"causal_lm_checkpointing": "causal_lm"}
+"""Runs with every block checkpointed: the recomputation in backward rings attention again."""
+
+
+def plan(world_size: int, cp: int, *, lr=0.1, checkpointing=False):
     """Windows of 3 samples on each data-parallel rank, fp32, clipped; sharded over the world."""
     made = make_plan(MICRO_BATCHES, world_size=world_size // cp, lr=lr, clip=1.0)
     return dataclasses.replace(made, world_size=world_size, sharding="fsdp" if world_size > 1 else "ddp",
-                               parallel=Layout(cp=cp))
+                               parallel=Layout(cp=cp), checkpointing=checkpointing)
+
+
+def equal_cases(world_size: int, cp: int) -> dict:
+    """name -> (model file, plan) of the equality runs."""
+    cases = {name: (path, plan(world_size, cp)) for name, path in MODELS.items()}
+    for name, model in CHECKPOINTED.items():
+        cases[name] = (MODELS[model], plan(world_size, cp, checkpointing=True))
+    return cases
 
 
 def run_equal(world_size):
-    for name, path in MODELS.items():
-        train(plan(world_size, world_size), load_workload(path), steps=3, progress=False,
-              save_path=OUT / f"{name}-cp.pt")
+    for name, (path, planned) in equal_cases(world_size, world_size).items():
+        train(planned, load_workload(path), steps=3, progress=False, save_path=OUT / f"{name}-cp.pt")
 
 
 def run_reference(world_size):

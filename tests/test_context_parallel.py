@@ -157,17 +157,18 @@ def _saved(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["causal_lm", "hf_llama", "hf_gpt2"])
+@pytest.mark.parametrize("name", ["causal_lm", "hf_llama", "hf_gpt2", "causal_lm_checkpointing"])
 def test_context_parallel_training_ends_where_one_process_does(cp_runs, tmp_path, name):
     from autotune.training import train
     from autotune.workload.contract import load_workload
-    from cp_train_script import MODELS, plan
+    from cp_train_script import equal_cases
     from train_helpers import relative_error
 
-    train(plan(1, 1), load_workload(MODELS[name]), steps=3, progress=False, save_path=tmp_path / "one.pt")
+    path, planned = equal_cases(1, 1)[name]
+    train(planned, load_workload(path), steps=3, progress=False, save_path=tmp_path / "one.pt")
     one, cp = _saved(tmp_path / "one.pt"), _saved(cp_runs / f"{name}-cp.pt")
     assert relative_error(cp, one) <= 1e-5
-    assert relative_error(one, _saved_initial(MODELS[name])) > 1e-3  # it trained
+    assert relative_error(one, _saved_initial(path)) > 1e-3  # it trained
 
 
 def _saved_initial(path):
