@@ -68,14 +68,16 @@ def build_model():
 
 
 def make_batch(batch_size, seq_len=SEQ_LEN):
-    # seq_len positions per sample (what --seq-len plans), with next-token labels beside them.
-    return {"tokens": torch.randint(0, VOCAB, (batch_size, seq_len)),
-            "labels": torch.randint(0, VOCAB, (batch_size, seq_len))}
+    tokens = torch.randint(0, VOCAB, (batch_size, seq_len + 1))
+    # Shifted here, not in the loss: context parallelism shards inputs and targets alike.
+    return tokens[:, :-1], tokens[:, 1:]
 
 
 def loss_fn(model, batch):
-    logits = model(batch["tokens"])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
+    inputs, targets = batch
+    logits = model(inputs)
+    # (sum, tokens): under context parallelism each rank holds part of every sequence.
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum"), targets.numel()
 
 
 def build_optimizer(params):
