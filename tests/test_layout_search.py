@@ -78,8 +78,9 @@ def test_communication_volume_follows_the_formulas():
     # of the half the rank holds.
     tp = 8 * 4 * 200 * 10 * 2 * 0.5 + 3 * 0.5 * 4000
     assert communication_bytes(Layout(tp=2), 4, **args) == tp
-    # CP 2 on 2: 6 × 4 blocks × 200 tokens × kv width 5 × 2 B × 1/2
-    assert communication_bytes(Layout(cp=2), 2, **args) == 6 * 4 * 200 * 5 * 2 * 0.5
+    # CP 2 on 2: 6 × 4 blocks × 200 tokens × kv width 5 × 2 B × 1/2, and FSDP2 over the 2 cp ranks
+    assert communication_bytes(Layout(cp=2), 2, **args) == 6 * 4 * 200 * 5 * 2 * 0.5 + 3 * 0.5 * 8000
+    assert communication_bytes(Layout(cp=2), 2, sharded=False, **args) == 6 * 4 * 200 * 5 * 2 * 0.5
     # PP 2 on 2: forward activation and backward gradient, per stage a rank holds
     assert communication_bytes(Layout(pp=2), 2, **args) == 2 * 200 * 10 * 2
     assert communication_bytes(parse_layout(pp=2, pp_schedule="interleaved-1f1b"), 2, **args) == 4 * 200 * 10 * 2

@@ -125,7 +125,8 @@ def communication_bytes(layout: Layout, world_size: int, *, shape: ModelShape, s
       once per stage a rank holds (the tensor sharded over tp × cp).
     - Data parallel over d ranks: DDP all-reduces the rank's gradients (2 (d − 1)/d × its share
       of the parameters, 1/(tp × pp) of them); FSDP2 all-gathers them in forward and backward of
-      every micro-step and reduce-scatters the gradients (3 (d − 1)/d per micro-step).
+      every micro-step and reduce-scatters the gradients (3 (d − 1)/d per micro-step), over
+      d × cp ranks (context-parallel ranks shard and reduce with the data-parallel ones).
 
     Bytes within a host (NVLink) and between hosts count alike: a tie-break between layouts that
     need as many accumulation steps, not a time (``autotune.timing.layout`` is one)."""
@@ -142,9 +143,10 @@ def communication_bytes(layout: Layout, world_size: int, *, shape: ModelShape, s
             * ring(layout.cp)
     if layout.pp > 1:
         total += 2 * layout.stages_per_rank * tokens * hidden * activation_bytes / (layout.tp * layout.cp)
-    if dp > 1:
+    group = dp * layout.cp if sharded else dp  # FSDP2 shards over the context-parallel ranks too
+    if group > 1:
         held = param_bytes / (layout.tp * layout.pp)
-        total += (3 * steps if sharded else 2) * ring(dp) * held
+        total += (3 * steps if sharded else 2) * ring(group) * held
     return total
 
 
