@@ -40,6 +40,15 @@ def test_even_split_counts_data_parallel_ranks():
                in n for n in deepspeed.notes)
 
 
+@pytest.fixture(autouse=True)
+def no_transformers_import(monkeypatch):
+    """The HF export asks the installed transformers for its checkpointing field's name; importing
+    it costs 7-25 s here, and these tests are about the layout."""
+    from autotune.planning import export
+
+    monkeypatch.setattr(export, "_hf_checkpointing_field", lambda: "gradient_checkpointing")
+
+
 def test_hf_and_accelerate_carry_tensor_and_context_parallel_sizes():
     planned = layout_plan(Layout(tp=2, cp=2), world=16, target=64)  # dp 4
     accelerate = export_plan(planned, "accelerate")
