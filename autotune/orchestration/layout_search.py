@@ -114,7 +114,8 @@ def _screen(workload, planner, layout: Layout, checkpointable: bool) -> str | No
     block checkpointed, FSDP2 over all its data-parallel ranks); None where that fits (the
     planner then searches it). One step instead of a planner's search: where data parallelism
     fit nowhere, many candidates do not either."""
-    trial = window_trial(workload, planner.backend, micro_batch=1, window=1, precision=planner.chosen,
+    # A pipeline's window is at least pp micro-batches (its schedule's).
+    trial = window_trial(workload, planner.backend, micro_batch=1, window=layout.pp, precision=planner.chosen,
                          checkpointing="on" if checkpointable else "off", sharding="fsdp",
                          world_size=planner.world_size, parallel=layout)
     least = "micro-batch 1" + (", every block checkpointed" if checkpointable else "")
