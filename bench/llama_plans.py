@@ -176,6 +176,8 @@ def main() -> int:
                 if made is None:
                     print(f"{head} none fits: {_fits_nowhere(found['error'])} | - | - | - | - | not run | - |",
                           flush=True)
+                    if args.reasons:
+                        print(f"\n  {found['error']}\n", flush=True)
                     continue
                 versus, same = "not run", "-"
                 if shape in args.full:

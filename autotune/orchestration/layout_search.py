@@ -121,8 +121,12 @@ def _screen(workload, planner, layout: Layout, checkpointable: bool) -> str | No
     least = "micro-batch 1" + (", every block checkpointed" if checkpointable else "")
     if trial is None:
         return f"nothing fits: parameters and optimizer state alone pass the budget ({least} screened)"
-    if not trial.fits or trial.peak_bytes > planner.usable:
-        return (f"nothing fits: {format_bytes(trial.peak_bytes)} at {least}, past the "
+    # A --gpu estimate's budget holds the modelled reserved memory, not only the tensors.
+    peak = getattr(trial, "reserved_peak_bytes", None) or trial.peak_bytes
+    if not trial.fits:
+        return f"nothing fits: {least} runs out of memory ({format_bytes(peak)})"
+    if peak > planner.usable:
+        return (f"nothing fits: {format_bytes(peak)} at {least}, past the "
                 f"{format_bytes(planner.usable)} the headroom leaves")
     return None
 
