@@ -312,6 +312,10 @@ class _CountingFakeTensorMode(fake_tensor.FakeTensorMode):
             # from the tensor itself as the fake mode answers it, without the fake mode's layers
             # of dispatch: it was two thirds of the estimate's ops.
             return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        if func in _WAITS and self._depth == 0 and isinstance(args[0], fake_tensor.FakeTensor):
+            # A real wait returns its input tensor (DTensor's functional collectives: tensor
+            # parallel); the fake op would make a new one, counted twice.
+            return args[0]
         # Ops the fake mode decomposes re-enter it. Only the outermost op's outputs count: those
         # are the ops the CPU backend's mode sees on real tensors, whose kernels allocate no
         # decomposition temporaries.
