@@ -6,7 +6,7 @@ Every rank measures each micro-batch FSDP_REPEATS times (default 3) with the CPU
 rank 0 writes
 {"world_size": W, "peaks": {N: [[rank 0's peaks], [rank 1's], ...]}, "fits": {N: [[...], ...]}}
 to OUT.json. FSDP_MEMORY_LIMIT (bytes) gives each rank that budget; FSDP_SHARD_GROUP shards within
-groups of that many ranks.
+groups of that many ranks; FSDP_TP splits each layer over that many ranks first (tensor parallel).
 """
 
 import json
@@ -21,6 +21,7 @@ from autotune.precision import Precision
 from autotune.probing.trial import TrialSession
 from autotune.distributed.sharding.ranks import sharded_step
 from autotune.workload import load_workload
+from autotune.distributed.layout import Layout
 
 REPEATS = int(os.environ.get("FSDP_REPEATS", "3"))
 
@@ -29,12 +30,14 @@ dist.init_process_group("gloo")
 world = dist.get_world_size()
 limit = os.environ.get("FSDP_MEMORY_LIMIT")
 group = os.environ.get("FSDP_SHARD_GROUP")
+parallel = Layout(tp=int(os.environ.get("FSDP_TP") or 1))
 peaks, fits = {}, {}
 with sharded_step(load_workload(model_file), sharding="fsdp", world_size=world,
-                  shard_group=int(group) if group else None, precision=precision) as workload:
+                  shard_group=int(group) if group else None, precision=precision,
+                  parallel=parallel) as workload:
     backend = CPUMemoryBackend(int(limit) if limit else None)
     with TrialSession(workload, backend, precision=Precision.parse(precision),
-                      checkpointing=checkpointing == "on", sharded=True) as session:
+                      checkpointing=checkpointing == "on", sharded=True, parallel=parallel) as session:
         for n in map(int, sizes):
             trials = [session.run(n) for _ in range(REPEATS)]
             for name, mine in (("peaks", [t.peak_bytes for t in trials]),

@@ -22,13 +22,24 @@ def apply_layout(model: torch.nn.Module, *, mesh, parallel: Layout, sharding, pr
     """``model`` split as ``parallel`` says on ``mesh`` (``build_mesh(..., parallel)``), then
     sharded over the data-parallel dims when ``sharding`` is FSDP2; returns the model."""
     sharding = Sharding.parse(sharding)
-    for name, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline")):
+    if parallel.tp > 1:
+        from .tensor_parallel import apply_tensor_parallel
+
+        model = apply_tensor_parallel(model, mesh, workload=workload, parallel=parallel,
+                                      sharding=sharding)
+    for name, what in (("cp", "context"), ("pp", "pipeline")):
         degree = getattr(parallel, name)
         if degree > 1:
             raise ConfigError(f"{name} {degree}: {what} parallelism is not available in this build "
                               f"of autotune; plan with --{name} 1")
     if sharding.sharded:
-        shard_model(model, mesh=data_parallel_mesh(mesh), sharding=sharding, precision=precision)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        # fully_shard joins a tensor-parallel parameter's dp and tp meshes into a new DeviceMesh,
+        # whose set-up runs a data-dependent op on the (real) mesh tensor, which a fake-tensor
+        # mode refuses. Outside the mode, FSDP2's ops on fake parameters still run in their mode.
+        with unset_fake_temporarily():
+            shard_model(model, mesh=data_parallel_mesh(mesh), sharding=sharding, precision=precision)
     return model
 
 

@@ -20,13 +20,12 @@ function applies the layout in the estimate (fake process group), the probe and 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import re
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError, option
+from ..errors import ConfigError, given
 
 STYLE_NAMES = ("colwise", "rowwise", "sequence_parallel", "colwise_gather_output",
                "embedding_rowwise", "rowwise_split_input", "replicate",
@@ -82,7 +81,7 @@ def resolve_plan(model: nn.Module, namespace: dict | None, tp: int, *, source: s
         else:
             plan = TensorParallelPlan("derived", _derive(model))
     if not any(_shards(style) for style in plan.styles.values()):
-        raise ConfigError(f"{source}: {option('tp')} {tp} needs a tensor-parallel plan and autotune "
+        raise ConfigError(f"{source}: {given('tp', tp)} needs a tensor-parallel plan and autotune "
                           f"found no projection to shard (no q/k/v/o, gate/up/down or "
                           f"Linear-activation-Linear MLP); {_WAYS}")
     check_divisible(model, plan.styles, tp, source=source)
@@ -198,9 +197,8 @@ def _head_counts(module: nn.Module) -> list[tuple[str, int]]:
 
 
 def check_divisible(model: nn.Module, styles: dict, tp: int, *, source: str) -> None:
-    """Every sharded dimension, and every attention module's head counts, divisible by ``tp``."""
+    """Every dimension the plan shards divisible by ``tp`` (the heads: ``Layout.check_model``)."""
     modules = dict(model.named_modules())
-    attention = set()
     for name, style in styles.items():
         module = modules[name]
         label = _style_label(style)
@@ -211,23 +209,8 @@ def check_divisible(model: nn.Module, styles: dict, tp: int, *, source: str) -> 
         elif isinstance(module, nn.Embedding) and label in ("embedding_rowwise", "rowwise", "RowwiseParallel"):
             dim = module.num_embeddings
         if dim is not None and dim % tp:
-            raise ConfigError(f"{source}: {option('tp')} {tp} does not divide {name}'s sharded "
+            raise ConfigError(f"{source}: {given('tp', tp)} does not divide {name}'s sharded "
                               f"dimension {dim} ({label}); use a degree that divides {dim}")
-        if "." in name:
-            attention.add(name.rsplit(".", 1)[0])
-    checked = set()
-    for parent in attention:
-        counts = _head_counts(modules[parent]) or _head_counts(model)
-        for what, count in counts:
-            if (what, count) in checked:
-                continue
-            checked.add((what, count))
-            if count % tp:
-                divisors = [d for d in range(1, count + 1) if count % d == 0]
-                raise ConfigError(f"{source}: {option('tp')} {tp} does not divide the model's "
-                                  f"{count} {what}: each tensor-parallel rank holds whole heads, so "
-                                  f"the degree must divide {count} (use one of "
-                                  f"{', '.join(map(str, divisors))})")
 
 
 def torch_style(style):
@@ -250,7 +233,33 @@ def torch_style(style):
     }[style]()
 
 
-def apply_tensor_parallel(model: nn.Module, mesh, plan: TensorParallelPlan) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, mesh, *, workload, parallel, sharding) -> nn.Module:
+    """``model`` split on ``mesh["tp"]`` (``mesh``: the whole mesh) by the plan its model file
+    (``workload``) or its architecture gives (``resolve_plan``), checked against ``parallel.tp``."""
+    from .sharding.settings import Sharding
+
+    source = getattr(workload, "source", "the model")
+    if not Sharding.parse(sharding).sharded:
+        raise ConfigError(f"{source}: {given('tp', parallel.tp)} with ddp: tensor-parallel plans "
+                          f"hold the data-parallel ranks' copies with FSDP2 (FSDP x TP, as "
+                          f"torchtitan does); use {given('sharding', 'fsdp')}")
+    plan = resolve_plan(model, getattr(workload, "namespace", None), parallel.tp, source=source)
+    if plan.parallelize is None:
+        heads = dict(_head_counts_of(model))
+        parallel.check_model(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"))
+    return apply_plan(model, mesh, plan)
+
+
+def _head_counts_of(model: nn.Module) -> list[tuple[str, int]]:
+    found = _head_counts(model)
+    for module in model.modules():
+        if found:
+            break
+        found = _head_counts(module)
+    return found
+
+
+def apply_plan(model: nn.Module, mesh, plan: TensorParallelPlan) -> nn.Module:
     """Apply ``plan`` on ``mesh["tp"]`` in place (``mesh``: the whole mesh, with a "tp" dim)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -289,46 +298,5 @@ def clip_grad_norm_(params, max_norm: float | None) -> torch.Tensor:
     return total
 
 
-def build_parallel_mesh(device_type: str, world_size: int, tp: int, shard_group: int | None = None):
-    """The mesh of a TP layout, torchtitan's dim order: (dp_replicate,) dp_shard, tp."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dp = world_size // tp
-    group = dp if shard_group is None else shard_group // tp
-    if group == dp:
-        mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-    else:
-        mesh = init_device_mesh(device_type, (dp // group, group, tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    # Sliced now, outside any fake-tensor mode (slicing runs a data-dependent op); the mesh keeps
-    # its slices, so a model file's parallelize(model, mesh) slicing it later finds them.
-    mesh["tp"], data_parallel_mesh(mesh)
-    return mesh
-
-
-def data_parallel_mesh(mesh):
-    """The dims FSDP2 shards (and replicates) over: every dim but "tp"."""
-    names = [n for n in mesh.mesh_dim_names if n != "tp"]
-    return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
-
-
-def parallelize(model: nn.Module, *, mesh, plan: TensorParallelPlan, sharding, precision="fp32"):
-    """TP on ``mesh["tp"]``, then (``sharding`` fsdp) FSDP2 over the data-parallel dims: the layout
-    torchtitan calls FSDP x TP. The same call in the estimate, the probe and the training loop."""
-    from .sharding.settings import Sharding
-    from .sharding.wrap import shard_model
-
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    model = apply_tensor_parallel(model, mesh, plan)
-    if Sharding.parse(sharding).sharded:
-        # fully_shard joins the dp and tp meshes into a new DeviceMesh, whose set-up runs a
-        # data-dependent op on the (real) mesh tensor that a fake-tensor mode refuses. Outside the
-        # mode, FSDP2's ops on the (fake) parameters still run in the parameters' own fake mode.
-        with unset_fake_temporarily():
-            shard_model(model, mesh=data_parallel_mesh(mesh), sharding=sharding, precision=precision)
-    return model
-
-
-__all__ = ["STYLE_NAMES", "build_parallel_mesh", "clip_grad_norm_", "data_parallel_mesh", "parallelize", "TensorParallelPlan", "apply_tensor_parallel", "check_divisible",
-           "resolve_plan", "torch_style"]
+__all__ = ["STYLE_NAMES", "TensorParallelPlan", "apply_plan", "apply_tensor_parallel", "check_divisible",
+           "clip_grad_norm_", "resolve_plan", "torch_style"]

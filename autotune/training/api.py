@@ -255,7 +255,8 @@ class _Session:
                                 measure_noise=measure_noise,
                                 reduce_every_micro_step=self.plan.reduce_every_micro_step,
                                 offload=self.sharding.offload,
-                                restart_after_oom=self._restart_after_oom)
+                                restart_after_oom=self._restart_after_oom,
+                                model_parallel=self.plan.parallel.model_parallel)
             batches = self._batches(num_workers)
             if rng is not None:
                 set_rng_state(rng)  # last, so nothing before the first step draws from it
@@ -330,6 +331,10 @@ class _Session:
             return None, ("the gradient noise scale is not measured when the plan reduces gradients "
                           "every micro-step (reduce_every_micro_step): no rank holds a micro-batch's "
                           "gradient alone"), []
+        if self.plan.parallel.model_parallel > 1:
+            return None, (f"the gradient noise scale is not measured under "
+                          f"{self.plan.parallel.describe_degrees()}: no rank holds a micro-batch's "
+                          f"whole gradient"), []
         value = noise_scale(self.state.noise)
         if value is not None:
             advice = batch_advice(value, self.plan.effective_batch)

@@ -20,6 +20,7 @@ from ..workload.contract import Workload, check_within_seq_len, move_batch
 from ..workload.optimizer_steps import counted_step, group_lr
 from . import noise_scale
 from ..distributed import process_group as distributed
+from ..distributed.tensor_parallel import clip_grad_norm_
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
 from .data import Window, slice_batch, split_micro_batches
 from ..errors import WorkloadError, option, flag
@@ -74,7 +75,7 @@ class StepRunner:
                  ctx: distributed.DistContext, clip_grad_norm: float | None, state: TrainState,
                  notify=lambda message: None, measure_noise: bool = True,
                  reduce_every_micro_step: bool = False, restart_after_oom=_cannot_restart,
-                 offload: bool = False):
+                 offload: bool = False, model_parallel: int = 1):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -93,7 +94,12 @@ class StepRunner:
         self.sharded = sharding.is_sharded(model)
         # FSDP2 only: then no rank ever holds a micro-step's gradient alone (no noise scale).
         self.reduce_every_micro_step = reduce_every_micro_step and self.sharded
-        self.measure_noise = measure_noise and not self.reduce_every_micro_step
+        self.model_parallel = model_parallel
+        """Ranks that share each sample (tensor parallel): FSDP2 averages over the others only,
+        and each of them adds the same loss and item counts to the window's totals."""
+        # A tensor-parallel rank's gradients are pieces of the layers': no rank holds a
+        # micro-batch's whole gradient to measure the noise scale on.
+        self.measure_noise = measure_noise and not self.reduce_every_micro_step and model_parallel == 1
         self.totals = WindowTotals(self.device)
         self.offload = offload and self.sharded
         self.host = _NoHost()
@@ -171,7 +177,8 @@ class StepRunner:
     def _accumulate(self, window: Window, batch, sizes: list[int]) -> bool:
         """Forward and backward over the window's micro-batches; True when any rank ran out of memory."""
         self.totals.reset()
-        scale = backward_scale(world_size=self.ctx.world_size, window_samples=window.samples)
+        scale = backward_scale(world_size=self.ctx.world_size // self.model_parallel,
+                               window_samples=window.samples)
         failed = False
         offset = 0
         last = len(sizes) - 1
@@ -329,6 +336,8 @@ class StepRunner:
 
     def _reduce_totals(self, stop_requested: bool) -> list[float]:
         totals = distributed.all_reduce_sum(self.totals.as_tensor(stop_requested), self.ctx)
+        if self.model_parallel > 1:
+            totals = totals / self.model_parallel  # each sample's totals came from all its ranks
         return totals.tolist()
 
     def _update_noise_scale(self, window: Window, reduced: list[float], norm: float) -> None:
@@ -354,12 +363,9 @@ class StepRunner:
     def _grad_norm(self) -> torch.Tensor:
         """The global gradient norm (clipping to it when asked); over FSDP2's DTensor shards the
         norm is reduced across ranks, and every rank gets the full value."""
-        if self.clip_grad_norm is not None:
-            return _full(torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm))
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
+        if not any(p.grad is not None for p in self.params):
             return torch.zeros(())
-        return _full(torch.nn.utils.get_total_norm(grads))
+        return clip_grad_norm_(self.params, self.clip_grad_norm)
 
 
 class _NoHost:
@@ -370,12 +376,6 @@ class _NoHost:
 
     def to_host(self, tensor) -> None:
         pass
-
-
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class DivergenceWatch:
