@@ -162,7 +162,7 @@ def test_tensor_parallel_training_ends_where_one_process_ends(tmp_path):
     for world, tp in ((1, 1), (2, 2), (4, 2)):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        _torchrun(world, script, out, tp, *MODELS)
+        _torchrun(world, script, out, "equal", tp, *MODELS)
         runs[world] = out
     for path in MODELS:
         single = torch.load(runs[1] / f"{path.stem}.pt", weights_only=True)["model"]
@@ -176,3 +176,40 @@ def test_tensor_parallel_training_ends_where_one_process_ends(tmp_path):
             report = json.loads((runs[world] / f"{path.stem}.json").read_text())
             assert report["loss"] == pytest.approx(reference["loss"], rel=1e-5)
             assert report["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_continues_an_fsdp_x_tp_run_exactly(tmp_path):
+    """FSDP 2 x TP 2: a run stopped by SIGTERM, then ``autotune train --resume`` from its DCP
+    checkpoint (2-D-mesh DTensor shards), ends with the parameters of an uninterrupted run."""
+    import signal
+    import time
+
+    from tp_train_script import RESUME_STEPS
+    from train_helpers import resumed_equals_reference
+
+    script = TESTS / "tp_train_script.py"
+    _torchrun(4, script, tmp_path, "reference", 2, TINY_LM)
+    log = open(tmp_path / "sigterm.log", "w")
+    child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc_per_node", "4", str(script), str(tmp_path), "sigterm", "2",
+                              str(TINY_LM)], env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "started").exists():
+            assert child.poll() is None, (tmp_path / "sigterm.log").read_text()[-4000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "pid").read_text()), signal.SIGTERM)
+        assert child.wait(timeout=600) == 0, (tmp_path / "sigterm.log").read_text()[-4000:]
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        log.close()
+    stopped = json.loads((tmp_path / "report-sigterm.json").read_text())
+    assert stopped["interrupted"] and 1 <= stopped["steps"] < RESUME_STEPS
+    _torchrun(4, "--no-python", sys.executable, "-c", "from autotune.cli import main; main()", "train",
+              TINY_LM, "--plan", tmp_path / "plan.json", "--steps", RESUME_STEPS, "--checkpoint-dir",
+              tmp_path / "ckpt", "--resume", "--save", tmp_path / "resumed.pt")
+    resumed_equals_reference(tmp_path, RESUME_STEPS)

@@ -25,7 +25,7 @@ from autotune.training import TrainError, train
 from autotune.workload.contract import load_workload
 from fsdp_train_script import EFFECTIVE, REAL_MODELS, SAMPLES, STEPS, model_file_plan
 from train_helpers import (build_mlp, initial_params, make_plan, mlp_workload, params_of, relative_error,
-                           token_workload)
+                           resumed_equals_reference, token_workload)
 
 TESTS = Path(__file__).resolve().parent
 SCRIPT = TESTS / "fsdp_train_script.py"
@@ -206,13 +206,8 @@ def test_fp16_grad_scaler_under_fsdp_skips_the_inf_step_on_every_rank(two_ranks)
 def test_sigterm_then_resume_equals_an_uninterrupted_run(four_ranks):
     stopped = json.loads((four_ranks / "report-sigterm.json").read_text())
     assert stopped["interrupted"] and 1 <= stopped["steps"] < STEPS
-    resumed = torch.load(four_ranks / "resumed.pt", weights_only=True)
-    reference = torch.load(four_ranks / "reference.pt", weights_only=True)
-    assert resumed["steps"] == reference["steps"] == STEPS
-    assert resumed["model"].keys() == reference["model"].keys()
-    for key, value in reference["model"].items():
-        assert torch.equal(resumed["model"][key], value), key
-    load_workload(TESTS / "fsdp_model.py").new_model().load_state_dict(resumed["model"])
+    resumed = resumed_equals_reference(four_ranks, STEPS)
+    load_workload(TESTS / "fsdp_model.py").new_model().load_state_dict(resumed)
 
 
 @pytest.mark.slow
