@@ -135,22 +135,28 @@ MODELS = [TINY_LM, LLAMA]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_estimate_matches_a_real_gloo_tensor_parallel_run(world, tmp_path):
+def test_estimate_matches_a_real_gloo_tensor_parallel_run(world, tmp_path, monkeypatch):
     """TP 2 (world 2) and FSDP 2 x TP 2 (world 4): the fake-process-group estimate against the
-    real per-rank peaks (CPU memory backend). gloo's worker threads let go of a collective's
-    buffers at moments that vary from step to step, so real peaks spread (up to 5% on tiny_lm at
-    world 4): the estimate is at most 3% below the typical real peak and at most 3% above the
-    largest."""
+    real per-rank peaks (CPU memory backend). gloo's worker thread sometimes lets go of a
+    collective's buffers after the main thread has gone on (the Llama head's logits all-gather:
+    up to +11%, one repeat in five); the estimate holds them until the next collective, as it
+    does a reduce-scatter's, so it covers the peak most repeats reach, and without that late
+    release it is at most 3% above the largest real peak."""
     pytest.importorskip("transformers")
+    from autotune.memory.fake import _GlooCollectiveBuffers
     from fsdp_helpers import real_fsdp_peaks, typical_peak, worst_peak
 
     sizes = [1, 2, 4]
     for path in MODELS:
         estimated = estimate_peaks(path, sizes, sharding="fsdp", world_size=world, parallel=Layout(tp=2))
+        with monkeypatch.context() as patch:
+            patch.setattr(_GlooCollectiveBuffers, "released_late", False)
+            prompt = estimate_peaks(path, sizes, sharding="fsdp", world_size=world, parallel=Layout(tp=2))
         real = real_fsdp_peaks(path, world, sizes, tmp_path, repeats=3, tp=2)
         for n in sizes:
-            low, high = typical_peak(real[n]), worst_peak(real[n])
-            assert 0.97 * low <= estimated[n] <= 1.03 * high, (path.stem, world, n, estimated[n], real[n])
+            assert estimated[n] >= typical_peak(real[n]) / 1.03, (path.stem, n, estimated[n], real[n])
+            assert prompt[n] <= worst_peak(real[n]) * 1.03, (path.stem, n, prompt[n], real[n])
+            assert estimated[n] >= prompt[n]
 
 
 @pytest.mark.slow
