@@ -228,3 +228,14 @@ def test_tensor_parallel_splits_what_fsdp_alone_keeps_whole():
     fsdp = estimate_peaks(TINY_LM, [4], sharding="fsdp", world_size=2)[4]
     fsdp_tp = estimate_peaks(TINY_LM, [4], sharding="fsdp", world_size=4, parallel=Layout(tp=2))[4]
     assert fsdp_tp < 0.85 * fsdp
+
+
+@pytest.mark.slow  # a plan's fake-tensor probes of an FSDP x TP layout: about 20 s here
+def test_plan_with_tp_under_auto_sharding_plans_fsdp_x_tp():
+    from autotune import plan
+
+    planned = plan(TINY_LM, target_batch=16, world_size=4, tp=2, memory_limit="64MiB", device="cpu",
+                   eval_batch=False)
+    assert planned.parallel == Layout(tp=2) and planned.sharding.sharded
+    assert planned.effective_batch == 16 and sum(planned.micro_batches) == 8  # 2 data-parallel ranks
+    assert "FSDP x TP" in planned.reasons["sharding"]
