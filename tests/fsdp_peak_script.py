@@ -6,7 +6,8 @@ Every rank measures each micro-batch FSDP_REPEATS times (default 3) with the CPU
 rank 0 writes
 {"world_size": W, "peaks": {N: [[rank 0's peaks], [rank 1's], ...]}, "fits": {N: [[...], ...]}}
 to OUT.json. FSDP_MEMORY_LIMIT (bytes) gives each rank that budget; FSDP_SHARD_GROUP shards within
-groups of that many ranks; FSDP_TP splits each layer over that many ranks first (tensor parallel).
+groups of that many ranks; FSDP_CP shards every sequence over groups of that many ranks (context
+parallelism); FSDP_TP splits each layer over groups of that many ranks (tensor parallelism).
 """
 
 import json
@@ -16,12 +17,12 @@ import sys
 import torch.distributed as dist
 
 from autotune.distributed.collectives import settle
+from autotune.distributed.layout import Layout
 from autotune.memory.cpu import CPUMemoryBackend
 from autotune.precision import Precision
 from autotune.probing.trial import TrialSession
 from autotune.distributed.sharding.ranks import sharded_step
 from autotune.workload import load_workload
-from autotune.distributed.layout import Layout
 
 REPEATS = int(os.environ.get("FSDP_REPEATS", "3"))
 
@@ -30,7 +31,8 @@ dist.init_process_group("gloo")
 world = dist.get_world_size()
 limit = os.environ.get("FSDP_MEMORY_LIMIT")
 group = os.environ.get("FSDP_SHARD_GROUP")
-parallel = Layout(tp=int(os.environ.get("FSDP_TP") or 1))
+parallel = Layout(cp=int(os.environ.get("FSDP_CP") or 1), tp=int(os.environ.get("FSDP_TP") or 1))
+parallel = None if parallel.trivial else parallel
 peaks, fits = {}, {}
 with sharded_step(load_workload(model_file), sharding="fsdp", world_size=world,
                   shard_group=int(group) if group else None, precision=precision,

@@ -85,19 +85,6 @@ def token_workload(n=32) -> Workload:
                     build_dataset=lambda: dataset)
 
 
-def resumed_equals_reference(folder, steps: int) -> dict:
-    """``folder``'s resumed.pt (``--save`` of a run resumed after SIGTERM) holds exactly the
-    parameters of its reference.pt (the uninterrupted run), after ``steps`` steps; returns its
-    state dict."""
-    resumed = torch.load(folder / "resumed.pt", weights_only=True)
-    reference = torch.load(folder / "reference.pt", weights_only=True)
-    assert resumed["steps"] == reference["steps"] == steps
-    assert resumed["model"].keys() == reference["model"].keys()
-    for key, value in reference["model"].items():
-        assert torch.equal(resumed["model"][key], value), key
-    return resumed["model"]
-
-
 def params_of(model):
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 

@@ -587,10 +587,13 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
                    "step, a roofline with this CPU's measured speed (or --gpu's profile).")
 @click.option("--gpu", default=None,
               help="With --time: predict for this GPU profile (a name or a .toml path).")
+@click.option("--accumulation-steps", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Estimate a window of N micro-batches (with --pp: the pipeline's micro-batches, "
+                   "at least --pp of them).")
 @_layout_options
 @_errors_to_exit_codes
 def estimate(model_file, micro_batches, precision, checkpointing, sharding, world_size, shard_group,
-             cuda_name, as_json, step_time, gpu, parallel):
+             cuda_name, as_json, step_time, gpu, parallel, accumulation_steps):
     """Estimate the peak memory of one training step without allocating it (fake tensors)."""
     from ..probing.estimate import estimate_cuda_peaks, estimate_peaks
     from .format import format_cuda_estimate
@@ -635,7 +638,8 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
     with _stdout_to_stderr(as_json):
         peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
                                checkpointing=checkpointing, sharding=sharding,
-                               world_size=world_size, shard_group=shard_group, parallel=parallel)
+                               world_size=world_size, shard_group=shard_group, parallel=parallel,
+                               accumulation_steps=accumulation_steps)
     if as_json:
         click.echo(json.dumps({str(n): peak for n, peak in peaks.items()}, indent=2))
         return
