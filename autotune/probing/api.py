@@ -45,6 +45,7 @@ def probe(
     share: int | None = None,
     reduce_every_micro_step: bool = True,
     compile=None,
+    session_type=None,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -82,6 +83,9 @@ def probe(
     is run as it is); the estimate runs the eager step on fake tensors, in a child process for
     a model file, and only seeds the search (see ``autotune.compiled``).
     ``ProbeResult.graphs_compiled`` counts the graphs the trials compiled.
+
+    ``session_type`` (trials on fake tensors only): the ``EstimateSession`` subclass (or a factory
+    of one) that runs them; ``autotune.timing.recorded`` counts the steps it runs as it goes.
     """
     checkpointing = CheckpointingRequest.parse(checkpointing, option=option("checkpointing"), allow_auto=False)
     workload = with_compile(load_workload(workload), compile)
@@ -108,7 +112,8 @@ def probe(
     # On fake tensors the estimate's session counts the same bytes for less work (see
     # EstimateSession): it sets up the optimizer state without a step and measures the
     # optimizer phase once per session; identical blocks are measured on few of them.
-    with layout_session(run_workload, backend, session_type=EstimateSession if estimating else TrialSession,
+    with layout_session(run_workload, backend,
+                        session_type=(session_type or EstimateSession) if estimating else TrialSession,
                         precision=precision, checkpointing=checkpointing, sharding=sharding,
                         world_size=world_size, shard_group=shard_group,
                         reduce_every_micro_step=reduce_every_micro_step) as session:
