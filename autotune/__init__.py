@@ -34,6 +34,7 @@ Public API::
                                  the memory picture, training curves and an HTML page (plot extra)
     Workload, load_workload      the model-file contract
     ProbeResult, Trial, MemoryModel, DeviceInfo, Plan, LRDecision, Precision, Sharding, Checkpointing
+    Layout, PipelineSchedule     a plan's tensor/context/pipeline split (plan(tp=, cp=, pp=, ...))
     is_oom_error                 what counts as out-of-memory
     AutotuneError and its subclasses
 
@@ -67,6 +68,7 @@ from .probing.result import MemoryModel, ProbeResult, Trial
 from .probing.seq_len import SeqLenResult, probe_seq_len
 from .report import plot_metrics, plot_plan, write_report
 from .report.notebook import register_display as _register_display
+from .distributed.layout import Layout, PipelineSchedule
 from .distributed.sharding import Sharding
 from .timing.predict import StepTimePrediction, predict_step_time
 from .timing.window import WindowTime, predict_window_time
@@ -77,7 +79,7 @@ from .workload.checkpoint_count import Checkpointing
 
 __all__ = [
     "AutotuneError", "AutotuneWarning", "Checkpointing", "ConfigError", "DeviceInfo",
-    "EstimateCrashed", "EstimateUnavailable", "LRDecision", "MemoryModel",
+    "EstimateCrashed", "EstimateUnavailable", "LRDecision", "Layout", "MemoryModel", "PipelineSchedule",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
     "ProbeResult", "ReportError", "Sharding", "StepTimePrediction", "TrainError", "TrainResult",
     "Trial", "UserCodeError",

@@ -186,6 +186,11 @@ def format_plan(plan) -> str:
     if "sharding" in plan.reasons:
         group = f", shard group {plan.shard_group}" if plan.shard_group else ""
         lines.append(f"sharding:     {plan.sharding}{group} ({plan.reasons['sharding']})")
+    parallel = getattr(plan, "parallel", None)
+    if parallel is not None and not parallel.trivial:
+        lines.append(f"layout:       {parallel.describe(plan.world_size, str(plan.sharding).upper())} "
+                     f"({plan.data_parallel} data-parallel rank(s) of {plan.world_size} take "
+                     f"different samples)")
     if plan.compile:
         lines.append(f"compile:      {plan.compile_backend or 'build_model'} "
                      f"({plan.reasons.get('compile', '')})")

@@ -19,6 +19,7 @@ from ..planning.lr import RULES as LR_RULES
 from ..orchestration.request import PRECISION_CHOICES as PLAN_PRECISIONS
 from ..workload.checkpoint_count import CheckpointingRequest
 from ..orchestration.request import OPTIMIZE_CHOICES as PLAN_GOALS
+from ..distributed.layout import PipelineSchedule, parse_layout
 from ..distributed.sharding import Sharding
 
 SHARDINGS = [s.value for s in Sharding]
@@ -155,6 +156,35 @@ def _compile_options(command):
     return click.option("--compile", "compile_step", is_flag=True,
                         help="Run the training step torch.compile'd (batch sizes dynamic); the "
                              "probe's real trials measure the compiled step.")(wrapper)
+
+
+def _layout_options(command):
+    """--tp / --cp / --pp / --pp-schedule / --stages-per-rank, gathered into ``parallel``: the
+    keyword arguments of ``plan()`` and ``parse_layout`` (checked there, inside the command, so
+    a bad combination exits as the other option errors do)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, tp, cp, pp, pp_schedule, stages_per_rank, **kwargs):
+        return command(*args, parallel=dict(tp=tp, cp=cp, pp=pp, pp_schedule=pp_schedule,
+                                            stages_per_rank=stages_per_rank), **kwargs)
+
+    options = [
+        click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Tensor parallel: ranks that split each layer's weight matrices (with "
+                          "sequence parallel norms); a divisor of the attention heads."),
+        click.option("--cp", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Context parallel: ranks that split each sample's sequence (ring "
+                          "attention over SDPA)."),
+        click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Pipeline parallel: ranks the repeated blocks are split over."),
+        click.option("--pp-schedule", type=click.Choice([s.value for s in PipelineSchedule]),
+                     default=None, help="The pipeline's schedule (default 1f1b)."),
+        click.option("--stages-per-rank", type=click.IntRange(min=1), default=None,
+                     help="Pipeline stages per rank (interleaved schedules; default 2 for them)."),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
 
 
 def _stdout_to_stderr(active: bool):
@@ -340,13 +370,14 @@ def devices(memory_limit, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
 @_scaler_options
 @_compile_options
+@_layout_options
 @_quiet_option
 @_errors_to_exit_codes
 @_trial_timeout_option
 def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple, world_size, device, precision, checkpointing, base_lr,
                  base_batch, lr_rule, memory_limit, headroom, micro_batch, optimize, budget, storage,
                  gpu, even, sharding, shard_group, gpus_per_node, network_gbps, output, as_json,
-                 grad_scaler, eval_batch, max_eval_batch, compile):
+                 grad_scaler, eval_batch, max_eval_batch, compile, parallel):
     """Plan micro-batch × accumulation × world size = --target-batch (or × --seq-len =
     --target-tokens), and write the plan file."""
     from ..files.outputs import check_outputs
@@ -370,7 +401,7 @@ def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple,
                            seq_len="auto" if seq_len is None and target_tokens is not None else seq_len,
                            seq_multiple=seq_multiple, gpus_per_node=gpus_per_node,
                            network_gbps=network_gbps, eval_batch=eval_batch,
-                           max_eval_batch=max_eval_batch, compile=compile)
+                           max_eval_batch=max_eval_batch, compile=compile, **parallel)
     save_plan(result, output)
     if as_json:
         click.echo(plan_to_json(result), nl=False)
@@ -558,12 +589,18 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
 @click.option("--time", "step_time", is_flag=True,
               help="Predict the compute time of one step instead: FLOPs and bytes per op on the fake "
                    "step, a roofline with this CPU's measured speed (or --gpu's profile).")
+@_layout_options
 @_errors_to_exit_codes
 def estimate(model_file, micro_batches, precision, checkpointing, sharding, world_size, shard_group,
-             cuda_name, as_json, step_time, gpu):
+             cuda_name, as_json, step_time, gpu, parallel):
     """Estimate the peak memory of one training step without allocating it (fake tensors)."""
     from ..probing.estimate import estimate_cuda_peaks, estimate_peaks
     from .format import format_cuda_estimate
+
+    parallel = parse_layout(**parallel)
+    if not parallel.trivial and step_time:
+        raise click.UsageError(f"--time predicts data-parallel layouts only; drop --time or "
+                               f"{parallel.describe_degrees()}")
 
     if cuda_name is not None:
         if gpu is not None:
@@ -603,7 +640,7 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
                                         gpu_name=profile.name if profile else cuda_name,
                                         precision=precision.lower(), checkpointing=checkpointing,
                                         sharding=sharding, world_size=world_size,
-                                        shard_group=shard_group)
+                                        shard_group=shard_group, parallel=parallel)
         outside = outside_torch_bytes(profile, world_size) if profile else None
         extra = {"outside_torch_bytes": outside} if profile else {}
         click.echo(json.dumps({str(n): {"allocated_bytes": a, "reserved_bytes": r, **extra}
@@ -616,11 +653,13 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
     with _stdout_to_stderr(as_json):
         peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
                                checkpointing=checkpointing, sharding=sharding,
-                               world_size=world_size, shard_group=shard_group)
+                               world_size=world_size, shard_group=shard_group, parallel=parallel)
     if as_json:
         click.echo(json.dumps({str(n): peak for n, peak in peaks.items()}, indent=2))
         return
     layout = f"; one rank of {world_size} under {sharding}" if sharding != "ddp" else ""
+    if not parallel.trivial:
+        layout = f"; one rank of {world_size} under {parallel.describe(world_size, sharding.upper())}"
     state = ("the device's, shards and optimizer state in host memory" if Sharding.parse(sharding).offload
              else "optimizer state included")
     click.echo(f"{model_file}: estimated peak of one training step ({precision.lower()}, "

@@ -32,6 +32,7 @@ from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointin
                       first_shard_group, predicted_blocks, predicted_group_max, setting_extra_bytes,
                       settings_below_fewest,
                       sharding_worth_estimating, split_for, usable_bytes)
+from ..distributed.layout import Layout, parse_layout
 from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, scaler_settings, supports_bf16
 from ..gpus.target import profile_target
@@ -85,6 +86,11 @@ def plan(
     eval_batch: bool = True,
     max_eval_batch: int | None = None,
     compile=None,
+    tp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    pp_schedule: str | None = None,
+    stages_per_rank: int | None = None,
 ) -> Plan:
     """Plan how to train ``workload`` at an effective batch of exactly ``target_batch``.
 
@@ -139,9 +145,19 @@ def plan(
     step: the probes' real trials run it (batch sizes dynamic), the plan records ``compile`` and
     ``autotune train`` trains compiled; a ``build_model`` that returns a compiled module is
     planned compiled without it. Compiled plans are DDP replicas (``sharding`` auto or ddp).
+
+    ``tp``, ``cp`` and ``pp`` split each rank's work further (tensor, context and pipeline
+    parallel, see ``autotune.Layout``; ``pp_schedule`` 1f1b|interleaved-1f1b|zero-bubble with
+    ``stages_per_rank`` stages on each pipeline rank): the target then divides over the
+    world_size / (tp × cp × pp) data-parallel ranks, and ``sharding``/``shard_group`` apply
+    to those. The plan records the split as ``plan.parallel``.
     """
+    parallel = parse_layout(tp=tp, cp=cp, pp=pp, pp_schedule=pp_schedule, stages_per_rank=stages_per_rank)
     workload = with_compile(load_workload(workload), compile)
     if workload.compile is not None:
+        if not parallel.trivial:
+            raise ConfigError(f"{option('compile')} with {parallel.describe_degrees()}: compiled "
+                              f"steps are planned for DDP replicas only; plan without one of them")
         if sharding not in ("auto", "ddp"):
             raise ConfigError(f"{given('sharding', sharding)} with {option('compile')}: compiled "
                               f"steps are planned for DDP replicas only; use {given('sharding', 'ddp')} "
@@ -154,8 +170,8 @@ def plan(
         workload.check_takes_seq_len()
         token_request = tokens.resolve(
             target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len,
-            seq_multiple=seq_multiple, world_size=environment.resolve_world_size(
-                world_size, environment.torchrun_group()),
+            seq_multiple=seq_multiple, world_size=parallel.data_parallel(environment.resolve_world_size(
+                world_size, environment.torchrun_group())),
             longest=lambda: _longest_at_one(workload, device=device, memory_limit=memory_limit,
                                             gpu=gpu, precision=precision,
                                             checkpointing=checkpointing, headroom=headroom,
@@ -167,7 +183,8 @@ def plan(
         micro_batch=micro_batch, base_lr=base_lr, base_batch=base_batch, lr_rule=lr_rule,
         optimize=optimize, budget=budget, storage=storage, gpu=gpu, grad_scaler=grad_scaler,
         even=even, sharding=sharding, shard_group=shard_group, gpus_per_node=gpus_per_node,
-        network_gbps=network_gbps, eval_batch=eval_batch, max_eval_batch=max_eval_batch)
+        network_gbps=network_gbps, eval_batch=eval_batch, max_eval_batch=max_eval_batch,
+        parallel=parallel)
     planned = _Planner(workload, options).run()
     caveat = estimate_caveat(workload)
     if planned.estimated and caveat is not None:  # real trials would have measured it
@@ -233,7 +250,13 @@ class _Planner:
             grad_scaler=scaler_settings(options.grad_scaler),
             sharding=("ddp" if options.optimize == "throughput" and options.gpu is None
                       else str(options.sharding)),
+            parallel=options.parallel,
         )
+        if not options.parallel.trivial:
+            options.parallel.check_hosts(options.gpus_per_node or (
+                self.target.profile.gpus_per_node if self.target else None))
+            options.parallel.check_model(blocks=self.fingerprint.repeated_blocks
+                                         if options.parallel.pp > 1 else None)
         self.usable = usable_bytes(self.info.budget_bytes, options.headroom)
         self.extra = ddp_bucket_bytes(self.world_size, self.fingerprint.param_bytes)
         self.agree = collectives.min_across_ranks if self.distributed else None
@@ -287,6 +310,7 @@ class _Planner:
         setting = _probe_setting(self.workload, self.backend, precision or self.chosen, checkpoint,
                                  upper or self.request.wanted_micro_batch, layout=layout,
                                  world_size=self.world_size, hint=hint, share=self.request.share,
+                                 parallel=self.request.parallel,
                                  session_type=recording_session(steps) if steps is not None else None)
         if steps:
             self.recorded_steps[recorded_key(setting)] = steps
@@ -317,7 +341,8 @@ class _Planner:
     def settings_in(self, precision_: Precision) -> list[SettingTried]:
         return _probe_layouts(functools.partial(self.try_layout, precision_=precision_),
                               dataclasses.replace(self.request, precision=precision_),
-                              self.options.sharding, self.options.shard_group, self.world_size, self.usable)
+                              self.options.sharding, self.options.shard_group, self.request.data_parallel,
+                              self.usable)
 
     def build(self, precision_: Precision, settings: list[SettingTried], reason: str | None = None,
               **recorded) -> Plan:
@@ -370,7 +395,7 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
                    usable: int):
     """Every setting probed, ddp first, then fsdp on growing shard groups, then fsdp-offload where
     nothing else fits (the planner's order of preference among plans with equally few
-    accumulation steps)."""
+    accumulation steps). ``world_size``: the data-parallel ranks the shard groups divide."""
     if sharding != "auto":
         chosen = Sharding.parse(sharding)
         group = resolve_shard_group(shard_group, world_size) if chosen.sharded else None
@@ -521,7 +546,8 @@ def _measure_planned(planned: Plan, made, workload, backend, world_size: int, us
                                  precision=setting.precision,
                                  checkpointing=planned.checkpointing,
                                  sharding=setting.sharding, world_size=world_size,
-                                 shard_group=setting.shard_group, reduce_every_micro_step=True)
+                                 shard_group=setting.shard_group, reduce_every_micro_step=True,
+                                 parallel=setting.parallel)
         except EstimateUnavailable:
             return planned
         if trial is None:
@@ -551,7 +577,8 @@ def _sync_on_last(workload, backend, planned: Plan, world_size: int) -> SyncOnLa
                              window=planned.accumulation_steps, precision=planned.precision,
                              checkpointing=planned.checkpointing, sharding=planned.sharding,
                              world_size=world_size, shard_group=planned.shard_group,
-                             reduce_every_micro_step=False, micro_batches=sizes)
+                             reduce_every_micro_step=False, micro_batches=sizes,
+                             parallel=planned.parallel)
     except EstimateUnavailable:
         return None
     return SyncOnLast(micro_batch=planned.micro_batch, steps=planned.accumulation_steps,
@@ -574,16 +601,19 @@ def _requested_blocks(value, fingerprint: WorkloadFingerprint) -> CheckpointingR
 
 def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
                    layout=(Sharding.DDP, None), world_size: int = 1,
-                   hint: int | None = None, share: int | None = None,
+                   hint: int | None = None, share: int | None = None, parallel=None,
                    session_type=None) -> SettingTried:
     sharding, group = layout
+    parallel = parallel if parallel is not None else Layout()
     # Where the probe finds nothing, the setting is what was asked (its blocks not counted).
     tried = dict(precision=precision, checkpointing=Checkpointing.parse(checkpoint), sharding=sharding,
-                 shard_group=group)
+                 shard_group=group, parallel=parallel)
     # Replicated probes keep the call they always had (tests stand in for probe with it). A
     # sharded layout that does not fit is one of several tried: no extra step to say by how much.
     layout_args = (dict(sharding=sharding, world_size=world_size, shard_group=group, explain=False,
-                        hint=hint) if sharding.sharded else {})
+                        hint=hint) if sharding.sharded or not parallel.trivial else {})
+    if not parallel.trivial:
+        layout_args["parallel"] = parallel
     try:
         # share: micro-batches below it accumulate, and are probed as accumulation windows.
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
@@ -595,7 +625,7 @@ def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
         # Not fitting is an answer for this setting (another may fit); the message is kept.
         return SettingTried(**tried, error=str(exc))
     return SettingTried(precision=precision, checkpointing=result.checkpointing,
-                        sharding=sharding, shard_group=group, probe=result)
+                        sharding=sharding, shard_group=group, probe=result, parallel=parallel)
 
 
 def _fewest_blocks_setting(workload, backend, request: PlanRequest, off: SettingTried,

@@ -110,7 +110,7 @@ def _count(planner, setting: SettingTried, sizes, tokens: int | None, gpu: str) 
 
 def recorded_key(setting: SettingTried) -> tuple:
     """What a setting's recorded steps are filed under: its layout, precision and blocks."""
-    return (str(setting.sharding), setting.shard_group, str(setting.precision),
+    return (str(setting.sharding), setting.shard_group, setting.parallel, str(setting.precision),
             setting.checkpointing.blocks, setting.checkpointing.total)
 
 

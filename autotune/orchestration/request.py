@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ..distributed import environment
+from ..distributed.layout import Layout
 from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..errors import ConfigError, given, option
 from ..precision import Precision
@@ -47,6 +48,8 @@ class PlanOptions:
     """--gpu only: each GPU's share of the network between hosts, Gb/s; default: the profile's."""
     eval_batch: bool = True
     max_eval_batch: int | None = None
+    parallel: Layout = Layout()
+    """The tensor/context/pipeline split (``plan(tp=, cp=, pp=, ...)``)."""
     distributed: bool = False
     """Set here: planned by every rank of a torchrun launch."""
     budget_s: float | None = None
@@ -84,8 +87,9 @@ class PlanOptions:
             raise ConfigError(f"{given('optimize', 'throughput')} measures in one process; plan "
                               f"without torchrun (the plan is the same on every rank of identical devices)")
         self.world_size = environment.resolve_world_size(self.world_size, self.distributed)
+        data_parallel = self.parallel.data_parallel(self.world_size)
         if self.shard_group is not None:
-            resolve_shard_group(self.shard_group, self.world_size, option=option("shard_group"))
+            resolve_shard_group(self.shard_group, data_parallel, option=option("shard_group"))
         for name, value in (("gpus_per_node", self.gpus_per_node), ("network_gbps", self.network_gbps)):
             if value is not None and self.gpu is None:
                 raise ConfigError(f"{given(name, value)} describes the hosts of a GPU you plan for "
@@ -103,3 +107,7 @@ class PlanOptions:
             raise ConfigError(f"{given('optimize', 'throughput')} measures replicated (ddp) "
                               f"configurations in one process; use {given('optimize', 'memory')} with "
                               f"{given('sharding', self.sharding)}")
+        if throughput and self.gpu is None and not self.parallel.trivial:
+            raise ConfigError(f"{given('optimize', 'throughput')} measures replicated (ddp) "
+                              f"configurations in one process; use {given('optimize', 'memory')} with "
+                              f"{self.parallel.describe_degrees()}")

@@ -16,6 +16,7 @@ from typing import Callable
 
 from ..errors import ConfigError, PlanError, given, option
 from .lr import decide_lr, lr_warnings
+from ..distributed.layout import Layout
 from ..memory.base import DeviceInfo
 from ..precision import GradScalerSettings, Precision
 from .types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
@@ -62,11 +63,15 @@ class PlanRequest:
     """Every micro-batch the same size, for runners that take one (HF Trainer, DeepSpeed, ...)."""
     sharding: str = "ddp"
     """"auto" or a ``Sharding`` value: what the user asked for (the reason quotes it)."""
+    parallel: Layout = Layout()
+    """The tensor/context/pipeline split asked for (all 1: data parallel only); the target
+    divides over its data-parallel ranks."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision)
         _check_positive_int(self.target_batch, "target_batch", MAX_BATCH)
         _check_positive_int(self.world_size, "world_size", MAX_WORLD_SIZE)
+        self.parallel.check_world(self.world_size)
         if self.micro_batch is not None:
             _check_positive_int(self.micro_batch, "micro_batch")
         if not (isinstance(self.headroom, (int, float)) and 0 <= self.headroom < 1):
@@ -81,8 +86,18 @@ class PlanRequest:
             split_pinned(self.share, self.micro_batch)  # raises when it exceeds the share
 
     @property
+    def data_parallel(self) -> int:
+        """Ranks that see different samples (the world size without model parallelism)."""
+        return self.parallel.data_parallel(self.world_size)
+
+    @property
     def share(self) -> int:
-        return per_device_share(self.target_batch, self.world_size)
+        if self.parallel.trivial:
+            return per_device_share(self.target_batch, self.world_size)
+        return per_device_share(self.target_batch, self.data_parallel,
+                                ranks=f"the {self.data_parallel} data-parallel rank(s) of "
+                                      f"{given('world_size', self.world_size)} under "
+                                      f"{self.parallel.describe_degrees()}")
 
     @property
     def wanted_micro_batch(self) -> int:
@@ -100,14 +115,15 @@ def _check_positive_int(value, name: str, maximum: int | None = None) -> None:
 
 # --- the split -----------------------------------------------------------------------------------
 
-def per_device_share(target_batch: int, world_size: int) -> int:
-    """Samples each rank contributes per optimizer step; the target must divide exactly."""
+def per_device_share(target_batch: int, world_size: int, *, ranks: str | None = None) -> int:
+    """Samples each (data-parallel) rank contributes per optimizer step; the target must divide
+    exactly. ``ranks``: how the message names the ranks (default: the world size)."""
     if target_batch % world_size:
         lower = target_batch - target_batch % world_size
         upper = lower + world_size
         options = f"{lower} or {upper}" if lower > 0 else f"{upper}"
         raise PlanError(f"{given('target_batch', target_batch)} is not divisible by "
-                        f"{given('world_size', world_size)}; "
+                        f"{ranks or given('world_size', world_size)}; "
                         f"use {options} (every rank must take the same number of samples per step)")
     return target_batch // world_size
 
@@ -260,7 +276,7 @@ def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
 
 def sharding_worth_estimating(settings: list[SettingTried], request: PlanRequest) -> bool:
     """Under "auto": estimate sharded layouts only where replicas leave steps to save."""
-    if request.sharding != "auto" or request.world_size == 1:
+    if request.sharding != "auto" or request.data_parallel == 1:
         return False
     return max((s.allowed_micro_batch for s in settings), default=0) < request.wanted_micro_batch
 
@@ -554,7 +570,9 @@ def _split_reason(split: list[int], request: PlanRequest, allowed: int) -> str:
                   f"uneven ones would be {len(split_share(share, allowed))})")
     else:
         source = f"the fewest accumulation steps whose micro-batch is at most {allowed}"
-    return (f"{request.target_batch} = {request.world_size} rank(s) × {share}; {share} = {shape}; "
+    ranks = (f"{request.world_size} rank(s)" if request.parallel.trivial else
+             f"{request.data_parallel} data-parallel rank(s) of {request.world_size}")
+    return (f"{request.target_batch} = {ranks} × {share}; {share} = {shape}; "
             f"{source}")
 
 
@@ -694,10 +712,11 @@ def build_plan(
         estimated=estimated_for is not None,
         grad_scaler=request.grad_scaler, sharding=setting.sharding,
         shard_group=setting.shard_group if setting.sharding.sharded else None,
+        parallel=setting.parallel,
         compile=compiled, compile_backend=setting.probe.compile_backend if compiled else None,
     )
     if plan.effective_batch != request.target_batch:  # a bug here would silently change training
-        raise PlanError(f"internal error: planned {split} × {request.world_size} = "
+        raise PlanError(f"internal error: planned {split} × {request.data_parallel} = "
                         f"{plan.effective_batch}, not --target-batch {request.target_batch}")
     plan.warnings = plan_warnings(plan, request)
     if estimated_for is not None:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from ..memory.base import DeviceInfo
 from ..precision import GradScalerSettings, Precision
 from ..probing.result import ProbeResult, Trial, setting_label
+from ..distributed.layout import Layout
 from ..distributed.sharding.settings import Sharding
 from ..timing.window import WindowTime
 from ..units import format_bytes
@@ -117,7 +118,10 @@ class SettingTried:
     sharding: Sharding = Sharding.DDP
     """How each rank held the model in this setting's probe (or estimate)."""
     shard_group: int | None = None
-    """Ranks sharing one sharded copy (None for ddp)."""
+    """Ranks sharing one sharded copy (None for ddp); data-parallel ranks under a ``parallel``
+    layout."""
+    parallel: Layout = Layout()
+    """The tensor/context/pipeline split the probe ran (all 1: data parallel only)."""
     state_fits: bool = True
     """False when parameters, buffers and optimizer state alone passed the budget, which no
     checkpointing helps (a hint while planning; not written to plan files)."""
@@ -146,10 +150,14 @@ class SettingTried:
 
     @property
     def layout(self) -> str:
-        """"ddp", "fsdp" or, for hybrid sharding, "fsdp (groups of 2)"."""
+        """"ddp", "fsdp" or, for hybrid sharding, "fsdp (shard group 2)"; with a model-parallel
+        split, "fsdp × tp 2"."""
+        text = str(self.sharding)
         if self.sharding.sharded and self.shard_group is not None:
-            return f"{self.sharding} (shard group {self.shard_group})"
-        return str(self.sharding)
+            text = f"{self.sharding} (shard group {self.shard_group})"
+        if not self.parallel.trivial:
+            text += f" × {self.parallel.describe_degrees()}"
+        return text
 
     def to_dict(self) -> dict:
         return {"precision": self.precision, "checkpointing": self.checkpointing.to_dict(),
@@ -157,11 +165,13 @@ class SettingTried:
                 "error": self.error, "allowed_micro_batch": self.allowed_micro_batch,
                 "fewer_blocks_trial": (asdict(self.fewer_blocks_trial)
                                        if self.fewer_blocks_trial is not None else None),
-                "sharding": self.sharding.value, "shard_group": self.shard_group}
+                "sharding": self.sharding.value, "shard_group": self.shard_group,
+                "parallel": self.parallel.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict) -> "SettingTried":
         data = dict(data)
+        data["parallel"] = Layout.from_dict(data.get("parallel"))
         if data.get("probe") is not None:
             data["probe"] = ProbeResult.from_dict(data["probe"])
         if data.get("fewer_blocks_trial") is not None:
@@ -274,6 +284,7 @@ class ConfigurationPredicted(SplitArithmetic):
     micro_batches: list[int]
     sharding: Sharding = Sharding.DDP
     shard_group: int | None = None
+    parallel: Layout = Layout()
     step_time: WindowTime
 
     def __post_init__(self):
@@ -285,7 +296,8 @@ class ConfigurationPredicted(SplitArithmetic):
     def layout(self) -> str:
         """"ddp", "fsdp" or "fsdp (shard group 2)" (hybrid sharding)."""
         return SettingTried(precision=self.precision, checkpointing=self.checkpointing,
-                            sharding=self.sharding, shard_group=self.shard_group).layout
+                            sharding=self.sharding, shard_group=self.shard_group,
+                            parallel=self.parallel).layout
 
     @property
     def key(self) -> tuple:
@@ -298,14 +310,16 @@ class ConfigurationPredicted(SplitArithmetic):
     def to_dict(self) -> dict:
         return {"precision": self.precision, "checkpointing": self.checkpointing.to_dict(),
                 "micro_batches": encode_split(self.micro_batches), "sharding": str(self.sharding),
-                "shard_group": self.shard_group, "step_time": self.step_time.to_dict()}
+                "shard_group": self.shard_group, "parallel": self.parallel.to_dict(),
+                "step_time": self.step_time.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict, *, total_blocks: int | None = None) -> "ConfigurationPredicted":
         return cls(precision=data["precision"],
                    checkpointing=Checkpointing.from_file(data["checkpointing"], None, total_blocks),
                    micro_batches=decode_split(data["micro_batches"]), sharding=data.get("sharding", "ddp"),
-                   shard_group=data.get("shard_group"), step_time=WindowTime.from_dict(data["step_time"]))
+                   shard_group=data.get("shard_group"), parallel=Layout.from_dict(data.get("parallel")),
+                   step_time=WindowTime.from_dict(data["step_time"]))
 
 
 @dataclass(kw_only=True)
@@ -313,7 +327,9 @@ class Plan(SplitArithmetic):
     target_batch: int
     world_size: int
     micro_batches: list[int]
-    """Samples per accumulation step on each rank; sum(micro_batches) * world_size == target_batch."""
+    """Samples per accumulation step on each data-parallel rank;
+    sum(micro_batches) * data_parallel == target_batch (data_parallel is world_size without a
+    model-parallel ``parallel`` layout)."""
     precision: Precision
     checkpointing: Checkpointing
     """Which of the model's repeated blocks are checkpointed, spread evenly: off, every one, or K
@@ -380,6 +396,10 @@ class Plan(SplitArithmetic):
     trials, and ``autotune train`` trains compiled. Absent in older files: false."""
     compile_backend: str | None = None
     """The torch.compile backend ``--compile`` asked for (None: the model file compiles, or eager)."""
+    parallel: Layout = Layout()
+    """The tensor/context/pipeline split of the world (``autotune.Layout``; all 1, the default
+    and what older files mean: data parallel only). Ranks of one data-parallel group see the same
+    samples; with a pipeline, ``micro_batches`` are the pipeline's micro-batches."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
@@ -387,18 +407,28 @@ class Plan(SplitArithmetic):
         if not isinstance(self.checkpointing, Checkpointing):
             self.checkpointing = Checkpointing.parse(self.checkpointing, total=self.total_blocks,
                                                      option="checkpointing")
+        if not isinstance(self.parallel, Layout):
+            self.parallel = Layout.from_dict(self.parallel)
+        self.parallel.check_world(self.world_size)
 
     def __repr__(self) -> str:
         split = " + ".join(map(str, self.micro_batches))
         peak = (f", peak {format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)}"
                 if self.predicted_peak_bytes is not None and self.device is not None else "")
         lr = f", lr {self.lr.lr:.4g}" if self.lr.lr is not None else ""
-        return (f"Plan({split} × {self.world_size} rank(s) = {self.effective_batch}, "
+        ranks = (f"{self.world_size} rank(s)" if self.parallel.trivial else
+                 f"{self.data_parallel} data-parallel rank(s) of {self.world_size}")
+        return (f"Plan({split} × {ranks} = {self.effective_batch}, "
                 f"{setting_label(self.precision, self.checkpointing_label)}{peak}{lr})")
 
     @property
+    def data_parallel(self) -> int:
+        """Ranks that see different samples: the world size over tp × cp × pp."""
+        return self.parallel.data_parallel(self.world_size)
+
+    @property
     def effective_batch(self) -> int:
-        return self.per_device_batch * self.world_size
+        return self.per_device_batch * self.data_parallel
 
     @property
     def budget_bytes(self) -> int | None:
@@ -441,6 +471,7 @@ class Plan(SplitArithmetic):
                     and (setting.checkpointing == self.checkpointing
                          or (self.checkpointing and setting.blocks is None))
                     and setting.sharding == self.sharding
+                    and setting.parallel == self.parallel
                     and (setting.shard_group == self.shard_group or not self.sharding.sharded)):
                 return setting
         return None
@@ -449,7 +480,8 @@ class Plan(SplitArithmetic):
     def chosen_layout(self) -> str:
         """"ddp", "fsdp" or "fsdp (shard group 2)", as ``SettingTried.layout``."""
         return SettingTried(precision=self.precision, checkpointing=self.checkpointing,
-                            sharding=self.sharding, shard_group=self.shard_group).layout
+                            sharding=self.sharding, shard_group=self.shard_group,
+                            parallel=self.parallel).layout
 
     @property
     def planned_trial(self):
@@ -479,11 +511,13 @@ class Plan(SplitArithmetic):
         data["reasons"] = dict(self.reasons)
         data["grad_scaler"] = self.grad_scaler.to_dict()
         data["checkpointing"] = self.checkpointing.to_dict()
+        data["parallel"] = self.parallel.to_dict()
         # Derived numbers, written for readers and other tools; ignored when read back.
         data["derived"] = {"accumulation_steps": self.accumulation_steps, "tokens_per_step": self.tokens_per_step,
                            "micro_batch": self.micro_batch, "effective_batch": self.effective_batch,
                            "budget_bytes": self.budget_bytes, "headroom_bytes": self.headroom_bytes,
-                           "checkpointed_blocks": self.blocks, "total_blocks": self.total_blocks}
+                           "checkpointed_blocks": self.blocks, "total_blocks": self.total_blocks,
+                           "data_parallel": self.data_parallel}
         return {"schema_version": data.pop("schema_version"), **data}
 
     @classmethod
@@ -506,4 +540,5 @@ class Plan(SplitArithmetic):
             data["step_time"] = WindowTime.from_dict(data["step_time"])
         data["predicted"] = [ConfigurationPredicted.from_dict(c, total_blocks=total)
                              for c in data.get("predicted", [])]
+        data["parallel"] = Layout.from_dict(data.get("parallel"))
         return cls(**data)

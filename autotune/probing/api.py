@@ -45,6 +45,7 @@ def probe(
     share: int | None = None,
     reduce_every_micro_step: bool = True,
     compile=None,
+    parallel=None,
     session_type=None,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
@@ -84,6 +85,9 @@ def probe(
     a model file, and only seeds the search (see ``autotune.compiled``).
     ``ProbeResult.graphs_compiled`` counts the graphs the trials compiled.
 
+    ``parallel`` (an ``autotune.Layout``): probe one rank of that tensor/context/pipeline split
+    of ``world_size`` ranks (``shard_group`` then counts data-parallel ranks).
+
     ``session_type`` (trials on fake tensors only): the ``EstimateSession`` subclass (or a factory
     of one) that runs them; ``autotune.timing.recorded`` counts the steps it runs as it goes.
     """
@@ -93,12 +97,12 @@ def probe(
     sharding = Sharding.parse(sharding)
     if max_micro_batch is not None and (not isinstance(max_micro_batch, int) or max_micro_batch < 1):
         raise ProbeError(f"max_micro_batch must be a positive int or None, got {max_micro_batch!r}")
-    backend = _layout_backend(backend or backend_for(device, memory_limit), sharding)
+    backend = _layout_backend(backend or backend_for(device, memory_limit), sharding, parallel)
     info = backend.info()
     started = time.perf_counter()
     estimating = isinstance(backend, EstimateMemoryBackend)
     seed = None
-    if use_estimate and not estimating and not sharding.sharded:
+    if use_estimate and not estimating and not sharding.sharded and (parallel is None or parallel.trivial):
         seed = (seed_in_child if isolated(workload) else estimate_seed)(
             workload, backend, precision=precision, checkpointing=checkpointing,
             upper=max_micro_batch, share=share)
@@ -116,7 +120,7 @@ def probe(
                         session_type=(session_type or EstimateSession) if estimating else TrialSession,
                         precision=precision, checkpointing=checkpointing, sharding=sharding,
                         world_size=world_size, shard_group=shard_group,
-                        reduce_every_micro_step=reduce_every_micro_step) as session:
+                        reduce_every_micro_step=reduce_every_micro_step, parallel=parallel) as session:
 
         def run_trial(n: int) -> Trial:
             return session.run(n, window=window_steps(n, share))
@@ -146,7 +150,10 @@ def probe(
                                             sharding=sharding, world_size=world_size)
             raise (SetupOutOfMemory if detail is not None else ProbeError)(message)
     notes = []
-    if sharding.sharded:
+    if parallel is not None and not parallel.trivial:
+        notes.append(f"one rank of {world_size} under "
+                     f"{parallel.describe(world_size, str(sharding).upper())}")
+    elif sharding.sharded:
         notes.append(f"one rank of {world_size} under {sharding} (shard group "
                      f"{resolve_shard_group(shard_group, world_size)})")
     if estimating:
@@ -190,12 +197,13 @@ def probe(
     )
 
 
-def _layout_backend(backend: MemoryBackend, sharding: Sharding) -> MemoryBackend:
-    """The backend a layout's trials run on: a sharded step outside torchrun is counted on fake
-    tensors (the other ranks are not there to run with), fsdp-offload's against the device's
-    budget without what the rank holds in host memory."""
+def _layout_backend(backend: MemoryBackend, sharding: Sharding, parallel=None) -> MemoryBackend:
+    """The backend a layout's trials run on: a sharded or model-parallel step outside torchrun
+    is counted on fake tensors (the other ranks are not there to run with), fsdp-offload's against
+    the device's budget without what the rank holds in host memory."""
     info = backend.info()
-    if sharding.sharded and not torch.distributed.is_initialized() and not isinstance(
+    split = sharding.sharded or (parallel is not None and not parallel.trivial)
+    if split and not torch.distributed.is_initialized() and not isinstance(
             backend, EstimateMemoryBackend):
         return EstimateMemoryBackend(info.budget_bytes, for_cuda=backend.device.type == "cuda",
                                      target=info, offload=sharding.offload)
@@ -208,7 +216,7 @@ def _layout_backend(backend: MemoryBackend, sharding: Sharding) -> MemoryBackend
 def window_trial(workload, backend: MemoryBackend, *, micro_batch: int, window: int, precision,
                  checkpointing, sharding="ddp", world_size: int = 1, shard_group: int | None = None,
                  reduce_every_micro_step: bool = False,
-                 micro_batches: list[int] | None = None) -> Trial | None:
+                 micro_batches: list[int] | None = None, parallel=None) -> Trial | None:
     """One trial of a plan's optimizer step: a window of ``window`` accumulation steps at most
     ``micro_batch`` each (see ``TrialSession.window_micro_batches``), in the layout the probe
     would run it in; None when parameters and optimizer state alone do not fit.
@@ -219,7 +227,7 @@ def window_trial(workload, backend: MemoryBackend, *, micro_batch: int, window: 
     workload = load_workload(workload)
     precision = Precision.parse(precision)
     sharding = Sharding.parse(sharding)
-    backend = _layout_backend(backend, sharding)
+    backend = _layout_backend(backend, sharding, parallel)
     estimating = isinstance(backend, EstimateMemoryBackend)
     run_workload = on_fake_tensors(workload, foreach=backend.for_cuda) if estimating else workload
     limits = fake_tensor_limits(workload) if estimating else contextlib.nullcontext()
@@ -227,7 +235,7 @@ def window_trial(workload, backend: MemoryBackend, *, micro_batch: int, window: 
                         precision=precision,
                         checkpointing=CheckpointingRequest.parse(checkpointing, allow_auto=False),
                         sharding=sharding, world_size=world_size, shard_group=shard_group,
-                        reduce_every_micro_step=reduce_every_micro_step) as session:
+                        reduce_every_micro_step=reduce_every_micro_step, parallel=parallel) as session:
         try:
             with limits, session:
                 return session.run(micro_batch, window=window, micro_batches=micro_batches)

@@ -24,7 +24,8 @@ from .trial import TrialSession, optimizer_state_tensors
 
 def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing=False,
                   sharding="ddp", world_size: int = 1, shard_group: int | None = None,
-                  accumulation_steps: int = 1, reduce_every_micro_step: bool = False) -> int:
+                  accumulation_steps: int = 1, reduce_every_micro_step: bool = False,
+                  parallel=None) -> int:
     """Bytes of one steady-state training step at ``micro_batch`` samples, without allocating.
 
     The step is the probe's (``TrialSession``): parameters, buffers and optimizer state, then
@@ -44,16 +45,20 @@ def estimate_peak(workload, micro_batch: int, *, precision="fp32", checkpointing
     micro-steps at ``micro_batch`` (the micro-steps after the first start with every gradient
     alive, see ``TrialSession.window_micro_batches``); sharded, its micro-steps hold this rank's
     unsharded gradients until the last, or reduce-scatter each (``reduce_every_micro_step``).
+
+    ``parallel`` (an ``autotune.Layout``): one rank's peak under that tensor/context/pipeline
+    split of ``world_size`` ranks; ``shard_group`` then counts data-parallel ranks.
     """
     return estimate_peaks(workload, [micro_batch], precision=precision, checkpointing=checkpointing,
                           sharding=sharding, world_size=world_size, shard_group=shard_group,
                           accumulation_steps=accumulation_steps,
-                          reduce_every_micro_step=reduce_every_micro_step)[micro_batch]
+                          reduce_every_micro_step=reduce_every_micro_step, parallel=parallel)[micro_batch]
 
 
 def estimate_peaks(workload, micro_batches, *, precision="fp32", checkpointing=False,
                    sharding="ddp", world_size: int = 1, shard_group: int | None = None,
-                   accumulation_steps: int = 1, reduce_every_micro_step: bool = False) -> dict[int, int]:
+                   accumulation_steps: int = 1, reduce_every_micro_step: bool = False,
+                   parallel=None) -> dict[int, int]:
     """``estimate_peak`` for several micro-batches, building the fake model and its state once.
 
     The optimizer phase (unscale, clip, step) is measured at the first size and its transient
@@ -61,24 +66,26 @@ def estimate_peaks(workload, micro_batches, *, precision="fp32", checkpointing=F
     """
     trials = _estimate_trials(workload, micro_batches, precision=precision, checkpointing=checkpointing,
                               sharding=sharding, world_size=world_size, shard_group=shard_group,
-                              window=accumulation_steps, reduce_every=reduce_every_micro_step)
+                              window=accumulation_steps, reduce_every=reduce_every_micro_step,
+                              parallel=parallel)
     return {n: trial.peak_bytes for n, trial in trials.items()}
 
 
 def estimate_offload_host_peaks(workload, micro_batches, *, precision="fp32", checkpointing=False,
-                                world_size: int, shard_group: int | None = None) -> dict[int, int]:
+                                world_size: int, shard_group: int | None = None,
+                                parallel=None) -> dict[int, int]:
     """Host memory one rank of ``world_size`` needs under ``fsdp-offload`` at each micro-batch:
     its parameter shards, sharded gradients, optimizer state and optimizer step (the device's
     peak is ``estimate_peaks(..., sharding="fsdp-offload")``)."""
     trials = _estimate_trials(workload, micro_batches, precision=precision, checkpointing=checkpointing,
                               sharding=Sharding.FSDP_OFFLOAD, world_size=world_size,
-                              shard_group=shard_group)
+                              shard_group=shard_group, parallel=parallel)
     return {n: trial.host_peak_bytes for n, trial in trials.items()}
 
 
 def estimate_cuda_peaks(workload, micro_batches, *, gpu_name: str = "", precision="fp32",
                         checkpointing=False, sharding="ddp", world_size: int = 1,
-                        shard_group: int | None = None) -> dict[int, tuple[int, int]]:
+                        shard_group: int | None = None, parallel=None) -> dict[int, tuple[int, int]]:
     """``estimate_peaks`` for a CUDA device: {micro_batch: (tensor bytes, reserved bytes)}, the
     tensors' peak and what torch's caching allocator would reserve for them (modelled, see
     ``autotune.memory.cuda_allocator``; ``PYTORCH_CUDA_ALLOC_CONF`` is honoured), cuBLAS
@@ -86,24 +93,24 @@ def estimate_cuda_peaks(workload, micro_batches, *, gpu_name: str = "", precisio
     choose take their foreach path, as on CUDA."""
     trials = _estimate_trials(workload, micro_batches, precision=precision, checkpointing=checkpointing,
                               sharding=sharding, world_size=world_size, shard_group=shard_group,
-                              for_cuda=gpu_name or "CUDA")
+                              for_cuda=gpu_name or "CUDA", parallel=parallel)
     return {n: (trial.allocated_peak_bytes, trial.reserved_peak_bytes) for n, trial in trials.items()}
 
 
 def _estimate_trials(workload, micro_batches, *, precision, checkpointing, sharding, world_size,
                      shard_group, window: int = 1, reduce_every: bool = False,
-                     for_cuda: str | None = None) -> dict:
+                     for_cuda: str | None = None, parallel=None) -> dict:
     sizes = [checked_micro_batch(n) for n in micro_batches]
     with estimate_session(workload, precision=precision, checkpointing=checkpointing,
                           sharding=sharding, world_size=world_size, shard_group=shard_group,
-                          reduce_every=reduce_every, for_cuda=for_cuda) as session:
+                          reduce_every=reduce_every, for_cuda=for_cuda, parallel=parallel) as session:
         return {n: session.run(n, window=window) for n in sizes}
 
 
 @contextlib.contextmanager
 def estimate_session(workload, *, precision, checkpointing, sharding, world_size, shard_group,
                      reduce_every: bool = False, session_type: type | None = None,
-                     for_cuda: str | None = None):
+                     for_cuda: str | None = None, parallel=None):
     """The estimate's session (``session_type``, default ``EstimateSession``) on the fake model,
     set up and entered: ``run(n)`` on it is one fake training step. Other counts of the same
     step (``autotune.timing``) run their own subclass here. ``for_cuda``: the CUDA device's
@@ -120,7 +127,7 @@ def estimate_session(workload, *, precision, checkpointing, sharding, world_size
                         session_type=session_type or EstimateSession, few_blocks=session_type is None,
                         precision=precision, checkpointing=checkpointing, sharding=sharding,
                         world_size=world_size, shard_group=shard_group,
-                        reduce_every_micro_step=reduce_every) as session:
+                        reduce_every_micro_step=reduce_every, parallel=parallel) as session:
         with fake_tensor_limits(workload), session:
             yield session
 

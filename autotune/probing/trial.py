@@ -52,7 +52,7 @@ class TrialSession:
 
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
                  checkpointing=False, sharded: bool = False, offload: bool = False,
-                 reduce_every_micro_step: bool = False):
+                 reduce_every_micro_step: bool = False, parallel=None):
         """``checkpointing``: a ``Checkpointing``, or any form ``CheckpointingRequest.parse``
         takes (off/on or a bool, a block count K, a fraction of the blocks); after set-up it is
         the ``Checkpointing`` of the model's ``total_blocks``.
@@ -66,6 +66,10 @@ class TrialSession:
         before sharding does not count against the budget (no rank of a real run holds it on
         the device), and one step at micro-batch 1 runs before measuring: FSDP2 sets itself up
         lazily in the first forward and keeps what it made, so the steady state is the second."""
+        self.parallel = parallel if parallel is not None and not parallel.trivial else None
+        """The plan's model-parallel ``Layout`` (None: data parallel only). The workload's model
+        factory applies its tensor-parallel split (``autotune.distributed.apply_layout``); the
+        context-parallel and pipeline steps are the session's to run."""
         self.offload = offload
         """fsdp-offload: the shards, their gradients, the optimizer state and step live in host
         memory (``backend.offloaded``, ``backend.on_host``)."""

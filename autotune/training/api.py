@@ -17,6 +17,7 @@ from ..precision import Precision, grad_scaler, scaler_settings
 from ..distributed.sharding import Sharding
 from ..distributed.sharding.settings import resolve_shard_group
 from ..compiled import compiled_step_module, eager_module, is_compiled, with_compile
+from ..distributed.apply_layout import apply_layout
 from ..distributed.sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
 from . import checkpoint_lock, checks, restart, sharded_checkpoint
 from ..distributed import process_group as distributed
@@ -26,7 +27,7 @@ from .checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, TRAIN_STATE_KEYS, check_
 from .checkpoint import written_by as checkpoint_written_by
 from .data import (WindowLayout, dataset_batches, dataset_size, split_micro_batches, synthetic_batches,
                    windows_per_epoch)
-from ..errors import AutotuneError, OutputError, UserCodeError, option, flag
+from ..errors import AutotuneError, ConfigError, OutputError, UserCodeError, flag, option
 from .errors import NonFiniteError, OOMRestart, TrainError
 from .loop import StepRunner, TrainState, run_steps
 from .metrics import MetricsLog, PlanCheck
@@ -147,7 +148,8 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
             restart.remove_record(checkpoint_dir)
         ctx = distributed.setup(device, sharded=sharding.sharded)
         checks.check_world_size(plan, ctx.world_size)
-        shard_group = resolve_shard_group(plan.shard_group, ctx.world_size, option="plan shard_group")
+        shard_group = resolve_shard_group(plan.shard_group, plan.parallel.data_parallel(ctx.world_size),
+                                          option="plan shard_group")
         checks.check_precision(precision, ctx.device)
         session = _Session(plan=plan, workload=workload, ctx=ctx, precision=precision, clip=clip,
                            sharding=sharding, shard_group=shard_group, seed=seed, dataset=dataset,
@@ -183,8 +185,11 @@ class _Session:
         if checkpoint_dir is not None:
             self.path = (sharded_checkpoint.pointer_path(checkpoint_dir) if sharding.sharded
                          else checkpoint_path(checkpoint_dir))
+        # Ranks of one data-parallel group (tensor/context/pipeline peers) take the same samples.
         self.layout = WindowLayout(effective_batch=plan.effective_batch, micro_batches=plan.micro_batches,
-                                   world_size=ctx.world_size, rank=ctx.rank, dataset_size=dataset_size)
+                                   world_size=plan.parallel.data_parallel(ctx.world_size),
+                                   rank=plan.parallel.data_rank(ctx.rank, ctx.world_size),
+                                   dataset_size=dataset_size)
         torch.manual_seed(seed)  # the same initial weights on every rank and in every run
         built = workload.new_model()
         # build_model()'s torch.compile: its eager module is the one checkpointed, sharded and
@@ -195,7 +200,15 @@ class _Session:
         if plan.checkpointing:
             enable_checkpointing(model, source=workload.source,
                                  blocks=None if plan.checkpointing.all_blocks else plan.checkpointing.count)
-        if sharding.sharded:
+        if not plan.parallel.trivial and not sharding.sharded:
+            raise ConfigError(f"{plan.parallel.describe_degrees()} with ddp: the training loop "
+                              f"replicates model-parallel plans with FSDP2 only; re-plan with "
+                              f"--sharding fsdp")
+        if not plan.parallel.trivial:
+            # Before the optimizer is built: the split and fully_shard replace the parameters.
+            apply_layout(model, mesh=build_mesh(ctx.device.type, ctx.world_size, shard_group, plan.parallel),
+                         parallel=plan.parallel, sharding=sharding, precision=precision, workload=workload)
+        elif sharding.sharded:
             # Before the optimizer is built: fully_shard replaces the parameters with DTensors.
             shard_model(model, mesh=build_mesh(ctx.device.type, ctx.world_size, shard_group),
                         sharding=sharding, precision=precision)
@@ -381,6 +394,8 @@ class _Session:
             f"{restart.record_path(self.checkpoint_dir)} (rank {record.get('rank')}'s error says what next)")
 
     def _describe_sharding(self) -> str:
+        if not self.plan.parallel.trivial:
+            return self.plan.parallel.describe(self.ctx.world_size, str(self.sharding).upper())
         if not self.sharding.sharded:
             return "ddp" if self.ctx.distributed else "one process"
         hybrid = (f", hybrid: shard groups of {self.shard_group}"

@@ -36,18 +36,25 @@ def fake_process_group(world_size: int):
 
 @contextlib.contextmanager
 def sharded_step(workload, *, sharding, world_size: int, shard_group=None, precision="fp32",
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", parallel=None):
     """The workload with a model factory that shards the model as the plan would.
 
     Without an initialised process group a fake one of ``world_size`` ranks is made for the
     duration. The device mesh is built here, before any fake-tensor mode is entered: inside one,
-    building it fails on a data-dependent op.
+    building it fails on a data-dependent op. ``parallel``: the plan's model-parallel
+    ``Layout`` (None or trivial: data parallel only); ``shard_group`` then counts data-parallel
+    ranks.
     """
     sharding = Sharding.parse(sharding)
-    if not sharding.sharded:
+    parallel = parallel if parallel is not None and not parallel.trivial else None
+    if not sharding.sharded and parallel is None:
         yield workload
         return
-    group = resolve_shard_group(shard_group, world_size)
+    if parallel is not None:
+        data_parallel = parallel.data_parallel(world_size)
+        group = resolve_shard_group(shard_group, data_parallel)
+    else:
+        group = resolve_shard_group(shard_group, world_size)
     if workload.model_is_instance:
         raise ConfigError(f"{workload.source}: sharding needs a model factory (build_model() "
                           f"in a model file), not a model instance: fully_shard replaces the "
@@ -58,10 +65,15 @@ def sharded_step(workload, *, sharding, world_size: int, shard_group=None, preci
         elif dist.get_world_size() != world_size:
             raise ConfigError(f"--world-size {world_size} differs from the {dist.get_world_size()} "
                               f"ranks of the process group; omit --world-size under torchrun")
-        mesh = build_mesh(device_type, world_size, group)
+        mesh = build_mesh(device_type, world_size, group, parallel)
 
         def build_sharded():
-            return shard_model(workload.new_model(), mesh=mesh, sharding=sharding, precision=precision)
+            model = workload.new_model()
+            if parallel is not None:
+                from ..apply_layout import apply_layout  # it imports this package
+                return apply_layout(model, mesh=mesh, parallel=parallel, sharding=sharding,
+                                    precision=precision, workload=workload)
+            return shard_model(model, mesh=mesh, sharding=sharding, precision=precision)
 
         yield dataclasses.replace(workload, model=build_sharded)
 

@@ -15,13 +15,32 @@ from .settings import Sharding, mesh_shape
 MESH_DIM_NAMES = {1: ("shard",), 2: ("replicate", "shard")}
 
 
-def build_mesh(device_type: str, world_size: int, shard_group: int):
+def build_mesh(device_type: str, world_size: int, shard_group: int, parallel=None):
     """The device mesh for ``world_size`` ranks in shard groups of ``shard_group`` (needs an
-    initialised process group)."""
+    initialised process group).
+
+    With a model-parallel ``parallel`` layout (``autotune.distributed.layout.Layout``) the mesh
+    has its dims (``Layout.mesh_dims``: pp, dp_replicate, dp_shard, cp, tp) and ``shard_group``
+    counts data-parallel ranks; ``data_parallel_mesh`` is then the part FSDP2 shards over.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
+    if parallel is not None and not parallel.trivial:
+        dims = parallel.mesh_dims(world_size, shard_group)
+        return init_device_mesh(device_type, tuple(size for _, size in dims),
+                                mesh_dim_names=tuple(name for name, _ in dims))
     shape = mesh_shape(world_size, shard_group)
     return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES[len(shape)])
+
+
+def data_parallel_mesh(mesh):
+    """The dims of ``mesh`` that hold different samples: the whole mesh of a data-parallel plan
+    ("replicate", "shard"), else its ("dp_replicate",) "dp_shard" part."""
+    names = mesh.mesh_dim_names or ()
+    if "dp_shard" not in names:
+        return mesh
+    dp = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
+    return mesh[dp] if len(dp) > 1 else mesh[dp[0]]
 
 
 def fsdp_policies(sharding: Sharding, precision: Precision) -> dict:
@@ -116,5 +135,5 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-__all__ = ["build_mesh", "drop_unsharded_grads", "fsdp_policies", "full_state_dict", "is_sharded",
+__all__ = ["build_mesh", "data_parallel_mesh", "drop_unsharded_grads", "fsdp_policies", "full_state_dict", "is_sharded",
            "local_unsharded_grads", "set_gradient_sync", "shard_model"]
