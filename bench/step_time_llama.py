@@ -11,7 +11,7 @@ peak beside it, what each planning run cost (CPU seconds, the measure that the m
 not inflate, and wall seconds) and their ratio. Layouts: FSDP2 over the whole world only (tensor
 and pipeline parallelism are not planned here yet).
 
-    python bench/step_time_llama.py [--cases 8b:8 8b:128 70b:256 405b:512]
+    python bench/step_time_llama.py [--cases 8b:8 8b:128 70b:256 405b:512] [--headroom 0.1]
 
 Published (torchtitan, benchmarks/llama3_h100_202412_torchtitan.md in github.com/pytorch/torchtitan,
 Dec 2024; also arXiv:2410.06511): H100 SXM with 96 GB HBM2e at 500 W, 400 Gb/s per GPU, bf16,
@@ -54,13 +54,14 @@ PUBLISHED = {
 }
 
 
-def plan_once(shape: str, world: int, optimize: str, out: Path) -> tuple[dict, float, float]:
+def plan_once(shape: str, world: int, optimize: str, out: Path,
+              headroom: float = 0.1) -> tuple[dict, float, float]:
     """The plan file, and the CPU and wall seconds its planning process took."""
     env = dict(os.environ, AUTOTUNE_LLAMA=shape, AUTOTUNE_LLAMA_SEQ=str(SEQ), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "autotune", "plan", str(ROOT / "bench" / "llama_like.py"),
                "--gpu", "h100-80gb", "--world-size", str(world), "--target-batch", str(LOCAL_BATCH * world),
                "--micro-batch", str(LOCAL_BATCH), "--sharding", "fsdp", "--optimize", optimize,
-               "-o", str(out), "--quiet"]
+               "--headroom", str(headroom), "-o", str(out), "--quiet"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -79,18 +80,20 @@ def plan_once(shape: str, world: int, optimize: str, out: Path) -> tuple[dict, f
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["8b:8", "8b:128", "70b:256", "405b:512"])
+    parser.add_argument("--headroom", type=float, default=0.1,
+                        help="the plans' --headroom (0.1, the planner's default)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="throughput_llama_") as tmp:
         for case in args.cases:
             shape, world = case.split(":")
             world = int(world)
-            memory, mem_cpu, mem_wall = plan_once(shape, world, "memory", Path(tmp) / f"{case}-m.json")
+            memory, mem_cpu, mem_wall = plan_once(shape, world, "memory", Path(tmp) / f"{case}-m.json", args.headroom)
             if "error" in memory:
                 print(f"{shape} x {world}: no plan (FSDP2 over the world, local batch {LOCAL_BATCH}): "
                       f"{memory['error'][:400]} ({mem_cpu:.0f} CPU s, {mem_wall:.0f} s)", flush=True)
                 continue
-            ranked, cpu, wall = plan_once(shape, world, "throughput", Path(tmp) / f"{case}-t.json")
+            ranked, cpu, wall = plan_once(shape, world, "throughput", Path(tmp) / f"{case}-t.json", args.headroom)
             t = ranked["step_time"]
             samples = t["samples_per_s"]
             tps, mfu, gib, layout = PUBLISHED.get((shape, world), (None, "-", None, "-"))
