@@ -91,7 +91,7 @@ def main() -> int:
             memory, mem_cpu, mem_wall = plan_once(shape, world, "memory", Path(tmp) / f"{case}-m.json", args.headroom)
             if "error" in memory:
                 print(f"{shape} x {world}: no plan (FSDP2 over the world, local batch {LOCAL_BATCH}): "
-                      f"{memory['error'][:400]} ({mem_cpu:.0f} CPU s, {mem_wall:.0f} s)", flush=True)
+                      f"{memory['error']} ({mem_cpu:.0f} CPU s, {mem_wall:.0f} s)", flush=True)
                 continue
             ranked, cpu, wall = plan_once(shape, world, "throughput", Path(tmp) / f"{case}-t.json", args.headroom)
             t = ranked["step_time"]
