@@ -59,3 +59,8 @@ def test_cuda_with_gpu_or_time_is_a_usage_error_naming_the_fix():
 def test_an_unknown_gpu_names_the_option():
     result = CliRunner().invoke(cli, BASE + ["--gpu", "no-such-gpu"])
     assert result.exit_code in (1, 2) and "no-such-gpu" in result.output
+
+
+def test_gpu_estimates_one_step_so_accumulation_steps_is_refused():
+    result = CliRunner().invoke(cli, BASE + ["--gpu", "h100-80gb", "--accumulation-steps", "2"])
+    assert result.exit_code == 2 and "--accumulation-steps 2 with --gpu" in result.output

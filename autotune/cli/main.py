@@ -589,10 +589,13 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
 @click.option("--time", "step_time", is_flag=True,
               help="Predict the compute time of one step instead: FLOPs and bytes per op on the fake "
                    "step, a roofline with this CPU's measured speed (or --gpu's profile).")
+@click.option("--accumulation-steps", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Estimate a window of N micro-batches (with --pp: the pipeline's micro-batches, "
+                   "at least --pp of them).")
 @_layout_options
 @_errors_to_exit_codes
 def estimate(model_file, micro_batches, precision, checkpointing, sharding, world_size, shard_group,
-             cuda_name, as_json, step_time, gpu, parallel):
+             cuda_name, as_json, step_time, gpu, parallel, accumulation_steps):
     """Estimate the peak memory of one training step without allocating it (fake tensors)."""
     from ..probing.estimate import estimate_cuda_peaks, estimate_peaks
     from .format import format_cuda_estimate
@@ -631,6 +634,9 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
         return
 
     if cuda_name is not None or gpu is not None:
+        if accumulation_steps > 1:
+            raise click.UsageError(f"--accumulation-steps {accumulation_steps} with --gpu: the "
+                                   f"reserved peak is estimated for one step; drop one of them")
         from ..gpus.catalog import load_profile
         from ..gpus.fixed_costs import outside_torch_bytes
 
@@ -653,7 +659,8 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
     with _stdout_to_stderr(as_json):
         peaks = estimate_peaks(model_file, micro_batches, precision=precision.lower(),
                                checkpointing=checkpointing, sharding=sharding,
-                               world_size=world_size, shard_group=shard_group, parallel=parallel)
+                               world_size=world_size, shard_group=shard_group, parallel=parallel,
+                               accumulation_steps=accumulation_steps)
     if as_json:
         click.echo(json.dumps({str(n): peak for n, peak in peaks.items()}, indent=2))
         return

@@ -98,8 +98,11 @@ def teardown(ctx: DistContext) -> None:
 
 
 def wrap_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
-    """DDP around ``model`` on several ranks; a sharded (FSDP2) model is already distributed."""
-    if not ctx.distributed or sharding.is_sharded(model):
+    """DDP around ``model`` on several ranks; a sharded (FSDP2) model, or a pipeline's stages
+    (which the schedule runs), is already distributed."""
+    from .pipeline import PipelinedModel
+
+    if not ctx.distributed or sharding.is_sharded(model) or isinstance(model, PipelinedModel):
         return model
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)

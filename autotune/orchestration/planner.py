@@ -20,6 +20,7 @@ from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from ..version import __version__
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..distributed.context_parallel import check_seq_len as check_cp_seq_len
 from ..distributed import collectives
 from ..compiled import eager_module, with_compile
 from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError, given, option
@@ -176,6 +177,7 @@ def plan(
                                             gpu=gpu, precision=precision,
                                             checkpointing=checkpointing, headroom=headroom,
                                             world_size=world_size, seq_multiple=seq_multiple))
+        check_cp_seq_len(token_request.seq_len, parallel.cp, option="seq_len")
         workload, target_batch = workload.at_seq_len(token_request.seq_len), token_request.target_batch
     options = PlanOptions(
         target_batch=target_batch, world_size=world_size, device=device, precision=precision,

@@ -332,6 +332,10 @@ def split_for(allowed: int, request: PlanRequest) -> list[int] | None:
         return split_pinned(request.share, request.micro_batch) if allowed >= request.micro_batch else None
     if allowed < 1:
         return None
+    if request.parallel.pp > 1:
+        # A pipeline's window is one schedule run: at least pp micro-batches, all of one shape.
+        allowed = min(allowed, request.share // request.parallel.pp)
+        return split_evenly(request.share, allowed) if allowed >= 1 else None
     return split_evenly(request.share, allowed) if request.even else split_share(request.share, allowed)
 
 

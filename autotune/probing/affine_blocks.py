@@ -67,7 +67,7 @@ def full_builds():
 @contextlib.contextmanager
 def layout_session(workload, backend, *, session_type, precision, checkpointing, sharding,
                    world_size: int, shard_group, reduce_every_micro_step: bool = False,
-                   few_blocks: bool = True, parallel=None):
+                   few_blocks: bool = True, parallel=None, fake_rank: int = 0):
     """The probe's session for a layout: ``session_type`` on ``workload`` sharded as ``sharding``
     says, or, on fake tensors where the model's repeated blocks are identical (and
     ``few_blocks``), a ``FewBlocksSession`` that measures small builds and extends their bytes to
@@ -75,7 +75,12 @@ def layout_session(workload, backend, *, session_type, precision, checkpointing,
     session_args = dict(precision=precision, checkpointing=checkpointing, sharded=sharding.sharded,
                         offload=sharding.offload, reduce_every_micro_step=reduce_every_micro_step)
     layout = dict(sharding=sharding, world_size=world_size, shard_group=shard_group,
-                  precision=precision, device_type=backend.device.type, parallel=parallel)
+                  precision=precision, device_type=backend.device.type, parallel=parallel,
+                  fake_rank=fake_rank)
+    if parallel is not None and parallel.pp > 1:
+        from .pipeline_trial import pipelined_session_type  # it imports this module's users
+
+        session_type = pipelined_session_type(session_type)
     # A modelled CUDA allocator's reserved memory (rounding, cached segments) does not extend
     # from small builds as tensor bytes do: CUDA estimates run the whole model.
     total = (identical_block_count(workload)

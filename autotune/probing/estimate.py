@@ -101,6 +101,18 @@ def _estimate_trials(workload, micro_batches, *, precision, checkpointing, shard
                      shard_group, window: int = 1, reduce_every: bool = False,
                      for_cuda: str | None = None, parallel=None) -> dict:
     sizes = [checked_micro_batch(n) for n in micro_batches]
+    if parallel is not None and parallel.pp > 1:
+        # Each pipeline rank holds other stages: every one is estimated, the worst one counts.
+        from .pipeline_trial import check_pipeline_window, worst_pipeline_trials
+
+        check_pipeline_window(window, parallel)
+
+        return worst_pipeline_trials(
+            lambda fake_rank: estimate_session(workload, precision=precision, checkpointing=checkpointing,
+                                               sharding=sharding, world_size=world_size,
+                                               shard_group=shard_group, reduce_every=reduce_every,
+                                               for_cuda=for_cuda, parallel=parallel, fake_rank=fake_rank),
+            sizes, window=window, parallel=parallel, world_size=world_size)
     with estimate_session(workload, precision=precision, checkpointing=checkpointing,
                           sharding=sharding, world_size=world_size, shard_group=shard_group,
                           reduce_every=reduce_every, for_cuda=for_cuda, parallel=parallel) as session:
@@ -110,7 +122,7 @@ def _estimate_trials(workload, micro_batches, *, precision, checkpointing, shard
 @contextlib.contextmanager
 def estimate_session(workload, *, precision, checkpointing, sharding, world_size, shard_group,
                      reduce_every: bool = False, session_type: type | None = None,
-                     for_cuda: str | None = None, parallel=None):
+                     for_cuda: str | None = None, parallel=None, fake_rank: int = 0):
     """The estimate's session (``session_type``, default ``EstimateSession``) on the fake model,
     set up and entered: ``run(n)`` on it is one fake training step. Other counts of the same
     step (``autotune.timing``) run their own subclass here. ``for_cuda``: the CUDA device's
@@ -127,7 +139,8 @@ def estimate_session(workload, *, precision, checkpointing, sharding, world_size
                         session_type=session_type or EstimateSession, few_blocks=session_type is None,
                         precision=precision, checkpointing=checkpointing, sharding=sharding,
                         world_size=world_size, shard_group=shard_group,
-                        reduce_every_micro_step=reduce_every, parallel=parallel) as session:
+                        reduce_every_micro_step=reduce_every, parallel=parallel,
+                        fake_rank=fake_rank) as session:
         with fake_tensor_limits(workload), session:
             yield session
 

@@ -27,7 +27,7 @@ import functools
 
 from ..probing.estimate import EstimateSession, _distinct_neighbour_runs
 from .costs import StepCosts
-from .count import _RecordsSteps
+from .count import _local_shards, _RecordsSteps
 
 
 class RecordingSession(_RecordsSteps, EstimateSession):
@@ -43,7 +43,7 @@ class RecordingSession(_RecordsSteps, EstimateSession):
             return super().run(n, window=window, micro_batches=micro_batches)
         trial, recorder = self._recorded(n)
         if trial.fits and recorder.optimizer_stepped and not recorder.optimizer_cut:
-            self.store[n] = recorder.costs(n)
+            self.store[n] = self._costs(recorder, n)
         return trial
 
     def _optimizer_phase(self) -> int:
@@ -54,6 +54,13 @@ class RecordingSession(_RecordsSteps, EstimateSession):
             return super()._optimizer_phase()  # the estimate's own: nothing it counts changes
         finally:
             self._recorder.optimizer = False
+
+    def _optimizer_step(self):
+        if self._recorder is not None and self.sharded:
+            # As counting marks them: the real step runs these ops on the DTensors whose local
+            # shards the estimate steps.
+            self._recorder.mark_dtensors(_local_shards(self.optimizer))
+        super()._optimizer_step()
 
     def _step_by_runs(self):
         if self._recorder is not None:

@@ -20,6 +20,7 @@ from ..workload.contract import Workload, check_within_seq_len, move_batch
 from ..workload.optimizer_steps import counted_step, group_lr
 from . import noise_scale
 from ..distributed import process_group as distributed
+from ..distributed.pipeline import PipelinedModel, pipeline_grad_norm
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
 from .data import Window, slice_batch, split_micro_batches
 from ..errors import WorkloadError, option, flag
@@ -74,7 +75,7 @@ class StepRunner:
                  ctx: distributed.DistContext, clip_grad_norm: float | None, state: TrainState,
                  notify=lambda message: None, measure_noise: bool = True,
                  reduce_every_micro_step: bool = False, restart_after_oom=_cannot_restart,
-                 offload: bool = False):
+                 offload: bool = False, data_parallel: int | None = None):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -91,9 +92,14 @@ class StepRunner:
         self.restart_after_oom = restart_after_oom
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sharded = sharding.is_sharded(model)
+        self.pipelined = isinstance(model, PipelinedModel)
+        """A pipeline's stages: a window is one run of its schedule (``_pipeline_window``)."""
+        self.data_parallel = data_parallel or ctx.world_size
+        """Ranks that see different samples (the world, unless the plan splits the model)."""
         # FSDP2 only: then no rank ever holds a micro-step's gradient alone (no noise scale).
         self.reduce_every_micro_step = reduce_every_micro_step and self.sharded
-        self.measure_noise = measure_noise and not self.reduce_every_micro_step
+        # A pipeline's ranks never hold one micro-batch's whole gradient alone: no noise scale.
+        self.measure_noise = measure_noise and not self.reduce_every_micro_step and not self.pipelined
         self.totals = WindowTotals(self.device)
         self.offload = offload and self.sharded
         self.host = _NoHost()
@@ -171,7 +177,10 @@ class StepRunner:
     def _accumulate(self, window: Window, batch, sizes: list[int]) -> bool:
         """Forward and backward over the window's micro-batches; True when any rank ran out of memory."""
         self.totals.reset()
-        scale = backward_scale(world_size=self.ctx.world_size, window_samples=window.samples)
+        scale = backward_scale(world_size=self.data_parallel, window_samples=window.samples)
+        if self.pipelined:
+            self._pipeline_window(batch, sizes, scale)
+            return False
         failed = False
         offset = 0
         last = len(sizes) - 1
@@ -235,6 +244,30 @@ class StepRunner:
         if out_of_memory and final and self.ctx.distributed:
             distributed.any_rank(True, self.ctx)
         return out_of_memory
+
+    def _pipeline_window(self, batch, sizes: list[int], scale: float) -> None:
+        """The window's micro-batches through the pipeline schedule; the last stage's losses are
+        weighed exactly as the micro-steps' (``summed_loss`` times ``scale``) and counted."""
+        parts, offset = [], 0
+        for size in sizes:
+            part = slice_batch(batch, offset, offset + size)
+            offset += size
+            if self.workload.seq_len is not None:
+                check_within_seq_len(part, self.workload.seq_len, source=self.workload.source)
+            parts.append(move_batch(part, self.device))
+
+        def weigh(loss, count, index):
+            loss_sum, items = summed_loss(loss, count, sizes[index])
+            self.totals.add(loss_sum, items, counted=count is not None)
+            return self.scaler.scale(loss_sum * scale)
+
+        try:
+            self.model.run(parts, weigh)
+        except Exception as exc:  # noqa: BLE001 - anything but out-of-memory is re-raised untouched
+            if not is_oom_error(exc):
+                raise
+            raise _OOMInCollective("inside the pipeline schedule, whose sends and receives to the "
+                                   "other stages run between its forwards and backwards") from exc
 
     def _drop_window(self, saved_buffers) -> None:
         distributed.forget_failed_window(self.model)
@@ -354,6 +387,8 @@ class StepRunner:
     def _grad_norm(self) -> torch.Tensor:
         """The global gradient norm (clipping to it when asked); over FSDP2's DTensor shards the
         norm is reduced across ranks, and every rank gets the full value."""
+        if self.pipelined:  # every stage's gradients count, on whichever rank they live
+            return pipeline_grad_norm(self.params, self.model.group, max_norm=self.clip_grad_norm)
         if self.clip_grad_norm is not None:
             return _full(torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm))
         grads = [p.grad for p in self.params if p.grad is not None]

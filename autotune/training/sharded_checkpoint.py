@@ -96,7 +96,7 @@ def save(directory, *, step: int, world_size: int, model, optimizer, train_state
         temporary.mkdir()
         (temporary / MARKER_NAME).write_text("written by autotune; removed with its folder\n")
     _barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
     try:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
     except CheckpointException as exc:  # a BaseException: it would slip past `except Exception`
@@ -117,6 +117,17 @@ def save(directory, *, step: int, world_size: int, model, optimizer, train_state
                 shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
+
+
+def _options(model):
+    """A pipeline's ranks hold different parameters, so the optimizer's parameter groups (one
+    object per rank, which DCP would save once, from rank 0) are flattened into a key per
+    parameter, as torchtitan saves pipelines."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from ..distributed.pipeline import PipelinedModel
+
+    return StateDictOptions(flatten_optimizer_state_dict=isinstance(model, PipelinedModel))
 
 
 def _refuse_unless_ours(path: Path) -> None:
@@ -140,7 +151,7 @@ def load(directory, *, world_size: int, model, optimizer) -> dict:
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as exc:
         raise TrainError(f"{flag('resume')}: sharded checkpoint {folder} cannot be read: {metadata} is damaged "
                          f"({type(exc).__name__}: {exc}); start a new {option('checkpoint_dir')}") from None
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
         dcp.load(state, storage_reader=SafeReader(folder), planner=SafeLoadPlanner())
@@ -152,7 +163,7 @@ def load(directory, *, world_size: int, model, optimizer) -> dict:
                          f"({_failure_summary(exc)}); it is damaged or was written for another "
                          f"model: start a new {option('checkpoint_dir')}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+                   optim_state_dict=state["optimizer"], options=_options(model))
     # weights_only=True: the train state is tensors and plain types (RNG states included), so a
     # crafted file cannot run code when it is resumed.
     try:

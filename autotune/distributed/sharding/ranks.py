@@ -19,15 +19,15 @@ from .wrap import build_mesh, shard_model
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int):
-    """A process group of ``world_size`` ranks in this one process (this is rank 0)."""
+def fake_process_group(world_size: int, *, rank: int = 0):
+    """A process group of ``world_size`` ranks in this one process (this is rank ``rank``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise ConfigError(f"a sharded estimate for --world-size {world_size} needs its own (fake) "
                           f"process group, and one is already initialised (torchrun?); under "
                           f"torchrun the probe measures with the real ranks instead")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -36,14 +36,14 @@ def fake_process_group(world_size: int):
 
 @contextlib.contextmanager
 def sharded_step(workload, *, sharding, world_size: int, shard_group=None, precision="fp32",
-                 device_type: str = "cpu", parallel=None):
+                 device_type: str = "cpu", parallel=None, fake_rank: int = 0):
     """The workload with a model factory that shards the model as the plan would.
 
     Without an initialised process group a fake one of ``world_size`` ranks is made for the
     duration. The device mesh is built here, before any fake-tensor mode is entered: inside one,
     building it fails on a data-dependent op. ``parallel``: the plan's model-parallel
     ``Layout`` (None or trivial: data parallel only); ``shard_group`` then counts data-parallel
-    ranks.
+    ranks. ``fake_rank``: the rank this process is in a fake group (a pipeline's ranks differ).
     """
     sharding = Sharding.parse(sharding)
     parallel = parallel if parallel is not None and not parallel.trivial else None
@@ -61,11 +61,20 @@ def sharded_step(workload, *, sharding, world_size: int, shard_group=None, preci
                           f"instance's parameters")
     with contextlib.ExitStack() as stack:
         if not dist.is_initialized():
-            stack.enter_context(fake_process_group(world_size))
+            stack.enter_context(fake_process_group(world_size, rank=fake_rank))
+            if parallel is not None and parallel.pp > 1:
+                from ..pipeline import sends_held_by_their_work
+
+                stack.enter_context(sends_held_by_their_work())
         elif dist.get_world_size() != world_size:
             raise ConfigError(f"--world-size {world_size} differs from the {dist.get_world_size()} "
                               f"ranks of the process group; omit --world-size under torchrun")
         mesh = build_mesh(device_type, world_size, group, parallel)
+        if parallel is not None and parallel.cp > 1:
+            from ..context_parallel import context_parallel_step, fsdp_mesh
+
+            fsdp_mesh(mesh)  # its group is made here, before any fake-tensor mode
+            workload = stack.enter_context(context_parallel_step(workload, mesh["cp"]))
 
         def build_sharded():
             model = workload.new_model()

@@ -1,0 +1,112 @@
+"""The probe's step for a pipelined plan, and its estimate per pipeline rank.
+
+A pipelined window is one run of the schedule over the plan's accumulation steps (its
+micro-batches), then the optimizer phase. A rank's memory depends on which stages it holds: under
+1F1B stage s of p holds up to p − s micro-batches' activations at once, the first stage the most
+(and the embedding); the last holds the head, the loss and its logits. The estimate
+(``estimate_peaks(..., parallel=Layout(pp=...))``) runs the schedule of every pipeline rank in
+turn, each in this one process with a fake process group in which it is that rank, and takes the
+worst rank's peak, which the plan must fit.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError, given, option
+from ..workload.contract import move_batch
+
+
+class PipelineSessionMixin:
+    """``TrialSession`` for a model factory that builds a ``PipelinedModel``: a window runs the
+    pipeline schedule over all of its micro-batches (every one at ``n``), then the optimizer.
+
+    Set up as a sharded session (``sharded=True``): the full model the factory cuts is built
+    outside the budget, and a warm-up window runs before measuring (the schedule builds its
+    stages' buffers in its first step and keeps them)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sharded = True  # the full model the factory cuts is no rank's memory: see above
+        # Each rank measures its own stages (their peaks differ by design): no agreement.
+        self.ranks_agree = False
+
+    def window_micro_batches(self, n: int, window: int) -> list[int]:
+        # torch's schedules run at least as many micro-batches as pipeline ranks: a trial of a
+        # single step is a window of that many.
+        return [n] * max(window, self.parallel.pp if self.parallel is not None else 1)
+
+    def _window_fields(self, sizes: list[int]) -> dict:
+        return {}
+
+    def _warm_up(self):
+        pass  # a new schedule's first window is run before measuring (see _window)
+
+    def _gradient_sync(self, enabled: bool) -> None:
+        pass  # the schedule reduces a sharded stage's gradients on its last backward
+
+    def _window(self, sizes: list[int]) -> tuple[int, int]:
+        # A plan's window as another check names it ([first, second, last]) runs as the
+        # pipeline runs it: every micro-batch of one shape, at least pp of them.
+        sizes = self.window_micro_batches(max(sizes), len(sizes))
+        batches = [move_batch(self.workload.batch(n), self.device) for n in sizes]
+
+        def weigh(loss, count, index):
+            if count is not None:
+                loss = loss / count
+            return self.scaler.scale(loss)
+
+        if self.model.prepare(batches):
+            # A new schedule's first window builds what every later one reuses (receive buffers,
+            # FSDP2's lazy set-up): run it first, then measure a steady-state window.
+            self.model.run(batches, weigh)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.backend.reset_peak()
+        self.model.run(batches, weigh)
+        activation_peak = self.backend.peak_bytes()
+        self.backend.reset_peak()
+        step_peak = self._optimizer_phase()  # the window's batches are still alive, as in training
+        del batches
+        return activation_peak, step_peak
+
+
+def check_pipeline_window(window: int, parallel) -> None:
+    """torch's schedules run at least as many micro-batches per window as pipeline ranks."""
+    if window < parallel.pp:
+        raise ConfigError(f"a pipeline of {parallel.describe_degrees()} runs at least {parallel.pp} "
+                          f"micro-batches per window, and {given('accumulation_steps', window)} asks "
+                          f"for {window}; use {option('accumulation_steps')} {parallel.pp} or more")
+
+
+_PIPELINED: dict[type, type] = {}
+
+
+def pipelined_session_type(session_type: type) -> type:
+    """``session_type`` (``TrialSession`` or a subclass) running pipelined windows."""
+    if issubclass(session_type, PipelineSessionMixin):
+        return session_type
+    if session_type not in _PIPELINED:
+        _PIPELINED[session_type] = type(f"Pipelined{session_type.__name__}",
+                                        (PipelineSessionMixin, session_type), {})
+    return _PIPELINED[session_type]
+
+
+def pipeline_rank_trials(make_session, sizes, *, window: int, parallel, world_size: int) -> dict[int, list]:
+    """{n: [trial of pipeline rank 0, 1, ...]}: ``make_session(fake_rank)`` (a context manager
+    giving an entered session) for the first data-parallel rank of each pipeline rank in turn
+    (with FSDP2 over the data-parallel ranks they all hold the same)."""
+    data_parallel = parallel.data_parallel(world_size)
+    trials = {n: [] for n in sizes}
+    for pp_rank in range(parallel.pp):
+        with make_session(pp_rank * data_parallel) as session:
+            for n in sizes:
+                trials[n].append(session.run(n, window=window))
+    return trials
+
+
+def worst_pipeline_trials(make_session, sizes, *, window: int, parallel, world_size: int) -> dict:
+    """{n: the trial of the pipeline rank with the largest peak}: what a plan must fit."""
+    per_rank = pipeline_rank_trials(make_session, sizes, window=window, parallel=parallel,
+                                    world_size=world_size)
+    return {n: max(trials, key=lambda trial: trial.peak_bytes) for n, trials in per_rank.items()}
+
+
+__all__ = ["PipelineSessionMixin", "check_pipeline_window", "pipeline_rank_trials", "pipelined_session_type", "worst_pipeline_trials"]

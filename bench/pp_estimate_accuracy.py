@@ -1,0 +1,65 @@
+"""Pipeline parallel per-rank peak: the one-process fake estimate against real gloo runs on the CPU.
+
+For examples/tiny_lm.py and examples/mlp.py, PP 2 under 1F1B, interleaved 1F1B (2 stages per
+rank) and FSDP 2 × PP 2 (1F1B, 4 ranks), estimates each pipeline rank's peak of a window of
+--window micro-batches (fake tensors, a fake process group in which this process is that rank)
+and runs the same window under torchrun with gloo, each rank measuring it --repeats times with
+the CPU memory backend. Prints the estimate, the real peak (the largest over the repeats and the
+data-parallel ranks of that pipeline rank) and the error, per pipeline rank.
+
+    python bench/pp_estimate_accuracy.py [--micro-batches 2 4] [--window 4] [--repeats 3]
+
+Exit status 1 when an error passes --tolerance (3%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's autotune, and the tests' helpers
+
+from autotune.units import format_bytes  # noqa: E402
+from pp_plans import estimated_rank_peaks, real_pipeline_peaks  # noqa: E402
+
+LAYOUTS = [("PP 2, 1f1b", "1f1b", "ddp", 2), ("PP 2, interleaved-1f1b ×2", "interleaved-1f1b", "ddp", 2),
+           ("FSDP 2 × PP 2, 1f1b", "1f1b", "fsdp", 4)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--window", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--examples", nargs="+", default=["tiny_lm", "mlp"])
+    parser.add_argument("--tolerance", type=float, default=0.03)
+    args = parser.parse_args()
+    print("| example | layout | n | pp rank | estimate | real | error |")
+    print("|---|---|---|---|---|---|---|")
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as out:
+        for example in args.examples:
+            model_file = ROOT / "examples" / f"{example}.py"
+            for label, schedule, sharding, world in LAYOUTS:
+                real = real_pipeline_peaks(model_file, pathlib.Path(out), pp=2, schedule=schedule,
+                                           sharding=sharding, world=world, window=args.window,
+                                           sizes=args.micro_batches, repeats=args.repeats)
+                dp = world // 2
+                for n in args.micro_batches:
+                    estimated = estimated_rank_peaks(model_file, n, schedule=schedule, window=args.window,
+                                                     world_size=world, sharding=sharding)
+                    for rank, estimate in enumerate(estimated):
+                        peak = max(max(real[n][rank * dp + d]) for d in range(dp))
+                        error = (estimate - peak) / peak
+                        worst = max(worst, abs(error))
+                        print(f"| {example} | {label} | {n} | {rank} | {format_bytes(estimate)} | "
+                              f"{format_bytes(peak)} | {error:+.2%} |", flush=True)
+    print(f"\nlargest error: {worst:.2%} (tolerance {args.tolerance:.0%})")
+    return 1 if worst > args.tolerance else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Pipeline parallelism: stages cut at the repeated blocks, the per-rank estimate on a fake process
+group, and (slow, torchrun on gloo) the estimate against real peaks, training that ends where one
+process ends, and SIGTERM then --resume.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from autotune.cli.main import cli
+from autotune.distributed.layout import parse_layout
+from autotune.distributed.pipeline import (block_container, parameter_phases, rank_stage_ids,
+                                           stage_bounds)
+from autotune.errors import ConfigError, WorkloadError
+from autotune.probing.estimate import estimate_peaks
+from autotune.workload.contract import load_workload
+from pp_plans import estimated_rank_peaks, real_pipeline_peaks
+
+TESTS = Path(__file__).resolve().parent
+EXAMPLES = TESTS.parent / "examples"
+TIMEOUT = 600
+
+
+# -- fast: the split ---------------------------------------------------------------------------
+
+def test_stages_split_the_blocks_evenly_and_ranks_hold_them_in_loop_order():
+    assert stage_bounds(4, 2) == [(0, 2), (2, 4)]
+    assert stage_bounds(7, 4) == [(0, 1), (1, 3), (3, 5), (5, 7)]
+    assert rank_stage_ids(0, 2, 2) == [0, 2] and rank_stage_ids(1, 2, 2) == [1, 3]
+
+
+def test_embedding_goes_with_the_first_stage_and_the_head_with_the_last():
+    workload = load_workload(EXAMPLES / "tiny_lm.py")
+    model = workload.new_model()
+    phases = parameter_phases(model, block_container(model), workload.loss, workload.batch(1))
+    assert phases == {"pos": "prefix", "embed.weight": "prefix", "ln.weight": "suffix",
+                      "ln.bias": "suffix", "head.weight": "suffix"}
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_weights_tied_across_the_pipeline_are_an_error_naming_the_fix():
+    model = _Tied()
+    with pytest.raises(WorkloadError, match="tie_word_embeddings=False"):
+        parameter_phases(model, block_container(model), lambda m, b: (m(b).sum(), None),
+                         torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_a_model_without_repeated_blocks_is_an_error():
+    with pytest.raises(WorkloadError, match="without --pp"):
+        block_container(nn.Linear(3, 3))
+
+
+def test_more_stages_than_blocks_is_an_error_naming_the_limit():
+    with pytest.raises(ConfigError, match=r"4 repeated block\(s\).*≤ 4"):
+        estimate_peaks(EXAMPLES / "tiny_lm.py", [1], accumulation_steps=5, world_size=5,
+                       parallel=parse_layout(pp=5))
+
+
+def test_fp16_pipelines_are_refused():
+    with pytest.raises(ConfigError, match="use bf16 or fp32"):
+        estimate_peaks(EXAMPLES / "mlp.py", [1], accumulation_steps=2, world_size=2, precision="fp16",
+                       parallel=parse_layout(pp=2))
+
+
+# -- fast: the estimate ------------------------------------------------------------------------
+
+def test_the_estimate_is_the_worst_pipeline_rank():
+    peaks = estimated_rank_peaks(EXAMPLES / "mlp.py", 4)
+    parallel = parse_layout(pp=2)
+    assert estimate_peaks(EXAMPLES / "mlp.py", [4], accumulation_steps=4, world_size=2,
+                          parallel=parallel) == {4: max(peaks)}
+    assert peaks[0] != peaks[1]  # the ranks hold different stages
+
+
+def test_cli_estimate_takes_the_pipeline_and_its_window():
+    result = CliRunner().invoke(cli, ["estimate", str(EXAMPLES / "mlp.py"), "--micro-batch", "4",
+                                      "--pp", "2", "--world-size", "2"])
+    assert result.exit_code == 2 and "use --accumulation-steps 2 or more" in result.output
+    result = CliRunner().invoke(cli, ["estimate", str(EXAMPLES / "mlp.py"), "--micro-batch", "4",
+                                      "--pp", "2", "--world-size", "2", "--accumulation-steps", "2",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output[result.output.index("{"):]) == {
+        "4": estimate_peaks(EXAMPLES / "mlp.py", [4], accumulation_steps=2, world_size=2,
+                            parallel=parse_layout(pp=2))[4]}
+
+
+# -- slow: real gloo ranks ---------------------------------------------------------------------
+
+def _env(**extra):
+    return dict(os.environ, OMP_NUM_THREADS="1", **extra,
+                PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+
+
+def _torchrun(nproc, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+            *map(str, args)]
+
+
+# (example, schedule, sharding, world, how far above the real peak the estimate may be). Below it
+# by at most 3% everywhere. Two known gaps (bench/README.md, "pp_estimate_accuracy.py"):
+# interleaved on tiny_lm is over by up to 4.3%; FSDP 2 × PP 2 on mlp depends on when gloo's worker
+# thread lets go of a collective's buffer (−18% to +3.8% at n = 2) and is not held to a bound here.
+ACCURACY = [("tiny_lm", "1f1b", "ddp", 2, 0.03), ("mlp", "1f1b", "ddp", 2, 0.03),
+            ("mlp", "interleaved-1f1b", "ddp", 2, 0.03), ("tiny_lm", "interleaved-1f1b", "ddp", 2, 0.05),
+            ("tiny_lm", "1f1b", "fsdp", 4, 0.03)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example, schedule, sharding, world, over", ACCURACY)
+def test_estimate_matches_real_gloo_pipeline_peaks(tmp_path, example, schedule, sharding, world, over):
+    model_file = EXAMPLES / f"{example}.py"
+    real = real_pipeline_peaks(model_file, tmp_path, pp=2, schedule=schedule, sharding=sharding,
+                               world=world, window=4, sizes=[2])
+    estimated = estimated_rank_peaks(model_file, 2, schedule=schedule, world_size=world, sharding=sharding)
+    data_parallel = world // 2
+    for pp_rank, estimate in enumerate(estimated):
+        peak = max(max(real[2][pp_rank * data_parallel + d]) for d in range(data_parallel))
+        assert -0.03 * peak <= estimate - peak <= over * peak, (pp_rank, estimate, peak)
+
+
+def _train(nproc, out, *args, **env):
+    with open(out / f"log-{len(list(out.iterdir()))}.txt", "w") as log:
+        done = subprocess.run(_torchrun(nproc, TESTS / "pp_train_script.py", out, *args), env=_env(**env),
+                              stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT)
+    assert done.returncode == 0, Path(log.name).read_text()[-4000:]
+
+
+def _merged(out, world):
+    merged = {}
+    for rank in range(world):
+        merged.update(torch.load(out / f"rank-{rank}.pt")["params"])
+    return merged
+
+
+def _relative_error(found, reference):
+    assert set(found) == set(reference)
+    return max(((found[k] - reference[k]).abs().max() / reference[k].abs().max()).item() for k in reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["tiny_lm", "mlp"])
+@pytest.mark.parametrize("schedule, world", [("1f1b", 2), ("interleaved-1f1b", 2), ("zero-bubble", 2),
+                                              ("1f1b", 4)])
+def test_pipelined_training_ends_where_one_process_ends(tmp_path, example, schedule, world):
+    from autotune.training import train
+    from pp_plans import own_parameters, reference_plan, with_sgd
+
+    model_file = EXAMPLES / f"{example}.py"
+    _train(world, tmp_path, model_file, 2, schedule, "fsdp", 3)
+    reference = train(reference_plan(world // 2), with_sgd(load_workload(model_file)), steps=3, seed=0,
+                      progress=False)
+    assert _relative_error(_merged(tmp_path, world), own_parameters(reference.model)) < 1e-5
+    losses = torch.load(tmp_path / "rank-0.pt")["losses"]
+    assert losses == pytest.approx([r["loss"] for r in reference.metrics], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_continues_exactly(tmp_path):
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    full.mkdir()
+    stopped.mkdir()
+    model_file = EXAMPLES / "tiny_lm.py"
+    _train(2, full, model_file, 2, "1f1b", "fsdp", 6, full / "checkpoints")
+    with open(stopped / "log-sigterm.txt", "w") as log:
+        child = subprocess.Popen(_torchrun(2, TESTS / "pp_train_script.py", stopped, model_file, 2, "1f1b",
+                                           "fsdp", 6, stopped / "checkpoints"),
+                                 env=_env(PP_SLOW="1"), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while not (stopped / "pid-1").exists():
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(3)
+        os.kill(int((stopped / "pid-1").read_text()), signal.SIGTERM)
+        assert child.wait(timeout=TIMEOUT) == 0
+    first = torch.load(stopped / "rank-0.pt")
+    assert first["interrupted"] and first["steps"] < 6
+    _train(2, stopped, model_file, 2, "1f1b", "fsdp", 6, stopped / "checkpoints", "resume")
+    resumed = torch.load(stopped / "rank-0.pt")
+    assert resumed["steps"] == 6 and not resumed["interrupted"]
+    assert _relative_error(_merged(stopped, 2), _merged(full, 2)) == 0.0
