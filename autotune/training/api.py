@@ -382,8 +382,9 @@ class _Session:
         lr = plan.lr.lr if plan.lr.lr is not None else group_lr(self.optimizer.param_groups[0])
         data = ("make_batch (no dataset)" if self.dataset_size is None else
                 f"{self.dataset_size} samples, {self.layout.windows_per_epoch} steps per epoch")
+        ranks = "rank(s)" if plan.parallel.trivial else "data-parallel rank(s)"
         return (f"{self.total_steps} optimizer steps from step {self.state.step}: micro-batches "
-                f"{plan.micro_batches} x {plan.world_size} rank(s) = effective batch "
+                f"{plan.micro_batches} x {plan.data_parallel} {ranks} = effective batch "
                 f"{plan.effective_batch}; {self.precision.value}; lr {lr:g} "
                 f"({describe_warmup(plan, self.workload)}); clip {self.clip}; "
                 f"{self._describe_sharding()}; data: {data}")
