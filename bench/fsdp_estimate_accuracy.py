@@ -28,6 +28,15 @@ from autotune.units import format_bytes  # noqa: E402
 from fsdp_helpers import real_fsdp_peaks, steady_peak, worst_peak  # noqa: E402
 
 
+def accuracy_cells(estimated: int, real: list[list[int]]) -> tuple[str, float]:
+    """"estimate | real min | error | real max | error" for one micro-batch, and the error
+    against the largest real peak (every rank's repeats in ``real``)."""
+    low, high = steady_peak(real), worst_peak(real)
+    error = (estimated - high) / high
+    return (f"{format_bytes(estimated)} | {format_bytes(low)} | {(estimated - low) / low:+.2%} | "
+            f"{format_bytes(high)} | {error:+.2%}"), error
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -49,12 +58,9 @@ def main() -> int:
                 real = real_fsdp_peaks(path, world, args.micro_batches, pathlib.Path(out),
                                        repeats=args.repeats)
                 for n in args.micro_batches:
-                    low, high = steady_peak(real[n]), worst_peak(real[n])
-                    error = (estimated[n] - high) / high
+                    cells, error = accuracy_cells(estimated[n], real[n])
                     worst_error = max(worst_error, abs(error))
-                    print(f"| {path.stem} | {world} | {n} | {format_bytes(estimated[n])} | "
-                          f"{format_bytes(low)} | {(estimated[n] - low) / low:+.2%} | "
-                          f"{format_bytes(high)} | {error:+.2%} |", flush=True)
+                    print(f"| {path.stem} | {world} | {n} | {cells} |", flush=True)
     print(f"\nlargest error against the largest real peak: {worst_error:.2%} "
           f"(tolerance {args.tolerance:.0%})")
     return 1 if worst_error > args.tolerance else 0

@@ -65,13 +65,17 @@ def build_model():
     return LlamaLike()
 
 
-def make_batch(batch_size):
-    return torch.randint(0, VOCAB, (batch_size, SEQ_LEN + 1))
+def make_batch(batch_size, seq_len=SEQ_LEN):
+    tokens = torch.randint(0, VOCAB, (batch_size, seq_len + 1))
+    # Shifted here, not in the loss: context parallelism shards inputs and targets alike.
+    return tokens[:, :-1], tokens[:, 1:]
 
 
-def loss_fn(model, tokens):
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+def loss_fn(model, batch):
+    inputs, targets = batch
+    logits = model(inputs)
+    # (sum, tokens): under context parallelism each rank holds part of every sequence.
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum"), targets.numel()
 
 
 def build_optimizer(params):

@@ -2,15 +2,23 @@
 
 Each run starts ``world`` processes (gloo, one torch thread each). Every rank first measures, all at
 once so they share the machine as the training does, this CPU's speed
-(``autotune.timing.cpu_profile.measure_cpu_speed``) and the gloo link
-(``autotune.timing.gloo.measure_gloo``: collectives only). Then every configuration (ddp / fsdp x
-checkpointing off / on x three micro-batches) trains real steps — forward, backward, gradient
-clipping, optimizer step, as the probe's step — and rank 0 keeps the median step on the process's
-CPU clock (its threads' work, gloo's included, without the time the scheduler gave other
-processes: the clock the CPU microbenchmarks read at one thread) and the median wall time beside it. The parent
-process predicts each step from the fake-tensor count (``predict_window_time``: the roofline on
-the measured CPU speed, the alpha–beta model on the measured link, the runtime's overlap) and
-prints both, their ratio, and the Spearman rank correlation per world size.
+(``autotune.timing.cpu_profile.measure_cpu_speed``, FSDP2's and DTensor's per-call costs included),
+then, in the process group, the gloo link (``timing.gloo.measure_gloo``: wall time) and each
+collective's CPU cost (``timing.gloo.measure_gloo_cpu``: the process's CPU clock); collectives
+only. Then every configuration (ddp / fsdp x checkpointing off / on x three micro-batches) trains
+real steps — forward, backward, gradient clipping, optimizer step, as the probe's step — and rank 0
+keeps the median step on the process's CPU clock (every thread's work, gloo's included, without
+the time the scheduler gave other processes or the time a rank waited for another) and the median
+wall time beside it.
+
+The parent process predicts the same quantity from the fake-tensor count: the step's compute on
+the measured speed (``StepModel``/``predict_window``'s ``compute_s``: ops, module calls,
+checkpointed blocks, FSDP2's hooks, DTensor dispatch; on the main thread) plus every collective's
+CPU cost (``collective_cpu_seconds``: gloo's threads), which a CPU clock counts whether or not it
+overlaps compute; waiting (the exposed communication of the wall-time model) is not CPU time. The
+wall-time prediction (``step_s``: compute + exposed communication on the measured link) is printed
+beside it, with the measured wall time; on a machine whose cores are shared by more threads than
+it has, wall time measures the other processes as much as the step.
 
     OMP_NUM_THREADS=1 python bench/step_time_distributed.py [--worlds 2 4] [--example tiny_lm]
 """
@@ -35,13 +43,15 @@ sys.path.insert(0, str(ROOT))
 
 from autotune.distributed.sharding.wrap import build_mesh, shard_model  # noqa: E402
 from autotune.timing.comm import Link, Network  # noqa: E402
+from autotune.timing.count import count_steps_costs  # noqa: E402
 from autotune.timing.cpu_profile import load_cached, measure_cpu_speed, save_cached  # noqa: E402
-from autotune.timing.gloo import measure_gloo  # noqa: E402
-from autotune.timing.window import predict_window_time  # noqa: E402
+from autotune.timing.gloo import CollectiveCpu, collective_cpu_seconds, measure_gloo, measure_gloo_cpu  # noqa: E402
+from autotune.timing.window import StepModel, predict_window, trainable_bytes, window_collectives  # noqa: E402
 from autotune.workload import load_workload  # noqa: E402
 from autotune.workload.activation_checkpointing import enable_checkpointing  # noqa: E402
 from step_time_accuracy import spearman  # noqa: E402
 
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 MICRO_BATCHES = {"tiny_lm": (4, 8, 16), "mlp": (64, 256, 1024), "gpt_varlen": (2, 4, 8)}
 WARMUP, TIMED = 2, 9
 
@@ -54,17 +64,18 @@ def configurations(example: str):
 def _worker(rank: int, world: int, port: int, example: str, out: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    speed = measure_cpu_speed(precisions=("fp32",))  # before the process group: see sharded_profile
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        link = measure_gloo()
-        speed = measure_cpu_speed()
+        link, cpu = measure_gloo(), measure_gloo_cpu()
         workload = load_workload(str(ROOT / "examples" / f"{example}.py"))
         measured = [t for sharding, ckpt, n in configurations(example)
                     for t in _step_times(workload, sharding, ckpt, n, world)]
         if rank == 0:
             save_cached(Path(out), "speed", speed)
-            Path(out).with_suffix(".txt").write_text(
-                " ".join(map(repr, [link.bandwidth, link.latency, *measured])))
+            Path(out).with_suffix(".txt").write_text(" ".join(map(repr, [
+                link.bandwidth, link.latency, *(cpu.per_call[k] for k in KINDS),
+                *(cpu.per_byte[k] for k in KINDS), *measured])))
     finally:
         dist.destroy_process_group()
 
@@ -112,17 +123,26 @@ def run(world: int, example: str) -> list[dict]:
         speed = load_cached(Path(out), "speed")
         numbers = [float(x) for x in Path(out).with_suffix(".txt").read_text().split()]
     link = Link(bandwidth=numbers[0], latency=numbers[1])
+    cpu = CollectiveCpu(per_call=dict(zip(KINDS, numbers[2:5])), per_byte=dict(zip(KINDS, numbers[5:8])))
     network = Network(intra=link, inter=None, gpus_per_node=world)
     workload = load_workload(str(ROOT / "examples" / f"{example}.py"))
-    rows = []
-    steps = numbers[2:]
+    gradient_bytes = trainable_bytes(workload)
+    rows, models = [], {}
+    steps = numbers[8:]
     for i, (sharding, ckpt, n) in enumerate(configurations(example)):
-        measured, wall = steps[2 * i], steps[2 * i + 1]
-        predicted = predict_window_time(workload, [n], speed=speed, precision="fp32", checkpointing=ckpt,
-                                        sharding=sharding, world_size=world, network=network)
+        if (sharding, ckpt) not in models:
+            counted = count_steps_costs(workload, MICRO_BATCHES[example], checkpointing=ckpt,
+                                        sharding=sharding, world_size=world)
+            models[sharding, ckpt] = StepModel(counted, speed, "fp32")
+        model = models[sharding, ckpt]
+        window = predict_window(model, [n], network=network, world_size=world, sharding=sharding,
+                                gradient_bytes=gradient_bytes)
+        gloo_cpu = collective_cpu_seconds(window_collectives(
+            model, [n], sharding=sharding, world_size=world, gradient_bytes=gradient_bytes), cpu)
         rows.append(dict(world=world, sharding=sharding, ckpt="on" if ckpt else "off", n=n,
-                         predicted=predicted.step_s, exposed=predicted.exposed_comm_s,
-                         measured=measured, wall=wall, link=link))
+                         predicted=window.compute_s + window.loop_s + gloo_cpu, gloo_cpu=gloo_cpu,
+                         wall_predicted=window.step_s, measured=steps[2 * i], wall=steps[2 * i + 1],
+                         link=link, cpu=cpu, speed=speed))
     return rows
 
 
@@ -132,19 +152,27 @@ def main():
     parser.add_argument("--example", default="tiny_lm", choices=sorted(MICRO_BATCHES))
     args = parser.parse_args()
     print(f"example {args.example}; gloo on {os.cpu_count()} CPU core(s); one torch thread per rank")
-    print(f"{'world':>5} {'layout':>6} {'ckpt':>4} {'micro':>5} {'predicted ms':>12} {'(exposed)':>9} "
-          f"{'measured ms':>11} {'(wall)':>9} {'ratio':>6}")
+    print("| world | layout | ckpt | micro | predicted CPU ms | of it gloo CPU | measured CPU ms | ratio "
+          "| predicted wall ms | measured wall ms |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for world in args.worlds:
         rows = run(world, args.example)
-        link = rows[0]["link"]
         for r in rows:
-            print(f"{r['world']:>5} {r['sharding']:>6} {r['ckpt']:>4} {r['n']:>5} {r['predicted'] * 1e3:>12.2f} "
-                  f"{r['exposed'] * 1e3:>9.2f} {r['measured'] * 1e3:>11.2f} {r['wall'] * 1e3:>9.2f} "
-                  f"{r['predicted'] / r['measured']:>6.2f}")
+            print(f"| {r['world']} | {r['sharding']} | {r['ckpt']} | {r['n']} | {r['predicted'] * 1e3:.2f} "
+                  f"| {r['gloo_cpu'] * 1e3:.2f} | {r['measured'] * 1e3:.2f} "
+                  f"| {r['predicted'] / r['measured']:.2f} | {r['wall_predicted'] * 1e3:.2f} "
+                  f"| {r['wall'] * 1e3:.2f} |", flush=True)
+        link, cpu, speed = rows[0]["link"], rows[0]["cpu"], rows[0]["speed"]
+        print(f"world {world}: rank 0's CPU speed: fp32 matmul {speed.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, "
+              f"memory {speed.memory_bandwidth / 1e9:.2f} GB/s, {speed.op_overhead_s * 1e6:.2f} us per op; "
+              f"FSDP2 {speed.fsdp_step_s * 1e6:.0f} us per step + {speed.fsdp_unit_s * 1e6:.0f} us per unit + "
+              f"{speed.fsdp_param_s * 1e6:.1f} us per parameter; DTensor {speed.dtensor_op_s * 1e6:.1f} us per op "
+              f"+ {speed.dtensor_list_tensor_s * 1e6:.1f} us per listed tensor")
         within = sum(abs(r["predicted"] / r["measured"] - 1) <= 0.25 for r in rows)
         rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
+        costs = ", ".join(f"{k} {cpu.per_call[k] * 1e6:.0f} us + {cpu.per_byte[k] * 1e9:.2f} ns/B" for k in KINDS)
         print(f"world {world}: gloo link {link.bandwidth / 1e9:.3g} GB/s, {link.latency * 1e6:.3g} us a step; "
-              f"{within}/{len(rows)} within 25%; Spearman {rho:.3f}")
+              f"CPU per collective: {costs}; {within}/{len(rows)} within 25%; Spearman {rho:.3f}", flush=True)
 
 
 if __name__ == "__main__":

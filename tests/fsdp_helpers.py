@@ -10,10 +10,12 @@ TESTS = Path(__file__).resolve().parent
 
 
 def real_fsdp_peaks(model_file, world_size: int, sizes, out_dir: Path, *, precision="fp32",
-                    checkpointing=False, repeats: int = 3) -> dict[int, list[list[int]]]:
-    """{n: per-rank lists of ``repeats`` peaks} from a real FSDP2 run of ``world_size`` gloo ranks."""
+                    checkpointing=False, repeats: int = 3, cp: int = 1) -> dict[int, list[list[int]]]:
+    """{n: per-rank lists of ``repeats`` peaks} from a real FSDP2 run of ``world_size`` gloo ranks
+    (context parallel over groups of ``cp``)."""
     return {int(n): ranks for n, ranks in _run(model_file, world_size, sizes, out_dir, precision,
-                                               checkpointing, FSDP_REPEATS=str(repeats))["peaks"].items()}
+                                               checkpointing, FSDP_REPEATS=str(repeats),
+                                               FSDP_CP=str(cp))["peaks"].items()}
 
 
 def real_fsdp_fits(model_file, world_size: int, sizes, out_dir: Path, *, memory_limit: int,

@@ -6,7 +6,8 @@ Every rank measures each micro-batch FSDP_REPEATS times (default 3) with the CPU
 rank 0 writes
 {"world_size": W, "peaks": {N: [[rank 0's peaks], [rank 1's], ...]}, "fits": {N: [[...], ...]}}
 to OUT.json. FSDP_MEMORY_LIMIT (bytes) gives each rank that budget; FSDP_SHARD_GROUP shards within
-groups of that many ranks.
+groups of that many ranks; FSDP_CP shards every sequence over groups of that many ranks (context
+parallelism).
 """
 
 import json
@@ -16,6 +17,7 @@ import sys
 import torch.distributed as dist
 
 from autotune.distributed.collectives import settle
+from autotune.distributed.layout import Layout
 from autotune.memory.cpu import CPUMemoryBackend
 from autotune.precision import Precision
 from autotune.probing.trial import TrialSession
@@ -29,9 +31,11 @@ dist.init_process_group("gloo")
 world = dist.get_world_size()
 limit = os.environ.get("FSDP_MEMORY_LIMIT")
 group = os.environ.get("FSDP_SHARD_GROUP")
+cp = int(os.environ.get("FSDP_CP") or 1)
 peaks, fits = {}, {}
 with sharded_step(load_workload(model_file), sharding="fsdp", world_size=world,
-                  shard_group=int(group) if group else None, precision=precision) as workload:
+                  shard_group=int(group) if group else None, precision=precision,
+                  parallel=Layout(cp=cp) if cp > 1 else None) as workload:
     backend = CPUMemoryBackend(int(limit) if limit else None)
     with TrialSession(workload, backend, precision=Precision.parse(precision),
                       checkpointing=checkpointing == "on", sharded=True) as session:

@@ -132,22 +132,26 @@ def run_reference(world_size):
 
 
 def run_sigterm(rank, world_size):
-    workload = model_file_workload()
+    sigterm_run(OUT, rank, model_file_plan(world_size), model_file_workload(), steps=STEPS * 20)
+
+
+def sigterm_run(out, rank, plan, workload, *, steps):
+    """``plan`` trained on ``workload``, slowed down; rank 1 writes its pid to OUT/pid and
+    OUT/started once training is under way, for the test to stop it with SIGTERM."""
     loss_fn, calls = workload.loss_fn, []
 
     def slow_loss(model, batch):
         calls.append(1)
         if rank == 1 and len(calls) == 5:
-            (OUT / "pid").write_text(str(os.getpid()))
-            (OUT / "started").touch()
+            (out / "pid").write_text(str(os.getpid()))
+            (out / "started").touch()
         time.sleep(0.1)
         return loss_fn(model, batch)
 
     workload.loss_fn = slow_loss
-    result = train(model_file_plan(world_size), workload, steps=STEPS * 20, progress=False,
-                   checkpoint_dir=OUT / "ckpt")
+    result = train(plan, workload, steps=steps, progress=False, checkpoint_dir=out / "ckpt")
     if rank == 0:
-        (OUT / "report-sigterm.json").write_text(json.dumps(
+        (out / "report-sigterm.json").write_text(json.dumps(
             {"steps": result.steps, "interrupted": result.interrupted}))
 
 

@@ -108,6 +108,20 @@ def four_ranks(tmp_path_factory):
     return out
 
 
+def check_resumed_as_uninterrupted(out, steps):
+    """The run stopped by SIGTERM (OUT/report-sigterm.json) and resumed (OUT/resumed.pt) ends
+    exactly where the uninterrupted one (OUT/reference.pt) does; returns the resumed file."""
+    stopped = json.loads((out / "report-sigterm.json").read_text())
+    assert stopped["interrupted"] and 1 <= stopped["steps"] < steps
+    resumed = torch.load(out / "resumed.pt", weights_only=True)
+    reference = torch.load(out / "reference.pt", weights_only=True)
+    assert resumed["steps"] == reference["steps"] == steps
+    assert resumed["model"].keys() == reference["model"].keys()
+    for key, value in reference["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+    return resumed
+
+
 def _single(name, steps=3):
     workload = token_workload(SAMPLES) if name == "tokens" else mlp_workload(SAMPLES)
     clip = 0.5 if name in ("uneven", "hybrid") else None
@@ -204,14 +218,7 @@ def test_fp16_grad_scaler_under_fsdp_skips_the_inf_step_on_every_rank(two_ranks)
 
 @pytest.mark.slow
 def test_sigterm_then_resume_equals_an_uninterrupted_run(four_ranks):
-    stopped = json.loads((four_ranks / "report-sigterm.json").read_text())
-    assert stopped["interrupted"] and 1 <= stopped["steps"] < STEPS
-    resumed = torch.load(four_ranks / "resumed.pt", weights_only=True)
-    reference = torch.load(four_ranks / "reference.pt", weights_only=True)
-    assert resumed["steps"] == reference["steps"] == STEPS
-    assert resumed["model"].keys() == reference["model"].keys()
-    for key, value in reference["model"].items():
-        assert torch.equal(resumed["model"][key], value), key
+    resumed = check_resumed_as_uninterrupted(four_ranks, STEPS)
     load_workload(TESTS / "fsdp_model.py").new_model().load_state_dict(resumed["model"])
 
 

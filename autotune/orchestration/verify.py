@@ -93,12 +93,13 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
     # outside torchrun, whose collectives move no data but whose buffers are as real as the rest.
     with sharded_step(workload, sharding=plan.sharding, world_size=plan.world_size,
                       shard_group=plan.shard_group, precision=plan.precision,
-                      device_type=backend.device.type) as step_workload:
+                      device_type=backend.device.type, parallel=plan.parallel) as step_workload:
         try:
             with TrialSession(step_workload, backend, precision=Precision.parse(plan.precision),
                               checkpointing=plan.checkpointing,
                               sharded=plan.sharding.sharded,
-                              reduce_every_micro_step=plan.reduce_every_micro_step) as session:
+                              reduce_every_micro_step=plan.reduce_every_micro_step,
+                              parallel=plan.parallel) as session:
                 window = plan_window(plan)
                 trials = [session.run(plan.micro_batch, micro_batches=window) for _ in range(steps)]
         except SetupOutOfMemory:

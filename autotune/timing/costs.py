@@ -79,6 +79,20 @@ class StepCosts:
     checkpoint_blocks: int = 0
     """Checkpointed blocks recomputed in backward: each costs checkpoint's own set-up (its hooks,
     the recompute's entry) beyond its ops."""
+    sharded_units: int = 0
+    """FSDP2 units (``fully_shard``-ed modules, the root included) of a sharded step: each costs
+    its pre/post forward and backward hooks' Python every micro-step, beyond the ops they
+    dispatch (copy-in, copy-out, views: counted as ops)."""
+    sharded_params: int = 0
+    """Parameters those units shard: FSDP2's hooks handle each one (its all-gather input, its
+    unsharded view, its sharded gradient) every micro-step."""
+    dtensor_ops: dict[str, int] = field(default_factory=dict)
+    """Ops the real step dispatches on DTensors, per phase (the optimizer's and the clipping's
+    on FSDP2's sharded parameters, counted on their local shards where the fake step steps
+    those): each pays DTensor's dispatch beyond its local op."""
+    dtensor_list_tensors: dict[str, int] = field(default_factory=dict)
+    """DTensors passed in tensor lists to those ops (the foreach ops of clipping), per phase:
+    DTensor unwraps and wraps each one."""
 
     @property
     def total_flops(self) -> float:

@@ -9,6 +9,7 @@ execution of the same step dispatches. FLOPs come from torch's own formulas
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import torch
@@ -16,6 +17,8 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..compiled import eager_module
+from ..distributed.sharding.wrap import is_sharded
 from ..memory.fake import checked_micro_batch
 from ..probing.estimate import EstimateSession, _on_local_shards, estimate_session
 from ..probing.trial import TrialSession
@@ -23,47 +26,56 @@ from .costs import CollectiveCall, OpCost, StepCosts
 
 
 def count_step_costs(workload, micro_batch: int, *, precision="fp32", checkpointing=False,
-                     sharding="ddp", world_size: int = 1, shard_group: int | None = None) -> StepCosts:
+                     sharding="ddp", world_size: int = 1, shard_group: int | None = None,
+                     for_gpu: str | None = None) -> StepCosts:
     """What one steady-state training step at ``micro_batch`` costs, op by op (see ``StepCosts``).
 
     Arguments as ``estimate_peak``'s; raises ``EstimateUnavailable`` when the model cannot run on
     fake tensors. Under checkpointing the recomputed forward is counted (phase "recompute");
     sharded, every collective of this rank's step is recorded with its buffer's bytes.
+    ``for_gpu`` (a CUDA device's name): the step a CUDA device runs, as the memory estimate for
+    it runs it (optimizers left to choose take their foreach path); else this CPU's.
     """
     return count_steps_costs(workload, [micro_batch], precision=precision,
                              checkpointing=checkpointing, sharding=sharding,
-                             world_size=world_size, shard_group=shard_group)[micro_batch]
+                             world_size=world_size, shard_group=shard_group,
+                             for_gpu=for_gpu)[micro_batch]
 
 
 def count_steps_costs(workload, micro_batches, *, precision="fp32", checkpointing=False,
-                      sharding="ddp", world_size: int = 1,
-                      shard_group: int | None = None) -> dict[int, StepCosts]:
+                      sharding="ddp", world_size: int = 1, shard_group: int | None = None,
+                      for_gpu: str | None = None) -> dict[int, StepCosts]:
     """``count_step_costs`` for several micro-batches, building the fake model once."""
     sizes = [checked_micro_batch(n) for n in micro_batches]
     costs = {}
     with estimate_session(workload, precision=precision, checkpointing=checkpointing,
                           sharding=sharding, world_size=world_size, shard_group=shard_group,
-                          session_type=_CountingSession) as session:
+                          session_type=_CountingSession, for_cuda=for_gpu) as session:
         for n in sizes:
             costs[n] = session.count(n)
     return costs
 
 
-class _CountingSession(EstimateSession):
-    """The estimate's session with every op of the measured step recorded. Its optimizer phase
-    runs whole each time (the estimate's shortcuts count bytes, not ops): the user's optimizer
-    over every parameter, on each rank's local shards when sharded."""
+class _RecordsSteps:
+    """A session mixin: while ``_recorder`` is set, every op of the window it runs is recorded
+    (the micro-steps' phases, and the optimizer phase as such)."""
 
     _recorder: "_OpRecorder | None" = None
 
-    def count(self, n: int) -> StepCosts:
+    def _recorded(self, n: int, **run) -> tuple:
+        """(the trial, the recorder) of one run at ``n``."""
         self._recorder = _OpRecorder()
         try:
-            self.run(n)
-            recorder = self._recorder
+            trial = super().run(n, **run)  # the session's own run, whatever a subclass adds
+            return trial, self._recorder
         finally:
             self._recorder = None
-        return recorder.costs(n)
+
+    def _costs(self, recorder: "_OpRecorder", n: int) -> StepCosts:
+        """What ``recorder`` saw of the step at ``n``, with the model's sharded units."""
+        model = eager_module(self.model)
+        return recorder.costs(n, units=sum(1 for m in model.modules() if is_sharded(m)),
+                              sharded_params=sum(1 for p in model.parameters() if _is_dtensor(p)))
 
     def _window(self, sizes):
         if self._recorder is None:  # the sharded warm-up step: no steady state
@@ -75,6 +87,15 @@ class _CountingSession(EstimateSession):
         super()._gradient_sync(enabled)
         if self._recorder is not None:  # called as each micro-step starts: its forward
             self._recorder.backward_started = False
+
+
+class _CountingSession(_RecordsSteps, EstimateSession):
+    """The estimate's session with every op of the measured step recorded. Its optimizer phase
+    runs whole each time (the estimate's shortcuts count bytes, not ops): the user's optimizer
+    over every parameter, on each rank's local shards when sharded."""
+
+    def count(self, n: int) -> StepCosts:
+        return self._costs(self._recorded(n)[1], n)
 
     def _optimizer_phase(self) -> int:
         if self._recorder is None:
@@ -89,10 +110,27 @@ class _CountingSession(EstimateSession):
         if self._recorder is None:
             return super()._optimizer_step()
         if self.sharded:
+            # The real step runs these ops on the DTensors whose local shards they are.
+            self._recorder.mark_dtensors(_local_shards(self.optimizer))
             with _on_local_shards(self.optimizer):
                 TrialSession._optimizer_step(self)
             return
         TrialSession._optimizer_step(self)
+
+
+def _local_shards(optimizer):
+    """The local shards of the optimizer's DTensors: parameters, gradients and state."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for t in (p, p.grad, *optimizer.state.get(p, {}).values()):
+                if _is_dtensor(t):
+                    yield t._local_tensor
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 # c10d ops (and their functional forms) -> the collective they issue, and which argument holds
@@ -152,6 +190,12 @@ class _OpRecorder(TorchDispatchMode):
         self.collectives: list[CollectiveCall] = []
         self.module_calls: Counter = Counter()
         self.checkpoint_blocks = 0
+        self.dtensor_ops: Counter = Counter()
+        self.dtensor_list_tensors: Counter = Counter()
+        self._as_dtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.optimizer_stepped = False
+        self.optimizer_cut = False
+        """Set by a session whose optimizer step ran, or ran on part of the parameters only."""
         self._recomputing_node = None
         self._hook = None
 
@@ -173,6 +217,27 @@ class _OpRecorder(TorchDispatchMode):
             self._recomputing_node = node
             self.checkpoint_blocks += 1
 
+    def mark_dtensors(self, tensors) -> None:
+        """Plain tensors standing for DTensors (local shards the fake step updates in place of
+        the DTensors): ops on them, and on what those ops return, count as DTensor ops."""
+        for t in tensors:
+            self._as_dtensors[id(t)] = t
+
+    def _dtensor_like(self, t) -> bool:
+        return _is_dtensor(t) or self._as_dtensors.get(id(t)) is t
+
+    def _count_dtensor_op(self, phase: str, args, kwargs, out) -> None:
+        listed = sum(self._dtensor_like(t) for a in (*args, *kwargs.values())
+                     if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor))
+        if not listed and not any(self._dtensor_like(t) for t in tree_leaves((args, kwargs))
+                                  if isinstance(t, torch.Tensor)):
+            return
+        self.dtensor_ops[phase] += 1
+        self.dtensor_list_tensors[phase] += listed
+        if self._as_dtensors:
+            self.mark_dtensors(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                               and not _is_dtensor(t))
+
     def _module_called(self, module, args):
         self.module_calls[self._phase()] += 1
 
@@ -184,6 +249,7 @@ class _OpRecorder(TorchDispatchMode):
         phase = self._phase()
         if phase == "recompute":
             self._count_checkpoint_block()
+        self._count_dtensor_op(phase, args, kwargs, out)
         name = func._schema.name
         collective = _COLLECTIVES.get(name)
         if collective is not None:
@@ -205,12 +271,14 @@ class _OpRecorder(TorchDispatchMode):
         self.backward_started = True
         return "recompute" if torch.is_grad_enabled() else "backward"
 
-    def costs(self, micro_batch: int) -> StepCosts:
+    def costs(self, micro_batch: int, *, units: int = 0, sharded_params: int = 0) -> StepCosts:
         ops = tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k, kernel=kernel)
                     for (c, p, f, b, kernel), k in self.ops.items())
         return StepCosts(ops=ops, collectives=tuple(self.collectives), micro_batch=micro_batch,
                          module_calls=dict(self.module_calls),
-                         checkpoint_blocks=self.checkpoint_blocks)
+                         checkpoint_blocks=self.checkpoint_blocks, sharded_units=units,
+                         sharded_params=sharded_params, dtensor_ops=dict(self.dtensor_ops),
+                         dtensor_list_tensors=dict(self.dtensor_list_tensors))
 
 
 def _op_class(func, name: str, flops: float, moved: float, phase: str) -> str:

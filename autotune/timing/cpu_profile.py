@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .roofline import DeviceSpeed
+from .sharded_profile import SHARDED_FIELDS, measure_sharded_overheads
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
 """Square ``torch.mm`` sizes n (2n³ FLOPs each)."""
@@ -30,9 +31,11 @@ MEMORY_ELEMENTS = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 """fp32 elements per tensor of the bandwidth microbenchmark (4 KiB to 64 MiB; three tensors)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE_FILE = "cpu-speed.json"
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 """2: the CPU clock at one thread, module-call, checkpoint-block and optimizer-op costs, layer
-norm / softmax / embedding / NLL loss curves. 3: checkpoint costs from transformer-like layers."""
+norm / softmax / embedding / NLL loss curves. 3: checkpoint costs from transformer-like layers.
+4: pooling and batch-norm bytes by the step's own rule; FSDP2's and DTensor's per-call costs
+(``sharded_profile``)."""
 _MIN_SECONDS = 0.02
 """Each timed repetition runs at least this long; the median of ``_REPEATS`` counts."""
 _REPEATS = 7
@@ -90,6 +93,7 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
     byte_rates.update(_counted_kernel_rates(call))
     op_overhead = _training_op_overhead()
     checkpoint_block, recompute_op = _checkpoint_overheads(op_overhead)
+    sharded = measure_sharded_overheads(op_overhead, _op_time, _dispatched_ops)
     # The bandwidth is the largest op's; smaller ops reach less of it (or more, where the
     # prefetchers and cache lines already in flight help).
     bandwidth = rates[-1][1]
@@ -99,7 +103,7 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
         op_overhead_s=op_overhead, recompute_op_overhead_s=recompute_op,
         optimizer_op_overhead_s=_optimizer_op_overhead(),
         module_call_s=_module_call_overhead(), checkpoint_block_s=checkpoint_block,
-        matmul_curve=curves, kernel_curves=kernel_curves,
+        **dataclasses.asdict(sharded), matmul_curve=curves, kernel_curves=kernel_curves,
         kernel_byte_curves={family: tuple((moved, rate / bandwidth) for moved, rate in rates)
                             for family, rates in byte_rates.items()},
         memory_curve=tuple((moved, rate / bandwidth) for moved, rate in rates),
@@ -118,7 +122,8 @@ def speed_probe() -> tuple[float, float, float]:
 
 def scaled_speed(speed: DeviceSpeed, then: tuple, now: tuple) -> DeviceSpeed:
     """``speed`` (measured when ``speed_probe`` gave ``then``) at the speed ``now`` shows: peaks
-    by the matmul's ratio, bandwidth by the add's, every per-call cost by the one-element op's."""
+    by the matmul's ratio, bandwidth by the add's, every per-call cost (FSDP2's and DTensor's
+    too) by the one-element op's."""
     flops, moved, call = now[0] / then[0], now[1] / then[1], now[2] / then[2]
     return dataclasses.replace(
         speed, peak_flops={k: v * flops for k, v in speed.peak_flops.items()},
@@ -126,7 +131,8 @@ def scaled_speed(speed: DeviceSpeed, then: tuple, now: tuple) -> DeviceSpeed:
         recompute_op_overhead_s=speed.recompute_op_overhead_s * call,
         optimizer_op_overhead_s=speed.optimizer_op_overhead_s * call,
         module_call_s=speed.module_call_s * call, checkpoint_block_s=speed.checkpoint_block_s * call,
-        loop_micro_step_s=speed.loop_micro_step_s * call, loop_window_s=speed.loop_window_s * call)
+        loop_micro_step_s=speed.loop_micro_step_s * call, loop_window_s=speed.loop_window_s * call,
+        **{name: getattr(speed, name) * call for name in SHARDED_FIELDS})
 
 
 def _work_time(op, call: float) -> float:
@@ -324,6 +330,7 @@ def load_cached(path: Path, key: str) -> DeviceSpeed | None:
             checkpoint_block_s=float(entry.get("checkpoint_block_s", 0.0)),
             loop_micro_step_s=float(entry.get("loop_micro_step_s", 0.0)),
             loop_window_s=float(entry.get("loop_window_s", 0.0)),
+            **{name: float(entry.get(name, 0.0)) for name in SHARDED_FIELDS},
             matmul_curve=_curves(entry["matmul_curve"]),
             memory_curve=tuple((float(x), float(y)) for x, y in entry["memory_curve"]),
             kernel_curves=_curves(entry.get("kernel_curves", {})),
@@ -355,6 +362,7 @@ def save_cached(path: Path, key: str, speed: DeviceSpeed) -> None:
         "module_call_s": speed.module_call_s, "checkpoint_block_s": speed.checkpoint_block_s,
         "optimizer_op_overhead_s": speed.optimizer_op_overhead_s,
         "loop_micro_step_s": speed.loop_micro_step_s, "loop_window_s": speed.loop_window_s,
+        **{name: getattr(speed, name) for name in SHARDED_FIELDS},
         "matmul_curve": {k: [list(p) for p in v] for k, v in speed.matmul_curve.items()},
         "memory_curve": [list(p) for p in speed.memory_curve], "sources": speed.sources,
         "kernel_curves": {k: [list(p) for p in v] for k, v in speed.kernel_curves.items()},
@@ -404,14 +412,14 @@ def _memory_kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
                               "batch_norm_backward": []}
     for batch, channels, side in POOLED:
         x = torch.randn(batch, channels, side, side, requires_grad=True)
-        size = 4.0 * x.numel()
         norm = torch.nn.BatchNorm2d(channels)
-        # Pooling reads the input, writes a quarter of it and its indices (int64: twice fp32's);
-        # its backward reads those and writes the input's gradient. Batch norm reads and writes
-        # the input's size, both ways (its backward also reads the input).
-        _add_byte_rates(rates, "pooling", size * 1.75, size * 1.75,
-                        lambda x=x: torch.nn.functional.max_pool2d(x, 2), call)
-        _add_byte_rates(rates, "batch_norm", size * 2, size * 3, lambda x=x, n=norm: n(x), call)
+        # Bytes by the step's own rule (``_family_bytes``), as the step's ops are priced: the
+        # pooling backward reads the output's gradient, the input and the indices (2.75 times the
+        # input's size), not the 1.75 its forward moves.
+        for family, forward in (("pooling", lambda x=x: torch.nn.functional.max_pool2d(x, 2)),
+                                ("batch_norm", lambda x=x, n=norm: n(x))):
+            forward_bytes, backward_bytes = _family_bytes(family, forward)
+            _add_byte_rates(rates, family, forward_bytes, backward_bytes, forward, call)
     return {family: sorted(points) for family, points in rates.items()}
 
 

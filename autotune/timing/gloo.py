@@ -5,12 +5,19 @@ all-reduces of a few sizes (the median of several repetitions: the link under th
 machine has, as the CPU's microbenchmarks take theirs); rank 0's times are fitted to ``steps * alpha + factor * bytes / bandwidth`` with
 each collective's own factor and steps (``comm.terms``) by least squares, and every rank gets the
 same ``Link`` back. A microbenchmark of the collectives alone, never of training steps.
+
+On CPU ranks a collective is also work for the rank's own cores: gloo's threads copy, reduce and
+push the bytes through the TCP stack. ``measure_gloo_cpu`` times the same collectives on the
+process's CPU clock (every thread's work, none of the waiting for other ranks) and fits each kind
+to ``per_call + per_byte * bytes``: what a rank's CPU time holds for each collective of its step,
+whether or not it overlaps compute in wall time (``collective_cpu_seconds``).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,7 +45,46 @@ def measure_gloo(group=None, *, sizes=SIZES, repeats: int = REPEATS) -> Link:
     return Link(bandwidth=1.0 / inverse_bandwidth, latency=alpha)
 
 
-def _median_time(kind: str, elements: int, p: int, group, repeats: int) -> float:
+@dataclass(frozen=True)
+class CollectiveCpu:
+    """CPU seconds one collective costs a rank's process, by kind: ``per_call[kind] +
+    per_byte[kind] * bytes`` of its full (gathered / unscattered) buffer."""
+
+    per_call: dict
+    per_byte: dict
+
+    def seconds(self, call) -> float:
+        """One ``CollectiveCall``; a kind not measured costs what the dearest measured one does."""
+        kind = call.kind if call.kind in self.per_call else max(
+            self.per_call, key=lambda k: self.per_call[k] + self.per_byte[k] * call.bytes)
+        return self.per_call[kind] + self.per_byte[kind] * call.bytes
+
+
+def measure_gloo_cpu(group=None, *, sizes=SIZES, repeats: int = REPEATS) -> CollectiveCpu:
+    """Each collective kind's CPU cost on this rank's process clock (call it on every rank; every
+    rank gets rank 0's fit)."""
+    p = dist.get_world_size(group)
+    fitted = []
+    for kind in _MEASURED:
+        rows = []
+        for nbytes in sizes:
+            elements = nbytes // 4 // p * p
+            rows.append((1.0, elements * 4.0, _median_time(kind, elements, p, group, repeats,
+                                                           clock=time.process_time)))
+        fitted.extend(_fit(rows, what=f"gloo {kind} CPU timings"))
+    numbers = torch.tensor([fitted], dtype=torch.float64)
+    dist.broadcast(numbers, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    values = numbers[0].tolist()
+    return CollectiveCpu(per_call=dict(zip(_MEASURED, values[0::2])),
+                         per_byte=dict(zip(_MEASURED, values[1::2])))
+
+
+def collective_cpu_seconds(calls, cpu: CollectiveCpu) -> float:
+    """CPU seconds ``calls`` (``CollectiveCall``s) cost a rank's process."""
+    return sum(cpu.seconds(call) for call in calls)
+
+
+def _median_time(kind: str, elements: int, p: int, group, repeats: int, clock=time.perf_counter) -> float:
     full = torch.ones(elements)
     shard = torch.ones(elements // p)
     run = {
@@ -50,13 +96,13 @@ def _median_time(kind: str, elements: int, p: int, group, repeats: int) -> float
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
-        start = time.perf_counter()
+        start = clock()
         run()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
-def _fit(rows) -> tuple[float, float]:
+def _fit(rows, what: str = "gloo timings") -> tuple[float, float]:
     """Least squares of seconds = alpha * steps + beta * weighted bytes, both kept positive."""
     a = torch.tensor([[s, b] for s, b, _ in rows], dtype=torch.float64)
     y = torch.tensor([t for _, _, t in rows], dtype=torch.float64)
@@ -64,9 +110,9 @@ def _fit(rows) -> tuple[float, float]:
     w = 1.0 / y
     alpha, beta = torch.linalg.lstsq(a * w[:, None], (y * w)[:, None]).solution[:, 0].tolist()
     if beta <= 0:
-        raise RuntimeError(f"gloo timings give no bandwidth (fitted 1/bandwidth {beta}); rerun on a "
+        raise RuntimeError(f"{what} give no bandwidth (fitted 1/bandwidth {beta}); rerun on a "
                            f"quieter machine")
     return max(alpha, 0.0), beta
 
 
-__all__ = ["SIZES", "measure_gloo"]
+__all__ = ["CollectiveCpu", "SIZES", "collective_cpu_seconds", "measure_gloo", "measure_gloo_cpu"]

@@ -70,6 +70,18 @@ class DeviceSpeed:
     checkpoint_block_s: float = 0.0
     """Fixed cost of one checkpointed block beyond its recomputed ops: ``checkpoint``'s set-up in
     the forward and the recompute's entry in backward (0: not counted)."""
+    fsdp_step_s: float = 0.0
+    """FSDP2's Python per sharded micro-step beyond its units' (the root's hooks), and..."""
+    fsdp_unit_s: float = 0.0
+    """...per unit (``StepCosts.sharded_units``) and..."""
+    fsdp_param_s: float = 0.0
+    """...per sharded parameter, per micro-step, beyond the ops the hooks dispatch (measured on
+    this CPU by ``sharded_profile``; 0: not counted, as on a GPU, where the Python runs ahead of
+    the queued kernels)."""
+    dtensor_op_s: float = 0.0
+    """DTensor's dispatch per op on DTensors beyond the local op (``StepCosts.dtensor_ops``), and..."""
+    dtensor_list_tensor_s: float = 0.0
+    """...per DTensor in a tensor list (``StepCosts.dtensor_list_tensors``); 0: not counted."""
     loop_micro_step_s: float = 0.0
     """The training loop's own work per micro-step beyond the step's ops (``autotune train``'s
     ``StepRunner``: moving the batch, counting items, scaling the loss; measured on this CPU by
@@ -88,12 +100,17 @@ class DeviceSpeed:
     ``memory_bandwidth``), ascending; a family without one takes ``memory_curve``."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each number comes from."""
+    cuda: bool = False
+    """A CUDA device's speed (a GPU profile's): the steps it times are counted as that device runs
+    them (``count.count_steps_costs(for_gpu=name)``: optimizers on their foreach path)."""
 
     def __post_init__(self):
         numbers = [*self.peak_flops.values(), self.memory_bandwidth, *self.fractions.values(),
                    self.op_overhead_s, self.recompute_op_overhead_s, self.module_call_s,
                    self.optimizer_op_overhead_s,
-                   self.checkpoint_block_s, self.loop_micro_step_s, self.loop_window_s]
+                   self.checkpoint_block_s, self.loop_micro_step_s, self.loop_window_s,
+                   self.fsdp_step_s, self.fsdp_unit_s, self.fsdp_param_s, self.dtensor_op_s,
+                   self.dtensor_list_tensor_s]
         numbers += [v for curve in self.matmul_curve.values() for point in curve for v in point]
         numbers += [v for point in self.memory_curve for v in point]
         numbers += [v for curves in (self.kernel_curves, self.kernel_byte_curves)
@@ -132,23 +149,58 @@ def compute_time(costs: StepCosts, speed: DeviceSpeed, precision="fp32") -> dict
     precision = Precision.parse(precision)
     parts = dict.fromkeys(BREAKDOWN, 0.0)
     for op in costs.ops:
-        flops, moved = op.flops / op.count, op.bytes / op.count
-        seconds = speed.op_overhead_s
-        if op.phase == "recompute" and speed.recompute_op_overhead_s:
-            seconds = speed.recompute_op_overhead_s
-        elif op.phase == "optimizer" and speed.optimizer_op_overhead_s:
-            seconds = speed.optimizer_op_overhead_s
-        if flops:
-            seconds += max(flops / speed.flop_rate(precision, op.op_class, flops, op.kernel),
-                           moved / speed.byte_rate(moved))
-        elif moved:
-            seconds += moved / speed.byte_rate(moved, op.kernel)
-        parts["recompute" if op.phase == "recompute" else op.op_class] += seconds * op.count
-    for phase, calls in costs.module_calls.items():
-        parts["recompute" if phase == "recompute" else "other"] += calls * speed.module_call_s
-    parts["recompute"] += costs.checkpoint_blocks * speed.checkpoint_block_s
+        parts["recompute" if op.phase == "recompute" else op.op_class] += op_seconds(op, speed, precision)
+    for phase, seconds in python_seconds(costs, speed):
+        parts["recompute" if phase == "recompute" else "optimizer" if phase == "optimizer"
+              else "other"] += seconds
     parts["total"] = sum(parts[k] for k in BREAKDOWN)
     return parts
+
+
+def phase_time(costs: StepCosts, speed: DeviceSpeed, precision="fp32") -> dict[str, float]:
+    """``compute_time``'s total split by phase (forward, backward, recompute, optimizer): each
+    op in its phase, and each Python cost in the phase that pays it (``python_seconds``)."""
+    precision = Precision.parse(precision)
+    seconds: dict[str, float] = {}
+    for op in costs.ops:
+        seconds[op.phase] = seconds.get(op.phase, 0.0) + op_seconds(op, speed, precision)
+    for phase, extra in python_seconds(costs, speed):
+        if extra:
+            seconds[phase] = seconds.get(phase, 0.0) + extra
+    return seconds
+
+
+def op_seconds(op, speed: DeviceSpeed, precision: Precision) -> float:
+    """All ``op.count`` calls of one counted op: each its overhead and its roofline."""
+    flops, moved = op.flops / op.count, op.bytes / op.count
+    seconds = speed.op_overhead_s
+    if op.phase == "recompute" and speed.recompute_op_overhead_s:
+        seconds = speed.recompute_op_overhead_s
+    elif op.phase == "optimizer" and speed.optimizer_op_overhead_s:
+        seconds = speed.optimizer_op_overhead_s
+    if flops:
+        seconds += max(flops / speed.flop_rate(precision, op.op_class, flops, op.kernel),
+                       moved / speed.byte_rate(moved))
+    elif moved:
+        seconds += moved / speed.byte_rate(moved, op.kernel)
+    return seconds * op.count
+
+
+def python_seconds(costs: StepCosts, speed: DeviceSpeed):
+    """(phase, seconds) of the step's Python beyond its ops: module calls in their phase,
+    checkpointed blocks in recompute, DTensor dispatch in its ops' phase, and FSDP2's hooks,
+    half in the forward and half in the backward (pre/post forward; pre/post backward)."""
+    for phase, calls in costs.module_calls.items():
+        yield phase, calls * speed.module_call_s
+    yield "recompute", costs.checkpoint_blocks * speed.checkpoint_block_s
+    if costs.sharded_units:
+        fsdp = (speed.fsdp_step_s + costs.sharded_units * speed.fsdp_unit_s
+                + costs.sharded_params * speed.fsdp_param_s)
+        yield "forward", fsdp / 2
+        yield "backward", fsdp / 2
+    for phase in {*costs.dtensor_ops, *costs.dtensor_list_tensors}:
+        yield phase, (costs.dtensor_ops.get(phase, 0) * speed.dtensor_op_s
+                      + costs.dtensor_list_tensors.get(phase, 0) * speed.dtensor_list_tensor_s)
 
 
 def window_time(costs: StepCosts, speed: DeviceSpeed, micro_steps: int = 1,
@@ -186,7 +238,8 @@ def speed_for_profile(profile) -> DeviceSpeed:
     return DeviceSpeed(
         name=profile.name, peak_flops=peaks, memory_bandwidth=profile.memory_bandwidth_gb_per_s * 1e9,
         fractions=dict(GPU_FRACTIONS), op_overhead_s=GPU_OP_OVERHEAD_S,
-        sources={"peaks": profile.source or profile.path, "fractions": "roofline.GPU_FRACTIONS"})
+        sources={"peaks": profile.source or profile.path, "fractions": "roofline.GPU_FRACTIONS"},
+        cuda=True)
 
 
 def _interpolate(curve, x: float) -> float:
@@ -203,4 +256,5 @@ def _interpolate(curve, x: float) -> float:
 
 
 __all__ = ["BREAKDOWN", "DeviceSpeed", "GPU_FRACTIONS", "GPU_OP_OVERHEAD_S", "compute_time",
-           "loop_time", "speed_for_profile", "window_time"]
+           "loop_time", "op_seconds", "phase_time", "python_seconds", "speed_for_profile",
+           "window_time"]

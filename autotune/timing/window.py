@@ -25,7 +25,7 @@ from ..precision import Precision
 from .comm import Network, exposed_communication
 from .costs import CollectiveCall, StepCosts
 from .count import count_steps_costs
-from .roofline import compute_time, loop_time
+from .roofline import loop_time, phase_time
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's ``bucket_cap_mb`` default (torch.nn.parallel.DistributedDataParallel)."""
@@ -100,13 +100,9 @@ def ddp_bucket_calls(gradient_bytes: int, world_size: int) -> tuple[CollectiveCa
 
 
 def phase_seconds(costs: StepCosts, speed, precision) -> dict[str, float]:
-    """Compute seconds of each phase of ``costs`` on ``speed`` (the roofline, phase by phase)."""
-    seconds = {}
-    for phase in {op.phase for op in costs.ops}:
-        part = dataclasses.replace(costs, ops=tuple(op for op in costs.ops if op.phase == phase),
-                                   collectives=())
-        seconds[phase] = compute_time(part, speed, precision)["total"]
-    return seconds
+    """Compute seconds of each phase of ``costs`` on ``speed`` (``roofline.phase_time``: module
+    calls, checkpointed blocks and the sharded step's Python each once, in their phase)."""
+    return phase_time(costs, speed, precision)
 
 
 @dataclass(frozen=True)
@@ -232,7 +228,8 @@ def predict_window_time(workload, micro_batches, *, speed, precision="fp32", che
     split = [micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
     counted = count_steps_costs(workload, sorted(set(split)), precision=precision,
                                 checkpointing=checkpointing, sharding=sharding,
-                                world_size=world_size, shard_group=shard_group)
+                                world_size=world_size, shard_group=shard_group,
+                                for_gpu=speed.name if speed.cuda else None)
     if gradient_bytes is None:
         gradient_bytes = trainable_bytes(workload) if world_size > 1 else 0
     counted = with_tokens(counted, tokens_per_sample(workload))
@@ -268,6 +265,18 @@ def trainable_bytes(workload) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
+def window_collectives(model: StepModel, micro_batches, *, sharding: str = "ddp", world_size: int = 1,
+                       reduce_every_micro_step: bool = True,
+                       gradient_bytes: int = 0) -> tuple[CollectiveCall, ...]:
+    """Every collective one window of ``micro_batches`` issues, micro-step by micro-step, as
+    ``predict_window`` times them (DDP's buckets laid out from ``gradient_bytes``)."""
+    split = [int(n) for n in micro_batches]
+    sharded = str(sharding) not in ("ddp", "none")
+    return tuple(call for i, n in enumerate(split) for call in _window_calls(
+        model.at(n).collectives, last=i == len(split) - 1, sharded=sharded, world_size=world_size,
+        reduce_every_micro_step=reduce_every_micro_step, gradient_bytes=gradient_bytes))
+
+
 def _window_calls(collectives, *, last: bool, sharded: bool, world_size: int,
                   reduce_every_micro_step: bool, gradient_bytes: int) -> tuple[CollectiveCall, ...]:
     """The collectives one micro-step of the window issues (the optimizer's on the last only)."""
@@ -283,4 +292,4 @@ def _window_calls(collectives, *, last: bool, sharded: bool, world_size: int,
 
 __all__ = ["DDP_BUCKET_BYTES", "MicroStep", "StepModel", "WindowTime", "bubble_fraction",
            "ddp_bucket_calls", "phase_seconds", "predict_window_time", "predict_window", "tokens_per_sample",
-           "trainable_bytes", "with_tokens"]
+           "trainable_bytes", "window_collectives", "with_tokens"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from ..distributed.sharding import Sharding
 from ..distributed.sharding.settings import resolve_shard_group
 from ..compiled import compiled_step_module, eager_module, is_compiled, with_compile
 from ..distributed.apply_layout import apply_layout
+from ..distributed.context_parallel import context_parallel_step
 from ..distributed.sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
 from . import checkpoint_lock, checks, restart, sharded_checkpoint
 from ..distributed import process_group as distributed
@@ -156,9 +158,10 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
                            dataset_size=size, total_steps=total, checkpoint_dir=checkpoint_dir,
                            scaler=scaler, oom_record=oom_record, attempt=restarts.tag(),
                            on_checkpoint=on_checkpoint)
-        result = session.run(resume=resume, checkpoint_every=checkpoint_every,
-                             metrics_path=metrics_path, num_workers=num_workers, progress=progress,
-                             measure_noise=measure_noise_scale)
+        with session.context_parallel():
+            result = session.run(resume=resume, checkpoint_every=checkpoint_every,
+                                 metrics_path=metrics_path, num_workers=num_workers, progress=progress,
+                                 measure_noise=measure_noise_scale)
         state = _model_state(result) if save_path is not None else None  # every rank gathers
         distributed.settle(ctx)  # the ranks' last collective: rank 0 may write long after
         if state is not None:
@@ -206,8 +209,9 @@ class _Session:
                               f"--sharding fsdp")
         if not plan.parallel.trivial:
             # Before the optimizer is built: the split and fully_shard replace the parameters.
-            model = apply_layout(model, mesh=build_mesh(ctx.device.type, ctx.world_size, shard_group, plan.parallel),
-                                 parallel=plan.parallel, sharding=sharding, precision=precision, workload=workload)
+            self.mesh = build_mesh(ctx.device.type, ctx.world_size, shard_group, plan.parallel)
+            model = apply_layout(model, mesh=self.mesh, parallel=plan.parallel, sharding=sharding,
+                                 precision=precision, workload=workload)
         elif sharding.sharded:
             # Before the optimizer is built: fully_shard replaces the parameters with DTensors.
             shard_model(model, mesh=build_mesh(ctx.device.type, ctx.world_size, shard_group),
@@ -225,6 +229,20 @@ class _Session:
         self.attempt = attempt
         """The torchrun attempt this is (``Restarts.tag``), recorded in its checkpoints."""
         self.on_checkpoint = on_checkpoint
+
+    @contextlib.contextmanager
+    def context_parallel(self):
+        """While inside, every batch's sequence is sharded over the plan's cp ranks and attention
+        rings over them (``autotune.distributed.context_parallel``); nothing without cp."""
+        if self.plan.parallel.cp == 1:
+            yield
+            return
+        workload = self.workload
+        with context_parallel_step(workload, self.mesh["cp"]) as self.workload:
+            try:
+                yield
+            finally:
+                self.workload = workload
 
     def run(self, *, resume, checkpoint_every, metrics_path, num_workers, progress,
             measure_noise=True) -> TrainResult:
@@ -359,8 +377,9 @@ class _Session:
         lr = plan.lr.lr if plan.lr.lr is not None else group_lr(self.optimizer.param_groups[0])
         data = ("make_batch (no dataset)" if self.dataset_size is None else
                 f"{self.dataset_size} samples, {self.layout.windows_per_epoch} steps per epoch")
+        ranks = "rank(s)" if plan.parallel.trivial else "data-parallel rank(s)"
         return (f"{self.total_steps} optimizer steps from step {self.state.step}: micro-batches "
-                f"{plan.micro_batches} x {plan.world_size} rank(s) = effective batch "
+                f"{plan.micro_batches} x {plan.data_parallel} {ranks} = effective batch "
                 f"{plan.effective_batch}; {self.precision.value}; lr {lr:g} "
                 f"({describe_warmup(plan, self.workload)}); clip {self.clip}; "
                 f"{self._describe_sharding()}; data: {data}")

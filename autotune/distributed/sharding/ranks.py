@@ -70,6 +70,11 @@ def sharded_step(workload, *, sharding, world_size: int, shard_group=None, preci
             raise ConfigError(f"--world-size {world_size} differs from the {dist.get_world_size()} "
                               f"ranks of the process group; omit --world-size under torchrun")
         mesh = build_mesh(device_type, world_size, group, parallel)
+        if parallel is not None and parallel.cp > 1:
+            from ..context_parallel import context_parallel_step, fsdp_mesh
+
+            fsdp_mesh(mesh)  # its group is made here, before any fake-tensor mode
+            workload = stack.enter_context(context_parallel_step(workload, mesh["cp"]))
 
         def build_sharded():
             model = workload.new_model()
