@@ -4,10 +4,14 @@ Each case plans ``bench/llama_like.py`` (the Llama 3.1 shape AUTOTUNE_LLAMA name
 8192 tokens) for the ``h100-80gb`` profile with FSDP2 over the whole world and a local batch of 2
 (``--micro-batch 2``, ``--target-batch 2 x world``), checkpointing auto, twice in fresh processes:
 ``--optimize memory`` (today's rule) and ``--optimize throughput`` (ranked by the predicted step
-time). Printed: the prediction, the plan's predicted peak, what each planning run cost (CPU
-seconds, the measure that the machine's load does not inflate, and wall seconds) and their ratio.
+time). Printed: the prediction, the plan's predicted peak — the reserved memory of torch's caching
+allocator as modelled for the GPU (``memory/cuda_allocator.py``), what
+``torch.cuda.max_memory_reserved()`` would show and torchtitan logs — with the tensors' allocated
+peak beside it, what each planning run cost (CPU seconds, the measure that the machine's load does
+not inflate, and wall seconds) and their ratio. Layouts: FSDP2 over the whole world only (tensor
+and pipeline parallelism are not planned here yet).
 
-    python bench/step_time_llama.py [--cases 8b:8 8b:128 70b:256 405b:512]
+    python bench/step_time_llama.py [--cases 8b:8 8b:128 70b:256 405b:512] [--headroom 0.1]
 
 Published (torchtitan, benchmarks/llama3_h100_202412_torchtitan.md in github.com/pytorch/torchtitan,
 Dec 2024; also arXiv:2410.06511): H100 SXM with 96 GB HBM2e at 500 W, 400 Gb/s per GPU, bf16,
@@ -34,6 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from autotune.planning.planfile import load_plan  # noqa: E402
 SEQ = 8192
 LOCAL_BATCH = 2
 GiB = 2**30
@@ -47,13 +54,14 @@ PUBLISHED = {
 }
 
 
-def plan_once(shape: str, world: int, optimize: str, out: Path) -> tuple[dict, float, float]:
+def plan_once(shape: str, world: int, optimize: str, out: Path,
+              headroom: float = 0.1) -> tuple[dict, float, float]:
     """The plan file, and the CPU and wall seconds its planning process took."""
     env = dict(os.environ, AUTOTUNE_LLAMA=shape, AUTOTUNE_LLAMA_SEQ=str(SEQ), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "autotune", "plan", str(ROOT / "bench" / "llama_like.py"),
                "--gpu", "h100-80gb", "--world-size", str(world), "--target-batch", str(LOCAL_BATCH * world),
                "--micro-batch", str(LOCAL_BATCH), "--sharding", "fsdp", "--optimize", optimize,
-               "-o", str(out), "--quiet"]
+               "--headroom", str(headroom), "-o", str(out), "--quiet"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -62,24 +70,30 @@ def plan_once(shape: str, world: int, optimize: str, out: Path) -> tuple[dict, f
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}, cpu, wall
-    return json.loads(out.read_text()), cpu, wall
+    data = json.loads(out.read_text())
+    # The planned trial's tensors (the plan file states the reserved peak; its trials both).
+    trial = load_plan(out).planned_trial
+    data["allocated_peak_bytes"] = trial.allocated_peak_bytes if trial is not None else None
+    return data, cpu, wall
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["8b:8", "8b:128", "70b:256", "405b:512"])
+    parser.add_argument("--headroom", type=float, default=0.1,
+                        help="the plans' --headroom (0.1, the planner's default)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="throughput_llama_") as tmp:
         for case in args.cases:
             shape, world = case.split(":")
             world = int(world)
-            memory, mem_cpu, mem_wall = plan_once(shape, world, "memory", Path(tmp) / f"{case}-m.json")
+            memory, mem_cpu, mem_wall = plan_once(shape, world, "memory", Path(tmp) / f"{case}-m.json", args.headroom)
             if "error" in memory:
                 print(f"{shape} x {world}: no plan (FSDP2 over the world, local batch {LOCAL_BATCH}): "
-                      f"{memory['error'][:400]} ({mem_cpu:.0f} CPU s, {mem_wall:.0f} s)", flush=True)
+                      f"{memory['error']} ({mem_cpu:.0f} CPU s, {mem_wall:.0f} s)", flush=True)
                 continue
-            ranked, cpu, wall = plan_once(shape, world, "throughput", Path(tmp) / f"{case}-t.json")
+            ranked, cpu, wall = plan_once(shape, world, "throughput", Path(tmp) / f"{case}-t.json", args.headroom)
             t = ranked["step_time"]
             samples = t["samples_per_s"]
             tps, mfu, gib, layout = PUBLISHED.get((shape, world), (None, "-", None, "-"))
@@ -89,11 +103,13 @@ def main() -> int:
                 ("on" if ckpt["blocks"] == ckpt["total"] else f"{ckpt['blocks']}/{ckpt['total']}"),
                 step=t["step_s"], comm=t["exposed_comm_s"], tps=samples * SEQ, mfu=t["mfu"],
                 peak=ranked["predicted_peak_bytes"] / GiB, memory_peak=memory["predicted_peak_bytes"] / GiB,
+                allocated=(ranked["allocated_peak_bytes"] or 0) / GiB,
                 pub_tps=tps, pub_mfu=mfu, pub_gib=gib, pub_layout=layout,
                 cost=cpu / mem_cpu, cpu=(mem_cpu, cpu), wall=(mem_wall, wall)))
             print_row(rows[-1], header=len(rows) == 1)
-    print("\npredicted peak: allocated tensors at the planned micro-batch (the estimate's peak; not a "
-          "reserved-memory model), GiB; published memory: peak reserved")
+    print("\npredicted peak: torch's caching allocator's reserved memory at the planned micro-batch, "
+          "as modelled (the CUDA context and NCCL buffers come on top), with the tensors' allocated "
+          "peak in brackets, GiB; published memory: peak reserved; layouts: FSDP2 only")
     print("TPS/GPU predicted = samples/s per GPU x 8192 tokens (torchtitan counts the sequence)")
     worst = max((r["cost"] for r in rows), default=float("nan"))
     print(f"planning cost, ranked / today's rule (CPU seconds): worst {worst:.2f}x")
@@ -103,12 +119,12 @@ def main() -> int:
 def print_row(r: dict, *, header: bool) -> None:
     if header:
         print(f"{'case':<11} {'ckpt':>4} {'step s':>7} {'exp.comm s':>10} {'TPS/GPU':>8} {'MFU':>6} "
-              f"{'peak GiB':>8} | {'published TPS':>13} {'MFU':>6} {'GiB':>5} {'(layout)':<48} | "
+              f"{'reserved (alloc.) GiB':>21} | {'published TPS':>13} {'MFU':>6} {'GiB':>5} {'(layout)':<48} | "
               f"{'plan CPU s memory/ranked (ratio)':>34} {'wall s':>13}")
     pub_tps = f"{r['pub_tps']:,}" if r["pub_tps"] else "-"
     pub_gib = f"{r['pub_gib']:.1f}" if r["pub_gib"] else "-"
     print(f"{r['case']:<11} {r['ckpt']:>4} {r['step']:>7.3f} {r['comm']:>10.4f} {r['tps']:>8,.0f} "
-          f"{r['mfu']:>6.1%} {r['peak']:>8.2f} | {pub_tps:>13} {r['pub_mfu']:>6} {pub_gib:>5} "
+          f"{r['mfu']:>6.1%} {r['peak']:>10.2f} ({r['allocated']:>6.2f}) | {pub_tps:>13} {r['pub_mfu']:>6} {pub_gib:>5} "
           f"{r['pub_layout']:<48} | {r['cpu'][0]:>9.1f} / {r['cpu'][1]:>7.1f} ({r['cost']:.2f}x)"
           f"{'':>7} {r['wall'][0]:>6.0f}/{r['wall'][1]:<6.0f}", flush=True)
 

@@ -10,12 +10,13 @@ TESTS = Path(__file__).resolve().parent
 
 
 def real_fsdp_peaks(model_file, world_size: int, sizes, out_dir: Path, *, precision="fp32",
-                    checkpointing=False, repeats: int = 3, cp: int = 1) -> dict[int, list[list[int]]]:
+                    checkpointing=False, repeats: int = 3, cp: int = 1,
+                    tp: int = 1) -> dict[int, list[list[int]]]:
     """{n: per-rank lists of ``repeats`` peaks} from a real FSDP2 run of ``world_size`` gloo ranks
-    (context parallel over groups of ``cp``)."""
+    (context parallel over groups of ``cp``; tensor parallel over groups of ``tp``)."""
     return {int(n): ranks for n, ranks in _run(model_file, world_size, sizes, out_dir, precision,
                                                checkpointing, FSDP_REPEATS=str(repeats),
-                                               FSDP_CP=str(cp))["peaks"].items()}
+                                               FSDP_CP=str(cp), FSDP_TP=str(tp))["peaks"].items()}
 
 
 def real_fsdp_fits(model_file, world_size: int, sizes, out_dir: Path, *, memory_limit: int,
@@ -27,7 +28,8 @@ def real_fsdp_fits(model_file, world_size: int, sizes, out_dir: Path, *, memory_
 
 
 def _run(model_file, world_size, sizes, out_dir, precision, checkpointing, **extra_env) -> dict:
-    out = Path(out_dir) / f"peaks-{Path(model_file).stem}-{world_size}.json"
+    out = Path(out_dir) / (f"peaks-{Path(model_file).stem}-{world_size}-cp{extra_env.get('FSDP_CP', 1)}"
+                          f"-tp{extra_env.get('FSDP_TP', 1)}.json")
     env = dict(os.environ, OMP_NUM_THREADS="1", **extra_env,
                PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),

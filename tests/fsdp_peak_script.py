@@ -7,7 +7,7 @@ rank 0 writes
 {"world_size": W, "peaks": {N: [[rank 0's peaks], [rank 1's], ...]}, "fits": {N: [[...], ...]}}
 to OUT.json. FSDP_MEMORY_LIMIT (bytes) gives each rank that budget; FSDP_SHARD_GROUP shards within
 groups of that many ranks; FSDP_CP shards every sequence over groups of that many ranks (context
-parallelism).
+parallelism); FSDP_TP splits each layer over groups of that many ranks (tensor parallelism).
 """
 
 import json
@@ -31,14 +31,15 @@ dist.init_process_group("gloo")
 world = dist.get_world_size()
 limit = os.environ.get("FSDP_MEMORY_LIMIT")
 group = os.environ.get("FSDP_SHARD_GROUP")
-cp = int(os.environ.get("FSDP_CP") or 1)
+parallel = Layout(cp=int(os.environ.get("FSDP_CP") or 1), tp=int(os.environ.get("FSDP_TP") or 1))
+parallel = None if parallel.trivial else parallel
 peaks, fits = {}, {}
 with sharded_step(load_workload(model_file), sharding="fsdp", world_size=world,
                   shard_group=int(group) if group else None, precision=precision,
-                  parallel=Layout(cp=cp) if cp > 1 else None) as workload:
+                  parallel=parallel) as workload:
     backend = CPUMemoryBackend(int(limit) if limit else None)
     with TrialSession(workload, backend, precision=Precision.parse(precision),
-                      checkpointing=checkpointing == "on", sharded=True) as session:
+                      checkpointing=checkpointing == "on", sharded=True, parallel=parallel) as session:
         for n in map(int, sizes):
             trials = [session.run(n) for _ in range(REPEATS)]
             for name, mine in (("peaks", [t.peak_bytes for t in trials]),

@@ -315,10 +315,11 @@ def test_gpu_plan_states_reserved_above_allocated(tmp_path):
 
 
 def test_estimate_cli_for_cuda_prints_both():
+    # --cuda is the deprecated alias of --gpu (tests/test_estimate_gpu_cli.py): a warning on stderr.
     result = CliRunner().invoke(cli, ["estimate", str(TINY_LM), "--micro-batch", "4", "--cuda",
                                       "A100", "--json"])
     assert result.exit_code == 0, result.output
-    peaks = json.loads(result.output)["4"]
+    peaks = json.loads(result.stdout)["4"]
     assert peaks["reserved_bytes"] >= peaks["allocated_bytes"] + 8 * MiB
     text = CliRunner().invoke(cli, ["estimate", str(TINY_LM), "--micro-batch", "4", "--cuda", "A100"])
     assert "reserved/allocated" in text.output

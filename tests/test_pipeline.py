@@ -95,6 +95,20 @@ def test_the_estimate_is_the_worst_pipeline_rank():
     assert peaks[0] != peaks[1]  # the ranks hold different stages
 
 
+BIG_HEAD = TESTS / "pp_big_head_model.py"  # its last stage holds more than its first
+
+
+def test_the_probe_measures_the_worst_pipeline_rank():
+    from autotune.probing.api import probe
+
+    # 100 MiB: micro-batch 6 fits the first stage (~46 MB) and not the last (~113 MB), 5 fits both.
+    result = probe(BIG_HEAD, memory_limit="100MiB", max_micro_batch=6, world_size=2,
+                   parallel=parse_layout(pp=2), explain=False)
+    first, last = estimated_rank_peaks(BIG_HEAD, 5, window=2)
+    assert last > first
+    assert result.max_micro_batch == 5 and result.peak_at(5) == last
+
+
 def test_cli_estimate_takes_the_pipeline_and_its_window():
     result = CliRunner().invoke(cli, ["estimate", str(EXAMPLES / "mlp.py"), "--micro-batch", "4",
                                       "--pp", "2", "--world-size", "2"])
@@ -140,6 +154,31 @@ def test_estimate_matches_real_gloo_pipeline_peaks(tmp_path, example, schedule, 
     for pp_rank, estimate in enumerate(estimated):
         peak = max(max(real[2][pp_rank * data_parallel + d]) for d in range(data_parallel))
         assert -0.03 * peak <= estimate - peak <= over * peak, (pp_rank, estimate, peak)
+
+
+@pytest.mark.slow
+def test_a_pipeline_plan_states_its_worst_ranks_peak_and_gloo_reaches_it(tmp_path):
+    plan_file = tmp_path / "plan.json"
+    result = CliRunner().invoke(cli, ["plan", str(BIG_HEAD), "--target-batch", "8", "--memory-limit",
+                                      "100MiB", "--pp", "2", "--world-size", "2", "--sharding", "fsdp",
+                                      "--checkpointing", "off", "--output", str(plan_file)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(plan_file.read_text())
+    split = plan["micro_batches"]
+    assert len(set(split)) == 1  # a pipeline's window: micro-batches of one shape
+    first, last = estimated_rank_peaks(BIG_HEAD, split[0], window=len(split), sharding="fsdp")
+    assert plan["predicted_peak_bytes"] == last > first
+    # The probe's window on real gloo ranks (the benchmark's script), then the plan trained.
+    real = real_pipeline_peaks(BIG_HEAD, tmp_path, pp=2, schedule="1f1b", sharding="fsdp", world=2,
+                               window=len(split), sizes=[split[0]])[split[0]]
+    worst = max(max(peaks) for peaks in real)
+    assert max(real[1]) == worst  # gloo's last stage is the worst rank too
+    assert -0.03 * worst <= plan["predicted_peak_bytes"] - worst <= 0.03 * worst, (plan, real)
+    done = subprocess.run(_torchrun(2, "-m", "autotune.cli.main", "train", BIG_HEAD, "--plan", plan_file,
+                                    "--steps", "2"),
+                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "above the plan's predicted" not in done.stdout + done.stderr
 
 
 def _train(nproc, out, *args, **env):

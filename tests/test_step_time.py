@@ -308,12 +308,6 @@ def test_cli_estimate_time_prints_the_breakdown(monkeypatch):
     assert answer["seconds"] == pytest.approx(sum(answer["breakdown_seconds"].values()))
 
 
-def test_cli_estimate_gpu_needs_time():
-    result = CliRunner().invoke(cli, ["estimate", "examples/mlp.py", "--micro-batch", "8", "--gpu",
-                                      "h100-80gb"])
-    assert result.exit_code == 2 and "--gpu needs --time" in result.output
-
-
 def test_window_time_adds_the_loop_per_window_and_per_micro_step_and_one_optimizer_step():
     costs = StepCosts(ops=(OpCost("elementwise", "forward", flops=0, bytes=0, count=10),
                            OpCost("optimizer", "optimizer", flops=0, bytes=0, count=4)),

@@ -26,16 +26,24 @@ def _reserved_text(plan) -> str:
             f"{format_bytes(trial.allocated_peak_bytes)})")
 
 
-def format_cuda_estimate(source, device: str, peaks: dict) -> str:
-    """``autotune estimate --cuda``: the tensors' and the modelled reserved peak per micro-batch."""
+def format_cuda_estimate(source, device: str, peaks: dict, *, outside: int | None = None,
+                         memory: int | None = None) -> str:
+    """``autotune estimate --gpu``: the tensors' and the modelled reserved peak per micro-batch;
+    with the card's ``memory`` and what lives ``outside`` torch's allocator, their sum on it."""
+    headers = ["micro-batch", "tensors (allocated)", "reserved", "reserved/allocated"]
     rows = [[n, format_bytes(a), format_bytes(r), f"{r / a:.3f}" if a else "-"]
             for n, (a, r) in peaks.items()]
+    on_top = "the CUDA context and NCCL buffers come on top"
+    if outside is not None and memory is not None:
+        headers.append(f"+ outside torch, of {format_bytes(memory)}")
+        rows = [[*row, f"{format_bytes(r + outside)} ({(r + outside) / memory:.0%})"]
+                for row, (_, r) in zip(rows, peaks.values())]
+        on_top = f"outside torch: {format_bytes(outside)} (the CUDA context and NCCL buffers)"
     return "\n".join([f"{source}: estimated peak of one training step on {device} (fake tensors, "
                       f"torch's CUDA caching allocator modelled; nothing allocated)",
-                      table(["micro-batch", "tensors (allocated)", "reserved", "reserved/allocated"],
-                            rows),
-                      "reserved: what torch.cuda.max_memory_reserved() would show, cuBLAS workspaces "
-                      "included; the CUDA context and NCCL buffers come on top"])
+                      table(headers, rows),
+                      f"reserved: what torch.cuda.max_memory_reserved() would show, cuBLAS workspaces "
+                      f"included; {on_top}"])
 
 
 def format_probe(result, source: str = "") -> str:

@@ -577,16 +577,18 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
               help="Ranks to shard over (with --sharding fsdp; a fake process group, no ranks run).")
 @click.option("--shard-group", type=click.IntRange(min=1), default=None,
               help="Hybrid sharding: shard within groups of N ranks (default: the world size).")
+@click.option("--gpu", default=None, metavar="NAME",
+              help="For a GPU profile (a name such as h100-80gb, or a .toml path; see autotune "
+                   "profiles): the reserved peak, torch's caching allocator modelled "
+                   "(PYTORCH_CUDA_ALLOC_CONF honoured), beside the tensors' and with what lives "
+                   "outside torch; with --time, the step time on that GPU.")
 @click.option("--cuda", "cuda_name", default=None, metavar="NAME",
-              help="For a CUDA device (a name such as H100 or A100: Hopper's cuBLAS workspace is "
-                   "larger): model torch's caching allocator (PYTORCH_CUDA_ALLOC_CONF honoured) "
-                   "and print the reserved peak beside the tensors'.")
+              help="Deprecated: use --gpu. The reserved peak for a CUDA device named freely "
+                   "(H100, A100: Hopper's cuBLAS workspace is larger).")
 @click.option("--json", "as_json", is_flag=True, help="Print {micro_batch: peak_bytes} as JSON.")
 @click.option("--time", "step_time", is_flag=True,
               help="Predict the compute time of one step instead: FLOPs and bytes per op on the fake "
                    "step, a roofline with this CPU's measured speed (or --gpu's profile).")
-@click.option("--gpu", default=None,
-              help="With --time: predict for this GPU profile (a name or a .toml path).")
 @click.option("--accumulation-steps", type=click.IntRange(min=1), default=1, show_default=True,
               help="Estimate a window of N micro-batches (with --pp: the pipeline's micro-batches, "
                    "at least --pp of them).")
@@ -603,9 +605,16 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
         raise click.UsageError(f"--time predicts data-parallel layouts only; drop --time or "
                                f"{parallel.describe_degrees()}")
 
-    if gpu is not None and not step_time:
-        raise click.UsageError("--gpu needs --time (the memory estimate is this device's; "
-                               "autotune plan --gpu plans memory for a GPU)")
+    if cuda_name is not None:
+        if gpu is not None:
+            raise click.UsageError(f"--cuda {cuda_name} and --gpu {gpu} both name the GPU; drop "
+                                   f"--cuda (deprecated: --gpu takes a profile name or .toml path)")
+        if step_time:
+            raise click.UsageError(f"--cuda {cuda_name} does not time a step; use --time --gpu NAME "
+                                   f"(a GPU profile, see autotune profiles)")
+        warnings.warn(f"--cuda is deprecated; use --gpu NAME (a GPU profile such as h100-80gb, see "
+                      f"autotune profiles), which also counts the CUDA context and NCCL buffers",
+                      AutotuneWarning)
     if step_time:
         from ..timing.predict import predict_step_time
         from .format import format_step_times
@@ -624,15 +633,27 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
         click.echo(format_step_times(predictions, as_json=as_json))
         return
 
-    if cuda_name is not None:
+    if cuda_name is not None or gpu is not None:
+        if accumulation_steps > 1:
+            raise click.UsageError(f"--accumulation-steps {accumulation_steps} with --gpu: the "
+                                   f"reserved peak is estimated for one step; drop one of them")
+        from ..gpus.catalog import load_profile
+        from ..gpus.fixed_costs import outside_torch_bytes
+
+        profile = load_profile(gpu) if gpu is not None else None
         with _stdout_to_stderr(as_json):
-            peaks = estimate_cuda_peaks(model_file, micro_batches, gpu_name=cuda_name,
+            peaks = estimate_cuda_peaks(model_file, micro_batches,
+                                        gpu_name=profile.name if profile else cuda_name,
                                         precision=precision.lower(), checkpointing=checkpointing,
                                         sharding=sharding, world_size=world_size,
                                         shard_group=shard_group, parallel=parallel)
-        click.echo(json.dumps({str(n): {"allocated_bytes": a, "reserved_bytes": r}
+        outside = outside_torch_bytes(profile, world_size) if profile else None
+        extra = {"outside_torch_bytes": outside} if profile else {}
+        click.echo(json.dumps({str(n): {"allocated_bytes": a, "reserved_bytes": r, **extra}
                                for n, (a, r) in peaks.items()}, indent=2) if as_json
-                   else format_cuda_estimate(model_file, cuda_name, peaks))
+                   else format_cuda_estimate(model_file, profile.name if profile else cuda_name, peaks,
+                                             outside=outside,
+                                             memory=profile.memory_bytes if profile else None))
         return
 
     with _stdout_to_stderr(as_json):

@@ -25,20 +25,30 @@ def apply_layout(model: torch.nn.Module, *, mesh, parallel: Layout, sharding, pr
     sharded over the data-parallel dims when ``sharding`` is FSDP2; returns the model."""
     sharding = Sharding.parse(sharding)
     if parallel.pp > 1:
+        if parallel.tp > 1:
+            raise ConfigError(f"{parallel.describe_degrees()}: tensor parallelism inside pipeline "
+                              f"stages is not available in this build of autotune; plan with "
+                              f"--tp 1 or --pp 1")
         from .pipeline import pipeline_model
 
         return pipeline_model(model, mesh=mesh, parallel=parallel, sharding=sharding,
                               precision=precision, workload=workload)
-    for name, what in (("tp", "tensor"),):
-        degree = getattr(parallel, name)
-        if degree > 1:
-            raise ConfigError(f"{name} {degree}: {what} parallelism is not available in this build "
-                              f"of autotune; plan with --{name} 1")
+    if parallel.tp > 1:
+        from .tensor_parallel import apply_tensor_parallel
+
+        model = apply_tensor_parallel(model, mesh, workload=workload, parallel=parallel,
+                                      sharding=sharding)
     if sharding.sharded:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
         # Context-parallel ranks hold different tokens of the same samples: FSDP2 shards over them
         # too, so their gradients are reduced with the data-parallel ones (torchtitan's dp_shard_cp).
         fsdp_mesh = data_parallel_mesh(mesh) if parallel.cp == 1 else context_parallel.fsdp_mesh(mesh)
-        shard_model(model, mesh=fsdp_mesh, sharding=sharding, precision=precision)
+        # fully_shard joins a tensor-parallel parameter's dp and tp meshes into a new DeviceMesh,
+        # whose set-up runs a data-dependent op on the (real) mesh tensor, which a fake-tensor
+        # mode refuses. Outside the mode, FSDP2's ops on fake parameters still run in their mode.
+        with unset_fake_temporarily():
+            shard_model(model, mesh=fsdp_mesh, sharding=sharding, precision=precision)
     return model
 
 

@@ -44,9 +44,15 @@ def nccl_buffer_bytes(world_size: int, environ=None) -> int:
     return channels * (simple + NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE)
 
 
+def outside_torch_bytes(profile, world_size: int) -> int:
+    """What one rank's CUDA process holds outside torch's allocator on a ``profile``'s card: the
+    CUDA context and, for more than one rank, NCCL's buffers."""
+    return profile.cuda_context_bytes + nccl_buffer_bytes(world_size)
+
+
 def _env_int(environ, name: str, default: int) -> int:
     text = environ.get(name, "").strip()
     return int(text) if text.isdigit() and int(text) > 0 else default
 
 
-__all__ = ["NCCL_BUFFSIZE", "NCCL_CHANNELS", "nccl_buffer_bytes"]
+__all__ = ["NCCL_BUFFSIZE", "NCCL_CHANNELS", "nccl_buffer_bytes", "outside_torch_bytes"]

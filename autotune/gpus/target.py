@@ -22,7 +22,7 @@ from ..memory.fake import EstimateMemoryBackend
 from ..probing.estimate import estimate_peak
 from ..precision import Precision
 from .catalog import GPUProfile, load_profile
-from .fixed_costs import nccl_buffer_bytes
+from .fixed_costs import nccl_buffer_bytes, outside_torch_bytes
 from ..units import format_bytes
 
 
@@ -68,7 +68,7 @@ def profile_target(gpu, *, device=None, memory_limit=None, world_size: int | Non
                               f"drop {option} (--gpu plans for the profile, without the device)")
     profile = load_profile(gpu)
     nccl = nccl_buffer_bytes(world_size or 1)
-    budget = profile.memory_bytes - profile.cuda_context_bytes - nccl
+    budget = profile.memory_bytes - outside_torch_bytes(profile, world_size or 1)
     outside = f"{format_bytes(profile.cuda_context_bytes)} CUDA context" + (
         f" and {format_bytes(nccl)} of NCCL buffers" if nccl else "")
     if budget <= 0:

@@ -244,6 +244,9 @@ _WAITS = (torch.ops._c10d_functional.wait_tensor.default,)
 
 # Where each reduce-scatter takes its input: gloo reduces a full-size copy of it (an all-reduce
 # of the copy, then this rank's chunk is copied to the output); NCCL writes to the output.
+# DTensor's all-gather (tensor parallel: a colwise_gather_output head gathers the logits); gloo's
+# worker thread holds its input and output like a reduce-scatter's (see _GlooCollectiveBuffers).
+_FUNCTIONAL_ALL_GATHER = "_c10d_functional::all_gather_into_tensor"
 _REDUCE_SCATTER_INPUT = {"c10d::_reduce_scatter_base_": 1, "_c10d_functional::reduce_scatter_tensor": 0}
 
 
@@ -262,7 +265,9 @@ class _GlooCollectiveBuffers:
 
     Finished all-gathers are let go late too (their output, already copied out), but only across
     a few small ops: held until the next collective, the last block's output would stay through
-    a language model's head and loss, above any real peak (bench/README.md).
+    a language model's head and loss, above any real peak (bench/README.md). DTensor's functional
+    all-gather (tensor parallel) is held, input and output: the Llama head's gathered logits were
+    seen held through the loss, to the byte (bench/README.md, "tp_estimate_accuracy.py").
     """
 
     released_late = True
@@ -275,6 +280,9 @@ class _GlooCollectiveBuffers:
 
     def collective(self, func, args, out, make_staging) -> None:
         self._held = []  # freed by the time the next collective is issued
+        if self.released_late and func._schema.name == _FUNCTIONAL_ALL_GATHER:
+            self._held = [t for t in pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
+            return
         index = _REDUCE_SCATTER_INPUT.get(func._schema.name)
         if index is None or not isinstance(args[index], torch.Tensor):
             return
@@ -312,6 +320,10 @@ class _CountingFakeTensorMode(fake_tensor.FakeTensorMode):
             # from the tensor itself as the fake mode answers it, without the fake mode's layers
             # of dispatch: it was two thirds of the estimate's ops.
             return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        if func in _WAITS and self._depth == 0 and isinstance(args[0], fake_tensor.FakeTensor):
+            # A real wait returns its input tensor (DTensor's functional collectives: tensor
+            # parallel); the fake op would make a new one, counted twice.
+            return args[0]
         # Ops the fake mode decomposes re-enter it. Only the outermost op's outputs count: those
         # are the ops the CPU backend's mode sees on real tensors, whose kernels allocate no
         # decomposition temporaries.

@@ -42,12 +42,13 @@ from ..probing.share import window_steps
 from ..probing.blocks import learn_block_model, prove_fewest_blocks
 from ..probing.result import ProbeResult
 from ..probing.trial import SetupOutOfMemory
+from ..timing.recorded import recording_session
 from ..units import format_bytes
 from ..tuning.search import (DEFAULT_BUDGET_S, build_candidates,
                                 search_throughput, setting_key, study_name, why_fastest)
 from ..tuning.measure import compare_configurations, measure_configuration
 from .eval_batch import plan_eval_batch
-from .predicted import fastest_predicted
+from .predicted import fastest_predicted, recorded_key
 from .request import PlanOptions
 from . import tokens
 from ..distributed import environment
@@ -269,6 +270,8 @@ class _Planner:
         self.every_block = Checkpointing.every_block(total)
         self.created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.sync_estimates: dict = {}
+        self.recorded_steps: dict = {}
+        """Steps the probes counted as they ran, by ``recorded_key`` (``--optimize throughput --gpu``)."""
 
     @property
     def estimated_for(self) -> str | None:
@@ -303,10 +306,16 @@ class _Planner:
 
     def try_setting(self, checkpoint, precision: Precision | None = None, layout=(Sharding.DDP, None),
                     upper: int | None = None, hint: int | None = None) -> SettingTried:
+        # Ranked by predicted throughput for a GPU: the probe's one-step trials are counted as they
+        # run (autotune.timing.recorded), so the ranking need not run them again.
+        steps = {} if self.options.optimize == "throughput" and self.target else None
         setting = _probe_setting(self.workload, self.backend, precision or self.chosen, checkpoint,
                                  upper or self.request.wanted_micro_batch, layout=layout,
                                  world_size=self.world_size, hint=hint, share=self.request.share,
-                                 parallel=self.request.parallel)
+                                 parallel=self.request.parallel,
+                                 session_type=recording_session(steps) if steps is not None else None)
+        if steps:
+            self.recorded_steps[recorded_key(setting)] = steps
         return evaluate_setting(setting, usable=self.usable, agree=self.agree,
                                 extra_bytes=setting_extra_bytes(setting, self.world_size,
                                                                 self.fingerprint.param_bytes))
@@ -389,6 +398,8 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
     """Every setting probed, ddp first, then fsdp on growing shard groups, then fsdp-offload where
     nothing else fits (the planner's order of preference among plans with equally few
     accumulation steps). ``world_size``: the data-parallel ranks the shard groups divide."""
+    if sharding == "auto" and request.parallel.tp > 1:
+        sharding = "fsdp"  # tensor-parallel layouts hold the data-parallel copies with FSDP2 only
     if sharding != "auto":
         chosen = Sharding.parse(sharding)
         group = resolve_shard_group(shard_group, world_size) if chosen.sharded else None
@@ -594,7 +605,8 @@ def _requested_blocks(value, fingerprint: WorkloadFingerprint) -> CheckpointingR
 
 def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
                    layout=(Sharding.DDP, None), world_size: int = 1,
-                   hint: int | None = None, share: int | None = None, parallel=None) -> SettingTried:
+                   hint: int | None = None, share: int | None = None, parallel=None,
+                   session_type=None) -> SettingTried:
     sharding, group = layout
     parallel = parallel if parallel is not None else Layout()
     # Where the probe finds nothing, the setting is what was asked (its blocks not counted).
@@ -609,7 +621,8 @@ def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
     try:
         # share: micro-batches below it accumulate, and are probed as accumulation windows.
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
-                       backend=backend, share=share, **layout_args)
+                       backend=backend, share=share, **layout_args,
+                       **({"session_type": session_type} if session_type is not None else {}))
     except SetupOutOfMemory as exc:
         return SettingTried(**tried, error=str(exc), state_fits=False)
     except ProbeError as exc:

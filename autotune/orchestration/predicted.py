@@ -44,7 +44,7 @@ def fastest_predicted(planner) -> Plan:
             continue
         sizes = sorted(set(split))
         try:
-            counted = _count(planner, setting, sizes, tokens)
+            counted = _count(planner, setting, sizes, tokens, profile.name)
         except EstimateUnavailable:
             continue
         model = StepModel(counted, speed, setting.precision)
@@ -76,7 +76,8 @@ def fastest_predicted(planner) -> Plan:
     model, counted = models[id(setting)]
     missing = sorted(set(plan.micro_batches) - set(counted))
     if missing:
-        model = StepModel({**counted, **_count(planner, setting, missing, tokens)}, speed, setting.precision)
+        model = StepModel({**counted, **_count(planner, setting, missing, tokens, profile.name)}, speed,
+                          setting.precision)
     plan.step_time = predict_window(
         model, plan.micro_batches, network=network, world_size=planner.world_size,
         sharding=str(plan.sharding), shard_group=plan.shard_group,
@@ -93,12 +94,24 @@ def fastest_predicted(planner) -> Plan:
     return plan
 
 
-def _count(planner, setting: SettingTried, sizes, tokens: int | None) -> dict:
-    """The setting's steps at ``sizes`` counted on fake tensors (with tokens per sample)."""
-    counted = count_steps_costs(planner.workload, sizes, precision=setting.precision,
-                                checkpointing=setting.checkpointing, sharding=setting.sharding,
-                                world_size=planner.world_size, shard_group=setting.shard_group)
+def _count(planner, setting: SettingTried, sizes, tokens: int | None, gpu: str) -> dict:
+    """The setting's steps at ``sizes`` on fake tensors (with tokens per sample): those its probe
+    ran and recorded (``timing.recorded``: no second pass), the others counted now."""
+    recorded = planner.recorded_steps.get(recorded_key(setting), {})
+    missing = [n for n in sizes if n not in recorded]
+    counted = {n: recorded[n] for n in sizes if n in recorded}
+    if missing:
+        counted.update(count_steps_costs(planner.workload, missing, precision=setting.precision,
+                                         checkpointing=setting.checkpointing, sharding=setting.sharding,
+                                         world_size=planner.world_size, shard_group=setting.shard_group,
+                                         for_gpu=gpu))
     return with_tokens(counted, tokens)
+
+
+def recorded_key(setting: SettingTried) -> tuple:
+    """What a setting's recorded steps are filed under: its layout, precision and blocks."""
+    return (str(setting.sharding), setting.shard_group, setting.parallel, str(setting.precision),
+            setting.checkpointing.blocks, setting.checkpointing.total)
 
 
 def why_predicted_fastest(ranked: list[ConfigurationPredicted], *, network, speed) -> str:
@@ -137,4 +150,4 @@ def _why_none(settings: list[SettingTried]) -> str:
                      f"{s.error or 'no micro-batch fits'}" for s in settings[:6])
 
 
-__all__ = ["fastest_predicted", "why_predicted_fastest"]
+__all__ = ["fastest_predicted", "recorded_key", "why_predicted_fastest"]

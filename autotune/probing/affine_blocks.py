@@ -67,20 +67,32 @@ def full_builds():
 @contextlib.contextmanager
 def layout_session(workload, backend, *, session_type, precision, checkpointing, sharding,
                    world_size: int, shard_group, reduce_every_micro_step: bool = False,
-                   few_blocks: bool = True, parallel=None, fake_rank: int = 0):
+                   few_blocks: bool = True, parallel=None, fake_rank: int | None = None):
     """The probe's session for a layout: ``session_type`` on ``workload`` sharded as ``sharding``
     says, or, on fake tensors where the model's repeated blocks are identical (and
     ``few_blocks``), a ``FewBlocksSession`` that measures small builds and extends their bytes to
-    the whole model."""
+    the whole model. A pipeline in one process is measured on every pipeline rank, each trial the
+    worst rank's (``WorstPipelineRankSession``), unless ``fake_rank`` names the one rank to be."""
     session_args = dict(precision=precision, checkpointing=checkpointing, sharded=sharding.sharded,
                         offload=sharding.offload, reduce_every_micro_step=reduce_every_micro_step)
     layout = dict(sharding=sharding, world_size=world_size, shard_group=shard_group,
                   precision=precision, device_type=backend.device.type, parallel=parallel,
-                  fake_rank=fake_rank)
+                  fake_rank=fake_rank or 0)
     if parallel is not None and parallel.pp > 1:
-        from .pipeline_trial import pipelined_session_type  # it imports this module's users
+        from .pipeline_trial import (WorstPipelineRankSession, pipeline_fake_ranks,  # they import this module's users
+                                     pipelined_session_type)
 
         session_type = pipelined_session_type(session_type)
+        if fake_rank is None and not torch.distributed.is_initialized():
+            def rank_session(rank: int):
+                return layout_session(workload, backend, session_type=session_type, precision=precision,
+                                      checkpointing=checkpointing, sharding=sharding,
+                                      world_size=world_size, shard_group=shard_group,
+                                      reduce_every_micro_step=reduce_every_micro_step,
+                                      few_blocks=few_blocks, parallel=parallel, fake_rank=rank)
+
+            yield WorstPipelineRankSession(rank_session, pipeline_fake_ranks(parallel, world_size))
+            return
     # A modelled CUDA allocator's reserved memory (rounding, cached segments) does not extend
     # from small builds as tensor bytes do: CUDA estimates run the whole model.
     total = (identical_block_count(workload)

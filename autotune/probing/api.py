@@ -46,6 +46,7 @@ def probe(
     reduce_every_micro_step: bool = True,
     compile=None,
     parallel=None,
+    session_type=None,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -86,6 +87,9 @@ def probe(
 
     ``parallel`` (an ``autotune.Layout``): probe one rank of that tensor/context/pipeline split
     of ``world_size`` ranks (``shard_group`` then counts data-parallel ranks).
+
+    ``session_type`` (trials on fake tensors only): the ``EstimateSession`` subclass (or a factory
+    of one) that runs them; ``autotune.timing.recorded`` counts the steps it runs as it goes.
     """
     checkpointing = CheckpointingRequest.parse(checkpointing, option=option("checkpointing"), allow_auto=False)
     workload = with_compile(load_workload(workload), compile)
@@ -112,7 +116,8 @@ def probe(
     # On fake tensors the estimate's session counts the same bytes for less work (see
     # EstimateSession): it sets up the optimizer state without a step and measures the
     # optimizer phase once per session; identical blocks are measured on few of them.
-    with layout_session(run_workload, backend, session_type=EstimateSession if estimating else TrialSession,
+    with layout_session(run_workload, backend,
+                        session_type=(session_type or EstimateSession) if estimating else TrialSession,
                         precision=precision, checkpointing=checkpointing, sharding=sharding,
                         world_size=world_size, shard_group=shard_group,
                         reduce_every_micro_step=reduce_every_micro_step, parallel=parallel) as session:

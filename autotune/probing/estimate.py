@@ -196,7 +196,7 @@ class EstimateSession(TrialSession):
         return step_peak
 
     def _optimizer_step(self):
-        if self.sharded:
+        if self.sharded and _grads_placed_as_params(self.params):
             # On DTensors every multi-tensor op of the update pays DTensor's uncached sharding
             # propagation (seconds per op for an 80-layer model); the update is elementwise on
             # each rank's shard, so stepping the local shards allocates the same bytes.
@@ -348,6 +348,14 @@ def _init_adam_state(optimizer: torch.optim.Optimizer) -> bool:
         for p, grad in zip(params, saved):
             p.grad = grad
     return True
+
+
+def _grads_placed_as_params(params) -> bool:
+    """Every DTensor gradient laid out as its parameter, so the local shards step alike (a
+    tensor-parallel embedding's gradient comes back replicated: DTensor's update redistributes
+    it op by op, which the estimate then runs as it is)."""
+    return all(getattr(p.grad, "placements", None) == getattr(p, "placements", None)
+               for p in params if p.grad is not None)
 
 
 @contextlib.contextmanager

@@ -6,10 +6,13 @@ micro-batches), then the optimizer phase. A rank's memory depends on which stage
 (and the embedding); the last holds the head, the loss and its logits. The estimate
 (``estimate_peaks(..., parallel=Layout(pp=...))``) runs the schedule of every pipeline rank in
 turn, each in this one process with a fake process group in which it is that rank, and takes the
-worst rank's peak, which the plan must fit.
+worst rank's peak, which the plan must fit; the probe's and planner's trials are the worst rank's
+too (``WorstPipelineRankSession``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from ..errors import ConfigError, given, option
 from ..workload.contract import move_batch
@@ -89,24 +92,94 @@ def pipelined_session_type(session_type: type) -> type:
     return _PIPELINED[session_type]
 
 
+def pipeline_fake_ranks(parallel, world_size: int) -> list[int]:
+    """The first rank of each pipeline rank's slice of the mesh (pp is its outermost dim): with
+    FSDP2 over the data-parallel ranks, and tensor or context parallel within, the others of a
+    slice hold as much."""
+    return [pp_rank * (world_size // parallel.pp) for pp_rank in range(parallel.pp)]
+
+
 def pipeline_rank_trials(make_session, sizes, *, window: int, parallel, world_size: int) -> dict[int, list]:
     """{n: [trial of pipeline rank 0, 1, ...]}: ``make_session(fake_rank)`` (a context manager
-    giving an entered session) for the first data-parallel rank of each pipeline rank in turn
-    (with FSDP2 over the data-parallel ranks they all hold the same)."""
-    data_parallel = parallel.data_parallel(world_size)
+    giving an entered session) for each of ``pipeline_fake_ranks`` in turn."""
     trials = {n: [] for n in sizes}
-    for pp_rank in range(parallel.pp):
-        with make_session(pp_rank * data_parallel) as session:
+    for fake_rank in pipeline_fake_ranks(parallel, world_size):
+        with make_session(fake_rank) as session:
             for n in sizes:
                 trials[n].append(session.run(n, window=window))
     return trials
+
+
+def worst_trial(trials: list):
+    """The trial a plan must fit among the pipeline ranks' trials of one step: one that does not
+    fit, else the largest peak."""
+    return max(trials, key=lambda trial: (not trial.fits, trial.peak_bytes))
+
+
+class WorstPipelineRankSession:
+    """A pipeline's probe session in one process: each trial runs on every pipeline rank (each
+    its own session, on a fake process group in which it is that rank) and is the worst rank's
+    (``worst_trial``): a plan's peak is its worst rank's, and it fits only where every rank fits.
+
+    Only one rank's session is alive at a time (the fake process group is the process's one
+    default group, and the backend counts one session's tensors). The last rank a trial ran is
+    kept set up and runs the next trial first, so that each trial sets up the other ranks only
+    (pp − 1 set-ups), and a trial it does not fit stops there.
+
+    ``rank_session(fake_rank)``: a context manager giving that rank's session, not entered."""
+
+    def __init__(self, rank_session, ranks: list[int]):
+        self._rank_session = rank_session
+        self._ranks = list(ranks)
+        self._held = None  # (rank, ExitStack holding its entered session, session)
+        self._last = None  # the last session set up: what the probe reads after its trials
+
+    def __getattr__(self, name):
+        # checkpointing, total_blocks, compiled, ...: every rank's session sets them up alike.
+        if name.startswith("_") or self._last is None:
+            raise AttributeError(name)
+        return getattr(self._last, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self._release()
+
+    def _release(self):
+        if self._held is not None:
+            _, stack, _ = self._held
+            self._held = None
+            stack.close()
+
+    def _session(self, rank: int):
+        if self._held is not None and self._held[0] == rank:
+            return self._held[2]
+        self._release()
+        with contextlib.ExitStack() as stack:
+            session = stack.enter_context(self._rank_session(rank))
+            self._last = session
+            stack.enter_context(session)
+            self._held = (rank, stack.pop_all(), session)
+        return session
+
+    def run(self, n: int, **kwargs):
+        held = [self._held[0]] if self._held is not None else []
+        trials = []
+        for rank in held + [rank for rank in self._ranks if rank not in held]:
+            trials.append(self._session(rank).run(n, **kwargs))
+            if not trials[-1].fits:
+                break
+        return worst_trial(trials)
 
 
 def worst_pipeline_trials(make_session, sizes, *, window: int, parallel, world_size: int) -> dict:
     """{n: the trial of the pipeline rank with the largest peak}: what a plan must fit."""
     per_rank = pipeline_rank_trials(make_session, sizes, window=window, parallel=parallel,
                                     world_size=world_size)
-    return {n: max(trials, key=lambda trial: trial.peak_bytes) for n, trials in per_rank.items()}
+    return {n: worst_trial(trials) for n, trials in per_rank.items()}
 
 
-__all__ = ["PipelineSessionMixin", "check_pipeline_window", "pipeline_rank_trials", "pipelined_session_type", "worst_pipeline_trials"]
+__all__ = ["PipelineSessionMixin", "WorstPipelineRankSession", "check_pipeline_window",
+           "pipeline_fake_ranks", "pipeline_rank_trials", "pipelined_session_type", "worst_pipeline_trials",
+           "worst_trial"]

@@ -19,6 +19,7 @@ import torch
 
 from ..distributed.collectives import max_across_ranks
 from ..distributed.environment import real_ranks
+from ..distributed.tensor_parallel import clip_grad_norm_
 from ..errors import ProbeError, WorkloadError
 from ..units import format_bytes
 from ..workload.activation_checkpointing import (checkpointable_blocks, disable_checkpointing,
@@ -422,7 +423,7 @@ class TrialSession:
     def _optimizer_phase(self) -> int:
         """unscale_, clip, optimizer step, update, zero_grad; the peak since the last reset."""
         self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
+        clip_grad_norm_(self.params, CLIP_NORM)
         self._optimizer_step()
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

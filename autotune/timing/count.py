@@ -26,46 +26,53 @@ from .costs import CollectiveCall, OpCost, StepCosts
 
 
 def count_step_costs(workload, micro_batch: int, *, precision="fp32", checkpointing=False,
-                     sharding="ddp", world_size: int = 1, shard_group: int | None = None) -> StepCosts:
+                     sharding="ddp", world_size: int = 1, shard_group: int | None = None,
+                     for_gpu: str | None = None) -> StepCosts:
     """What one steady-state training step at ``micro_batch`` costs, op by op (see ``StepCosts``).
 
     Arguments as ``estimate_peak``'s; raises ``EstimateUnavailable`` when the model cannot run on
     fake tensors. Under checkpointing the recomputed forward is counted (phase "recompute");
     sharded, every collective of this rank's step is recorded with its buffer's bytes.
+    ``for_gpu`` (a CUDA device's name): the step a CUDA device runs, as the memory estimate for
+    it runs it (optimizers left to choose take their foreach path); else this CPU's.
     """
     return count_steps_costs(workload, [micro_batch], precision=precision,
                              checkpointing=checkpointing, sharding=sharding,
-                             world_size=world_size, shard_group=shard_group)[micro_batch]
+                             world_size=world_size, shard_group=shard_group,
+                             for_gpu=for_gpu)[micro_batch]
 
 
 def count_steps_costs(workload, micro_batches, *, precision="fp32", checkpointing=False,
-                      sharding="ddp", world_size: int = 1,
-                      shard_group: int | None = None) -> dict[int, StepCosts]:
+                      sharding="ddp", world_size: int = 1, shard_group: int | None = None,
+                      for_gpu: str | None = None) -> dict[int, StepCosts]:
     """``count_step_costs`` for several micro-batches, building the fake model once."""
     sizes = [checked_micro_batch(n) for n in micro_batches]
     costs = {}
     with estimate_session(workload, precision=precision, checkpointing=checkpointing,
                           sharding=sharding, world_size=world_size, shard_group=shard_group,
-                          session_type=_CountingSession) as session:
+                          session_type=_CountingSession, for_cuda=for_gpu) as session:
         for n in sizes:
             costs[n] = session.count(n)
     return costs
 
 
-class _CountingSession(EstimateSession):
-    """The estimate's session with every op of the measured step recorded. Its optimizer phase
-    runs whole each time (the estimate's shortcuts count bytes, not ops): the user's optimizer
-    over every parameter, on each rank's local shards when sharded."""
+class _RecordsSteps:
+    """A session mixin: while ``_recorder`` is set, every op of the window it runs is recorded
+    (the micro-steps' phases, and the optimizer phase as such)."""
 
     _recorder: "_OpRecorder | None" = None
 
-    def count(self, n: int) -> StepCosts:
+    def _recorded(self, n: int, **run) -> tuple:
+        """(the trial, the recorder) of one run at ``n``."""
         self._recorder = _OpRecorder()
         try:
-            self.run(n)
-            recorder = self._recorder
+            trial = super().run(n, **run)  # the session's own run, whatever a subclass adds
+            return trial, self._recorder
         finally:
             self._recorder = None
+
+    def _costs(self, recorder: "_OpRecorder", n: int) -> StepCosts:
+        """What ``recorder`` saw of the step at ``n``, with the model's sharded units."""
         model = eager_module(self.model)
         return recorder.costs(n, units=sum(1 for m in model.modules() if is_sharded(m)),
                               sharded_params=sum(1 for p in model.parameters() if _is_dtensor(p)))
@@ -80,6 +87,15 @@ class _CountingSession(EstimateSession):
         super()._gradient_sync(enabled)
         if self._recorder is not None:  # called as each micro-step starts: its forward
             self._recorder.backward_started = False
+
+
+class _CountingSession(_RecordsSteps, EstimateSession):
+    """The estimate's session with every op of the measured step recorded. Its optimizer phase
+    runs whole each time (the estimate's shortcuts count bytes, not ops): the user's optimizer
+    over every parameter, on each rank's local shards when sharded."""
+
+    def count(self, n: int) -> StepCosts:
+        return self._costs(self._recorded(n)[1], n)
 
     def _optimizer_phase(self) -> int:
         if self._recorder is None:
@@ -177,6 +193,9 @@ class _OpRecorder(TorchDispatchMode):
         self.dtensor_ops: Counter = Counter()
         self.dtensor_list_tensors: Counter = Counter()
         self._as_dtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.optimizer_stepped = False
+        self.optimizer_cut = False
+        """Set by a session whose optimizer step ran, or ran on part of the parameters only."""
         self._recomputing_node = None
         self._hook = None
 

@@ -30,7 +30,8 @@ def predict_step_time(workload, micro_batches, *, precision="fp32", checkpointin
     CPU (its speed measured once, then cached). The step is a window of one micro-step
     (``roofline.window_time``): with ``speed``'s loop costs where it has them ("loop" in the
     breakdown; ``tuning.loop_cost.cpu_speed_with_loop()`` measures this CPU's, as ``autotune
-    estimate --time`` does). Communication is not included."""
+    estimate --time`` does). On a GPU the step is counted as that device runs it (optimizers left
+    to choose on their foreach path). Communication is not included."""
     if isinstance(micro_batches, int):
         micro_batches = [micro_batches]
     if speed is None:
@@ -42,7 +43,8 @@ def predict_step_time(workload, micro_batches, *, precision="fp32", checkpointin
             speed = cpu_speed()
     costs = count_steps_costs(workload, micro_batches, precision=precision,
                               checkpointing=checkpointing, sharding=sharding,
-                              world_size=world_size, shard_group=shard_group)
+                              world_size=world_size, shard_group=shard_group,
+                              for_gpu=speed.name if speed.cuda else None)
     predictions = {}
     for n, cost in costs.items():
         parts = window_time(cost, speed, 1, precision)

@@ -100,6 +100,9 @@ class DeviceSpeed:
     ``memory_bandwidth``), ascending; a family without one takes ``memory_curve``."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each number comes from."""
+    cuda: bool = False
+    """A CUDA device's speed (a GPU profile's): the steps it times are counted as that device runs
+    them (``count.count_steps_costs(for_gpu=name)``: optimizers on their foreach path)."""
 
     def __post_init__(self):
         numbers = [*self.peak_flops.values(), self.memory_bandwidth, *self.fractions.values(),
@@ -235,7 +238,8 @@ def speed_for_profile(profile) -> DeviceSpeed:
     return DeviceSpeed(
         name=profile.name, peak_flops=peaks, memory_bandwidth=profile.memory_bandwidth_gb_per_s * 1e9,
         fractions=dict(GPU_FRACTIONS), op_overhead_s=GPU_OP_OVERHEAD_S,
-        sources={"peaks": profile.source or profile.path, "fractions": "roofline.GPU_FRACTIONS"})
+        sources={"peaks": profile.source or profile.path, "fractions": "roofline.GPU_FRACTIONS"},
+        cuda=True)
 
 
 def _interpolate(curve, x: float) -> float:

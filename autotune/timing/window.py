@@ -228,7 +228,8 @@ def predict_window_time(workload, micro_batches, *, speed, precision="fp32", che
     split = [micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
     counted = count_steps_costs(workload, sorted(set(split)), precision=precision,
                                 checkpointing=checkpointing, sharding=sharding,
-                                world_size=world_size, shard_group=shard_group)
+                                world_size=world_size, shard_group=shard_group,
+                                for_gpu=speed.name if speed.cuda else None)
     if gradient_bytes is None:
         gradient_bytes = trainable_bytes(workload) if world_size > 1 else 0
     counted = with_tokens(counted, tokens_per_sample(workload))

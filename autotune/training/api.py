@@ -274,7 +274,8 @@ class _Session:
                                 reduce_every_micro_step=self.plan.reduce_every_micro_step,
                                 offload=self.sharding.offload,
                                 restart_after_oom=self._restart_after_oom,
-                                data_parallel=self.plan.parallel.data_parallel(self.ctx.world_size))
+                                data_parallel=self.plan.parallel.data_parallel(self.ctx.world_size),
+                                tensor_parallel=self.plan.parallel.tp)
             batches = self._batches(num_workers)
             if rng is not None:
                 set_rng_state(rng)  # last, so nothing before the first step draws from it
@@ -349,6 +350,10 @@ class _Session:
             return None, ("the gradient noise scale is not measured when the plan reduces gradients "
                           "every micro-step (reduce_every_micro_step): no rank holds a micro-batch's "
                           "gradient alone"), []
+        if self.plan.parallel.tp > 1:
+            return None, (f"the gradient noise scale is not measured under tensor parallelism "
+                          f"(tp {self.plan.parallel.tp}): no rank holds a micro-batch's whole "
+                          f"gradient"), []
         value = noise_scale(self.state.noise)
         if value is not None:
             advice = batch_advice(value, self.plan.effective_batch)

@@ -21,6 +21,7 @@ from ..workload.optimizer_steps import counted_step, group_lr
 from . import noise_scale
 from ..distributed import process_group as distributed
 from ..distributed.pipeline import PipelinedModel, pipeline_grad_norm
+from ..distributed.tensor_parallel import clip_grad_norm_
 from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
 from .data import Window, slice_batch, split_micro_batches
 from ..errors import WorkloadError, option, flag
@@ -75,7 +76,7 @@ class StepRunner:
                  ctx: distributed.DistContext, clip_grad_norm: float | None, state: TrainState,
                  notify=lambda message: None, measure_noise: bool = True,
                  reduce_every_micro_step: bool = False, restart_after_oom=_cannot_restart,
-                 offload: bool = False, data_parallel: int | None = None):
+                 offload: bool = False, data_parallel: int | None = None, tensor_parallel: int = 1):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -98,8 +99,13 @@ class StepRunner:
         """Ranks that see different samples (the world, unless the plan splits the model)."""
         # FSDP2 only: then no rank ever holds a micro-step's gradient alone (no noise scale).
         self.reduce_every_micro_step = reduce_every_micro_step and self.sharded
-        # A pipeline's ranks never hold one micro-batch's whole gradient alone: no noise scale.
-        self.measure_noise = measure_noise and not self.reduce_every_micro_step and not self.pipelined
+        self.tensor_parallel = tensor_parallel
+        """Ranks that compute each sample's same loss (tensor parallel): each adds the same loss
+        and item counts to the window's totals."""
+        # A pipeline's ranks never hold one micro-batch's whole gradient alone, nor does a
+        # tensor-parallel rank (its gradients are pieces of the layers'): no noise scale.
+        self.measure_noise = (measure_noise and not self.reduce_every_micro_step and not self.pipelined
+                              and tensor_parallel == 1)
         self.totals = WindowTotals(self.device)
         self.offload = offload and self.sharded
         self.host = _NoHost()
@@ -362,6 +368,8 @@ class StepRunner:
 
     def _reduce_totals(self, stop_requested: bool) -> list[float]:
         totals = distributed.all_reduce_sum(self.totals.as_tensor(stop_requested), self.ctx)
+        if self.tensor_parallel > 1:
+            totals = totals / self.tensor_parallel  # each sample's totals came from all its TP ranks
         return totals.tolist()
 
     def _update_noise_scale(self, window: Window, reduced: list[float], norm: float) -> None:
@@ -389,12 +397,9 @@ class StepRunner:
         norm is reduced across ranks, and every rank gets the full value."""
         if self.pipelined:  # every stage's gradients count, on whichever rank they live
             return pipeline_grad_norm(self.params, self.model.group, max_norm=self.clip_grad_norm)
-        if self.clip_grad_norm is not None:
-            return _full(torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm))
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
+        if not any(p.grad is not None for p in self.params):
             return torch.zeros(())
-        return _full(torch.nn.utils.get_total_norm(grads))
+        return clip_grad_norm_(self.params, self.clip_grad_norm)
 
 
 class _NoHost:
@@ -405,12 +410,6 @@ class _NoHost:
 
     def to_host(self, tensor) -> None:
         pass
-
-
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class DivergenceWatch:

@@ -80,8 +80,10 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
     """FSDP2's ``no_sync``: with sync off, backward accumulates this rank's unsharded gradients
-    and reduce-scatters nothing; the next backward with sync on reduce-scatters the sum."""
-    model.set_requires_gradient_sync(enabled)
+    and reduce-scatters nothing; the next backward with sync on reduce-scatters the sum. A model
+    that is not FSDP2's (tensor parallel alone) reduces in forward and backward: nothing to do."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(enabled)
 
 
 def local_unsharded_grads(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -1,0 +1,302 @@
+"""Tensor parallelism (with sequence parallelism where the plan asks for it) on a mesh's "tp" dim.
+
+Where a model's TP plan comes from, first found wins:
+
+1. the model file's ``parallelize(model, mesh)``: it applies its own layout (``mesh`` is the
+   whole device mesh; its ``"tp"`` dim is the tensor-parallel one) and returns the model or None;
+2. the model file's ``TP_PLAN``: module-name patterns (``*`` matches one name part, as in
+   ``"layers.*.mlp.up_proj"``) to a style: a ``ParallelStyle`` or one of ``STYLE_NAMES``;
+3. a Hugging Face model's own plan (``model.tp_plan``: its config's ``base_model_tp_plan`` and
+   the head's), its strings mapped to ``torch.distributed.tensor.parallel`` styles;
+4. a plan derived from the common transformer block: q/k/v (colwise) and o (rowwise) projections,
+   gate/up (colwise) and down (rowwise) projections, and an MLP of Linear, activation, Linear
+   (colwise then rowwise), each pair checked by shape.
+
+A model with none of these is a ``ConfigError`` naming the ways; a degree that does not divide
+the attention heads (or KV heads, or a sharded dimension) is one naming the limit. The same
+function applies the layout in the estimate (fake process group), the probe and the training loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, given
+
+STYLE_NAMES = ("colwise", "rowwise", "sequence_parallel", "colwise_gather_output",
+               "embedding_rowwise", "rowwise_split_input", "replicate",
+               "replicated_with_grad_allreduce")
+"""The style strings a ``TP_PLAN`` (or a Hugging Face plan) may use."""
+
+_WAYS = ("define parallelize(model, mesh) in the model file (apply your own layout on "
+         "mesh['tp']), define TP_PLAN = {'module.name.pattern': 'colwise' | 'rowwise' | "
+         "'sequence_parallel' | ...} in the model file, or use a Hugging Face model whose config "
+         "has a base_model_tp_plan")
+
+_COLWISE_NAMES = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
+                  "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "dense_h_to_4h")
+_ROWWISE_NAMES = ("o_proj", "out_proj", "wo", "down_proj", "w2", "fc2", "fc_out", "dense_4h_to_h")
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelPlan:
+    """Where the layout comes from and what it shards (module name -> style name)."""
+
+    source: str
+    """"parallelize()", "TP_PLAN", "Hugging Face tp_plan" or "derived"."""
+    styles: dict = dataclasses.field(default_factory=dict)
+    parallelize: object = None
+
+    def describe(self) -> str:
+        if self.parallelize is not None:
+            return "the model file's parallelize(model, mesh)"
+        kinds = sorted({_style_label(s) for s in self.styles.values()})
+        return f"{self.source}: {len(self.styles)} modules ({', '.join(kinds)})"
+
+
+def _style_label(style) -> str:
+    return style if isinstance(style, str) else type(style).__name__
+
+
+def resolve_plan(model: nn.Module, namespace: dict | None, tp: int, *, source: str) -> TensorParallelPlan:
+    """The TP plan of ``model`` (built from the model file whose names are ``namespace``),
+    checked against ``tp``; a ``ConfigError`` naming the ways to give one when there is none."""
+    namespace = namespace or {}
+    if callable(namespace.get("parallelize")):
+        return TensorParallelPlan("parallelize()", parallelize=namespace["parallelize"])
+    if namespace.get("TP_PLAN") is not None:
+        styles = _expand(model, namespace["TP_PLAN"], where=f"{source}: TP_PLAN")
+        plan = TensorParallelPlan("TP_PLAN", styles)
+    else:
+        hf_plan = _hugging_face_plan(model)
+        if hf_plan:
+            plan = TensorParallelPlan("Hugging Face tp_plan",
+                                      _expand(model, hf_plan, where=f"{source}: the model's tp_plan"))
+        else:
+            plan = TensorParallelPlan("derived", _derive(model))
+    if not any(_shards(style) for style in plan.styles.values()):
+        raise ConfigError(f"{source}: {given('tp', tp)} needs a tensor-parallel plan and autotune "
+                          f"found no projection to shard (no q/k/v/o, gate/up/down or "
+                          f"Linear-activation-Linear MLP); {_WAYS}")
+    check_divisible(model, plan.styles, tp, source=source)
+    return plan
+
+
+def _shards(style) -> bool:
+    return not (isinstance(style, str) and style in ("replicate", "replicated_with_grad_allreduce"))
+
+
+def _hugging_face_plan(model: nn.Module) -> dict:
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    prefix = getattr(model, "base_model_prefix", "")
+    if isinstance(base, dict) and base:
+        inner = getattr(model, prefix, None) if prefix else None
+        return {(f"{prefix}.{k}" if inner is not None and inner is not model else k): v
+                for k, v in base.items()}
+    return {}
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    # "*" stands for one name part (a layer index), as in Hugging Face's and torchtitan's plans.
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+
+
+def _expand(model: nn.Module, plan, *, where: str) -> dict:
+    """{module name: style} for every module a pattern of ``plan`` matches; every pattern must
+    match at least one module and every style must be known."""
+    if not isinstance(plan, dict):
+        raise ConfigError(f"{where} must be a dict of module-name patterns to styles, got "
+                          f"{type(plan).__name__}")
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    names = [name for name, _ in model.named_modules() if name]
+    styles = {}
+    for pattern, style in plan.items():
+        if not isinstance(style, ParallelStyle) and style not in STYLE_NAMES:
+            raise ConfigError(f"{where}: style {style!r} of {pattern!r} is not one autotune applies; "
+                              f"use one of {', '.join(STYLE_NAMES)} or a torch ParallelStyle, or "
+                              f"apply the layout yourself with parallelize(model, mesh) in the "
+                              f"model file")
+        regex = _pattern(pattern)
+        matched = [name for name in names if regex.match(name)]
+        if not matched:
+            raise ConfigError(f"{where}: {pattern!r} matches no module of the model (its modules "
+                              f"are named like {', '.join(names[:6])}, ...)")
+        for name in matched:
+            styles[name] = style
+    return styles
+
+
+def _derive(model: nn.Module) -> dict:
+    """The common transformer block's plan: named projections, and Linear-activation-Linear MLPs."""
+    styles = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or not name:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _COLWISE_NAMES:
+            styles[name] = "colwise"
+        elif leaf in _ROWWISE_NAMES:
+            styles[name] = "rowwise"
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Sequential):
+            children = list(module.named_children())
+            for (first, a), (_, act), (second, b) in zip(children, children[1:], children[2:]):
+                if (isinstance(a, nn.Linear) and isinstance(b, nn.Linear) and not _has_params(act)
+                        and a.out_features == b.in_features):
+                    prefix = f"{name}." if name else ""
+                    styles.setdefault(prefix + first, "colwise")
+                    styles.setdefault(prefix + second, "rowwise")
+    _check_pairs(model, styles)
+    return styles
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _check_pairs(model: nn.Module, styles: dict) -> None:
+    """A derived plan shards a block's colwise outputs and its rowwise inputs alike: within each
+    parent module the rowwise projections' inputs must be the size of some colwise output (the
+    q/k/v heads feed o, gate/up feed down), or the pair is left replicated."""
+    modules = dict(model.named_modules())
+    by_parent: dict[str, list[str]] = {}
+    for name in styles:
+        by_parent.setdefault(name.rsplit(".", 1)[0] if "." in name else "", []).append(name)
+    for parent, names in by_parent.items():
+        col = [n for n in names if styles[n] == "colwise"]
+        row = [n for n in names if styles[n] == "rowwise"]
+        outs = {modules[n].out_features for n in col}
+        if not col or not row or any(modules[n].in_features not in outs for n in row):
+            for n in names:
+                styles.pop(n)
+
+
+def _head_counts(module: nn.Module) -> list[tuple[str, int]]:
+    """(what, count) of the attention heads a module or its config declares."""
+    found = []
+    config = getattr(module, "config", None)
+    for attrs, what in ((_HEAD_ATTRS, "attention heads"), (_KV_HEAD_ATTRS, "KV heads")):
+        for holder in (module, config):
+            value = next((getattr(holder, a) for a in attrs if isinstance(getattr(holder, a, None), int)),
+                         None)
+            if value:
+                found.append((what, value))
+                break
+    return found
+
+
+def check_divisible(model: nn.Module, styles: dict, tp: int, *, source: str) -> None:
+    """Every dimension the plan shards divisible by ``tp`` (the heads: ``Layout.check_model``)."""
+    modules = dict(model.named_modules())
+    for name, style in styles.items():
+        module = modules[name]
+        label = _style_label(style)
+        dim = None
+        if isinstance(module, nn.Linear):
+            dim = (module.out_features if label.startswith("colwise") else
+                   module.in_features if label.startswith("rowwise") else None)
+        elif isinstance(module, nn.Embedding) and label in ("embedding_rowwise", "rowwise", "RowwiseParallel"):
+            dim = module.num_embeddings
+        if dim is not None and dim % tp:
+            raise ConfigError(f"{source}: {given('tp', tp)} does not divide {name}'s sharded "
+                              f"dimension {dim} ({label}); use a degree that divides {dim}")
+
+
+def torch_style(style):
+    """A ``ParallelStyle`` for a style name (a ParallelStyle is returned as it is; None: leave the
+    module's parameters replicated, their gradients identical on every TP rank)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if not isinstance(style, str):
+        return style
+    return {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "sequence_parallel": lambda: SequenceParallel(),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "replicate": lambda: None,
+        "replicated_with_grad_allreduce": lambda: None,
+    }[style]()
+
+
+def apply_tensor_parallel(model: nn.Module, mesh, *, workload, parallel, sharding) -> nn.Module:
+    """``model`` split on ``mesh["tp"]`` (``mesh``: the whole mesh) by the plan its model file
+    (``workload``) or its architecture gives (``resolve_plan``), checked against ``parallel.tp``."""
+    from .sharding.settings import Sharding
+
+    source = getattr(workload, "source", "the model")
+    if not Sharding.parse(sharding).sharded:
+        raise ConfigError(f"{source}: {given('tp', parallel.tp)} with ddp: tensor-parallel plans "
+                          f"hold the data-parallel ranks' copies with FSDP2 (FSDP x TP, as "
+                          f"torchtitan does); use {given('sharding', 'fsdp')}")
+    plan = resolve_plan(model, getattr(workload, "namespace", None), parallel.tp, source=source)
+    if plan.parallelize is None:
+        heads = dict(_head_counts_of(model))
+        parallel.check_model(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"))
+    return apply_plan(model, mesh, plan)
+
+
+def _head_counts_of(model: nn.Module) -> list[tuple[str, int]]:
+    found = _head_counts(model)
+    for module in model.modules():
+        if found:
+            break
+        found = _head_counts(module)
+    return found
+
+
+def apply_plan(model: nn.Module, mesh, plan: TensorParallelPlan) -> nn.Module:
+    """Apply ``plan`` on ``mesh["tp"]`` in place (``mesh``: the whole mesh, with a "tp" dim)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if plan.parallelize is not None:
+        result = plan.parallelize(model, mesh)
+        return model if result is None else result
+    styles = {name: torch_style(style) for name, style in plan.styles.items()}
+    parallelize_module(model, mesh["tp"], {name: s for name, s in styles.items() if s is not None})
+    return model
+
+
+def clip_grad_norm_(params, max_norm: float | None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (``max_norm`` None: the norm alone) for parameters on
+    several meshes: a tensor-parallel model's sharded DTensors next to the plain (or FSDP-only)
+    parameters its plan leaves replicated, which one foreach norm cannot mix. Each group's norm
+    is taken on its own, made whole (``full_tensor``) and summed; the result is a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in params if p.grad is not None]
+    groups: dict = {}
+    for p in params:
+        key = (id(p.grad.device_mesh), p.grad.placements) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    if len(groups) <= 1:
+        norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm is not None
+                else torch.nn.utils.get_total_norm([p.grad for p in params]))
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm is not None:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+__all__ = ["STYLE_NAMES", "TensorParallelPlan", "apply_plan", "apply_tensor_parallel", "check_divisible",
+           "clip_grad_norm_", "resolve_plan", "torch_style"]

@@ -1,0 +1,78 @@
+"""The probe's own fake steps, counted as they run: ranking by throughput without a second pass.
+
+A ``--gpu`` plan ranked by predicted throughput (``orchestration.predicted``) probes each setting
+on fake tensors, as the memory rule does, and then needs the ops of one steady-state step at the
+micro-batches of the setting's split. Where the probe already ran that very step (a trial of one
+step: at the per-rank share of the target batch), the probe's session records it as it runs
+(``RecordingSession``), and the ranking takes that record instead of building the fake model
+again and counting the step a second time (``count.count_steps_costs``).
+
+The recorder only watches (a dispatch mode that runs every op as it comes, and a module pre-hook
+that counts calls): the trial's bytes, tensors and modelled reserved memory, are the estimate's
+own. A record is the same as counting the step again with ``for_gpu`` (the same session class
+on the same fake model, process group and optimizer state, the same single step; tested to be
+equal, op by op, in tests/test_recorded_steps.py), and is kept only where that holds:
+
+- the trial is one step (``window=1``): trials of accumulation windows start their measured
+  micro-step with the gradients alive, not the single step counted;
+- it ran to its end and fitted (an out-of-memory trial stops mid-step);
+- its optimizer phase ran whole: the estimate steps only the distinct neighbour pairs of
+  parameters on the per-parameter path (``EstimateSession._step_by_runs``), and, where no CUDA
+  allocator is modelled, measures the phase once per session; a phase cut short is not kept.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..probing.estimate import EstimateSession, _distinct_neighbour_runs
+from .costs import StepCosts
+from .count import _local_shards, _RecordsSteps
+
+
+class RecordingSession(_RecordsSteps, EstimateSession):
+    """The estimate's session; each one-step trial that runs whole is also counted into ``store``
+    ({micro_batch: StepCosts})."""
+
+    def __init__(self, *args, store: dict[int, StepCosts], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.store = store
+
+    def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None):
+        if window != 1 or micro_batches is not None:
+            return super().run(n, window=window, micro_batches=micro_batches)
+        trial, recorder = self._recorded(n)
+        if trial.fits and recorder.optimizer_stepped and not recorder.optimizer_cut:
+            self.store[n] = self._costs(recorder, n)
+        return trial
+
+    def _optimizer_phase(self) -> int:
+        if self._recorder is None:
+            return super()._optimizer_phase()
+        self._recorder.optimizer = True
+        try:
+            return super()._optimizer_phase()  # the estimate's own: nothing it counts changes
+        finally:
+            self._recorder.optimizer = False
+
+    def _optimizer_step(self):
+        if self._recorder is not None and self.sharded:
+            # As counting marks them: the real step runs these ops on the DTensors whose local
+            # shards the estimate steps.
+            self._recorder.mark_dtensors(_local_shards(self.optimizer))
+        super()._optimizer_step()
+
+    def _step_by_runs(self):
+        if self._recorder is not None:
+            self._recorder.optimizer_stepped = True
+            if _distinct_neighbour_runs(self.optimizer) is not None:
+                self._recorder.optimizer_cut = True  # stepped by runs: not every parameter
+        super()._step_by_runs()
+
+
+def recording_session(store: dict[int, StepCosts]):
+    """The session type for ``probe(session_type=...)`` that records into ``store``."""
+    return functools.partial(RecordingSession, store=store)
+
+
+__all__ = ["RecordingSession", "recording_session"]

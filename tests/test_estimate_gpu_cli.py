@@ -1,0 +1,66 @@
+"""``autotune estimate --gpu NAME``: one option for a GPU target, the modelled reserved peak without
+``--time`` and the step time with it; ``--cuda NAME`` still runs, as a deprecated alias."""
+
+import json
+
+from click.testing import CliRunner
+
+from autotune.cli.main import cli
+from autotune.gpus.catalog import load_profile
+from autotune.gpus.fixed_costs import nccl_buffer_bytes
+from autotune.probing.estimate import estimate_cuda_peaks
+
+from conftest import ROOT
+
+MLP = str(ROOT / "examples" / "mlp.py")
+BASE = ["estimate", MLP, "--micro-batch", "8"]
+
+
+def test_gpu_gives_the_modelled_reserved_peak_and_what_lives_outside_torch():
+    profile = load_profile("h100-80gb")
+    args = BASE + ["--gpu", "h100-80gb", "--world-size", "4"]  # four DDP replicas: NCCL's buffers
+    result = CliRunner().invoke(cli, args + ["--json"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)["8"]
+    tensors, reserved = estimate_cuda_peaks(MLP, [8], gpu_name=profile.name, world_size=4)[8]
+    assert (answer["allocated_bytes"], answer["reserved_bytes"]) == (tensors, reserved)
+    assert reserved > tensors
+    assert answer["outside_torch_bytes"] == profile.cuda_context_bytes + nccl_buffer_bytes(4)
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 0 and "warning" not in text.output
+    assert profile.name in text.output and "reserved/allocated" in text.output
+    assert "outside torch" in text.output and "of 80.00 GiB" in text.output
+
+
+def test_gpu_with_time_gives_the_step_time_on_that_gpu():
+    result = CliRunner().invoke(cli, BASE + ["--gpu", "h100-80gb", "--time", "--json"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)["8"]
+    assert answer["device"] == load_profile("h100-80gb").name and answer["seconds"] > 0
+
+
+def test_cuda_still_runs_with_a_one_line_deprecation_warning():
+    result = CliRunner().invoke(cli, BASE + ["--cuda", "H100", "--json"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)["8"]  # stdout stays the JSON it was
+    assert (answer["allocated_bytes"], answer["reserved_bytes"]) == estimate_cuda_peaks(
+        MLP, [8], gpu_name="H100")[8]
+    warning = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "--cuda is deprecated; use --gpu NAME" in warning[0]
+
+
+def test_cuda_with_gpu_or_time_is_a_usage_error_naming_the_fix():
+    both = CliRunner().invoke(cli, BASE + ["--cuda", "H100", "--gpu", "h100-80gb"])
+    assert both.exit_code == 2 and "drop --cuda" in both.output
+    timed = CliRunner().invoke(cli, BASE + ["--cuda", "H100", "--time"])
+    assert timed.exit_code == 2 and "--time --gpu NAME" in timed.output
+
+
+def test_an_unknown_gpu_names_the_option():
+    result = CliRunner().invoke(cli, BASE + ["--gpu", "no-such-gpu"])
+    assert result.exit_code in (1, 2) and "no-such-gpu" in result.output
+
+
+def test_gpu_estimates_one_step_so_accumulation_steps_is_refused():
+    result = CliRunner().invoke(cli, BASE + ["--gpu", "h100-80gb", "--accumulation-steps", "2"])
+    assert result.exit_code == 2 and "--accumulation-steps 2 with --gpu" in result.output
