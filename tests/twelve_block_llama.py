@@ -9,9 +9,10 @@ VOCAB = 128
 
 def build_model():
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=12, num_attention_heads=4,
-                                        num_key_value_heads=2, max_position_embeddings=64))
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=12,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"  # context parallelism rings SDPA's attention
+    return LlamaForCausalLM(config)
 
 
 def make_batch(batch_size, seq_len=16):
