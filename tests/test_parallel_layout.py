@@ -141,6 +141,9 @@ def test_setting_labels_name_the_split():
      "--pp-schedule 'interleaved-1f1b' runs several stages per rank and --stages-per-rank 1"),
     (["--pp", "4", "--pp-schedule", "interleaved-1f1b"],
      "needs 8 pipeline stages and the model has 4 repeated block"),
+    (["--pp", "2", "--sharding", "ddp"],
+     "--sharding 'ddp' with pp 2 (1f1b): model-parallel layouts train with FSDP2 over their "
+     "data-parallel ranks; use --sharding 'fsdp' or auto"),
     (["--tp", "4", "--gpu", "h100-80gb", "--gpus-per-node", "2"],
      "puts 4 ranks in each tensor/context-parallel group, which must stay inside one host of "
      "--gpus-per-node 2"),

@@ -236,4 +236,4 @@ def test_plan_with_tp_under_auto_sharding_plans_fsdp_x_tp():
                    eval_batch=False)
     assert planned.parallel == Layout(tp=2) and planned.sharding.sharded
     assert planned.effective_batch == 16 and sum(planned.micro_batches) == 8  # 2 data-parallel ranks
-    assert "FSDP x TP" in planned.reasons["sharding"]
+    assert "model-parallel layouts hold their data-parallel copies with FSDP2 (FSDP 2 × TP 2)" in planned.reasons["sharding"]

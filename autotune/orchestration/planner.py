@@ -417,8 +417,8 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
     """Every setting probed, ddp first, then fsdp on growing shard groups, then fsdp-offload where
     nothing else fits (the planner's order of preference among plans with equally few
     accumulation steps). ``world_size``: the data-parallel ranks the shard groups divide."""
-    if sharding == "auto" and request.parallel.tp > 1:
-        sharding = "fsdp"  # tensor-parallel layouts hold the data-parallel copies with FSDP2 only
+    if sharding == "auto" and not request.parallel.trivial:
+        sharding = "fsdp"  # model-parallel layouts hold the data-parallel copies with FSDP2 only
     if sharding != "auto":
         chosen = Sharding.parse(sharding)
         group = resolve_shard_group(shard_group, world_size) if chosen.sharded else None

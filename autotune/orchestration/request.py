@@ -88,6 +88,10 @@ class PlanOptions:
                               f"without torchrun (the plan is the same on every rank of identical devices)")
         self.world_size = environment.resolve_world_size(self.world_size, self.distributed)
         data_parallel = self.parallel.data_parallel(self.world_size)
+        if not self.parallel.trivial and self.sharding == "ddp":
+            raise ConfigError(f"{given('sharding', 'ddp')} with {self.parallel.describe_degrees()}: "
+                              f"model-parallel layouts train with FSDP2 over their data-parallel "
+                              f"ranks; use {given('sharding', 'fsdp')} or auto")
         if self.shard_group is not None:
             resolve_shard_group(self.shard_group, data_parallel, option=option("shard_group"))
         for name, value in (("gpus_per_node", self.gpus_per_node), ("network_gbps", self.network_gbps)):

@@ -413,9 +413,10 @@ def _sharding_reason(setting: SettingTried, split: list[int], chosen: list, layo
                      request: PlanRequest) -> str:
     if request.sharding != "auto":
         return f"{setting.layout} as requested"
-    if request.parallel.tp > 1:
-        return (f"auto: fsdp over the {request.data_parallel} data-parallel rank(s); tensor-parallel "
-                f"layouts hold their data-parallel copies with FSDP2 (FSDP x TP)")
+    if not request.parallel.trivial:
+        return (f"auto: fsdp over the {request.data_parallel} data-parallel rank(s); model-parallel "
+                f"layouts hold their data-parallel copies with FSDP2 "
+                f"({request.parallel.describe(request.world_size, 'FSDP')})")
     if len(layouts) == 1:
         if request.world_size == 1:
             return "auto: ddp; one rank has nothing to shard over"
