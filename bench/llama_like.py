@@ -29,23 +29,31 @@ class Block(nn.Module):
         head_dim = DIM // HEADS
         # What a layout search reads (autotune.workload.model_shape): tensor parallel splits heads.
         self.num_heads, self.num_key_value_heads = HEADS, KV_HEADS
+        self.head_dim = head_dim
         self.attn_norm = nn.RMSNorm(DIM)
-        self.q = nn.Linear(DIM, DIM, bias=False)
-        self.kv = nn.Linear(DIM, 2 * KV_HEADS * head_dim, bias=False)
-        self.o = nn.Linear(DIM, DIM, bias=False)
+        # Separate projections under the names autotune's derived tensor-parallel plan knows
+        # (q/k/v/gate/up colwise, o/down rowwise): a fused [k; v] or [gate; up] weight split
+        # colwise would hand the first ranks all of k (or gate).
+        self.q_proj = nn.Linear(DIM, DIM, bias=False)
+        self.k_proj = nn.Linear(DIM, KV_HEADS * head_dim, bias=False)
+        self.v_proj = nn.Linear(DIM, KV_HEADS * head_dim, bias=False)
+        self.o_proj = nn.Linear(DIM, DIM, bias=False)
         self.mlp_norm = nn.RMSNorm(DIM)
-        self.gate_up = nn.Linear(DIM, 2 * FFN, bias=False)
-        self.down = nn.Linear(FFN, DIM, bias=False)
+        self.gate_proj = nn.Linear(DIM, FFN, bias=False)
+        self.up_proj = nn.Linear(DIM, FFN, bias=False)
+        self.down_proj = nn.Linear(FFN, DIM, bias=False)
 
     def forward(self, x):
         b, s, _ = x.shape
         h = self.attn_norm(x)
-        q = self.q(h).view(b, s, HEADS, -1).transpose(1, 2)
-        k, v = self.kv(h).view(b, s, 2, KV_HEADS, -1).permute(2, 0, 3, 1, 4)
+        # Heads counted from the projections' widths (-1): under tensor parallelism each rank
+        # holds heads / tp of q and KV heads / tp of k and v, the same grouping.
+        q, k, v = (proj(h).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + self.o(attn.transpose(1, 2).reshape(b, s, DIM))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 class LlamaLike(nn.Module):
