@@ -11,7 +11,9 @@ Two tables (bench/README.md, "llama_plans.py"):
    process: its CPU seconds, wall seconds and peak RSS (getrusage), the layout the search chose,
    its split, checkpointing and per-rank peak, how many layouts it estimated and which it could
    not (a split this build lacks), and where ``--full`` asks, the same plan from full builds with
-   its seconds. ``--fixed`` plans data parallel only (the degrees at 1), as before the search.
+   its seconds. ``--reasons`` adds the layout reason and each candidate's CPU seconds (timed
+   around the search's planning of it, in the same process). ``--fixed`` plans data parallel
+   only (the degrees at 1), as before the search.
 
     OMP_NUM_THREADS=1 python bench/llama_plans.py --check 8b 70b --plan 8b 70b 405b 8b-128k --full 8b
 """
@@ -82,10 +84,12 @@ def plan(shape: str, out: pathlib.Path, *, full: bool, search: bool = True) -> d
                str(target), "--seq-len", str(seq), "-o", str(out)]
     if search:
         command += ["--tp", "auto", "--cp", "auto", "--pp", "auto"]
-    if full:  # the same command with the estimates on full builds
-        command = ["-c", "import sys, runpy; from autotune.probing import affine_blocks; "
-                   "affine_blocks._enabled = False; sys.argv = ['autotune', *sys.argv[1:]]; "
-                   "runpy.run_module('autotune', run_name='__main__')", *command[2:]]
+    # The same command, each candidate layout's planning timed (CPU seconds, on stderr), and
+    # where ``full`` asks, with the estimates on full builds.
+    code = _TIMED + ("from autotune.probing import affine_blocks; affine_blocks._enabled = False; "
+                     if full else "")
+    command = ["-c", code + "sys.argv = ['autotune', *sys.argv[1:]]; "
+               "runpy.run_module('autotune', run_name='__main__')", *command[2:]]
     # getrusage(RUSAGE_CHILDREN) holds the largest finished child so far: each plan is measured
     # from its own python so the numbers do not mix.
     wrapper = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
@@ -95,7 +99,9 @@ def plan(shape: str, out: pathlib.Path, *, full: bool, search: bool = True) -> d
     done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, *command],
                           env=_env(shape.split("-")[0], seq), capture_output=True, text=True)
     rc, rss_kib, cpu_s, wall_s = done.stdout.strip().splitlines()[-1].split()
-    found = {"rss_gib": int(rss_kib) / 2**20, "cpu_s": float(cpu_s), "wall_s": float(wall_s)}
+    found = {"rss_gib": int(rss_kib) / 2**20, "cpu_s": float(cpu_s), "wall_s": float(wall_s),
+             "candidates": [line[len("[candidate] "):] for line in done.stderr.splitlines()
+                            if line.startswith("[candidate] ")]}
     if int(rc):
         # An answer too: no layout this build can estimate fits.
         error = next((line for line in done.stderr.splitlines() if line.startswith("Error: ")), None)
@@ -103,6 +109,19 @@ def plan(shape: str, out: pathlib.Path, *, full: bool, search: bool = True) -> d
             raise RuntimeError(done.stderr[-3000:])
         return {**found, "plan": None, "error": error}
     return {**found, "plan": json.loads(out.read_text())}
+
+
+_TIMED = (
+    "import sys, runpy, time; from autotune.orchestration import layout_search; "
+    "search = layout_search.search_layouts\n"
+    "def timed(candidates, evaluate, **kw):\n"
+    "    def each(layout):\n"
+    "        started = time.process_time(); out = evaluate(layout)\n"
+    "        print(f'[candidate] {layout.describe_degrees()}: {time.process_time() - started:.0f} CPU s, '\n"
+    "              f'{out.label or out.error}', file=sys.stderr, flush=True)\n"
+    "        return out\n"
+    "    return search(candidates, each, **kw)\n"
+    "layout_search.search_layouts = timed\n")
 
 
 def _layout(made: dict) -> str:
@@ -126,6 +145,12 @@ def _fits_nowhere(error: str) -> str:
     needs = re.findall(r"checkpointing (\w+), one rank of \d+ under ([\w-]+)\): one training step "
                        r"at micro-batch 1 ran out of memory with ([\d.]+ [KMGT]iB) in use", error)
     return "; ".join(f"{layout} ckpt {ckpt} {need}" for ckpt, layout, need in needs) or error[:200]
+
+
+def _print_candidates(found: dict) -> None:
+    for line in found["candidates"]:
+        print(f"  - {line}", flush=True)
+    print(flush=True)
 
 
 def _env(shape: str, seq: int = SEQ_LEN) -> dict:
@@ -178,6 +203,7 @@ def main() -> int:
                           flush=True)
                     if args.reasons:
                         print(f"\n  {found['error']}\n", flush=True)
+                        _print_candidates(found)
                     continue
                 versus, same = "not run", "-"
                 if shape in args.full:
@@ -196,6 +222,7 @@ def main() -> int:
                       f"{search} | {versus} | {same} |", flush=True)
                 if args.reasons:
                     print(f"\n  layout: {made['reasons'].get('layout')}\n", flush=True)
+                    _print_candidates(found)
     return 0 if ok else 1
 
 
