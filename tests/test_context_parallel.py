@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.distributed.context_parallel import check_seq_len, shard_batch
+from autotune.distributed.context_parallel import check_seq_len, cpu_ring_available, shard_batch
 from autotune.distributed.layout import Layout
 from autotune.errors import ConfigError, WorkloadError
 from autotune.workload import Workload
@@ -57,6 +57,10 @@ def test_a_rank_holds_the_head_and_tail_chunks_of_every_sequence_tensor(rank):
     assert local["weights"] is batch["weights"]
 
 
+needs_cpu_ring = pytest.mark.skipif(not cpu_ring_available(), reason=(
+    f"torch {torch.__version__} has no sharding-rule hook for the CPU ring (torch 2.14 has)"))
+
+
 def _workload(build, make_batch=cp_models.make_causal_lm_batch, loss_fn=cp_models.causal_lm_loss):
     return Workload(model=build, make_batch=make_batch, loss_fn=loss_fn, source=f"{build.__name__}.py")
 
@@ -71,6 +75,7 @@ def _estimate(workload, n, *, world_size: int, cp: int):
     return peaks if isinstance(n, list) else peaks[n]
 
 
+@needs_cpu_ring
 def test_context_parallel_estimate_holds_a_rank_s_part_of_each_sequence(one_thread):
     workload = _workload(cp_models.build_causal_lm, lambda n: cp_models.make_causal_lm_batch(n, 64))
     fsdp = _estimate(workload, [4, 8], world_size=2, cp=1)
@@ -81,12 +86,14 @@ def test_context_parallel_estimate_holds_a_rank_s_part_of_each_sequence(one_thre
     assert (cp[8] - cp[4]) < 0.85 * (fsdp[8] - fsdp[4])
 
 
+@needs_cpu_ring
 @pytest.mark.slow  # Hugging Face's import and model; the accuracy tests below cover it too
 def test_hugging_face_models_run_with_their_sdpa_attention_in_the_estimate(one_thread):
     workload = _workload(cp_models.build_hf_llama, cp_models.make_hf_batch, loss_fn=None)
     assert _estimate(workload, 2, world_size=2, cp=2) > 0
 
 
+@needs_cpu_ring
 @pytest.mark.parametrize("build, loss_fn, error, match", [
     (cp_models.build_masked_lm, cp_models.causal_lm_loss, ConfigError, "with an attention mask.*causal attention only"),
     (cp_models.build_attentionless_lm, cp_models.causal_lm_loss, ConfigError, "called no torch.nn.functional.scaled_dot_product_attention"),
@@ -97,6 +104,7 @@ def test_what_context_parallelism_cannot_shard_is_a_clear_error(one_thread, buil
         _estimate(_workload(build, loss_fn=loss_fn), 1, world_size=2, cp=2)
 
 
+@needs_cpu_ring
 def test_a_hugging_face_model_without_sdpa_names_attn_implementation(one_thread):
     workload = _workload(cp_models.build_eager_llama, cp_models.make_hf_batch, loss_fn=None)
     with pytest.raises(ConfigError, match="attention is 'eager'.*attn_implementation=\"sdpa\""):
@@ -105,6 +113,7 @@ def test_a_hugging_face_model_without_sdpa_names_attn_implementation(one_thread)
 
 # -- real gloo ranks (slow) -----------------------------------------------------------------------
 
+@needs_cpu_ring
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["cp_hf_llama_model", "cp_hf_gpt2_model"])
 def test_estimate_matches_a_real_two_rank_context_parallel_run(tmp_path, model):
@@ -156,6 +165,7 @@ def _saved(path):
                       if t.is_floating_point()])
 
 
+@needs_cpu_ring
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["causal_lm", "hf_llama", "hf_gpt2", "causal_lm_checkpointing"])
 def test_context_parallel_training_ends_where_one_process_does(cp_runs, tmp_path, name):
@@ -178,6 +188,7 @@ def _saved_initial(path):
                       if t.is_floating_point()])
 
 
+@needs_cpu_ring
 @pytest.mark.slow
 def test_sigterm_then_resume_continues_a_context_parallel_run_exactly(cp_runs):
     from cp_train_script import STEPS
@@ -207,6 +218,7 @@ def test_the_cli_names_the_seq_len_option_cp_cannot_balance():
     assert "use a sequence length of 32 or 40" in result.output
 
 
+@needs_cpu_ring
 @pytest.mark.slow
 def test_a_context_parallel_plan_is_what_verify_measures(one_thread):
     import autotune
@@ -218,3 +230,15 @@ def test_a_context_parallel_plan_is_what_verify_measures(one_thread):
     result = autotune.verify_plan(plan, workload=model_file, steps=2)
     assert result.confirmed
     assert result.measured_peak_bytes == plan.predicted_peak_bytes
+
+
+def test_a_torch_without_the_cpu_ring_hooks_refuses_cpu_context_parallelism_clearly(monkeypatch):
+    import types
+
+    import autotune.distributed.context_parallel as context_parallel
+
+    monkeypatch.setattr(context_parallel, "cpu_ring_available", lambda: False)
+    mesh = types.SimpleNamespace(device_type="cpu", size=lambda: 2)
+    with pytest.raises(ConfigError, match="m.py: context parallelism on CPU tensors.*torch 2.14 or later"):
+        with context_parallel.ring_attention(mesh, source="m.py"):
+            pass

@@ -18,12 +18,16 @@ from torch import nn
 
 from autotune.cli.main import cli
 from autotune.distributed.layout import parse_layout
-from autotune.distributed.pipeline import (block_container, parameter_phases, rank_stage_ids,
-                                           stage_bounds)
+from autotune.distributed.pipeline import (block_container, fake_pipeline_supported, parameter_phases,
+                                           rank_stage_ids, stage_bounds)
 from autotune.errors import ConfigError, WorkloadError
 from autotune.probing.estimate import estimate_peaks
 from autotune.workload.contract import load_workload
 from pp_plans import estimated_rank_peaks, real_pipeline_peaks
+
+needs_fake_pipeline = pytest.mark.skipif(not fake_pipeline_supported(), reason=(
+    f"torch {torch.__version__}'s pipeline schedules read a tensor's value in their first step "
+    f"(torch 2.14's take split micro-batches and run on fake tensors)"))
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS.parent / "examples"
@@ -87,6 +91,7 @@ def test_fp16_pipelines_are_refused():
 
 # -- fast: the estimate ------------------------------------------------------------------------
 
+@needs_fake_pipeline
 def test_the_estimate_is_the_worst_pipeline_rank():
     peaks = estimated_rank_peaks(EXAMPLES / "mlp.py", 4)
     parallel = parse_layout(pp=2)
@@ -98,6 +103,7 @@ def test_the_estimate_is_the_worst_pipeline_rank():
 BIG_HEAD = TESTS / "pp_big_head_model.py"  # its last stage holds more than its first
 
 
+@needs_fake_pipeline
 def test_the_probe_measures_the_worst_pipeline_rank():
     from autotune.probing.api import probe
 
@@ -109,6 +115,7 @@ def test_the_probe_measures_the_worst_pipeline_rank():
     assert result.max_micro_batch == 5 and result.peak_at(5) == last
 
 
+@needs_fake_pipeline
 def test_cli_estimate_takes_the_pipeline_and_its_window():
     result = CliRunner().invoke(cli, ["estimate", str(EXAMPLES / "mlp.py"), "--micro-batch", "4",
                                       "--pp", "2", "--world-size", "2"])
@@ -241,3 +248,16 @@ def test_sigterm_then_resume_continues_exactly(tmp_path):
     resumed = torch.load(stopped / "rank-0.pt")
     assert resumed["steps"] == 6 and not resumed["interrupted"]
     assert _relative_error(_merged(stopped, 2), _merged(full, 2)) == 0.0
+
+
+def test_a_torch_whose_schedules_cannot_run_fake_tensors_says_so(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import autotune.distributed.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "fake_pipeline_supported", lambda: False)
+    with FakeTensorMode():
+        batch = torch.zeros(1)
+    with pytest.raises(ConfigError, match="estimated on fake tensors by torch 2.14 or later"):
+        pipeline._step_micro_batches(object(), arg_mbs=[(batch,)], kwarg_mbs=[{}], target_mbs=[None],
+                                     return_outputs=False)

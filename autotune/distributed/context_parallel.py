@@ -109,6 +109,17 @@ def _sequence_sharded(count: int):
     return strategy
 
 
+def cpu_ring_available() -> bool:
+    """Whether this torch has the sharding-rule hooks the CPU ring registers with (torch 2.14;
+    2.13's context parallel module has neither)."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel._sharding_rules import (  # noqa: F401
+            _cp_sharding, _single_dim_strategy_context)
+    except ImportError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _cpu_ring_kernels():
     """The CPU flash kernels dispatch to the ring while inside (see the module's docstring)."""
@@ -179,13 +190,20 @@ def ring_attention(mesh, *, source: str = "<model>"):
     import torch.nn.functional as F
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
+    cpu_ring = cpu_ring_available()
+    if not cpu_ring and mesh.device_type == "cpu":
+        raise ConfigError(f"{source}: context parallelism on CPU tensors (gloo ranks, and the "
+                          f"fake-tensor estimate) rings the CPU's attention kernel through "
+                          f"sharding-rule hooks torch {torch.__version__} lacks; use torch 2.14 "
+                          f"or later, or plan and train context parallelism on CUDA")
     attention = _Attention(source, mesh.size())
     style = cp._ContextParallel(seq_dim=_ATTENTION_SEQ_DIM, attention_type=cp._ContextParallel.AttentionType.SDPA)
     saved_balance = cp._cp_options.enable_load_balance
     cp._cp_options.enable_load_balance = True
     cp._enable_cp_dtensor_dispatcher()
     try:
-        with _cpu_ring_kernels():
+        # torch rings its CUDA kernels itself; the CPU's need the hooks (cpu_ring_available).
+        with _cpu_ring_kernels() if cpu_ring else contextlib.nullcontext():
             cp._distribute_function(F.scaled_dot_product_attention, F, mesh,
                                     attention.input_fn(style.sdpa_input_fn), style.sdpa_output_fn)
             try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -331,6 +332,34 @@ class PipelinedModel(torch.nn.Module):
                 _drop_chunks(stage)
 
 
+def fake_pipeline_supported() -> bool:
+    """Whether this torch's schedules run on fake tensors (torch 2.14: ``step`` takes split
+    micro-batches; 2.13's first step votes between ranks with a tensor's value, ``.item()``)."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    return "arg_mbs" in inspect.signature(Schedule1F1B.step).parameters
+
+
+def _step_micro_batches(schedule, *, arg_mbs, kwarg_mbs, target_mbs, return_outputs) -> None:
+    """``schedule.step`` on micro-batches already split. torch 2.14's ``step`` takes them
+    (``arg_mbs``...); 2.13's (the floor) splits a whole batch itself, so its own steps before
+    the split are done here and the micro-batches go to ``_step_microbatches``."""
+    if fake_pipeline_supported():
+        schedule.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs,
+                      return_outputs=return_outputs)
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if any(isinstance(t, FakeTensor) for args in arg_mbs for t in args):
+        raise ConfigError(f"a pipeline's memory is estimated on fake tensors by torch 2.14 or later: "
+                          f"torch {torch.__version__}'s schedules read a tensor's value in their first "
+                          f"step; upgrade torch, or probe the pipeline under torchrun with real ranks")
+    for stage in schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]:
+        stage.has_backward = schedule._has_backward
+        stage.clear_runtime_states()
+    schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs)
+
+
 def _step_unwrapping_oom(schedule, **kwargs) -> None:
     """``schedule.step``, with an out-of-memory error raised as itself: the stage wraps whatever
     its forward or backward raised in a RuntimeError of its own ("failed to run forward"),
@@ -338,7 +367,7 @@ def _step_unwrapping_oom(schedule, **kwargs) -> None:
     from ..memory.oom import is_oom_error
 
     try:
-        schedule.step(**kwargs)
+        _step_micro_batches(schedule, **kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised, or its out-of-memory cause instead
         cause = exc
         while cause is not None and not is_oom_error(cause):

@@ -274,7 +274,10 @@ class _Session:
                                 reduce_every_micro_step=self.plan.reduce_every_micro_step,
                                 offload=self.sharding.offload,
                                 restart_after_oom=self._restart_after_oom,
-                                data_parallel=self.plan.parallel.data_parallel(self.ctx.world_size),
+                                # FSDP2 averages a context-parallel plan's gradients over
+                                # dp_shard x cp: its cp ranks' partial sums count as ranks too.
+                                data_parallel=(self.plan.parallel.data_parallel(self.ctx.world_size)
+                                               * self.plan.parallel.cp),
                                 tensor_parallel=self.plan.parallel.tp)
             batches = self._batches(num_workers)
             if rng is not None:

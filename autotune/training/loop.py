@@ -96,7 +96,8 @@ class StepRunner:
         self.pipelined = isinstance(model, PipelinedModel)
         """A pipeline's stages: a window is one run of its schedule (``_pipeline_window``)."""
         self.data_parallel = data_parallel or ctx.world_size
-        """Ranks that see different samples (the world, unless the plan splits the model)."""
+        """Ranks whose gradients DDP/FSDP2 average (the world, unless the plan splits the model:
+        the data-parallel ranks, times cp where FSDP2 shards over dp_shard x cp)."""
         # FSDP2 only: then no rank ever holds a micro-step's gradient alone (no noise scale).
         self.reduce_every_micro_step = reduce_every_micro_step and self.sharded
         self.tensor_parallel = tensor_parallel
