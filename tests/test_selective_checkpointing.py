@@ -153,6 +153,7 @@ def _check_fewest(plan, workload):
     assert _real_peak(workload, plan.micro_batch, k - 1) > usable
 
 
+@pytest.mark.slow  # plans and trains end to end: 20-45 s, the fast suite's heaviest
 def test_auto_plans_the_fewest_blocks_that_reach_one_step_gpt_varlen(one_thread, examples_dir):
     workload = load_workload(examples_dir / "gpt_varlen.py")
     plan = autotune.plan(workload, target_batch=64, device="cpu", memory_limit="8MiB", headroom=0.0,
@@ -185,6 +186,7 @@ def test_auto_keeps_checkpointing_off_when_the_share_fits(one_thread, examples_d
     assert not plan.checkpointing.enabled and plan.blocks == 0 and len(plan.settings) == 1
 
 
+@pytest.mark.slow  # plans and trains end to end: 20-45 s, the fast suite's heaviest
 def test_a_count_or_fraction_is_planned_as_asked(one_thread, examples_dir):
     path = examples_dir / "tiny_lm.py"
     plan = autotune.plan(path, target_batch=8, device="cpu", memory_limit="1GiB", checkpointing="1/3",

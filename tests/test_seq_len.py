@@ -110,6 +110,7 @@ def test_cli_refuses_bad_sequence_options():
     assert not Path("/tmp/seqlen_never.json").exists()
 
 
+@pytest.mark.slow  # plans and trains end to end: 20-45 s, the fast suite's heaviest
 def test_a_token_plan_trains_exactly_its_tokens_per_optimizer_step(tmp_path):
     fed = []
 
