@@ -166,11 +166,7 @@ class Layout:
         parts = [f"{name} {getattr(self, name)}" for name in ("tp", "cp", "pp") if getattr(self, name) > 1]
         if not parts:
             return "no model parallelism"
-        text = " × ".join(parts)
-        if self.pp > 1:
-            text += f" ({self.pp_schedule}" + (f", {self.stages_per_rank} stages per rank)"
-                                               if self.stages_per_rank > 1 else ")")
-        return text
+        return " × ".join(parts) + self._pipeline_suffix()
 
     def describe(self, world_size: int, data_parallel_name: str) -> str:
         """The whole layout as torchtitan's runs are described: "FSDP 32 × TP 8" (the
@@ -178,11 +174,14 @@ class Layout:
         parts = [f"{data_parallel_name} {self.data_parallel(world_size)}"]
         parts += [f"{name.upper()} {getattr(self, name)}" for name in ("tp", "cp", "pp")
                   if getattr(self, name) > 1]
-        text = " × ".join(parts)
-        if self.pp > 1:
-            text += f" ({self.pp_schedule}" + (f", {self.stages_per_rank} stages per rank)"
-                                               if self.stages_per_rank > 1 else ")")
-        return text
+        return " × ".join(parts) + self._pipeline_suffix()
+
+    def _pipeline_suffix(self) -> str:
+        """" (interleaved-1f1b, 2 stages per rank)" for a pipeline, else nothing."""
+        if self.pp == 1:
+            return ""
+        stages = f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
+        return f" ({self.pp_schedule}{stages})"
 
     def to_dict(self) -> dict:
         return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "pp_schedule": self.pp_schedule.value,
