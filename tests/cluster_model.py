@@ -3,7 +3,9 @@ float64 MLP, 48 samples.
 
 ``AUTOTUNE_TEST_KILL_ONCE=MARKER:RANK:CALL`` makes rank RANK SIGKILL itself in its CALL-th forward,
 once: it creates the file MARKER first, and a process that finds MARKER does not kill itself (so
-the restarted run goes on). ``AUTOTUNE_TEST_SLOW=S`` sleeps S seconds in every forward.
+the restarted run goes on). ``AUTOTUNE_TEST_KILL_DELAY=S`` waits S seconds before that kill (so a
+supervisor that polls its workers, as Ray's controller does every 2 s, has seen the checkpoints
+reported before it). ``AUTOTUNE_TEST_SLOW=S`` sleeps S seconds in every forward.
 """
 
 import os
@@ -42,6 +44,7 @@ def _kill_or_slow():
             pass
     except FileExistsError:
         return
+    time.sleep(float(os.environ.get("AUTOTUNE_TEST_KILL_DELAY", "0")))
     os.kill(os.getpid(), signal.SIGKILL)
 
 

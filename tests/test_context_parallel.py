@@ -120,7 +120,10 @@ def test_estimate_matches_a_real_two_rank_context_parallel_run(tmp_path, model):
     from fsdp_helpers import real_fsdp_peaks, worst_peak
     from autotune.probing.estimate import estimate_peaks
 
-    sizes = [1, 2, 4]
+    # Not micro-batch 1: there a real step's peak moves by up to 11% from repeat to repeat (gloo's
+    # threads hold or drop about 27 KiB of a 250 KiB step; the estimate is the largest, and CI's 3
+    # repeats once reached only the smallest). From 2 on every repeat is within 3% (bench/README.md).
+    sizes = [2, 4, 8]
     model_file = TESTS / f"{model}.py"
     estimated = estimate_peaks(model_file, sizes, sharding="fsdp", world_size=2, parallel=Layout(cp=2))
     real = real_fsdp_peaks(model_file, 2, sizes, tmp_path, cp=2)

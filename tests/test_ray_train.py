@@ -41,9 +41,13 @@ def local_ray(tmp_path_factory):
     assert done.returncode == 0, done.stdout[-4000:]
     marker = out / "killed"
     # Rank 1 kills itself (SIGKILL) in its 5th forward, once: only runs that set the marker's
-    # environment variable for their model file see it (the kill test's trainer passes it on).
+    # environment variable for their model file see it (the kill test's trainer passes it on). It
+    # waits 6 s first: Ray's controller collects reported checkpoints when it polls its workers
+    # (every 2 s); a kill right after a report lost both of them once in CI, and the run restarted
+    # from scratch (right, but not what this test checks).
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "AUTOTUNE_TEST_KILL_ONCE": f"{marker}:1:5"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "AUTOTUNE_TEST_KILL_ONCE": f"{marker}:1:5",
+                                       "AUTOTUNE_TEST_KILL_DELAY": "6"}})
     try:
         yield out, plan_file, _params(out / "torchrun.pt"), marker
     finally:
