@@ -234,9 +234,10 @@ def test_search_layout_plans_each_candidate_and_records_why(tmp_path):
     workload = SimpleNamespace(seq_len=None)
     screened = []
 
-    def screen(workload, planner, layout, checkpointable):  # the one-step estimate of the least memory
-        screened.append(layout)
-        return "nothing fits (screened)" if _StubPlanner.allowed[layout] is None else None
+    def screen(workload, planner, layout, checkpointable, micro_batch=1):  # one estimate of the least memory
+        screened.append((layout, micro_batch))
+        allowed = _StubPlanner.allowed[layout]
+        return None if isinstance(allowed, int) and micro_batch <= allowed else "screened"
 
     planned = search_layout(workload, options, dict(tp="auto", pp="auto"), make_planner=_StubPlanner,
                             inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True), shape),
@@ -245,18 +246,63 @@ def test_search_layout_plans_each_candidate_and_records_why(tmp_path):
     # the most split next: pp 8 (screened with one estimate: fits nowhere, which answers pp 4);
     # then tp 2 (share 16, at most 4: 4 steps) and tp 2 × pp 2 (4 steps): two without fewer steps.
     assert planned.accumulation_steps == 4 and planned.parallel == Layout(tp=2)
-    assert screened == [Layout(pp=8), Layout(tp=2), Layout(tp=2, pp=2)]
+    assert screened == [(Layout(pp=8), 1), (Layout(tp=2), 1), (Layout(tp=2, pp=2), 1)]
     reason = planned.reasons["layout"]
     assert reason.startswith("auto: FSDP 4 × TP 2: 4 accumulation steps, the fewest of the layouts that "
                              "fit; the least communication of the 3 with 4 accumulation steps (36.06 MiB "
                              "per rank and step against FSDP 8's 84.00 MiB). ")
     assert ("FSDP 8 (4 accumulation steps, 84.00 MiB); pp 2 (1f1b) (nothing fits: every setting runs out "
-            "of memory at micro-batch 1); pp 8 (1f1b) (nothing fits (screened)); ") in reason
+            "of memory at micro-batch 1); pp 8 (1f1b) (nothing fits: screened); ") in reason
     assert "FSDP 2 × TP 2 × PP 2 (1f1b) (4 accumulation steps, 12.07 MiB, bubble 20%)" in reason
     assert ("pp 4 (1f1b) (fits nowhere, not estimated: a rank holds no less than under pp 8 (1f1b), "
             "which fits nowhere)") in reason
     assert reason.endswith("tp 4, tp 2 × pp 4 (1f1b), tp 4 × pp 2 (1f1b) (not estimated: 2 layout(s) in "
                            "a row fitted without fewer accumulation steps (later ones communicate more))")
+
+
+def test_a_layout_that_cannot_reach_the_fewest_steps_is_screened_not_planned():
+    from types import SimpleNamespace
+
+    from autotune.orchestration.layout_search import search_layout
+    from autotune.orchestration.request import PlanOptions
+
+    _StubPlanner.allowed = {Layout(): 2, Layout(tp=2): 4, Layout(tp=4): "unavailable", Layout(pp=2): None,
+                            Layout(tp=2, pp=2): 8, Layout(pp=4): None, Layout(tp=4, pp=2): 8,
+                            Layout(tp=2, pp=4): 8, Layout(tp=4, pp=4): 8, Layout(pp=8): None}
+    shape = ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)
+    screened, planned_layouts = [], []
+
+    class Planner(_StubPlanner):
+        def run(self):
+            planned_layouts.append(self.options.parallel)
+            return super().run()
+
+    def screen(workload, planner, layout, checkpointable, micro_batch=1):
+        screened.append((layout, micro_batch))
+        allowed = _StubPlanner.allowed[layout]
+        return None if isinstance(allowed, int) and micro_batch <= allowed else "screened"
+
+    def search(**options):
+        screened.clear(), planned_layouts.clear()
+        return search_layout(SimpleNamespace(seq_len=None), PlanOptions(
+            target_batch=64, world_size=8, sharding="fsdp", eval_batch=False, **options),
+            dict(tp="auto", pp="auto"), make_planner=Planner, screen=screen,
+            inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True), shape))
+
+    planned = search(precision="bf16")
+    # Data parallel planned 4 steps (share 8, at most 2). pp 2's share is 16: 4 steps need
+    # micro-batch 4, one estimate says no, and no planner search runs; tp 2 (share 16, at most 4)
+    # reaches 4 and is planned. Two in a row without fewer steps end the search.
+    assert screened == [(Layout(pp=2), 4), (Layout(tp=2), 4)]
+    assert planned_layouts == [Layout(), Layout(tp=2)]
+    assert planned.accumulation_steps == 4 and planned.parallel == Layout(tp=2)
+    assert ("pp 2 (1f1b) (more than 4 accumulation steps: its share of 16 samples in 4 needs "
+            "micro-batch 4; screened)") in planned.reasons["layout"]
+    # The same plan as without the screen, where the planner may take another precision than the
+    # screened one (auto without --gpu), which plans pp 2 in full.
+    unscreened = search(precision="auto")
+    assert (unscreened.accumulation_steps, unscreened.parallel) == (4, Layout(tp=2))
+    assert Layout(pp=2) in planned_layouts and (Layout(pp=2), 4) not in screened
 
 
 def test_cli_tp_auto_plans_data_parallel_when_it_takes_one_step(tmp_path, examples_dir):

@@ -29,7 +29,8 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
     """The plan of the layout chosen among ``degrees``' candidates (tp/cp/pp, each "auto" or an
     int, and pp_schedule/stages_per_rank); ``make_planner(workload, options, inspected=)`` is
     ``plan()``'s planner, ``inspected`` the model's (fingerprint, ModelShape); ``screen``
-    (default ``_screen``) says why a layout fits nowhere, or None."""
+    (default ``_screen``) says why a layout does not fit at a micro-batch (1: fits nowhere), or
+    None."""
     screen = screen or _screen
     if options.optimize == "throughput" and options.gpu is None:
         raise ConfigError(f"{given('optimize', 'throughput')} measures replicas on this device, not "
@@ -56,6 +57,14 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                       sharded=options.sharding != "ddp")
 
     screening = []  # set once a layout fits nowhere: cheaper splits may not either
+    fewest: list[int] = []  # the fewest accumulation steps a planned layout has so far
+    # Ranked by steps, a candidate only matters if it can reach as few: one estimate at the
+    # micro-batch that takes tells, where a planner's search would run many. Not where the
+    # planner may take another precision than the one screened (auto on the CPU), a pinned
+    # micro-batch or a token target sets the steps, or throughput ranks.
+    beat_screen = (not rank_by_time and options.micro_batch is None
+                   and getattr(options, "target_tokens", None) is None
+                   and (first.target is not None or options.precision != "auto"))
 
     def evaluate(layout: Layout) -> LayoutOutcome:
         # autotune's loop trains model-parallel layouts over FSDP2 only, sharded across every
@@ -69,10 +78,19 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             return LayoutOutcome(layout, error=f"not planned: {exc}")
         planners[layout] = planner
         try:
-            if screening and not layout.trivial:
+            if beat_screen and fewest and not layout.trivial:
+                best = fewest[0]
+                needed = -(-planner.request.share // best)
+                if needed > 1:
+                    short = screen(workload, planner, layout, fingerprint.checkpointable, micro_batch=needed)
+                    if short is not None:
+                        return LayoutOutcome(layout, beaten=best, error=(
+                            f"more than {_steps_words(best)}: its share of {planner.request.share} "
+                            f"samples in {best} needs micro-batch {needed}; {short}"))
+            elif screening and not layout.trivial:
                 short = screen(workload, planner, layout, fingerprint.checkpointable)
                 if short is not None:
-                    return LayoutOutcome(layout, error=short, fits_nowhere=True)
+                    return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True)
             planned = planner.run()
         except PlanError as exc:
             screening.append(layout)
@@ -81,6 +99,7 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             lacking = re.match(r"(tp|cp|pp) \d+: \w+ parallelism is not available", str(exc))
             return LayoutOutcome(layout, error=f"not estimated: {_first_sentence(exc)}",
                                  unavailable=lacking.group(1) if lacking else None)
+        fewest[:] = [min(fewest + [planned.accumulation_steps])]
         label = planned.parallel.describe(world, str(planned.sharding).upper())
         if planned.shard_group and planned.shard_group != layout.data_parallel(world):
             label += f" (shard group {planned.shard_group})"
@@ -109,26 +128,32 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
     return planned
 
 
-def _screen(workload, planner, layout: Layout, checkpointable: bool) -> str | None:
-    """Why ``layout`` fits nowhere, from one estimate of its least memory (micro-batch 1, every
-    block checkpointed, FSDP2 over all its data-parallel ranks); None where that fits (the
-    planner then searches it). One step instead of a planner's search: where data parallelism
-    fit nowhere, many candidates do not either."""
+def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch: int = 1) -> str | None:
+    """Why ``layout`` does not fit at ``micro_batch``, from one estimate of its least memory
+    there (every block checkpointed, FSDP2 over all its data-parallel ranks, the planner's
+    precision); None where that fits (the planner then searches it). Memory grows with the
+    micro-batch, so at 1 this says the layout fits nowhere. One step instead of a planner's
+    search: where data parallelism fit nowhere, many candidates do not either, and where a layout
+    planned N steps, many cannot reach N."""
     # A pipeline's window is at least pp micro-batches (its schedule's).
-    trial = window_trial(workload, planner.backend, micro_batch=1, window=layout.pp, precision=planner.chosen,
-                         checkpointing="on" if checkpointable else "off", sharding="fsdp",
-                         world_size=planner.world_size, parallel=layout)
-    least = "micro-batch 1" + (", every block checkpointed" if checkpointable else "")
+    trial = window_trial(workload, planner.backend, micro_batch=micro_batch, window=layout.pp,
+                         precision=planner.chosen, checkpointing="on" if checkpointable else "off",
+                         sharding="fsdp", world_size=planner.world_size, parallel=layout)
+    least = f"micro-batch {micro_batch}" + (", every block checkpointed" if checkpointable else "")
     if trial is None:
-        return f"nothing fits: parameters and optimizer state alone pass the budget ({least} screened)"
+        return f"parameters and optimizer state alone pass the budget ({least} screened)"
     # A --gpu estimate's budget holds the modelled reserved memory, not only the tensors.
     peak = getattr(trial, "reserved_peak_bytes", None) or trial.peak_bytes
     if not trial.fits:
-        return f"nothing fits: {least} runs out of memory ({format_bytes(peak)})"
+        return f"{least} runs out of memory ({format_bytes(peak)})"
     if peak > planner.usable:
-        return (f"nothing fits: {format_bytes(peak)} at {least}, past the "
+        return (f"{format_bytes(peak)} at {least}, past the "
                 f"{format_bytes(planner.usable)} the headroom leaves")
     return None
+
+
+def _steps_words(n: int) -> str:
+    return "1 accumulation step" if n == 1 else f"{n} accumulation steps"
 
 
 def _first_sentence(exc: Exception) -> str:

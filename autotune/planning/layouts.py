@@ -19,7 +19,10 @@ tp × cp with sequence parallel; a 1F1B stage holds at most pp micro-batches of 
 blocks, no more than one micro-batch of all of them). After the first candidate that fits
 nowhere, the most split candidate is estimated next, so one estimate can rule out everything it
 dominates, and the planner screens each later candidate with one estimate of its least memory
-(micro-batch 1, every block checkpointed) before searching it. The search stops at one accumulation step (nothing later has fewer steps, and it
+(micro-batch 1, every block checkpointed) before searching it. Once a candidate has planned N
+accumulation steps, ranked by steps, the planner screens each later one at the micro-batch that
+N steps of its share need: one that does not fit there cannot win (``beaten``), and costs one
+estimate instead of a search. The search stops at one accumulation step (nothing later has fewer steps, and it
 communicates more), after ``PATIENCE`` estimates in a row that fit without cutting steps, or
 after ``MAX_ESTIMATED`` estimates; ``plan.reasons["layout"]`` says which.
 
@@ -169,6 +172,9 @@ class LayoutOutcome:
     """False: no estimate ran (dominated by one that fits nowhere, or the search had stopped)."""
     fits_nowhere: bool = False
     """A memory verdict: no micro-batch fits in any sharding (what ``dominated`` prunes by)."""
+    beaten: int | None = None
+    """The fewest accumulation steps planned before it, where a screen showed it cannot reach
+    them (it may fit, with more steps: no plan, and it rules out nothing)."""
     unavailable: str | None = None
     """The degree ("tp", "cp", "pp") this build cannot estimate, where that stopped it: every
     candidate with that degree above 1 is answered alike without an estimate."""
@@ -222,9 +228,11 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
             continue
         outcome = evaluate(layout)
         # What the cap counts: memory answers. A split this build refuses fails at the build.
-        estimated += outcome.steps is not None or outcome.fits_nowhere
+        estimated += outcome.steps is not None or outcome.fits_nowhere or outcome.beaten is not None
         done.append(outcome)
-        if outcome.steps is not None:
+        if outcome.beaten is not None:  # as one that fitted without fewer steps
+            since_better += layout is not jumped
+        elif outcome.steps is not None:
             improved = best_steps is None or outcome.steps < best_steps
             best_steps = outcome.steps if improved else best_steps
             # The most split candidate ran out of order: it says nothing about the ones next.
