@@ -4,7 +4,8 @@
 
 Every rank runs the probe's pipelined window (the schedule over ACCUM micro-batches of N, then
 the optimizer) PP_REPEATS times (default 3) with the CPU memory backend, the model split by the
-same ``sharded_step`` the estimate uses; rank 0 writes {"peaks": {N: [[rank 0's peaks], ...]}}
+same ``sharded_step`` the estimate uses (PP_TP=T: tensor parallel over groups of T inside
+each stage); rank 0 writes {"peaks": {N: [[rank 0's peaks], ...]}}
 to OUT.json.
 """
 
@@ -28,7 +29,7 @@ REPEATS = int(os.environ.get("PP_REPEATS", "3"))
 model_file, out, pp, schedule, sharding, accumulation, *sizes = sys.argv[1:]
 dist.init_process_group("gloo")
 world = dist.get_world_size()
-parallel = parse_layout(pp=int(pp), pp_schedule=schedule)
+parallel = parse_layout(pp=int(pp), pp_schedule=schedule, tp=int(os.environ.get("PP_TP", "1")))
 peaks = {}
 with sharded_step(load_workload(model_file), sharding=sharding, world_size=world,
                   parallel=parallel) as workload:

@@ -225,6 +225,34 @@ def test_pipelined_training_ends_where_one_process_ends(tmp_path, example, sched
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", [4, 8])
+def test_tensor_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as_one_process(tmp_path, world):
+    """TP 2 × PP 2 (4 ranks) and FSDP 2 × TP 2 × PP 2 (8): each pipeline rank's estimate
+    against gloo's real peaks, and training against one process, the gradient norm clipped (a
+    norm over every stage and both tensor-parallel shards: clipped by the same factor)."""
+    from autotune.training import train
+    from pp_plans import own_parameters, reference_plan, with_sgd
+
+    model_file = EXAMPLES / "tiny_lm.py"
+    estimated = estimated_rank_peaks(model_file, 2, tp=2, world_size=world, sharding="fsdp")
+    real = real_pipeline_peaks(model_file, tmp_path, pp=2, tp=2, schedule="1f1b", sharding="fsdp",
+                               world=world, window=4, sizes=[2])[2]
+    per_stage = world // 2
+    for pp_rank, estimate in enumerate(estimated):
+        peak = max(max(real[pp_rank * per_stage + r]) for r in range(per_stage))
+        assert abs(estimate - peak) <= 0.03 * peak, (pp_rank, estimate, peak)
+    out = tmp_path / "train"
+    out.mkdir()
+    _train(world, out, model_file, 2, "1f1b", "fsdp", 3, PP_TP="2", PP_CLIP="0.05")
+    reference = train(reference_plan(world // 4, clip=0.05), with_sgd(load_workload(model_file)), steps=3,
+                      seed=0, progress=False)
+    assert all(r["grad_norm"] > 0.05 for r in reference.metrics)  # every step clipped
+    assert _relative_error(_merged(out, world), own_parameters(reference.model)) < 1e-5
+    losses = torch.load(out / "rank-0.pt")["losses"]
+    assert losses == pytest.approx([r["loss"] for r in reference.metrics], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_sigterm_then_resume_continues_exactly(tmp_path):
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     full.mkdir()

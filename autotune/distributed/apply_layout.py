@@ -1,6 +1,6 @@
 """Apply a plan's parallel layout to a freshly built model: the model-parallel splits first
-(tensor parallel on the mesh's "tp" dim), then FSDP2 over the data-parallel dims, as torchtitan
-orders them. The estimate (fake process group), the probe (real ranks) and the training loop all
+(pipeline stages cut at the blocks, tensor parallel on the mesh's "tp" dim, inside each stage for
+a pipeline), then FSDP2 over the data-parallel dims, as torchtitan orders them. The estimate (fake process group), the probe (real ranks) and the training loop all
 call this one function, so they hold the same pieces of the model.
 
 Context parallelism changes no parameter (it shards each batch's sequence around the step, see
@@ -25,10 +25,6 @@ def apply_layout(model: torch.nn.Module, *, mesh, parallel: Layout, sharding, pr
     sharded over the data-parallel dims when ``sharding`` is FSDP2; returns the model."""
     sharding = Sharding.parse(sharding)
     if parallel.pp > 1:
-        if parallel.tp > 1:
-            raise ConfigError(f"{parallel.describe_degrees()}: tensor parallelism inside pipeline "
-                              f"stages is not available in this build of autotune; plan with "
-                              f"--tp 1 or --pp 1")
         from .pipeline import pipeline_model
 
         return pipeline_model(model, mesh=mesh, parallel=parallel, sharding=sharding,
@@ -52,4 +48,25 @@ def apply_layout(model: torch.nn.Module, *, mesh, parallel: Layout, sharding, pr
     return model
 
 
-__all__ = ["apply_layout"]
+def split_stage(module: torch.nn.Module, *, mesh, parallel: Layout, sharding, precision, workload,
+                dp_mesh) -> torch.nn.Module:
+    """A pipeline stage (``pipeline.StageModule``) as ``apply_layout`` splits a whole model:
+    tensor parallel on ``mesh["tp"]`` over the stage's model (the model file's own, its other
+    stages' blocks cut out, so a TP plan's module names are the model's), then FSDP2 over
+    ``dp_mesh`` where it has more than one rank (with one, FSDP2 would only add a gathered copy
+    of every block)."""
+    sharding = Sharding.parse(sharding)
+    if parallel.tp > 1:
+        from .tensor_parallel import apply_tensor_parallel
+
+        module.model = apply_tensor_parallel(module.model, mesh, workload=workload, parallel=parallel,
+                                             sharding=sharding)
+    if sharding.sharded and dp_mesh.size() > 1:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # as above: FSDP2 joins the dp and tp meshes
+            shard_model(module, mesh=dp_mesh, sharding=sharding, precision=precision)
+    return module
+
+
+__all__ = ["apply_layout", "split_stage"]

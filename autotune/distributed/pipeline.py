@@ -447,16 +447,15 @@ def _cut(model, path: str, start: int, end: int, phases: dict[str, str], *, firs
 
 def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precision, workload) -> PipelinedModel:
     """``apply_layout``'s pipeline: this rank's stages of ``model`` on ``mesh`` (its "pp" dim;
-    the rank's place along it picks the stages), each sharded with FSDP2 over the data-parallel
-    dims when there are several data-parallel ranks (with one, FSDP2 would only add a gathered
-    copy of every block)."""
+    the rank's place along it picks the stages), each split as ``apply_layout.split_stage`` says
+    (tensor parallel, then FSDP2 over the data-parallel dims)."""
     from ..precision import Precision, autocast
     from .sharding.settings import Sharding
-    from .sharding.wrap import data_parallel_mesh, shard_model
+    from .sharding.wrap import data_parallel_mesh
 
-    if parallel.tp > 1 or parallel.cp > 1:
-        raise ConfigError(f"{parallel.describe_degrees()}: a pipeline composes with FSDP2 here, not "
-                          f"yet with tensor or context parallelism; use --tp 1 --cp 1 with --pp")
+    if parallel.cp > 1:
+        raise ConfigError(f"{parallel.describe_degrees()}: a pipeline composes with FSDP2 and tensor "
+                          f"parallelism here, not yet with context parallelism; use --cp 1 with --pp")
     if workload is None or workload.model_is_instance:
         raise ConfigError("pipeline parallelism needs a model file's build_model(): it cuts the model")
     sharding, precision = Sharding.parse(sharding), Precision.parse(precision)
@@ -470,13 +469,16 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
     device = torch.device(mesh.device_type)
 
     def shard(module):
-        return shard_model(module, mesh=dp_mesh, sharding=sharding, precision=precision)
+        from .apply_layout import split_stage
+
+        return split_stage(module, mesh=mesh, parallel=parallel, sharding=sharding, precision=precision,
+                           workload=workload, dp_mesh=dp_mesh)
 
     return build_pipeline(model, pp=parallel.pp, pp_rank=mesh.get_local_rank("pp"),
                           stages_per_rank=parallel.stages_per_rank, schedule=parallel.pp_schedule.value,
                           loss=workload.loss, example_batch=workload.batch(1),
                           group=mesh["pp"].get_group(), device=device,
-                          shard=shard if sharding.sharded and dp_mesh.size() > 1 else None,
+                          shard=shard,
                           autocast=lambda: autocast(precision, device), source=workload.source)
 
 
@@ -519,19 +521,21 @@ def pipeline_grad_norm(params, group, *, max_norm: float | None = None) -> torch
     """The gradient norm over every stage's parameters (each rank holds its own stages'), clipped
     to ``max_norm`` when given, as ``clip_grad_norm_`` over the whole model would."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in params if p.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    if isinstance(local, DTensor):
-        local = local.full_tensor()
+    from .tensor_parallel import clip_grad_norm_, grads_by_mesh
+
+    params = [p for p in params if p.grad is not None]
+    # This rank's stages' norm, whole over tensor-parallel shards (each mesh's on its own).
+    local = clip_grad_norm_(params, None) if params else torch.zeros(())
     squared = local.to(torch.float64) ** 2
     dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
     norm = squared.sqrt().to(local.dtype)
-    if max_norm is not None and grads:
-        # As clip_grad_norm_ scales (never up); a number, which DTensor gradients take too.
+    if max_norm is not None and params:
+        # As clip_grad_norm_ scales (never up); a number, which DTensor gradients take too; one
+        # foreach per mesh (a foreach op does not mix DTensors of different meshes).
         coefficient = min(1.0, max_norm / (float(norm) + 1e-6))
-        torch._foreach_mul_(grads, coefficient)
+        for grads in grads_by_mesh(params):
+            torch._foreach_mul_(grads, coefficient)
     return norm
 
 

@@ -279,10 +279,7 @@ def clip_grad_norm_(params, max_norm: float | None) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     params = [p for p in params if p.grad is not None]
-    groups: dict = {}
-    for p in params:
-        key = (id(p.grad.device_mesh), p.grad.placements) if isinstance(p.grad, DTensor) else None
-        groups.setdefault(key, []).append(p)
+    groups = _by_mesh(params)
     if len(groups) <= 1:
         norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm is not None
                 else torch.nn.utils.get_total_norm([p.grad for p in params]))
@@ -298,5 +295,20 @@ def clip_grad_norm_(params, max_norm: float | None) -> torch.Tensor:
     return total
 
 
+def _by_mesh(params) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in params:
+        key = (id(p.grad.device_mesh), p.grad.placements) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return groups
+
+
+def grads_by_mesh(params) -> list[list[torch.Tensor]]:
+    """The gradients of ``params`` (each with one) in lists that one foreach op can take."""
+    return [[p.grad for p in group] for group in _by_mesh(params).values()]
+
+
 __all__ = ["STYLE_NAMES", "TensorParallelPlan", "apply_plan", "apply_tensor_parallel", "check_divisible",
-           "clip_grad_norm_", "resolve_plan", "torch_style"]
+           "clip_grad_norm_", "grads_by_mesh", "resolve_plan", "torch_style"]
