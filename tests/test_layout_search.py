@@ -290,19 +290,40 @@ def test_a_layout_that_cannot_reach_the_fewest_steps_is_screened_not_planned():
             inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True), shape))
 
     planned = search(precision="bf16")
-    # Data parallel planned 4 steps (share 8, at most 2). pp 2's share is 16: 4 steps need
-    # micro-batch 4, one estimate says no, and no planner search runs; tp 2 (share 16, at most 4)
-    # reaches 4 and is planned. Two in a row without fewer steps end the search.
-    assert screened == [(Layout(pp=2), 4), (Layout(tp=2), 4)]
+    # Data parallel planned 4 steps (share 8, at most 2). pp 2's share is 16, and with 4 steps
+    # its bubble would lose the tie: 3 steps need micro-batch 6, one estimate says no, and no
+    # planner search runs. tp 2 would win a tie (less communication): 4 steps of its share of 16
+    # need micro-batch 4, which fits, so it is planned (4 steps). Two in a row without fewer
+    # steps end the search.
+    assert screened == [(Layout(pp=2), 6), (Layout(tp=2), 4)]
     assert planned_layouts == [Layout(), Layout(tp=2)]
     assert planned.accumulation_steps == 4 and planned.parallel == Layout(tp=2)
-    assert ("pp 2 (1f1b) (more than 4 accumulation steps: its share of 16 samples in 4 needs "
-            "micro-batch 4; screened)") in planned.reasons["layout"]
+    assert ("pp 2 (1f1b) (4 accumulation steps or more, where its bubble loses to FSDP 8's 4 "
+            "accumulation steps: its share of 16 samples in 3 accumulation steps needs micro-batch 6; "
+            "screened)") in planned.reasons["layout"]
     # The same plan as without the screen, where the planner may take another precision than the
     # screened one (auto without --gpu), which plans pp 2 in full.
     unscreened = search(precision="auto")
     assert (unscreened.accumulation_steps, unscreened.parallel) == (4, Layout(tp=2))
     assert Layout(pp=2) in planned_layouts and (Layout(pp=2), 4) not in screened
+
+
+def test_steps_to_win_counts_the_tie_only_where_the_tie_breaks_could_pick_the_layout():
+    from autotune.planning.layouts import steps_to_win
+
+    leader = LayoutOutcome(Layout(), steps=4, communication=100.0, label="FSDP 8")
+    # Less communication at 4 steps: a tie would pick it, so 4 steps are enough.
+    assert steps_to_win(Layout(tp=2), leader, lambda steps: 50.0) == (
+        4, "more than 4 accumulation steps (those of FSDP 8)")
+    # More communication, or any bubble against none: it needs 3.
+    steps, why = steps_to_win(Layout(tp=2), leader, lambda steps: 150.0)
+    assert steps == 3 and "its communication (150 B per rank and step against 100 B)" in why
+    assert steps_to_win(Layout(pp=2), leader, lambda steps: 1.0)[0] == 3
+    # Equal in both: the earlier candidate wins the tie.
+    assert steps_to_win(Layout(tp=2), leader, lambda steps: 100.0)[0] == 3
+    # Against a pipeline leader, a flat layout wins the tie on the bubble.
+    piped = LayoutOutcome(Layout(pp=2), steps=4, communication=1.0, label="FSDP 4 × PP 2")
+    assert steps_to_win(Layout(tp=2), piped, lambda steps: 500.0)[0] == 4
 
 
 def test_cli_tp_auto_plans_data_parallel_when_it_takes_one_step(tmp_path, examples_dir):

@@ -14,8 +14,9 @@ import re
 
 from ..distributed.layout import Layout
 from ..errors import ConfigError, EstimateUnavailable, PlanError, given, option
-from ..planning.layouts import (LayoutOutcome, choose_layout, communication_bytes, layout_candidates,
-                                search_layouts)
+from ..distributed.sharding.settings import Sharding
+from ..planning.layouts import (LayoutOutcome, choice_key, choose_layout, communication_bytes,
+                                layout_candidates, search_layouts, steps_to_win)
 from ..planning.types import Plan
 from ..precision import Precision
 from ..timing.comm import network_from_profile
@@ -57,7 +58,7 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                       sharded=options.sharding != "ddp")
 
     screening = []  # set once a layout fits nowhere: cheaper splits may not either
-    fewest: list[int] = []  # the fewest accumulation steps a planned layout has so far
+    leader: list[LayoutOutcome] = []  # the planned layout the choice would take so far
     # Ranked by steps, a candidate only matters if it can reach as few: one estimate at the
     # micro-batch that takes tells, where a planner's search would run many. Not where the
     # planner may take another precision than the one screened (auto on the CPU), a pinned
@@ -78,15 +79,18 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             return LayoutOutcome(layout, error=f"not planned: {exc}")
         planners[layout] = planner
         try:
-            if beat_screen and fewest and not layout.trivial:
-                best = fewest[0]
-                needed = -(-planner.request.share // best)
-                if needed > 1:
-                    short = screen(workload, planner, layout, fingerprint.checkpointable, micro_batch=needed)
-                    if short is not None:
-                        return LayoutOutcome(layout, beaten=best, error=(
-                            f"more than {_steps_words(best)}: its share of {planner.request.share} "
-                            f"samples in {best} needs micro-batch {needed}; {short}"))
+            if beat_screen and leader and not layout.trivial:
+                share, best = planner.request.share, leader[0]
+                steps, why = steps_to_win(layout, best, lambda steps: volume(
+                    layout, share, sharded=Sharding.parse(sharding).sharded, steps=steps))
+                needed = -(-share // steps) if steps else None
+                short = (f"{why}: nothing fewer than 1 step" if not steps else
+                         None if needed <= 1 else
+                         screen(workload, planner, layout, fingerprint.checkpointable, micro_batch=needed))
+                if short is not None:
+                    return LayoutOutcome(layout, beaten=steps + 1, error=short if not steps else (
+                        f"{why}: its share of {share} samples in {_steps_words(steps)} needs "
+                        f"micro-batch {needed}; {short}"))
             elif screening and not layout.trivial:
                 short = screen(workload, planner, layout, fingerprint.checkpointable)
                 if short is not None:
@@ -99,7 +103,6 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             lacking = re.match(r"(tp|cp|pp) \d+: \w+ parallelism is not available", str(exc))
             return LayoutOutcome(layout, error=f"not estimated: {_first_sentence(exc)}",
                                  unavailable=lacking.group(1) if lacking else None)
-        fewest[:] = [min(fewest + [planned.accumulation_steps])]
         label = planned.parallel.describe(world, str(planned.sharding).upper())
         if planned.shard_group and planned.shard_group != layout.data_parallel(world):
             label += f" (shard group {planned.shard_group})"
@@ -111,11 +114,13 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                 network=network_from_profile(planner.target.profile, gpus_per_node=options.gpus_per_node,
                                              network_gbps=options.network_gbps))
             timed = planned.step_time.samples_per_s
-        return LayoutOutcome(layout, steps=planned.accumulation_steps, label=label, plan=planned,
-                             communication=volume(layout, sum(planned.micro_batches),
-                                                  sharded=planned.sharding.sharded,
-                                                  steps=planned.accumulation_steps),
-                             samples_per_s=timed)
+        outcome = LayoutOutcome(layout, steps=planned.accumulation_steps, label=label, plan=planned,
+                                communication=volume(layout, sum(planned.micro_batches),
+                                                     sharded=planned.sharding.sharded,
+                                                     steps=planned.accumulation_steps),
+                                samples_per_s=timed)
+        leader[:] = [min(leader + [outcome], key=choice_key)]  # the earlier one on a tie
+        return outcome
 
     outcomes = search_layouts(candidates, evaluate, cost=cost, rank_by_time=rank_by_time)
     winner, reason = choose_layout(outcomes, rank_by_time=rank_by_time)

@@ -21,8 +21,9 @@ nowhere, the most split candidate is estimated next, so one estimate can rule ou
 dominates, and the planner screens each later candidate with one estimate of its least memory
 (micro-batch 1, every block checkpointed) before searching it. Once a candidate has planned N
 accumulation steps, ranked by steps, the planner screens each later one at the micro-batch that
-N steps of its share need: one that does not fit there cannot win (``beaten``), and costs one
-estimate instead of a search. The search stops at one accumulation step (nothing later has fewer steps, and it
+N steps of its share need (N - 1 where with N steps it would lose the tie: a larger bubble or
+more communication, ``steps_to_win``): one that does not fit there cannot win (``beaten``), and
+costs one estimate instead of a search. The search stops at one accumulation step (nothing later has fewer steps, and it
 communicates more), after ``PATIENCE`` estimates in a row that fit without cutting steps, or
 after ``MAX_ESTIMATED`` estimates; ``plan.reasons["layout"]`` says which.
 
@@ -173,8 +174,9 @@ class LayoutOutcome:
     fits_nowhere: bool = False
     """A memory verdict: no micro-batch fits in any sharding (what ``dominated`` prunes by)."""
     beaten: int | None = None
-    """The fewest accumulation steps planned before it, where a screen showed it cannot reach
-    them (it may fit, with more steps: no plan, and it rules out nothing)."""
+    """The accumulation steps from which on a layout planned before it wins, where a screen
+    showed it cannot go below them (it may fit, with more steps: no plan, and it rules out
+    nothing)."""
     unavailable: str | None = None
     """The degree ("tp", "cp", "pp") this build cannot estimate, where that stopped it: every
     candidate with that degree above 1 is answered alike without an estimate."""
@@ -246,6 +248,26 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
     return done
 
 
+def choice_key(outcome: LayoutOutcome) -> tuple:
+    """What ``choose_layout`` minimises among planned layouts ranked by steps (then the earlier)."""
+    return outcome.steps, _bubble(outcome), outcome.communication
+
+
+def steps_to_win(layout: Layout, leader: LayoutOutcome, communication_at: Callable[[int], float]
+                 ) -> tuple[int, str]:
+    """The most accumulation steps with which ``layout``, considered after ``leader``, could be
+    chosen over it, and why no more: ``leader``'s steps where at as many ``layout`` would idle
+    less in its bubble or communicate less (``communication_at(steps)``), one fewer where not."""
+    steps = leader.steps
+    tie = (pipeline_bubble(layout, steps), communication_at(steps))
+    if tie < (_bubble(leader), leader.communication):
+        return steps, f"more than {_steps(steps)} (those of {leader.name})"
+    worse = ("its bubble" if tie[0] > _bubble(leader) else
+             f"its communication ({_gb(tie[1])} per rank and step against {_gb(leader.communication)})")
+    return steps - 1, (f"{_steps(steps)} or more, where {worse} loses to {leader.name}'s "
+                       f"{_steps(steps)}")
+
+
 def choose_layout(outcomes: list[LayoutOutcome], *, rank_by_time: bool = False) -> tuple[LayoutOutcome, str]:
     """The winner among ``outcomes`` with a plan, and ``plan.reasons["layout"]``; a ConfigError
     naming every layout's answer where none has a plan."""
@@ -259,7 +281,7 @@ def choose_layout(outcomes: list[LayoutOutcome], *, rank_by_time: bool = False) 
         if runner is not None:
             why += f"; next {runner[1].name} at {runner[1].samples_per_s:.4g}"
     else:
-        i, winner = min(fitting, key=lambda p: (p[1].steps, _bubble(p[1]), p[1].communication, p[0]))
+        i, winner = min(fitting, key=lambda p: (*choice_key(p[1]), p[0]))
         fewest = [o for _, o in fitting if o.steps == winner.steps]
         why = f"{_steps(winner.steps)}, the fewest of the layouts that fit"
         if len(fewest) > 1:
@@ -303,5 +325,6 @@ def _gb(value: float) -> str:
     return format_bytes(int(value))
 
 
-__all__ = ["AUTO", "LayoutOutcome", "MAX_ESTIMATED", "PATIENCE", "choose_layout", "communication_bytes",
-           "dominates", "is_auto", "layout_candidates", "search_layouts"]
+__all__ = ["AUTO", "LayoutOutcome", "MAX_ESTIMATED", "PATIENCE", "choice_key", "choose_layout",
+           "communication_bytes", "dominates", "is_auto", "layout_candidates", "search_layouts",
+           "steps_to_win"]
