@@ -96,14 +96,15 @@ def test_pipeline_bubble_by_schedule():
 
 
 def _table(answers):
-    """evaluate() from {(tp, cp, pp): steps | "nowhere" | "unavailable"}, recording the calls."""
+    """evaluate() from {(tp, cp, pp): steps | "nowhere" | "screened" | "unavailable"}, recording
+    the calls ("screened": fits nowhere, answered by one screening estimate)."""
     calls = []
 
     def evaluate(layout):
         calls.append((layout.tp, layout.cp, layout.pp))
         answer = answers[(layout.tp, layout.cp, layout.pp)]
-        if answer == "nowhere":
-            return LayoutOutcome(layout, error="does not fit", fits_nowhere=True)
+        if answer in ("nowhere", "screened"):
+            return LayoutOutcome(layout, error="does not fit", fits_nowhere=True, screened=answer == "screened")
         if answer == "unavailable":
             return LayoutOutcome(layout, error="not estimated: not available")
         return LayoutOutcome(layout, steps=answer, communication=10.0 * layout.model_parallel)
@@ -175,6 +176,18 @@ def test_the_search_estimates_at_most_max_estimated():
     # The cap counts memory answers: tp 2's refusal (a split this build lacks) is not one.
     assert calls == [(1, 1, 1), (2, 1, 1), (1, 1, 2), (4, 1, 1)]
     assert sum("at most 3 layouts" in (o.error or "") for o in outcomes) == 2
+    # Screened answers (one estimate each) count against their own cap, not the planned one.
+    answers = {(1, 1, 1): "nowhere", (4, 1, 2): 3, (2, 1, 1): "screened", (1, 1, 2): "screened",
+               (4, 1, 1): "screened", (2, 1, 2): 2}
+    evaluate, calls = _table(answers)
+    outcomes = search_layouts(CANDIDATES, evaluate, cost=_cost, max_estimated=3, max_screened=2)
+    # Data parallel fits nowhere, so the most split (tp 4 × pp 2) next, then two screens.
+    assert calls == [(1, 1, 1), (4, 1, 2), (2, 1, 1), (1, 1, 2)]
+    assert sum("screens at most 2 layouts" in (o.error or "") for o in outcomes) == 2
+    evaluate, calls = _table(answers)
+    outcomes = search_layouts(CANDIDATES, evaluate, cost=_cost, max_estimated=3)
+    assert calls == [(1, 1, 1), (4, 1, 2), (2, 1, 1), (1, 1, 2), (4, 1, 1), (2, 1, 2)]
+    assert choose_layout(outcomes)[0].layout == Layout(tp=2, pp=2)
 
 
 def test_pipeline_bubble_breaks_ties_and_throughput_ranks_by_samples():

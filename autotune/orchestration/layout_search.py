@@ -88,13 +88,14 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                          None if needed <= 1 else
                          screen(workload, planner, layout, fingerprint.checkpointable, micro_batch=needed))
                 if short is not None:
-                    return LayoutOutcome(layout, beaten=steps + 1, error=short if not steps else (
+                    return LayoutOutcome(layout, beaten=steps + 1, screened=True, error=short if not steps else (
                         f"{why}: its share of {share} samples in {_steps_words(steps)} needs "
                         f"micro-batch {needed}; {short}"))
             elif screening and not layout.trivial:
                 short = screen(workload, planner, layout, fingerprint.checkpointable)
                 if short is not None:
-                    return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True)
+                    return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True,
+                                         screened=True)
             planned = planner.run()
         except PlanError as exc:
             screening.append(layout)
@@ -140,10 +141,13 @@ def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch
     micro-batch, so at 1 this says the layout fits nowhere. One step instead of a planner's
     search: where data parallelism fit nowhere, many candidates do not either, and where a layout
     planned N steps, many cannot reach N."""
-    # A pipeline's window is at least pp micro-batches (its schedule's).
+    # A pipeline's window is at least pp micro-batches (its schedule's). The layout's sharding
+    # as the planner plans it (fsdp under auto; fsdp-offload holds less on the device).
+    sharding = str(planner.options.sharding)
     trial = window_trial(workload, planner.backend, micro_batch=micro_batch, window=layout.pp,
                          precision=planner.chosen, checkpointing="on" if checkpointable else "off",
-                         sharding="fsdp", world_size=planner.world_size, parallel=layout)
+                         sharding="fsdp" if sharding == "auto" else sharding,
+                         world_size=planner.world_size, parallel=layout)
     least = f"micro-batch {micro_batch}" + (", every block checkpointed" if checkpointable else "")
     if trial is None:
         return f"parameters and optimizer state alone pass the budget ({least} screened)"

@@ -25,7 +25,8 @@ N steps of its share need (N - 1 where with N steps it would lose the tie: a lar
 more communication, ``steps_to_win``): one that does not fit there cannot win (``beaten``), and
 costs one estimate instead of a search. The search stops at one accumulation step (nothing later has fewer steps, and it
 communicates more), after ``PATIENCE`` estimates in a row that fit without cutting steps, or
-after ``MAX_ESTIMATED`` estimates; ``plan.reasons["layout"]`` says which.
+after ``MAX_ESTIMATED`` planned or ``MAX_SCREENED`` screened layouts; ``plan.reasons["layout"]``
+says which.
 
 The choice: the fewest accumulation steps, then the smallest pipeline bubble
 (``autotune.timing.layout.pipeline_bubble``: a pipeline idles while it fills and drains, which
@@ -47,7 +48,10 @@ from ..workload.model_shape import ModelShape
 
 AUTO = "auto"
 MAX_ESTIMATED = 8
-"""Layouts the search estimates at most (each is a planner run on fake tensors)."""
+"""Layouts the search plans at most (each a planner's search on fake tensors)."""
+MAX_SCREENED = 24
+"""Layouts the search answers at most with one screening estimate each (``LayoutOutcome.screened``:
+a tenth of a planner's search or less), besides the ``MAX_ESTIMATED`` it plans."""
 PATIENCE = 2
 """Estimated layouts in a row that fit without fewer accumulation steps than the best so far,
 after which the search stops: later candidates communicate more."""
@@ -177,6 +181,8 @@ class LayoutOutcome:
     """The accumulation steps from which on a layout planned before it wins, where a screen
     showed it cannot go below them (it may fit, with more steps: no plan, and it rules out
     nothing)."""
+    screened: bool = False
+    """Answered by one screening estimate, not a planner's search (counted apart: ``MAX_SCREENED``)."""
     unavailable: str | None = None
     """The degree ("tp", "cp", "pp") this build cannot estimate, where that stopped it: every
     candidate with that degree above 1 is answered alike without an estimate."""
@@ -194,13 +200,14 @@ def dominates(big: Layout, small: Layout) -> bool:
 
 def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], LayoutOutcome], *,
                    cost: Callable[[Layout], float], rank_by_time: bool = False,
-                   max_estimated: int = MAX_ESTIMATED, patience: int = PATIENCE) -> list[LayoutOutcome]:
+                   max_estimated: int = MAX_ESTIMATED, patience: int = PATIENCE,
+                   max_screened: int = MAX_SCREENED) -> list[LayoutOutcome]:
     """Every candidate's outcome, in the order they were considered (see the module's
     docstring): ``evaluate`` plans one; ``cost`` orders them (communication at one step)."""
     pending = sorted(candidates, key=lambda lay: (lay.model_parallel, cost(lay)))
     done: list[LayoutOutcome] = []
     stop: str | None = None
-    best_steps, since_better, estimated = None, 0, 0
+    best_steps, since_better, estimated, screened = None, 0, 0, 0
     jumped: Layout | None = None
     while pending:
         layout = pending.pop(0)
@@ -225,12 +232,16 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
                         f"(later ones communicate more)")
             elif estimated >= max_estimated:
                 stop = f"the search estimates at most {max_estimated} layouts"
+            elif screened >= max_screened:
+                stop = f"the search screens at most {max_screened} layouts"
         if stop is not None:
             done.append(LayoutOutcome(layout, estimated=False, error=f"not estimated: {stop}"))
             continue
         outcome = evaluate(layout)
         # What the cap counts: memory answers. A split this build refuses fails at the build.
-        estimated += outcome.steps is not None or outcome.fits_nowhere or outcome.beaten is not None
+        answered = outcome.steps is not None or outcome.fits_nowhere or outcome.beaten is not None
+        screened += answered and outcome.screened
+        estimated += answered and not outcome.screened
         done.append(outcome)
         if outcome.beaten is not None:  # as one that fitted without fewer steps
             since_better += layout is not jumped
@@ -325,6 +336,6 @@ def _gb(value: float) -> str:
     return format_bytes(int(value))
 
 
-__all__ = ["AUTO", "LayoutOutcome", "MAX_ESTIMATED", "PATIENCE", "choice_key", "choose_layout",
+__all__ = ["AUTO", "LayoutOutcome", "MAX_ESTIMATED", "MAX_SCREENED", "PATIENCE", "choice_key", "choose_layout",
            "communication_bytes", "dominates", "is_auto", "layout_candidates", "search_layouts",
            "steps_to_win"]
