@@ -253,16 +253,19 @@ def test_tensor_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as
 
 
 @pytest.mark.slow
-def test_sigterm_then_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sigterm_then_resume_continues_exactly(tmp_path, tp):
+    """PP 2 (2 ranks) and TP 2 × PP 2 (4)."""
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     full.mkdir()
     stopped.mkdir()
     model_file = EXAMPLES / "tiny_lm.py"
-    _train(2, full, model_file, 2, "1f1b", "fsdp", 6, full / "checkpoints")
+    world = 2 * tp
+    _train(world, full, model_file, 2, "1f1b", "fsdp", 6, full / "checkpoints", PP_TP=str(tp))
     with open(stopped / "log-sigterm.txt", "w") as log:
-        child = subprocess.Popen(_torchrun(2, TESTS / "pp_train_script.py", stopped, model_file, 2, "1f1b",
+        child = subprocess.Popen(_torchrun(world, TESTS / "pp_train_script.py", stopped, model_file, 2, "1f1b",
                                            "fsdp", 6, stopped / "checkpoints"),
-                                 env=_env(PP_SLOW="1"), stdout=log, stderr=subprocess.STDOUT)
+                                 env=_env(PP_SLOW="1", PP_TP=str(tp)), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + TIMEOUT
         while not (stopped / "pid-1").exists():
             assert child.poll() is None and time.monotonic() < deadline
@@ -272,10 +275,10 @@ def test_sigterm_then_resume_continues_exactly(tmp_path):
         assert child.wait(timeout=TIMEOUT) == 0
     first = torch.load(stopped / "rank-0.pt")
     assert first["interrupted"] and first["steps"] < 6
-    _train(2, stopped, model_file, 2, "1f1b", "fsdp", 6, stopped / "checkpoints", "resume")
+    _train(world, stopped, model_file, 2, "1f1b", "fsdp", 6, stopped / "checkpoints", "resume", PP_TP=str(tp))
     resumed = torch.load(stopped / "rank-0.pt")
     assert resumed["steps"] == 6 and not resumed["interrupted"]
-    assert _relative_error(_merged(stopped, 2), _merged(full, 2)) == 0.0
+    assert _relative_error(_merged(stopped, world), _merged(full, world)) == 0.0
 
 
 def test_a_torch_whose_schedules_cannot_run_fake_tensors_says_so(monkeypatch):
