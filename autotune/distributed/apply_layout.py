@@ -48,25 +48,4 @@ def apply_layout(model: torch.nn.Module, *, mesh, parallel: Layout, sharding, pr
     return model
 
 
-def split_stage(module: torch.nn.Module, *, mesh, parallel: Layout, sharding, precision, workload,
-                dp_mesh) -> torch.nn.Module:
-    """A pipeline stage (``pipeline.StageModule``) as ``apply_layout`` splits a whole model:
-    tensor parallel on ``mesh["tp"]`` over the stage's model (the model file's own, its other
-    stages' blocks cut out, so a TP plan's module names are the model's), then FSDP2 over
-    ``dp_mesh`` where it has more than one rank (with one, FSDP2 would only add a gathered copy
-    of every block)."""
-    sharding = Sharding.parse(sharding)
-    if parallel.tp > 1:
-        from .tensor_parallel import apply_tensor_parallel
-
-        module.model = apply_tensor_parallel(module.model, mesh, workload=workload, parallel=parallel,
-                                             sharding=sharding)
-    if sharding.sharded and dp_mesh.size() > 1:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():  # as above: FSDP2 joins the dp and tp meshes
-            shard_model(module, mesh=dp_mesh, sharding=sharding, precision=precision)
-    return module
-
-
-__all__ = ["apply_layout", "split_stage"]
+__all__ = ["apply_layout"]

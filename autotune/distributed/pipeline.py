@@ -447,7 +447,7 @@ def _cut(model, path: str, start: int, end: int, phases: dict[str, str], *, firs
 
 def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precision, workload) -> PipelinedModel:
     """``apply_layout``'s pipeline: this rank's stages of ``model`` on ``mesh`` (its "pp" dim;
-    the rank's place along it picks the stages), each split as ``apply_layout.split_stage`` says
+    the rank's place along it picks the stages), each split as ``split_stage`` says
     (tensor parallel, then FSDP2 over the data-parallel dims)."""
     from ..precision import Precision, autocast
     from .sharding.settings import Sharding
@@ -469,8 +469,6 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
     device = torch.device(mesh.device_type)
 
     def shard(module):
-        from .apply_layout import split_stage
-
         return split_stage(module, mesh=mesh, parallel=parallel, sharding=sharding, precision=precision,
                            workload=workload, dp_mesh=dp_mesh)
 
@@ -480,6 +478,31 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
                           group=mesh["pp"].get_group(), device=device,
                           shard=shard,
                           autocast=lambda: autocast(precision, device), source=workload.source)
+
+
+def split_stage(module: torch.nn.Module, *, mesh, parallel: Layout, sharding, precision, workload,
+                dp_mesh) -> torch.nn.Module:
+    """A pipeline stage (``StageModule``) as ``apply_layout`` splits a whole model:
+    tensor parallel on ``mesh["tp"]`` over the stage's model (the model file's own, its other
+    stages' blocks cut out, so a TP plan's module names are the model's), then FSDP2 over
+    ``dp_mesh`` where it has more than one rank (with one, FSDP2 would only add a gathered copy
+    of every block)."""
+    from .sharding.settings import Sharding
+    from .sharding.wrap import shard_model
+
+    sharding = Sharding.parse(sharding)
+    if parallel.tp > 1:
+        from .tensor_parallel import apply_tensor_parallel
+
+        module.model = apply_tensor_parallel(module.model, mesh, workload=workload, parallel=parallel,
+                                             sharding=sharding)
+    if sharding.sharded and dp_mesh.size() > 1:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        # As apply_layout: FSDP2 joins the dp and tp meshes, with a data-dependent op on the mesh.
+        with unset_fake_temporarily():
+            shard_model(module, mesh=dp_mesh, sharding=sharding, precision=precision)
+    return module
 
 
 class _HeldWork:
@@ -540,4 +563,4 @@ def pipeline_grad_norm(params, group, *, max_norm: float | None = None) -> torch
 
 
 __all__ = ["PipelinedModel", "StageModule", "block_container", "build_pipeline", "parameter_phases", "pipeline_grad_norm", "pipeline_model", "rank_stage_ids",
-           "sends_held_by_their_work", "stage_bounds"]
+           "sends_held_by_their_work", "split_stage", "stage_bounds"]
