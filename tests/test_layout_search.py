@@ -386,6 +386,33 @@ def test_a_layouts_step_time_adds_exposed_tensor_parallel_collectives_and_the_bu
                        activation_bytes=2, network=network) == base
 
 
+def test_a_fixed_layouts_predicted_step_time_is_per_gpu_with_its_collectives(examples_dir, one_thread):
+    from autotune import plan
+    from autotune.orchestration.planner import inspect_workload
+    from autotune.timing.comm import network_from_profile
+    from autotune.workload.contract import load_workload
+    from autotune.timing.layout import tensor_parallel_seconds
+    from autotune.gpus.catalog import load_profile
+
+    planned = plan(examples_dir / "tiny_lm.py", target_batch=8, world_size=2, tp=2, gpu="h100-80gb",
+                   optimize="throughput", sharding="fsdp", eval_batch=False)
+    timed, samples = planned.step_time, sum(planned.micro_batches)
+    # One data-parallel rank's samples are computed by its 2 tensor-parallel GPUs.
+    assert timed.samples_per_s == pytest.approx(samples / timed.step_s / 2)
+    workload = load_workload(examples_dir / "tiny_lm.py")
+    _, shape = inspect_workload(workload)
+    network = network_from_profile(load_profile("h100-80gb"))
+    tp_comm = sum(tensor_parallel_seconds(planned.parallel, tokens=n * (workload.seq_len or 1),
+                                          hidden=shape.hidden, blocks=shape.blocks, activation_bytes=2,
+                                          network=network)
+                  for n in planned.micro_batches)
+    assert tp_comm > 0 and timed.exposed_comm_s >= tp_comm
+    with pytest.raises(ConfigError, match="pp 2: pipeline parallelism is not available with "
+                                          "optimize='throughput'"):
+        plan(examples_dir / "tiny_lm.py", target_batch=8, world_size=2, pp=2, gpu="h100-80gb",
+             optimize="throughput", sharding="fsdp", eval_batch=False)
+
+
 def test_a_fixed_tp_that_does_not_divide_the_heads_is_refused_naming_them(examples_dir):
     from click.testing import CliRunner
 

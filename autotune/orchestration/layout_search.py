@@ -19,8 +19,6 @@ from ..planning.layouts import (LayoutOutcome, choice_key, choose_layout, commun
                                 layout_candidates, search_layouts, steps_to_win)
 from ..planning.types import Plan
 from ..precision import Precision
-from ..timing.comm import network_from_profile
-from ..timing.layout import with_layout
 from ..probing.api import window_trial
 from ..units import format_bytes
 from .eval_batch import plan_eval_batch
@@ -107,14 +105,8 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         label = planned.parallel.describe(world, str(planned.sharding).upper())
         if planned.shard_group and planned.shard_group != layout.data_parallel(world):
             label += f" (shard group {planned.shard_group})"
-        timed = None
-        if rank_by_time and planned.step_time is not None:
-            planned.step_time = with_layout(
-                planned.step_time, layout, micro_batches=planned.micro_batches, seq_len=workload.seq_len,
-                hidden=shape.hidden, blocks=shape.blocks, activation_bytes=activation_bytes,
-                network=network_from_profile(planner.target.profile, gpus_per_node=options.gpus_per_node,
-                                             network_gbps=options.network_gbps))
-            timed = planned.step_time.samples_per_s
+        # The planner's prediction holds the layout's collectives and bubble, per GPU.
+        timed = planned.step_time.samples_per_s if rank_by_time and planned.step_time is not None else None
         outcome = LayoutOutcome(layout, steps=planned.accumulation_steps, label=label, plan=planned,
                                 communication=volume(layout, sum(planned.micro_batches),
                                                      sharded=planned.sharding.sharded,

@@ -259,6 +259,7 @@ class _Planner:
         if self.target:
             self.target.check_estimable(workload, self.chosen)
         self.fingerprint, shape = inspected or inspect_workload(workload)
+        self.shape = shape
         self.checkpointing = _requested_blocks(options.checkpointing, self.fingerprint)
         self.request = PlanRequest(
             target_batch=options.target_batch, world_size=self.world_size, precision=self.chosen,

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import EstimateUnavailable, PlanError
+from ..errors import ConfigError, EstimateUnavailable, PlanError, given, option
 from ..planning.policy import split_for
 from ..planning.types import ConfigurationPredicted, Plan, SettingTried, ThroughputOutcome
+from ..precision import Precision
 from ..timing.comm import network_from_profile
+from ..timing.layout import with_layout
 from ..timing.count import count_steps_costs
 from ..timing.roofline import speed_for_profile
 from ..timing.window import StepModel, predict_window, tokens_per_sample, with_tokens
@@ -30,6 +32,13 @@ def fastest_predicted(planner) -> Plan:
     """The plan of the configuration predicted fastest (see the module's docstring)."""
     options, request = planner.options, planner.request
     profile = planner.target.profile
+    if options.parallel.pp > 1:
+        # Worded as a split this build lacks, so a layout search answers every pipeline alike.
+        raise ConfigError(f"pp {options.parallel.pp}: pipeline parallelism is not available with "
+                          f"{given('optimize', 'throughput')} and a {option('gpu')} target yet: the step-time "
+                          f"model does not count a pipeline schedule's steps; plan it with "
+                          f"{given('optimize', 'memory')} (a layout search then breaks ties by the "
+                          f"pipeline's bubble)")
     speed = speed_for_profile(profile)
     network = network_from_profile(profile, gpus_per_node=options.gpus_per_node,
                                    network_gbps=options.network_gbps)
@@ -49,10 +58,11 @@ def fastest_predicted(planner) -> Plan:
             continue
         model = StepModel(counted, speed, setting.precision)
         models[id(setting)] = (model, counted)
-        timed = predict_window(model, split, network=network, world_size=planner.world_size,
-                               sharding=str(setting.sharding), shard_group=setting.shard_group,
-                               reduce_every_micro_step=True,
-                               gradient_bytes=planner.fingerprint.param_bytes)
+        timed = _in_layout(planner, predict_window(
+            model, split, network=network, world_size=planner.world_size,
+            sharding=str(setting.sharding), shard_group=setting.shard_group,
+            reduce_every_micro_step=True, gradient_bytes=planner.fingerprint.param_bytes),
+            split, setting.precision, network)
         ranked.append((setting, ConfigurationPredicted(
             precision=setting.precision, checkpointing=setting.checkpointing, micro_batches=split,
             sharding=setting.sharding, shard_group=setting.shard_group, parallel=setting.parallel,
@@ -79,11 +89,11 @@ def fastest_predicted(planner) -> Plan:
     if missing:
         model = StepModel({**counted, **_count(planner, setting, missing, tokens, profile.name)}, speed,
                           setting.precision)
-    plan.step_time = predict_window(
+    plan.step_time = _in_layout(planner, predict_window(
         model, plan.micro_batches, network=network, world_size=planner.world_size,
         sharding=str(plan.sharding), shard_group=plan.shard_group,
         reduce_every_micro_step=plan.reduce_every_micro_step,
-        gradient_bytes=planner.fingerprint.param_bytes)
+        gradient_bytes=planner.fingerprint.param_bytes), plan.micro_batches, setting.precision, network)
     plan.predicted = [c for _, c in ranked]
     layouts = sorted({c.layout for c in plan.predicted})
     plan.reasons["sharding"] = (
@@ -93,6 +103,20 @@ def fastest_predicted(planner) -> Plan:
         f"accumulation steps to save or fits nowhere; --sharding fsdp ranks it anyway)"
         if options.sharding == "auto" else f"{plan.chosen_layout} as requested")
     return plan
+
+
+def _in_layout(planner, timed, split: list[int], precision, network):
+    """``timed`` (a data-parallel rank's window) with the plan's model-parallel layout's exposed
+    tensor-parallel collectives and pipeline bubble, per GPU (``timing.layout.with_layout``):
+    within a pipeline a split of fewer micro-batches idles longer."""
+    parallel = planner.options.parallel
+    if parallel.trivial:
+        return timed
+    shape = planner.shape
+    return with_layout(timed, parallel, micro_batches=split, seq_len=planner.workload.seq_len,
+                       hidden=shape.hidden, blocks=shape.blocks,
+                       activation_bytes=4 if Precision.parse(precision) is Precision.FP32 else 2,
+                       network=network)
 
 
 def _count(planner, setting: SettingTried, sizes, tokens: int | None, gpu: str) -> dict:

@@ -23,8 +23,6 @@ equal, op by op, in tests/test_recorded_steps.py), and is kept only where that h
 
 from __future__ import annotations
 
-import functools
-
 from ..probing.estimate import EstimateSession, _distinct_neighbour_runs
 from .costs import StepCosts
 from .count import _local_shards, _RecordsSteps
@@ -34,9 +32,11 @@ class RecordingSession(_RecordsSteps, EstimateSession):
     """The estimate's session; each one-step trial that runs whole is also counted into ``store``
     ({micro_batch: StepCosts})."""
 
-    def __init__(self, *args, store: dict[int, StepCosts], **kwargs):
+    _into: dict[int, StepCosts] | None = None  # set by ``recording_session``'s subclass
+
+    def __init__(self, *args, store: dict[int, StepCosts] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.store = store
+        self.store = store if store is not None else self._into
 
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None):
         if window != 1 or micro_batches is not None:
@@ -70,9 +70,10 @@ class RecordingSession(_RecordsSteps, EstimateSession):
         super()._step_by_runs()
 
 
-def recording_session(store: dict[int, StepCosts]):
-    """The session type for ``probe(session_type=...)`` that records into ``store``."""
-    return functools.partial(RecordingSession, store=store)
+def recording_session(store: dict[int, StepCosts]) -> type:
+    """The session type for ``probe(session_type=...)`` that records into ``store``: a class (a
+    pipeline's probe derives its pipelined session type from it)."""
+    return type("RecordingSessionInto", (RecordingSession,), {"_into": store})
 
 
 __all__ = ["RecordingSession", "recording_session"]
