@@ -8,10 +8,16 @@ time). Printed: the prediction, the plan's predicted peak — the reserved memor
 allocator as modelled for the GPU (``memory/cuda_allocator.py``), what
 ``torch.cuda.max_memory_reserved()`` would show and torchtitan logs — with the tensors' allocated
 peak beside it, what each planning run cost (CPU seconds, the measure that the machine's load does
-not inflate, and wall seconds) and their ratio. Layouts: FSDP2 over the whole world only (tensor
-and pipeline parallelism are not planned here yet).
+not inflate, and wall seconds) and their ratio. Layouts: FSDP2 over the whole world, or the
+model-parallel layout a case names.
 
-    python bench/step_time_llama.py [--cases 8b:8 8b:128 70b:256 405b:512] [--headroom 0.1]
+    python bench/step_time_llama.py [--cases 8b:8 8b:128 70b:256 405b:512 70b:256:tp2 405b:512:tp2cp4]
+                                    [--headroom 0.1]
+
+A case SHAPE:WORLD[:LAYOUT] (LAYOUT such as tp2, tp2cp4 or tp8pp8) plans that model-parallel
+layout, FSDP2 over its data-parallel ranks, a local batch of 2 per data-parallel rank; its
+TPS/GPU then holds the layout's exposed tensor-parallel collectives and bubble
+(``timing.layout``), per GPU.
 
 Published (torchtitan, benchmarks/llama3_h100_202412_torchtitan.md in github.com/pytorch/torchtitan,
 Dec 2024; also arXiv:2410.06511): H100 SXM with 96 GB HBM2e at 500 W, 400 Gb/s per GPU, bf16,
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -55,13 +62,18 @@ PUBLISHED = {
 
 
 def plan_once(shape: str, world: int, optimize: str, out: Path,
-              headroom: float = 0.1) -> tuple[dict, float, float]:
-    """The plan file, and the CPU and wall seconds its planning process took."""
+              headroom: float = 0.1, layout: dict | None = None) -> tuple[dict, float, float]:
+    """The plan file, and the CPU and wall seconds its planning process took. ``layout``:
+    {"tp": 2, "cp": 4, ...} (a local batch of 2 per data-parallel rank)."""
+    layout = layout or {}
+    data_parallel = world // (layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1))
     env = dict(os.environ, AUTOTUNE_LLAMA=shape, AUTOTUNE_LLAMA_SEQ=str(SEQ), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "autotune", "plan", str(ROOT / "bench" / "llama_like.py"),
-               "--gpu", "h100-80gb", "--world-size", str(world), "--target-batch", str(LOCAL_BATCH * world),
+               "--gpu", "h100-80gb", "--gpus-per-node", "8", "--world-size", str(world),
+               "--target-batch", str(LOCAL_BATCH * data_parallel),
                "--micro-batch", str(LOCAL_BATCH), "--sharding", "fsdp", "--optimize", optimize,
-               "--headroom", str(headroom), "-o", str(out), "--quiet"]
+               "--headroom", str(headroom), "-o", str(out), "--quiet",
+               *[arg for degree, value in layout.items() for arg in (f"--{degree}", str(value))]]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -86,20 +98,23 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="throughput_llama_") as tmp:
         for case in args.cases:
-            shape, world = case.split(":")
+            shape, world, *split = case.split(":")
             world = int(world)
-            memory, mem_cpu, mem_wall = plan_once(shape, world, "memory", Path(tmp) / f"{case}-m.json", args.headroom)
+            layout = {degree: int(value) for degree, value in re.findall(r"(tp|cp|pp)(\d+)", split[0])} if split else {}
+            memory, mem_cpu, mem_wall = plan_once(shape, world, "memory", Path(tmp) / f"{case}-m.json",
+                                                  args.headroom, layout)
             if "error" in memory:
                 print(f"{shape} x {world}: no plan (FSDP2 over the world, local batch {LOCAL_BATCH}): "
                       f"{memory['error']} ({mem_cpu:.0f} CPU s, {mem_wall:.0f} s)", flush=True)
                 continue
-            ranked, cpu, wall = plan_once(shape, world, "throughput", Path(tmp) / f"{case}-t.json", args.headroom)
+            ranked, cpu, wall = plan_once(shape, world, "throughput", Path(tmp) / f"{case}-t.json",
+                                          args.headroom, layout)
             t = ranked["step_time"]
             samples = t["samples_per_s"]
             tps, mfu, gib, layout = PUBLISHED.get((shape, world), (None, "-", None, "-"))
             ckpt = ranked["checkpointing"]
             rows.append(dict(
-                case=f"{shape} x {world}", ckpt="off" if not ckpt["blocks"] else
+                case=f"{shape} x {world}" + (f" {split[0]}" if split else ""), ckpt="off" if not ckpt["blocks"] else
                 ("on" if ckpt["blocks"] == ckpt["total"] else f"{ckpt['blocks']}/{ckpt['total']}"),
                 step=t["step_s"], comm=t["exposed_comm_s"], tps=samples * SEQ, mfu=t["mfu"],
                 peak=ranked["predicted_peak_bytes"] / GiB, memory_peak=memory["predicted_peak_bytes"] / GiB,
