@@ -60,9 +60,9 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
     # Ranked by steps, a candidate only matters if it can reach as few: one estimate at the
     # micro-batch that takes tells, where a planner's search would run many. Not where the
     # planner may take another precision than the one screened (auto on the CPU), a pinned
-    # micro-batch or a token target sets the steps, or throughput ranks.
+    # micro-batch sets the steps, or throughput ranks. (A token target is a sample target by
+    # now: plan() resolved it before the search.)
     beat_screen = (not rank_by_time and options.micro_batch is None
-                   and getattr(options, "target_tokens", None) is None
                    and (first.target is not None or options.precision != "auto"))
 
     def evaluate(layout: Layout) -> LayoutOutcome:
@@ -78,15 +78,15 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         planners[layout] = planner
         try:
             if beat_screen and leader and not layout.trivial:
-                share, best = planner.request.share, leader[0]
-                steps, why = steps_to_win(layout, best, lambda steps: volume(
+                # steps >= 1 here: a leader of 1 step ends the search (search_layouts).
+                share = planner.request.share
+                steps, why = steps_to_win(layout, leader[0], lambda steps: volume(
                     layout, share, sharded=Sharding.parse(sharding).sharded, steps=steps))
-                needed = -(-share // steps) if steps else None
-                short = (f"{why}: nothing fewer than 1 step" if not steps else
-                         None if needed <= 1 else
-                         screen(workload, planner, layout, fingerprint.checkpointable, micro_batch=needed))
+                needed = -(-share // steps)
+                short = (screen(workload, planner, layout, fingerprint.checkpointable, micro_batch=needed)
+                         if needed > 1 else None)
                 if short is not None:
-                    return LayoutOutcome(layout, beaten=steps + 1, screened=True, error=short if not steps else (
+                    return LayoutOutcome(layout, beaten=steps + 1, screened=True, error=(
                         f"{why}: its share of {share} samples in {_steps_words(steps)} needs "
                         f"micro-batch {needed}; {short}"))
             elif screening and not layout.trivial:
