@@ -207,21 +207,29 @@ def _relative_error(found, reference):
     return max(((found[k] - reference[k]).abs().max() / reference[k].abs().max()).item() for k in reference)
 
 
+def _trains_as_one_process(out, world: int, model_file, schedule: str, data_parallel: int, *, clip=None,
+                           **env) -> list[dict]:
+    """Train 3 steps on ``world`` gloo ranks (pp 2, FSDP2) and in one process on the same windows;
+    assert they end within 1e-5 (parameters and losses). The one process's metrics."""
+    from autotune.training import train
+    from pp_plans import own_parameters, reference_plan, with_sgd
+
+    _train(world, out, model_file, 2, schedule, "fsdp", 3, **env,
+           **({"PP_CLIP": str(clip)} if clip is not None else {}))
+    reference = train(reference_plan(data_parallel, clip=clip), with_sgd(load_workload(model_file)), steps=3,
+                      seed=0, progress=False)
+    assert _relative_error(_merged(out, world), own_parameters(reference.model)) < 1e-5
+    losses = torch.load(out / "rank-0.pt")["losses"]
+    assert losses == pytest.approx([r["loss"] for r in reference.metrics], rel=1e-5)
+    return reference.metrics
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["tiny_lm", "mlp"])
 @pytest.mark.parametrize("schedule, world", [("1f1b", 2), ("interleaved-1f1b", 2), ("zero-bubble", 2),
                                               ("1f1b", 4)])
 def test_pipelined_training_ends_where_one_process_ends(tmp_path, example, schedule, world):
-    from autotune.training import train
-    from pp_plans import own_parameters, reference_plan, with_sgd
-
-    model_file = EXAMPLES / f"{example}.py"
-    _train(world, tmp_path, model_file, 2, schedule, "fsdp", 3)
-    reference = train(reference_plan(world // 2), with_sgd(load_workload(model_file)), steps=3, seed=0,
-                      progress=False)
-    assert _relative_error(_merged(tmp_path, world), own_parameters(reference.model)) < 1e-5
-    losses = torch.load(tmp_path / "rank-0.pt")["losses"]
-    assert losses == pytest.approx([r["loss"] for r in reference.metrics], rel=1e-5)
+    _trains_as_one_process(tmp_path, world, EXAMPLES / f"{example}.py", schedule, world // 2)
 
 
 @pytest.mark.slow
@@ -230,9 +238,6 @@ def test_tensor_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as
     """TP 2 × PP 2 (4 ranks) and FSDP 2 × TP 2 × PP 2 (8): each pipeline rank's estimate
     against gloo's real peaks, and training against one process, the gradient norm clipped (a
     norm over every stage and both tensor-parallel shards: clipped by the same factor)."""
-    from autotune.training import train
-    from pp_plans import own_parameters, reference_plan, with_sgd
-
     model_file = EXAMPLES / "tiny_lm.py"
     estimated = estimated_rank_peaks(model_file, 2, tp=2, world_size=world, sharding="fsdp")
     real = real_pipeline_peaks(model_file, tmp_path, pp=2, tp=2, schedule="1f1b", sharding="fsdp",
@@ -243,13 +248,8 @@ def test_tensor_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as
         assert abs(estimate - peak) <= 0.03 * peak, (pp_rank, estimate, peak)
     out = tmp_path / "train"
     out.mkdir()
-    _train(world, out, model_file, 2, "1f1b", "fsdp", 3, PP_TP="2", PP_CLIP="0.05")
-    reference = train(reference_plan(world // 4, clip=0.05), with_sgd(load_workload(model_file)), steps=3,
-                      seed=0, progress=False)
-    assert all(r["grad_norm"] > 0.05 for r in reference.metrics)  # every step clipped
-    assert _relative_error(_merged(out, world), own_parameters(reference.model)) < 1e-5
-    losses = torch.load(out / "rank-0.pt")["losses"]
-    assert losses == pytest.approx([r["loss"] for r in reference.metrics], rel=1e-5)
+    metrics = _trains_as_one_process(out, world, model_file, "1f1b", world // 4, clip=0.05, PP_TP="2")
+    assert all(r["grad_norm"] > 0.05 for r in metrics)  # every step clipped
 
 
 @pytest.mark.slow
