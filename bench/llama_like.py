@@ -24,24 +24,24 @@ BASE_LR, BASE_BATCH = 3e-4, 256
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, dim=DIM, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS):
         super().__init__()
-        head_dim = DIM // HEADS
+        head_dim = dim // heads
         # What a layout search reads (autotune.workload.model_shape): tensor parallel splits heads.
-        self.num_heads, self.num_key_value_heads = HEADS, KV_HEADS
+        self.num_heads, self.num_key_value_heads = heads, kv_heads
         self.head_dim = head_dim
-        self.attn_norm = nn.RMSNorm(DIM)
+        self.attn_norm = nn.RMSNorm(dim)
         # Separate projections under the names autotune's derived tensor-parallel plan knows
         # (q/k/v/gate/up colwise, o/down rowwise): a fused [k; v] or [gate; up] weight split
         # colwise would hand the first ranks all of k (or gate).
-        self.q_proj = nn.Linear(DIM, DIM, bias=False)
-        self.k_proj = nn.Linear(DIM, KV_HEADS * head_dim, bias=False)
-        self.v_proj = nn.Linear(DIM, KV_HEADS * head_dim, bias=False)
-        self.o_proj = nn.Linear(DIM, DIM, bias=False)
-        self.mlp_norm = nn.RMSNorm(DIM)
-        self.gate_proj = nn.Linear(DIM, FFN, bias=False)
-        self.up_proj = nn.Linear(DIM, FFN, bias=False)
-        self.down_proj = nn.Linear(FFN, DIM, bias=False)
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.RMSNorm(dim)
+        self.gate_proj = nn.Linear(dim, ffn, bias=False)
+        self.up_proj = nn.Linear(dim, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, dim, bias=False)
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -57,12 +57,14 @@ class Block(nn.Module):
 
 
 class LlamaLike(nn.Module):
-    def __init__(self):
+    """The shape is SHAPES[AUTOTUNE_LLAMA] unless given (tests/sp_decoder_model.py: a tiny one)."""
+
+    def __init__(self, layers=LAYERS, dim=DIM, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, vocab=VOCAB):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.RMSNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, ffn, heads, kv_heads) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens):
         x = self.embed(tokens)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from autotune import ConfigError, Layout
-from autotune.distributed.tensor_parallel import clip_grad_norm_, resolve_plan
+from autotune.distributed.tensor_parallel import clip_grad_norm_, resolve_plan, with_sequence_parallel
 from autotune.probing.estimate import estimate_peaks
 from autotune.workload.contract import load_workload
 
@@ -21,6 +21,7 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 TINY_LM = ROOT / "examples" / "tiny_lm.py"
 LLAMA = ROOT / "examples" / "real" / "llama.py"
+SP_DECODER = TESTS / "sp_decoder_model.py"
 
 
 def _model_and_names(path):
@@ -44,6 +45,46 @@ def test_hugging_face_plan_is_the_architectures_own():
     assert plan.styles["model.layers.1.self_attn.q_proj"] == "colwise"
     assert plan.styles["model.layers.0.mlp.down_proj"] == "rowwise"
     assert plan.styles["lm_head"] == "colwise_gather_output"
+
+
+def _sequence_parallel(path, tp=2):
+    model, names = _model_and_names(path)
+    return model, with_sequence_parallel(model, resolve_plan(model, names, tp, source="m"), tp, source="m")
+
+
+def test_sequence_parallel_runs_the_common_decoders_norms_on_a_share_of_the_sequence():
+    model, plan = _sequence_parallel(SP_DECODER)
+    # The derived plan gains the embedding (vocabulary rows) and the untied head (its columns).
+    assert plan.styles["embed"] == "embedding_rowwise" and plan.styles["head"] == "colwise_gather_output"
+    assert plan.norms == ("layers.0.attn_norm", "layers.0.mlp_norm", "layers.1.attn_norm",
+                          "layers.1.mlp_norm", "norm")
+    assert plan.describe().endswith("sequence parallel over 5 norms")
+    pytest.importorskip("transformers")
+    _, hf = _sequence_parallel(LLAMA)  # its own tp_plan, unchanged, and its RMSNorms
+    assert hf.source == "Hugging Face tp_plan" and len(hf.norms) == 5
+    assert hf.styles == resolve_plan(*_model_and_names(LLAMA), 2, source="m").styles
+
+
+def test_sequence_parallel_is_left_out_where_the_stream_meets_other_parameters():
+    _, tiny = _sequence_parallel(TINY_LM)  # a learned position table added to the embedding
+    assert tiny.norms == () and "embed" not in tiny.styles
+    model, names = _model_and_names(SP_DECODER)
+    model.head.weight = model.embed.weight  # tied: one matrix cannot be split two ways
+    assert with_sequence_parallel(model, resolve_plan(model, names, 2, source="m"), 2, source="m").norms == ()
+    own = resolve_plan(model, {"TP_PLAN": {"layers.*.q_proj": "colwise", "layers.*.o_proj": "rowwise"}}, 2,
+                       source="m")  # a model file's plan is applied as written
+    assert with_sequence_parallel(model, own, 2, source="m") is own
+
+
+def test_sequence_parallel_feeds_a_rowwise_embedding_whole_token_ids():
+    import dataclasses
+
+    model, names = _model_and_names(SP_DECODER)
+    derived = resolve_plan(model, names, 2, source="m")
+    # An architecture's plan may call its embedding plain "rowwise" (input: the last dim sharded).
+    hf_like = dataclasses.replace(derived, source="Hugging Face tp_plan",
+                                  styles={**derived.styles, "embed": "rowwise"})
+    assert with_sequence_parallel(model, hf_like, 2, source="m").styles["embed"] == "embedding_rowwise"
 
 
 def _q_k_v_o():
@@ -130,7 +171,7 @@ def _torchrun(nproc, *args):
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-MODELS = [TINY_LM, LLAMA]
+MODELS = [TINY_LM, LLAMA, SP_DECODER]  # LLAMA and SP_DECODER: with sequence parallel
 
 
 @pytest.mark.slow

@@ -52,12 +52,16 @@ class TensorParallelPlan:
     """"parallelize()", "TP_PLAN", "Hugging Face tp_plan" or "derived"."""
     styles: dict = dataclasses.field(default_factory=dict)
     parallelize: object = None
+    norms: tuple = ()
+    """With sequence parallel (``with_sequence_parallel``): the norms that run on the rank's
+    share of the sequence; empty without."""
 
     def describe(self) -> str:
         if self.parallelize is not None:
             return "the model file's parallelize(model, mesh)"
         kinds = sorted({_style_label(s) for s in self.styles.values()})
-        return f"{self.source}: {len(self.styles)} modules ({', '.join(kinds)})"
+        sequence = f", sequence parallel over {len(self.norms)} norms" if self.norms else ""
+        return f"{self.source}: {len(self.styles)} modules ({', '.join(kinds)}){sequence}"
 
 
 def _style_label(style) -> str:
@@ -233,9 +237,74 @@ def torch_style(style):
     }[style]()
 
 
-def apply_tensor_parallel(model: nn.Module, mesh, *, workload, parallel, sharding) -> nn.Module:
-    """``model`` split on ``mesh["tp"]`` (``mesh``: the whole mesh) by the plan its model file
-    (``workload``) or its architecture gives (``resolve_plan``), checked against ``parallel.tp``."""
+_SP_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output")
+
+
+def _is_norm(module: nn.Module) -> bool:
+    # torch's LayerNorm and RMSNorm, and the architectures' own (LlamaRMSNorm, T5LayerNorm, ...)
+    return "Norm" in type(module).__name__ and not isinstance(module, nn.modules.batchnorm._NormBase)
+
+
+def with_sequence_parallel(model: nn.Module, plan: TensorParallelPlan, tp: int, *,
+                           source: str) -> TensorParallelPlan:
+    """``plan`` with sequence parallel (Korthikanti et al., 2022; torchtitan's layout) where the
+    model is the common decoder: one token embedding, blocks of norms and the plan's projections,
+    a final norm and an untied vocabulary head, and no other parameter. Then the residual stream
+    between the projections is sharded over the TP ranks by sequence (a DTensor), the norms run
+    on each rank's share (``SequenceParallel``) and hand the projections the whole sequence,
+    gathered once per norm; the row-wise projections reduce-scatter into the stream, the embedding
+    (split by vocabulary rows) reduce-scatters into it, and the head (split by vocabulary
+    columns) gathers the logits whole. A derived plan gains the embedding and head. Otherwise
+    (a model file's own TP_PLAN or parallelize, another parameter in the stream's way, tied
+    embeddings) ``plan`` is returned as it is."""
+    if plan.parallelize is not None or plan.source not in ("Hugging Face tp_plan", "derived"):
+        return plan
+    modules = dict(model.named_modules())
+    styles = dict(plan.styles)
+    own = [name for name, m in modules.items() if name not in styles and not _is_norm(m)
+           and any(True for _ in m.parameters(recurse=False))]
+    embeddings = [n for n in own if isinstance(modules[n], nn.Embedding)]
+    if len(embeddings) == 1:
+        styles[embeddings[0]] = "embedding_rowwise"
+    embedding = [n for n, st in styles.items() if isinstance(modules[n], nn.Embedding)]
+    if len(embedding) != 1 or styles[embedding[0]] not in ("embedding_rowwise", "rowwise"):
+        return plan
+    styles[embedding[0]] = "embedding_rowwise"  # its input: whole token ids on every rank
+    vocab = modules[embedding[0]].num_embeddings
+    heads = [n for n in own if isinstance(modules[n], nn.Linear) and modules[n].out_features == vocab]
+    if len(heads) == 1:
+        styles[heads[0]] = "colwise_gather_output"
+    if any(n not in styles for n in own):
+        return plan
+    head = [n for n, st in styles.items() if st == "colwise_gather_output"]
+    if (len(head) != 1 or modules[head[0]].weight is modules[embedding[0]].weight
+            or any(st not in _SP_STYLES for st in styles.values())):
+        return plan
+    norms = tuple(n for n, m in modules.items() if _is_norm(m) and _has_params(m))
+    if not norms:
+        return plan
+    check_divisible(model, styles, tp, source=source)
+    return dataclasses.replace(plan, styles=styles, norms=norms)
+
+
+def _sequence_parallel_style(style: str):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        # The stream stays a DTensor (global shapes), so a model's own shape arithmetic holds.
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                     use_local_output=False),
+        "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "colwise": lambda: ColwiseParallel(),  # its input: a norm's gathered (Replicate) output
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    }[style]()
+
+
+def layout_plan(model: nn.Module, *, workload, parallel, sharding) -> TensorParallelPlan:
+    """The plan its model file (``workload``) or its architecture gives ``model``
+    (``resolve_plan``), checked against ``parallel.tp``, with sequence parallel where it applies
+    (``with_sequence_parallel``)."""
     from .sharding.settings import Sharding
 
     source = getattr(workload, "source", "the model")
@@ -247,7 +316,27 @@ def apply_tensor_parallel(model: nn.Module, mesh, *, workload, parallel, shardin
     if plan.parallelize is None:
         heads = dict(_head_counts_of(model))
         parallel.check_model(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"))
-    return apply_plan(model, mesh, plan)
+    return with_sequence_parallel(model, plan, parallel.tp, source=source)
+
+
+def held_part(plan: TensorParallelPlan, model: nn.Module) -> TensorParallelPlan:
+    """``plan`` (made on the whole model) for ``model``, a pipeline stage's copy of it: the
+    modules it still holds parameters of. The cut-out embedding or head would otherwise turn the
+    activations they pass into DTensors."""
+    def held(name):
+        try:
+            return _has_params(model.get_submodule(name))
+        except AttributeError:  # inside a block another stage runs
+            return False
+
+    return dataclasses.replace(plan, styles={n: st for n, st in plan.styles.items() if held(n)},
+                               norms=tuple(n for n in plan.norms if held(n)))
+
+
+def apply_tensor_parallel(model: nn.Module, mesh, *, workload, parallel, sharding) -> nn.Module:
+    """``model`` split on ``mesh["tp"]`` (``mesh``: the whole mesh) by its ``layout_plan``."""
+    return apply_plan(model, mesh, layout_plan(model, workload=workload, parallel=parallel,
+                                               sharding=sharding))
 
 
 def _head_counts_of(model: nn.Module) -> list[tuple[str, int]]:
@@ -266,6 +355,19 @@ def apply_plan(model: nn.Module, mesh, plan: TensorParallelPlan) -> nn.Module:
     if plan.parallelize is not None:
         result = plan.parallelize(model, mesh)
         return model if result is None else result
+    if plan.norms:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
+
+        styles = {name: _sequence_parallel_style(style) for name, style in plan.styles.items()}
+        styles.update({name: SequenceParallel() for name in plan.norms})
+        parallelize_module(model, mesh["tp"], styles)
+        # Each norm's output gathered once for all the projections it feeds (q, k and v; gate and
+        # up), their input gradients summed before one reduce-scatter back.
+        gather = {name: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                            use_local_output=False) for name in plan.norms}
+        parallelize_module(model, mesh["tp"], gather)
+        return model
     styles = {name: torch_style(style) for name, style in plan.styles.items()}
     parallelize_module(model, mesh["tp"], {name: s for name, s in styles.items() if s is not None})
     return model
@@ -311,4 +413,5 @@ def grads_by_mesh(params) -> list[list[torch.Tensor]]:
 
 
 __all__ = ["STYLE_NAMES", "TensorParallelPlan", "apply_plan", "apply_tensor_parallel", "check_divisible",
-           "clip_grad_norm_", "grads_by_mesh", "resolve_plan", "torch_style"]
+           "clip_grad_norm_", "grads_by_mesh", "held_part", "layout_plan", "resolve_plan", "torch_style",
+           "with_sequence_parallel"]

@@ -40,6 +40,10 @@ def scale_gradients(params, factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
+COUNTED_RANKS = 6
+"""Where ``WindowTotals.as_tensor`` holds how many ranks counted items (a (loss_sum, count) loss)."""
+
+
 class WindowTotals:
     """The window's summed loss and item count, kept on the device until the step ends.
 
@@ -72,9 +76,11 @@ class WindowTotals:
         self.small_ranks = 1.0
 
     def as_tensor(self, stop: bool) -> torch.Tensor:
-        """[loss_sum, items, stop flag, small |G|², 1/B_small, ranks measured]: what ranks
-        all-reduce once per window (the noise-scale terms ride along for free)."""
-        extra = torch.tensor([1.0 if stop else 0.0, 0.0, self.small_inverse_batch, self.small_ranks],
+        """[loss_sum, items, stop flag, small |G|², 1/B_small, ranks measured, ranks that counted
+        items]: what ranks all-reduce once per window (the noise-scale terms ride along for free;
+        a pipeline's items are counted on its last stage only, and every stage learns of them)."""
+        extra = torch.tensor([1.0 if stop else 0.0, 0.0, self.small_inverse_batch, self.small_ranks,
+                              1.0 if self.token_counts else 0.0],
                              dtype=torch.float64, device=self.device)
         extra[1] = self.small_sq_norm
         return torch.cat([torch.stack([self.loss_sum, self.items]), extra])

@@ -22,7 +22,7 @@ from . import noise_scale
 from ..distributed import process_group as distributed
 from ..distributed.pipeline import PipelinedModel, pipeline_grad_norm
 from ..distributed.tensor_parallel import clip_grad_norm_
-from .accumulate import WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
+from .accumulate import COUNTED_RANKS, WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
 from .data import Window, slice_batch, split_micro_batches
 from ..errors import WorkloadError, option, flag
 from .errors import NonFiniteError, TrainError
@@ -290,9 +290,12 @@ class StepRunner:
         if self.totals.small_ranks and self.scaler.is_enabled():
             self.totals.small_sq_norm = self.totals.small_sq_norm / self.scaler.get_scale() ** 2
         reduced = None
-        if self.totals.token_counts:
+        if self.totals.token_counts or self.pipelined:
             # Item counts are only known now; the window's gradient becomes sum / count exactly.
+            # A pipeline counts them on its last stage, and every stage's gradients take the
+            # correction: all its ranks reduce the totals here (and agree whether items counted).
             reduced = self._reduce_totals(stop_requested)
+        if reduced is not None and reduced[COUNTED_RANKS] > 0:
             self._check_items(window, reduced[1])
             scale_gradients(self.params, count_correction(window_samples=window.samples,
                                                           window_items=reduced[1]))
@@ -374,7 +377,7 @@ class StepRunner:
         return totals.tolist()
 
     def _update_noise_scale(self, window: Window, reduced: list[float], norm: float) -> None:
-        _, items, _, small_sq_sum, inverse_sum, ranks = reduced
+        _, items, _, small_sq_sum, inverse_sum, ranks = reduced[:COUNTED_RANKS]
         if not ranks:
             return
         # The window's gradient is per-sample mean (or, with item counts, sum / C): scale it back

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
+from unittest import mock
 
 import torch.distributed as dist
 
@@ -27,11 +30,57 @@ def fake_process_group(world_size: int, *, rank: int = 0):
         raise ConfigError(f"a sharded estimate for --world-size {world_size} needs its own (fake) "
                           f"process group, and one is already initialised (torchrun?); under "
                           f"torchrun the probe measures with the real ranks instead")
+    made: list = []
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield
+        with _recording_meshes(made):
+            yield
     finally:
         dist.destroy_process_group()
+        _retire_meshes(made)
+
+
+@contextlib.contextmanager
+def _recording_meshes(made: list):
+    """Every DeviceMesh built meanwhile (submeshes and flattened ones included) into ``made``.
+    Kept by identity: meshes of the same shape compare equal. Scanning the heap instead
+    (``gc.get_objects``) cost 11% of a small pipeline plan's time."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__init__
+
+    @functools.wraps(init)
+    def recording_init(mesh, *args, **kwargs):
+        init(mesh, *args, **kwargs)
+        made.append(mesh)
+
+    with mock.patch.object(DeviceMesh, "__init__", recording_init):
+        yield
+
+
+_retired = itertools.count(1)
+
+
+def _retire_meshes(meshes) -> None:
+    """Make this group's meshes unequal to any later one.
+
+    DTensor caches each op's output placements by its inputs' specs, and a DeviceMesh compares
+    equal to another of the same shape and names whatever its process groups: a later fake
+    group's meshes (the next pipeline rank's estimate) would get cached specs on meshes whose
+    groups are destroyed. Clearing torch's native cache instead
+    (``torch.distributed.tensor.debug._clear_sharding_prop_cache``) crashed the process (abort or
+    segfault) after some hours of other estimates in it. A mesh's ``_thread_id`` is part of its
+    equality and hash (threaded test groups use it); a negative one is no thread's, so stale
+    entries miss. Each mesh's cached hash is dropped with it (the cache compares hashes first).
+    """
+    for mesh in meshes:
+        mesh._thread_id = -next(_retired)
+        mesh._hash = None
+    try:
+        from torch.distributed.tensor.debug import _clear_python_sharding_prop_cache
+    except ImportError:  # a torch without the Python cache
+        return
+    _clear_python_sharding_prop_cache()
 
 
 @contextlib.contextmanager
