@@ -64,11 +64,11 @@ def causal_lm_loss(model, batch):
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum"), targets.numel()
 
 
-def build_hf_llama():
+def build_hf_llama(layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
                          attn_implementation="sdpa")
     return LlamaForCausalLM(config)

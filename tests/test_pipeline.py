@@ -3,6 +3,7 @@ group, and (slow, torchrun on gloo) the estimate against real peaks, training th
 process ends, and SIGTERM then --resume.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -103,6 +104,7 @@ def test_the_estimate_is_the_worst_pipeline_rank():
 BIG_HEAD = TESTS / "pp_big_head_model.py"  # its last stage holds more than its first
 
 
+@pytest.mark.slow
 @needs_fake_pipeline
 def test_the_probe_measures_the_worst_pipeline_rank():
     from autotune.probing.api import probe
@@ -113,6 +115,78 @@ def test_the_probe_measures_the_worst_pipeline_rank():
     first, last = estimated_rank_peaks(BIG_HEAD, 5, window=2)
     assert last > first
     assert result.max_micro_batch == 5 and result.peak_at(5) == last
+
+
+@pytest.mark.slow
+@needs_fake_pipeline
+def test_the_pipeline_ranks_count_the_models_step_once_per_micro_step():
+    """Step costs of PP 2 (--optimize throughput): each pipeline rank's micro-step, counted over
+    the schedule's window and divided per micro-step. Its stages' matmul FLOPs add up to the
+    whole model's one step (forward and backward; the blocks split between them) to the FLOP,
+    each rank's optimizer phase is its own parameters', and the slowest rank is what the step
+    model takes."""
+    from autotune.timing.count import count_steps_costs, pipeline_rank_costs
+
+    workload = EXAMPLES / "tiny_lm.py"
+    whole = count_steps_costs(workload, [2, 3])
+    layout = parse_layout(pp=2)
+    ranks = pipeline_rank_costs(workload, [2, 3], world_size=2, parallel=layout)
+    slowest = count_steps_costs(workload, [2, 3], sharding="fsdp", world_size=2, parallel=layout)
+    for n in (2, 3):
+        flops = [c.flops_by("phase") for c in (whole[n], *(r[n] for r in ranks))]
+        for phase in ("forward", "backward"):
+            assert flops[1][phase] + flops[2][phase] == pytest.approx(flops[0][phase], rel=1e-12)
+            assert 0 < flops[1][phase] < flops[0][phase]
+        optimizer = [c.bytes_by("phase")["optimizer"] for c in (whole[n], *(r[n] for r in ranks))]
+        assert optimizer[1] + optimizer[2] == pytest.approx(optimizer[0], rel=0.05)
+        assert slowest[n].total_flops == max(r[n].total_flops for r in ranks)
+        # Each micro-step's activations cross once each way between the stages.
+        sends = [c for r in ranks for c in r[n].collectives if c.kind == "send"]
+        assert sends and all(c.bytes == sends[0].bytes for c in sends), sends
+
+
+def test_a_stage_copied_on_fake_tensors_keeps_its_weights_views_on_their_storage():
+    """A rank with several stages copies the model for each but its last. A deep-copied
+    FakeTensor's views report another storage than the tensor, so the estimate counted the
+    ``weight.t()`` a linear saves for backward as a second weight: interleaved 1F1B on tiny_lm was
+    one block's weights (+2.2% to +4.3%) over gloo's real peak."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autotune.distributed.pipeline import _copy_model
+
+    with FakeTensorMode():
+        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16, bias=False))
+        model[2].weight = model[0].weight  # tied
+        model.register_buffer("scale", torch.ones(8))
+        copied = _copy_model(model)
+        for name, p in copied.named_parameters():
+            assert p.t().untyped_storage()._cdata == p.untyped_storage()._cdata, name
+            assert p is not dict(model.named_parameters())[name] and p.requires_grad
+        assert copied[2].weight is copied[0].weight and isinstance(copied[1].weight, nn.Parameter)
+        assert copied.scale is not model.scale and copied.scale.shape == (8,)
+    real = nn.Linear(2, 2)
+    twin = _copy_model(real)
+    assert torch.equal(twin.weight, real.weight) and twin.weight is not real.weight
+
+
+@needs_fake_pipeline
+def test_a_pipelines_shape_inference_counts_nothing_in_its_estimate(monkeypatch):
+    """A new schedule learns each stage's output shape from a no-grad forward of the whole model
+    on fake tensors, which a real run does in a fake mode of its own (allocating nothing). The
+    estimate ran it in its counting mode, in the first window its trial now measures: every
+    rank's peak held the whole model's logits (9.9 GiB on each of Llama 8B's 8 pipeline ranks
+    at sequence 8192, where a middle stage of 4 checkpointed blocks holds 2.2)."""
+    from autotune.memory.fake import _CountingFakeTensorMode
+
+    n = 5
+    first, last = estimated_rank_peaks(BIG_HEAD, n, window=2)
+    monkeypatch.setattr(_CountingFakeTensorMode, "uncounted", lambda self: contextlib.nullcontext())
+    counted_first, counted_last = estimated_rank_peaks(BIG_HEAD, n, window=2)
+    # The whole model's logits (tiny_lm's sequence, this model's vocabulary, fp32: 21 MB) came
+    # on top of what the first stage held at that moment: 59.5 MB against 41.7 MB measured.
+    logits = n * 128 * 8192 * 4
+    assert counted_first - first > logits / 2, (counted_first, first)
+    assert counted_last >= last
 
 
 @needs_fake_pipeline
@@ -142,18 +216,19 @@ def _torchrun(nproc, *args):
 
 
 # (example, schedule, sharding, world, how far above the real peak the estimate may be). Below it
-# by at most 3% everywhere. Two known gaps (bench/README.md, "pp_estimate_accuracy.py"):
-# interleaved on tiny_lm is over by up to 4.3%; FSDP 2 × PP 2 on mlp depends on when gloo's worker
-# thread lets go of a collective's buffer (−18% to +3.8% at n = 2) and is not held to a bound here.
+# by at most 3% everywhere. A known gap (bench/README.md, "pp_estimate_accuracy.py"): FSDP 2 × PP 2
+# on mlp depends on when gloo's worker thread lets go of a collective's buffer (−18% to +3.8% at
+# n = 2) and is not held to a bound here. Interleaved on tiny_lm was over by up to 4.3% until the
+# copied stages' fake weights were cloned by an op (``pipeline._copy_model``): now to 12 bytes.
 ACCURACY = [("tiny_lm", "1f1b", "ddp", 2, 0.03), ("mlp", "1f1b", "ddp", 2, 0.03),
-            ("mlp", "interleaved-1f1b", "ddp", 2, 0.03), ("tiny_lm", "interleaved-1f1b", "ddp", 2, 0.05),
-            ("tiny_lm", "1f1b", "fsdp", 4, 0.03)]
+            ("mlp", "interleaved-1f1b", "ddp", 2, 0.03), ("tiny_lm", "interleaved-1f1b", "ddp", 2, 0.03),
+            ("pp_hf_llama4_model", "interleaved-1f1b", "ddp", 2, 0.03), ("tiny_lm", "1f1b", "fsdp", 4, 0.03)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("example, schedule, sharding, world, over", ACCURACY)
 def test_estimate_matches_real_gloo_pipeline_peaks(tmp_path, example, schedule, sharding, world, over):
-    model_file = EXAMPLES / f"{example}.py"
+    model_file = next(path for path in (EXAMPLES / f"{example}.py", TESTS / f"{example}.py") if path.exists())
     real = real_pipeline_peaks(model_file, tmp_path, pp=2, schedule=schedule, sharding=sharding,
                                world=world, window=4, sizes=[2])
     estimated = estimated_rank_peaks(model_file, 2, schedule=schedule, world_size=world, sharding=sharding)
@@ -233,23 +308,80 @@ def test_pipelined_training_ends_where_one_process_ends(tmp_path, example, sched
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [4, 8])
-def test_tensor_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as_one_process(tmp_path, world):
+@pytest.mark.parametrize("model_file, world", [(EXAMPLES / "tiny_lm.py", 4), (EXAMPLES / "tiny_lm.py", 8),
+                                               (TESTS / "cp_hf_llama_model.py", 4)],
+                         ids=["tiny_lm-4", "tiny_lm-8", "hf_llama-4"])
+def test_tensor_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as_one_process(
+        tmp_path, monkeypatch, model_file, world):
     """TP 2 × PP 2 (4 ranks) and FSDP 2 × TP 2 × PP 2 (8): each pipeline rank's estimate
     against gloo's real peaks, and training against one process, the gradient norm clipped (a
-    norm over every stage and both tensor-parallel shards: clipped by the same factor)."""
-    model_file = EXAMPLES / "tiny_lm.py"
+    norm over every stage and both tensor-parallel shards: clipped by the same factor). HF
+    Llama brings its own tp_plan, whose embedding and head each stage but one has cut out, and
+    runs with sequence parallel: stages send and receive their share of the sequence. As in
+    test_tensor_parallel: the estimate holds each all-gather's buffers until the next
+    collective, as a late gloo worker thread does in some repeats (sequence parallel gathers
+    at every norm), so it is at least what most repeats reach; without that it is at most 3%
+    above the largest real peak."""
+    from autotune.memory.fake import _GlooCollectiveBuffers
+    from fsdp_helpers import typical_peak, worst_peak
+
     estimated = estimated_rank_peaks(model_file, 2, tp=2, world_size=world, sharding="fsdp")
+    with monkeypatch.context() as patch:
+        patch.setattr(_GlooCollectiveBuffers, "released_late", False)
+        prompt = estimated_rank_peaks(model_file, 2, tp=2, world_size=world, sharding="fsdp")
     real = real_pipeline_peaks(model_file, tmp_path, pp=2, tp=2, schedule="1f1b", sharding="fsdp",
                                world=world, window=4, sizes=[2])[2]
     per_stage = world // 2
-    for pp_rank, estimate in enumerate(estimated):
-        peak = max(max(real[pp_rank * per_stage + r]) for r in range(per_stage))
-        assert abs(estimate - peak) <= 0.03 * peak, (pp_rank, estimate, peak)
+    for pp_rank, (estimate, early) in enumerate(zip(estimated, prompt)):
+        ranks = real[pp_rank * per_stage:(pp_rank + 1) * per_stage]
+        assert estimate >= typical_peak(ranks) / 1.03, (pp_rank, estimate, ranks)
+        assert early <= worst_peak(ranks) * 1.03 and estimate >= early, (pp_rank, early, ranks)
     out = tmp_path / "train"
     out.mkdir()
     metrics = _trains_as_one_process(out, world, model_file, "1f1b", world // 4, clip=0.05, PP_TP="2")
     assert all(r["grad_norm"] > 0.05 for r in metrics)  # every step clipped
+
+
+@pytest.mark.slow
+def test_a_loss_that_counts_its_items_trains_every_stage_as_one_process(tmp_path):
+    """A (loss_sum, item_count) loss: only the last stage counts items, and every stage's
+    gradients take the window's sum / count correction. Before, the other stages skipped the
+    totals' all-reduce the last stage ran, and the run hung in its first optimizer step."""
+    _trains_as_one_process(tmp_path, 2, TESTS / "sp_decoder_model.py", "1f1b", 1)
+
+
+@pytest.mark.slow
+def test_autotune_train_runs_a_sequence_parallel_pipeline_plan_within_its_peak(tmp_path):
+    """TP 2 (sequence parallel) × PP 2 on 4 gloo ranks, 8 accumulation steps, through the CLI as
+    a user runs it: the first step within 3% of the plan's peak (plus one gathered activation
+    gloo may hold late), the later ones below it. The first step peaks
+    highest (the window that builds the stages): 13% above the plan before the probe counted that
+    window too, inside the budget's 10% headroom, so no warning said so."""
+    plan_file = tmp_path / "plan.json"
+    model_file = TESTS / "sp_decoder_model.py"
+    result = CliRunner().invoke(cli, ["plan", str(model_file), "--target-batch", "8", "--world-size", "4",
+                                      "--tp", "2", "--pp", "2", "--sharding", "fsdp", "--memory-limit", "200KiB",
+                                      "--precision", "fp32", "--checkpointing", "off", "--output", str(plan_file)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(plan_file.read_text())
+    assert len(plan["micro_batches"]) >= 2 and plan["parallel"]["tp"] == plan["parallel"]["pp"] == 2
+    done = subprocess.run(_torchrun(4, "-m", "autotune.cli.main", "train", model_file, "--plan", plan_file,
+                                    "--steps", "3"),
+                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "above the plan's predicted" not in output
+    peaks = [float(line.split(" peak ")[1].split(" KiB")[0]) * 1024
+             for line in output.splitlines() if line.startswith("step ")]
+    assert len(peaks) == 3, output[-3000:]
+    predicted = plan["predicted_peak_bytes"]
+    # One full-sequence activation (micro-batch × sequence × dim, fp32): CI once measured the
+    # first step 2 KiB higher than the 140.16 KiB this machine measures every time (+3.3%), one
+    # gathered activation that gloo's worker thread held past the next collective.
+    from sp_decoder_model import DIM, SEQ_LEN
+    gathered = plan["micro_batches"][0] * SEQ_LEN * DIM * 4
+    assert predicted * 0.97 <= peaks[0] <= predicted * 1.03 + gathered, (peaks, predicted)
+    assert max(peaks) == peaks[0]
 
 
 @pytest.mark.slow
@@ -292,3 +424,15 @@ def test_a_torch_whose_schedules_cannot_run_fake_tensors_says_so(monkeypatch):
     with pytest.raises(ConfigError, match="estimated on fake tensors by torch 2.14 or later"):
         pipeline._step_micro_batches(object(), arg_mbs=[(batch,)], kwarg_mbs=[{}], target_mbs=[None],
                                      return_outputs=False)
+
+
+def test_a_sequence_parallel_stage_sends_its_share_and_refuses_a_sequence_tp_does_not_divide():
+    from types import SimpleNamespace
+
+    from autotune.distributed.pipeline import PipelinedModel
+
+    split = SimpleNamespace(split_sequence=2)
+    assert PipelinedModel._share(split, (3, 8, 16), torch.float32) == ((3, 4, 16), torch.float32)
+    assert PipelinedModel._share(SimpleNamespace(split_sequence=1), (3, 7, 16), None) == ((3, 7, 16), None)
+    with pytest.raises(ConfigError, match=r"shape \[3, 7, 16\] cannot be split by sequence .* over tp 2"):
+        PipelinedModel._share(split, (3, 7, 16), torch.float32)

@@ -129,13 +129,17 @@ def parameter_phases(model, container, loss, batch, *, source: str = "model") ->
 
 
 def _fake_mode():
-    """Fake tensors for a run that must allocate nothing: the fake mode in force (the estimate's),
-    else a new one that takes the real model's tensors as inputs."""
+    """Fake tensors for a run that must allocate nothing: the fake mode in force (the estimate's,
+    counting nothing meanwhile: a real run's own fake mode allocates nothing, and the estimate
+    counted the shape inference's whole-model forward into a pipeline's first window, 9.9 GiB of
+    logits on every rank of Llama 8B at sequence 8192), else a new one that takes the real
+    model's tensors as inputs."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if detect_fake_mode() is not None:
-        return contextlib.nullcontext()
+    mode = detect_fake_mode()
+    if mode is not None:
+        return getattr(mode, "uncounted", contextlib.nullcontext)()
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
@@ -169,6 +173,9 @@ class StageModule(torch.nn.Module):
         self.batches: list = []
         self.weigh = None
         self._received = None
+        self.sequence_mesh = None
+        """The tensor-parallel mesh under sequence parallel: the stream between blocks is a DTensor
+        sharded by sequence over it, and a stage sends and receives its local share."""
         container = block_container(model, source=source)
         if not first:
             container[start].register_forward_pre_hook(self._swap_input)
@@ -178,9 +185,16 @@ class StageModule(torch.nn.Module):
     def _swap_input(self, module, args):
         if self._received is None:
             return None
-        return (self._received, *args[1:])
+        received = self._received
+        if self.sequence_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            received = DTensor.from_local(received, self.sequence_mesh, [Shard(1)], run_check=False)
+        return (received, *args[1:])
 
     def _stop(self, module, args, output):
+        if self.sequence_mesh is not None and hasattr(output, "to_local"):
+            output = output.to_local()
         raise _Boundary(output)
 
     def forward(self, *received, micro_batch: int):
@@ -238,8 +252,10 @@ class PipelinedModel(torch.nn.Module):
     """
 
     def __init__(self, stages: dict[int, StageModule], *, num_stages: int, schedule: PipelineSchedule,
-                 group, device, shape_model: _ShapeModel, bounds: list[tuple[int, int]], autocast=None):
+                 group, device, shape_model: _ShapeModel, bounds: list[tuple[int, int]], autocast=None,
+                 split_sequence: int = 1):
         super().__init__()
+        self.split_sequence = split_sequence
         for stage_id, module in stages.items():
             self.add_module(f"stage_{stage_id}", module)
         self.stage_ids = list(stages)
@@ -285,7 +301,8 @@ class PipelinedModel(torch.nn.Module):
         if self._built is not None and self._built[0] == key:
             return self._built[1]
         with self.autocast():
-            shapes = self._shapes.outputs(batches[0])
+            shapes = {end: self._share(shape, dtype) for end, (shape, dtype) in
+                      self._shapes.outputs(batches[0]).items()}
         pipeline_stages = []
         for stage_id, module in zip(self.stage_ids, self.stages):
             start, end = self.bounds[stage_id]
@@ -311,6 +328,18 @@ class PipelinedModel(torch.nn.Module):
                               f"{self.num_stages // len(self.stage_ids)} (the pipeline degree)") from exc
         self._built = (key, schedule)
         return schedule
+
+    def _share(self, shape: tuple, dtype) -> tuple:
+        """A stage output's (shape, dtype) as one rank sends it: under sequence parallel, its
+        share of the sequence (dim 1)."""
+        if self.split_sequence == 1:
+            return shape, dtype
+        if len(shape) < 2 or shape[1] % self.split_sequence:
+            raise ConfigError(f"a pipeline stage's output of shape {list(shape)} cannot be split by "
+                              f"sequence (dim 1) over tp {self.split_sequence} ranks: sequence parallel "
+                              f"inside a pipeline needs a sequence length divisible by tp; use "
+                              f"another --seq-len or --tp")
+        return (shape[0], shape[1] // self.split_sequence, *shape[2:]), dtype
 
     def run(self, batches: list, weigh) -> None:
         """Forward and backward of ``batches`` (this window's micro-batches, the same on every
@@ -399,13 +428,14 @@ def _batch_signature(batch) -> tuple:
 
 def build_pipeline(model: torch.nn.Module, *, pp: int, pp_rank: int, stages_per_rank: int = 1,
                    schedule="1f1b", loss, example_batch, group=None, device=None,
-                   shard=None, autocast=None, source: str = "model") -> PipelinedModel:
+                   shard=None, autocast=None, source: str = "model", split_sequence: int = 1) -> PipelinedModel:
     """This rank's stages of ``model`` (which it consumes), ready to ``run``.
 
     ``loss(model, batch) -> (loss, count)`` is the workload's loss; ``example_batch`` a
     micro-batch the forward can read (which parameters run before the first block and after the
     last is seen on it, on fake tensors). ``shard(stage_module)`` (FSDP2 over the data-parallel
-    ranks) is applied to each stage.
+    ranks) is applied to each stage. ``split_sequence``: the ranks a stage's output is split over
+    by sequence (tp under sequence parallel), each sending and receiving its share.
     """
     layout = Layout(pp=pp, pp_schedule=schedule, stages_per_rank=stages_per_rank)
     schedule = layout.pp_schedule
@@ -421,7 +451,7 @@ def build_pipeline(model: torch.nn.Module, *, pp: int, pp_rank: int, stages_per_
     ids = rank_stage_ids(pp_rank, pp, stages_per_rank)
     stages = {}
     for k, stage_id in enumerate(ids):
-        copy_ = model if k == len(ids) - 1 else copy.deepcopy(model)
+        copy_ = model if k == len(ids) - 1 else _copy_model(model)
         start, end = bounds[stage_id]
         first, last = stage_id == 0, stage_id == num_stages - 1
         _cut(copy_, path, start, end, phases, first=first, last=last)
@@ -429,7 +459,27 @@ def build_pipeline(model: torch.nn.Module, *, pp: int, pp_rank: int, stages_per_
         stages[stage_id] = shard(module) if shard is not None else module
     device = device or torch.device("cpu")
     return PipelinedModel(stages, num_stages=num_stages, schedule=schedule, group=group, device=device,
-                          shape_model=shapes, bounds=bounds, autocast=autocast)
+                          shape_model=shapes, bounds=bounds, autocast=autocast, split_sequence=split_sequence)
+
+
+def _copy_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(model)``, its fake parameters and buffers cloned by an op instead. A
+    deep-copied FakeTensor's views report another storage than the tensor itself, so the estimate
+    counted the views of a copied stage's weights that its forward saves for backward (a
+    ``weight.t()`` per linear) as weight-sized storages of their own: interleaved 1F1B, whose
+    ranks copy the model for every stage but their last, was over by one block's weights (+2.2%
+    to +4.3% on tiny_lm). Real tensors are deep-copied as they were; tied weights stay tied."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    memo = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) in memo or not is_fake(tensor):
+            continue
+        with torch.no_grad():
+            clone = tensor.detach().clone()
+        memo[id(tensor)] = (torch.nn.Parameter(clone, requires_grad=tensor.requires_grad)
+                            if isinstance(tensor, torch.nn.Parameter) else clone)
+    return copy.deepcopy(model, memo)
 
 
 def _cut(model, path: str, start: int, end: int, phases: dict[str, str], *, first: bool,
@@ -468,35 +518,46 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
     dp_mesh = data_parallel_mesh(mesh)
     device = torch.device(mesh.device_type)
 
+    tp_plan = None
+    if parallel.tp > 1:
+        from .tensor_parallel import layout_plan
+
+        tp_plan = layout_plan(model, workload=workload, parallel=parallel, sharding=sharding)
+
     def shard(module):
         return split_stage(module, mesh=mesh, parallel=parallel, sharding=sharding, precision=precision,
-                           workload=workload, dp_mesh=dp_mesh)
+                           dp_mesh=dp_mesh, tp_plan=tp_plan)
 
     return build_pipeline(model, pp=parallel.pp, pp_rank=mesh.get_local_rank("pp"),
                           stages_per_rank=parallel.stages_per_rank, schedule=parallel.pp_schedule.value,
                           loss=workload.loss, example_batch=workload.batch(1),
                           group=mesh["pp"].get_group(), device=device,
-                          shard=shard,
+                          shard=shard, split_sequence=parallel.tp if tp_plan is not None and tp_plan.norms else 1,
                           autocast=lambda: autocast(precision, device), source=workload.source)
 
 
-def split_stage(module: torch.nn.Module, *, mesh, parallel: Layout, sharding, precision, workload,
-                dp_mesh) -> torch.nn.Module:
+def split_stage(module: torch.nn.Module, *, mesh, parallel: Layout, sharding, precision, dp_mesh,
+                tp_plan=None) -> torch.nn.Module:
     """A pipeline stage (``StageModule``) as ``apply_layout`` splits a whole model:
-    tensor parallel on ``mesh["tp"]`` over the stage's model (the model file's own, its other
-    stages' blocks cut out, so a TP plan's module names are the model's), then FSDP2 over
-    ``dp_mesh`` where it has more than one rank (with one, FSDP2 would only add a gathered copy
-    of every block)."""
+    ``tp_plan`` (the whole model's ``tensor_parallel.layout_plan``) on ``mesh["tp"]`` over the
+    part the stage holds (its model is the model file's own with the other stages' blocks cut
+    out, so the plan's module names are the model's); under sequence parallel the stage hands on
+    and receives its rank's share of the sequence. Then FSDP2 over ``dp_mesh`` where it has more
+    than one rank, or where tensor parallel leaves some parameters plain (as ``apply_layout``
+    does: one optimizer step over DTensors and plain tensors mixed is refused by its foreach
+    ops). Otherwise one data-parallel rank skips FSDP2, which would only add a gathered copy of
+    every block."""
     from .sharding.settings import Sharding
     from .sharding.wrap import shard_model
 
     sharding = Sharding.parse(sharding)
-    if parallel.tp > 1:
-        from .tensor_parallel import apply_tensor_parallel
+    if tp_plan is not None:
+        from .tensor_parallel import apply_plan, held_part
 
-        module.model = apply_tensor_parallel(module.model, mesh, workload=workload, parallel=parallel,
-                                             sharding=sharding)
-    if sharding.sharded and dp_mesh.size() > 1:
+        module.model = apply_plan(module.model, mesh, held_part(tp_plan, module.model))
+        if tp_plan.norms:
+            module.sequence_mesh = mesh["tp"]
+    if sharding.sharded and (dp_mesh.size() > 1 or parallel.tp > 1):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         # As apply_layout: FSDP2 joins the dp and tp meshes, with a data-dependent op on the mesh.

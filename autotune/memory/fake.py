@@ -347,12 +347,19 @@ class _CountingFakeTensorMode(fake_tensor.FakeTensorMode):
                 raise
         return out
 
-    def _uncounted_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._depth += 1  # made here, counted by the caller
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Ops run inside count nothing: work a real run does on fake tensors of its own (a
+        pipeline's shape inference, a forward of the whole model), which allocates nothing."""
+        self._depth += 1  # only the outermost op's outputs count: none is outermost here
         try:
-            return tensor.new_empty(tensor.shape)
+            yield
         finally:
             self._depth -= 1
+
+    def _uncounted_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self.uncounted():  # made here, counted by the caller
+            return tensor.new_empty(tensor.shape)
 
 
 @contextlib.contextmanager

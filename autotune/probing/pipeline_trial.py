@@ -57,14 +57,17 @@ class PipelineSessionMixin:
                 loss = loss / count
             return self.scaler.scale(loss)
 
+        first_peak = 0
         if self.model.prepare(batches):
             # A new schedule's first window builds what every later one reuses (receive buffers,
-            # FSDP2's lazy set-up): run it first, then measure a steady-state window.
+            # FSDP2's lazy set-up), and peaks higher while it does: a run's first step is that
+            # window, so the trial's peak is the larger of it and a steady-state window.
             self.model.run(batches, weigh)
+            first_peak = self.backend.peak_bytes()
             self.optimizer.zero_grad(set_to_none=True)
             self.backend.reset_peak()
         self.model.run(batches, weigh)
-        activation_peak = self.backend.peak_bytes()
+        activation_peak = max(first_peak, self.backend.peak_bytes())
         self.backend.reset_peak()
         step_peak = self._optimizer_phase()  # the window's batches are still alive, as in training
         del batches
