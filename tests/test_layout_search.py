@@ -10,6 +10,7 @@ from autotune.planning.layouts import (LayoutOutcome, choose_layout, communicati
                                        layout_candidates, search_layouts)
 from autotune.timing.layout import pipeline_bubble
 from autotune.workload.model_shape import ModelShape, model_shape
+from autotune.distributed.pipeline import fake_pipeline_supported
 
 LLAMA_8B = ModelShape(heads=32, kv_heads=8, hidden=4096, blocks=32)
 
@@ -407,10 +408,24 @@ def test_a_fixed_layouts_predicted_step_time_is_per_gpu_with_its_collectives(exa
                                           network=network)
                   for n in planned.micro_batches)
     assert tp_comm > 0 and timed.exposed_comm_s >= tp_comm
-    with pytest.raises(ConfigError, match="pp 2: pipeline parallelism is not available with "
-                                          "optimize='throughput'"):
-        plan(examples_dir / "tiny_lm.py", target_batch=8, world_size=2, pp=2, gpu="h100-80gb",
-             optimize="throughput", sharding="fsdp", eval_batch=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fake_pipeline_supported(), reason="this torch's pipeline schedules do not run on "
+                                                          "fake tensors (torch 2.14's do)")
+def test_a_pipelines_predicted_step_idles_its_schedules_bubble(examples_dir, one_thread):
+    """--optimize throughput --gpu with --pp 2: the slowest stage's counted micro-steps, the
+    schedule's bubble (1F1B over p = 2 stages and m micro-batches idles (p − 1)/(m + p − 1) of
+    the step), per GPU. A pipeline was a ConfigError here before its steps were counted."""
+    from autotune import plan
+
+    planned = plan(examples_dir / "tiny_lm.py", target_batch=8, world_size=2, pp=2, gpu="h100-80gb",
+                   optimize="throughput", sharding="fsdp", eval_batch=False)
+    timed, m = planned.step_time, len(planned.micro_batches)
+    assert planned.parallel.pp == 2 and m >= 2
+    assert timed.bubble_s == pytest.approx(timed.step_s / (m + 1))
+    assert timed.samples_per_s == pytest.approx(sum(planned.micro_batches) / timed.step_s / 2)
+    assert timed.compute_s > 0 and planned.predicted and planned.predicted[0].parallel.pp == 2
 
 
 def test_a_fixed_tp_that_does_not_divide_the_heads_is_refused_naming_them(examples_dir):

@@ -224,3 +224,24 @@ def test_sharded_microbenchmarks_run_beside_an_initialised_process_group(tmp_pat
     values = _spawned(_sharded_overheads_under_a_group, tmp_path, nprocs=1)
     assert set(values) == set(SHARDED_FIELDS)
     assert values["fsdp_unit_s"] > 0 and values["dtensor_op_s"] > 0
+
+
+@pytest.mark.slow  # two counted fake steps of an HF model: about 8 s
+def test_a_tensor_parallel_rank_counts_the_flops_of_its_own_shards(monkeypatch):
+    # A 2-layer HF Llama: its tp_plan shards every projection of each block and the LM head
+    # column-wise, so each of 2 ranks does exactly half of the model's matmul and attention
+    # FLOPs. Counted at the DTensors' global shapes (or with the shape propagation DTensor
+    # runs on the host once per op), a rank would count more.
+    from autotune import Layout
+
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    model = os.path.join(os.path.dirname(__file__), "cp_hf_llama_model.py")
+    whole = count_step_costs(model, N, sharding="fsdp")
+    split = count_step_costs(model, N, sharding="fsdp", world_size=2, parallel=Layout(tp=2))
+    for phase in ("forward", "backward"):
+        flops = {name: sum(o.flops for o in costs.ops if o.phase == phase)
+                 for name, costs in (("whole", whole), ("split", split))}
+        assert flops["whole"] > 0 and flops["split"] == flops["whole"] / 2, (phase, flops)
+    # The tensor-parallel activations' collectives are timed per block (timing.layout), not
+    # recorded twice; the gradient norm's all-reduces over the mesh are.
+    assert {(c.kind, c.phase) for c in split.collectives} == {("all_reduce", "optimizer")}

@@ -384,3 +384,30 @@ def test_loop_costs_are_measured_once_and_cached_with_the_profile(tmp_path, monk
 
     monkeypatch.setattr(loop_cost, "with_loop_costs", no_measuring)
     assert loop_cost.cpu_speed_with_loop(cache_dir=tmp_path) == measured
+
+
+def test_a_pipeline_window_divides_into_micro_steps_and_keeps_its_one_reduce_scatter():
+    """``count._per_micro_step``: a pipeline rank's window of 4 micro-steps alike, as one
+    micro-step and its optimizer phase; the sharded stage's reduce-scatter (once per window, on
+    the last backward) and the optimizer's ops stay whole."""
+    from autotune.timing.costs import CollectiveCall
+    from autotune.timing.count import _per_micro_step
+
+    window = StepCosts(
+        ops=(OpCost("matmul", "forward", flops=400.0, bytes=80.0, count=8),
+             OpCost("matmul", "backward", flops=800.0, bytes=160.0, count=16),
+             OpCost("optimizer", "optimizer", flops=0.0, bytes=64.0, count=3)),
+        collectives=(*[CollectiveCall("send", 1024, 2, "forward")] * 4,
+                     *[CollectiveCall("all_gather", 512, 2, "forward")] * 8,
+                     CollectiveCall("reduce_scatter", 2048, 2, "backward"),
+                     CollectiveCall("all_reduce", 4, 2, "optimizer")),
+        micro_batch=2, module_calls={"forward": 40, "optimizer": 1}, checkpoint_blocks=8)
+    one = _per_micro_step(window, 4)
+    assert one.flops_by("phase") == {"forward": 100.0, "backward": 200.0, "optimizer": 0.0}
+    assert one.count_by("phase") == {"forward": 2, "backward": 4, "optimizer": 3}
+    assert one.bytes_by("phase")["optimizer"] == 64.0
+    kinds = sorted((c.kind, c.phase) for c in one.collectives)
+    assert kinds == [("all_gather", "forward"), ("all_gather", "forward"), ("all_reduce", "optimizer"),
+                     ("reduce_scatter", "backward"), ("send", "forward")]
+    assert one.module_calls == {"forward": 10, "optimizer": 1} and one.checkpoint_blocks == 2
+    assert _per_micro_step(window, 1) is window

@@ -32,13 +32,9 @@ def fastest_predicted(planner) -> Plan:
     """The plan of the configuration predicted fastest (see the module's docstring)."""
     options, request = planner.options, planner.request
     profile = planner.target.profile
-    if options.parallel.pp > 1:
-        # Worded as a split this build lacks, so a layout search answers every pipeline alike.
-        raise ConfigError(f"pp {options.parallel.pp}: pipeline parallelism is not available with "
-                          f"{given('optimize', 'throughput')} and a {option('gpu')} target yet: the step-time "
-                          f"model does not count a pipeline schedule's steps; plan it with "
-                          f"{given('optimize', 'memory')} (a layout search then breaks ties by the "
-                          f"pipeline's bubble)")
+    # A pipeline's schedule reduces a sharded stage's gradients once, on its last backward
+    # (``count._per_micro_step`` keeps those reduce-scatters whole for it).
+    pipelined = options.parallel.pp > 1
     speed = speed_for_profile(profile)
     network = network_from_profile(profile, gpus_per_node=options.gpus_per_node,
                                    network_gbps=options.network_gbps)
@@ -61,7 +57,7 @@ def fastest_predicted(planner) -> Plan:
         timed = _in_layout(planner, predict_window(
             model, split, network=network, world_size=planner.world_size,
             sharding=str(setting.sharding), shard_group=setting.shard_group,
-            reduce_every_micro_step=True, gradient_bytes=planner.fingerprint.param_bytes),
+            reduce_every_micro_step=not pipelined, gradient_bytes=planner.fingerprint.param_bytes),
             split, setting.precision, network)
         ranked.append((setting, ConfigurationPredicted(
             precision=setting.precision, checkpointing=setting.checkpointing, micro_batches=split,
@@ -92,7 +88,7 @@ def fastest_predicted(planner) -> Plan:
     plan.step_time = _in_layout(planner, predict_window(
         model, plan.micro_batches, network=network, world_size=planner.world_size,
         sharding=str(plan.sharding), shard_group=plan.shard_group,
-        reduce_every_micro_step=plan.reduce_every_micro_step,
+        reduce_every_micro_step=plan.reduce_every_micro_step and not pipelined,
         gradient_bytes=planner.fingerprint.param_bytes), plan.micro_batches, setting.precision, network)
     plan.predicted = [c for _, c in ranked]
     layouts = sorted({c.layout for c in plan.predicted})

@@ -9,7 +9,11 @@ execution of the same step dispatches. FLOPs come from torch's own formulas
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import weakref
+from unittest import mock
 from collections import Counter
 
 import torch
@@ -27,7 +31,7 @@ from .costs import CollectiveCall, OpCost, StepCosts
 
 def count_step_costs(workload, micro_batch: int, *, precision="fp32", checkpointing=False,
                      sharding="ddp", world_size: int = 1, shard_group: int | None = None,
-                     for_gpu: str | None = None) -> StepCosts:
+                     for_gpu: str | None = None, parallel=None) -> StepCosts:
     """What one steady-state training step at ``micro_batch`` costs, op by op (see ``StepCosts``).
 
     Arguments as ``estimate_peak``'s; raises ``EstimateUnavailable`` when the model cannot run on
@@ -35,11 +39,13 @@ def count_step_costs(workload, micro_batch: int, *, precision="fp32", checkpoint
     sharded, every collective of this rank's step is recorded with its buffer's bytes.
     ``for_gpu`` (a CUDA device's name): the step a CUDA device runs, as the memory estimate for
     it runs it (optimizers left to choose take their foreach path); else this CPU's.
+    ``parallel``: one rank's step under that model-parallel ``Layout``, its DTensor ops counted
+    on the rank's local shards.
     """
     return count_steps_costs(workload, [micro_batch], precision=precision,
                              checkpointing=checkpointing, sharding=sharding,
                              world_size=world_size, shard_group=shard_group,
-                             for_gpu=for_gpu)[micro_batch]
+                             for_gpu=for_gpu, parallel=parallel)[micro_batch]
 
 
 def count_steps_costs(workload, micro_batches, *, precision="fp32", checkpointing=False,
@@ -47,6 +53,11 @@ def count_steps_costs(workload, micro_batches, *, precision="fp32", checkpointin
                       for_gpu: str | None = None, parallel=None) -> dict[int, StepCosts]:
     """``count_step_costs`` for several micro-batches, building the fake model once.
     ``parallel``: one rank's step under that model-parallel ``Layout``."""
+    if parallel is not None and parallel.pp > 1:
+        return _slowest_stage_costs(workload, micro_batches, precision=precision,
+                                    checkpointing=checkpointing, sharding=sharding,
+                                    world_size=world_size, shard_group=shard_group, for_gpu=for_gpu,
+                                    parallel=parallel)
     sizes = [checked_micro_batch(n) for n in micro_batches]
     costs = {}
     with estimate_session(workload, precision=precision, checkpointing=checkpointing,
@@ -55,6 +66,91 @@ def count_steps_costs(workload, micro_batches, *, precision="fp32", checkpointin
         for n in sizes:
             costs[n] = session.count(n)
     return costs
+
+
+def _slowest_stage_costs(workload, micro_batches, **session) -> dict[int, StepCosts]:
+    """A pipeline's step costs: the pipeline rank with the most work (FLOPs, then bytes moved)
+    of ``pipeline_rank_costs``: the schedule runs at its slowest stage's pace."""
+    per_rank = pipeline_rank_costs(workload, micro_batches, **session)
+    return {n: max((counts[n] for counts in per_rank), key=lambda c: (c.total_flops, c.total_bytes))
+            for n in per_rank[0]}
+
+
+def pipeline_rank_costs(workload, micro_batches, *, precision="fp32", checkpointing=False,
+                        sharding="fsdp", world_size: int, shard_group: int | None = None,
+                        for_gpu: str | None = None, parallel) -> list[dict[int, StepCosts]]:
+    """[{n: one micro-step of pipeline rank r (its stages) and its optimizer phase}, for each
+    pipeline rank r]: each rank counted in turn, in this one process, as the estimate takes each
+    rank's peak. Its window of ``pp`` micro-batches (torch's schedules run at least that many) is
+    counted after one unrecorded window that builds the schedule, and divided per micro-step
+    (``_per_micro_step``)."""
+    from ..probing.pipeline_trial import pipeline_fake_ranks
+
+    sizes = [checked_micro_batch(n) for n in micro_batches]
+    per_rank = []
+    for fake_rank in pipeline_fake_ranks(parallel, world_size):
+        with estimate_session(workload, precision=precision, checkpointing=checkpointing,
+                              sharding=sharding, world_size=world_size, shard_group=shard_group,
+                              session_type=_pipeline_counting_session(), for_cuda=for_gpu,
+                              parallel=parallel, fake_rank=fake_rank) as counting:
+            counts = {}
+            for n in sizes:
+                counting.run(n)  # the schedule's first window builds its buffers: not steady state
+                window = len(counting.window_micro_batches(n, 1))
+                counts[n] = _per_micro_step(counting.count(n), window)
+            per_rank.append(counts)
+    return per_rank
+
+
+@functools.cache
+def _pipeline_counting_session() -> type:
+    """``_CountingSession`` running pipelined windows, the recorder around the whole schedule
+    (the pipeline mixin's window comes first in a pipelined type's order and runs the schedule
+    itself)."""
+    from ..probing.pipeline_trial import PipelineSessionMixin
+
+    class _PipelineCountingSession(PipelineSessionMixin, _CountingSession):
+        def _window(self, sizes):
+            if self._recorder is None:
+                return super()._window(sizes)
+            self._recorder.calls_start_forward = True
+            with self._recorder:
+                return super()._window(sizes)
+
+    return _PipelineCountingSession
+
+
+def _per_micro_step(costs: StepCosts, window: int) -> StepCosts:
+    """``costs`` of a pipeline window of ``window`` micro-steps alike, as one micro-step and the
+    optimizer phase: the micro-steps' ops, module calls and collectives divided among them. The
+    backward's reduce-scatters stay whole: the schedule reduces a sharded stage's gradients once,
+    on its last backward (time them with ``reduce_every_micro_step=False``)."""
+    if window == 1:
+        return costs
+    micro = ("forward", "backward", "recompute")
+    ops = []
+    for op in costs.ops:
+        if op.phase not in micro:
+            ops.append(op)
+        else:  # an op of fewer micro-steps than all (rare) still dispatches at least once
+            ops.append(dataclasses.replace(op, flops=op.flops / window, bytes=op.bytes / window,
+                                           count=max(1, round(op.count / window))))
+    calls, seen = [], Counter()
+    for call in costs.collectives:
+        if call.phase not in micro or (call.phase == "backward" and call.kind == "reduce_scatter"):
+            calls.append(call)
+            continue
+        seen[call] += 1
+        if seen[call] % window == 0:  # one of every ``window`` alike
+            calls.append(call)
+
+    def per_phase(counts: dict) -> dict:
+        return {p: (k // window if p in micro else k) for p, k in counts.items()}
+
+    return dataclasses.replace(
+        costs, ops=tuple(ops), collectives=tuple(calls), module_calls=per_phase(costs.module_calls),
+        checkpoint_blocks=costs.checkpoint_blocks // window, dtensor_ops=per_phase(costs.dtensor_ops),
+        dtensor_list_tensors=per_phase(costs.dtensor_list_tensors))
 
 
 class _RecordsSteps:
@@ -128,10 +224,15 @@ def _local_shards(optimizer):
                     yield t._local_tensor
 
 
-def _is_dtensor(t) -> bool:
+@functools.cache  # asked on every op the recorder sees
+def _dtensor_type():
     from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+    return DTensor
+
+
+def _is_dtensor(t) -> bool:
+    return isinstance(t, _dtensor_type())
 
 
 # c10d ops (and their functional forms) -> the collective they issue, and which argument holds
@@ -197,17 +298,25 @@ class _OpRecorder(TorchDispatchMode):
         self.optimizer_stepped = False
         self.optimizer_cut = False
         """Set by a session whose optimizer step ran, or ran on part of the parameters only."""
+        self.calls_start_forward = False
+        """A pipeline schedule interleaves micro-steps' forwards and backwards without a gradient
+        sync call between them: a module called outside the autograd engine starts a forward."""
         self._recomputing_node = None
         self._hook = None
+        self._shadowing = 0
+        self._shadow_patch = None
 
     def __enter__(self):
         # Every module's __call__ while the step runs: a global pre-hook sees the calls the
         # model's own code makes (and checkpoint's recompute), whatever the model is.
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
+        self._shadow_patch = _shadow_ops_of_sharding_propagation(self)
+        self._shadow_patch.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         self._hook.remove()
+        self._shadow_patch.__exit__(*exc)
         return super().__exit__(*exc)
 
     def _count_checkpoint_block(self) -> None:
@@ -240,12 +349,25 @@ class _OpRecorder(TorchDispatchMode):
                                and not _is_dtensor(t))
 
     def _module_called(self, module, args):
+        if (self.calls_start_forward and not self.optimizer
+                and torch._C._current_autograd_node() is None):
+            self.backward_started = False  # a pipeline's next forward, after another's backward
         self.module_calls[self._phase()] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _dtensor_type() in types and not isinstance(func, torch._ops.HigherOrderOperator):
+            # Modes see an op before tensor subclasses do: its arguments still have their global
+            # shapes. Declined, it goes to DTensor, whose ops on this rank's local shards (and
+            # the collectives of its redistributions) come back through here to be counted.
+            # Those collectives are functional ones (FSDP2, DDP and pipelines issue c10d's) and
+            # are recorded in the optimizer phase only (a sharded gradient norm's all-reduce):
+            # forward and backward's are the tensor-parallel ones ``timing.layout`` times per
+            # block, and context parallel's, which nothing times yet.
+            self._count_dtensor_op(self._phase(), args, kwargs, ())
+            return NotImplemented
         out = func(*args, **kwargs)
-        if func.namespace == "prim":  # metadata queries (device, layout) of Python dispatch
+        if func.namespace == "prim" or self._shadowing:  # metadata queries, not work
             return out
         phase = self._phase()
         if phase == "recompute":
@@ -254,7 +376,8 @@ class _OpRecorder(TorchDispatchMode):
         name = func._schema.name
         collective = _COLLECTIVES.get(name)
         if collective is not None:
-            self.collectives.append(_collective_call(collective, args, kwargs, out, phase))
+            if not (func.namespace == "_c10d_functional" and phase != "optimizer"):
+                self.collectives.append(_collective_call(collective, args, kwargs, out, phase))
             return out
         if func.namespace == "_c10d_functional":  # waits: no work of their own
             return out
@@ -280,6 +403,33 @@ class _OpRecorder(TorchDispatchMode):
                          checkpoint_blocks=self.checkpoint_blocks, sharded_units=units,
                          sharded_params=sharded_params, dtensor_ops=dict(self.dtensor_ops),
                          dtensor_list_tensors=dict(self.dtensor_list_tensors))
+
+
+@contextlib.contextmanager
+def _shadow_ops_of_sharding_propagation(recorder: _OpRecorder):
+    """While DTensor derives an op's output shape it runs the op once on fake tensors of the
+    global shapes (``ShardingPropagator._propagate_tensor_meta_non_cached``, on the host, once
+    per distinct op and placements): no work of the rank's, so ``recorder`` passes it uncounted.
+    A torch without that method runs none of it to hide."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:
+        yield
+        return
+    derive = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+    if derive is None:
+        yield
+        return
+
+    def shadowed(propagator, *args, **kwargs):
+        recorder._shadowing += 1
+        try:
+            return derive(propagator, *args, **kwargs)
+        finally:
+            recorder._shadowing -= 1
+
+    with mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", shadowed):
+        yield
 
 
 def _op_class(func, name: str, flops: float, moved: float, phase: str) -> str:
@@ -373,4 +523,4 @@ def _group_size(args, kwargs) -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-__all__ = ["count_step_costs", "count_steps_costs"]
+__all__ = ["count_step_costs", "count_steps_costs", "pipeline_rank_costs"]

@@ -24,6 +24,7 @@ equal, op by op, in tests/test_recorded_steps.py), and is kept only where that h
 from __future__ import annotations
 
 from ..probing.estimate import EstimateSession, _distinct_neighbour_runs
+from ..probing.pipeline_trial import PipelineSessionMixin
 from .costs import StepCosts
 from .count import _local_shards, _RecordsSteps
 
@@ -39,7 +40,9 @@ class RecordingSession(_RecordsSteps, EstimateSession):
         self.store = store if store is not None else self._into
 
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None):
-        if window != 1 or micro_batches is not None:
+        if window != 1 or micro_batches is not None or isinstance(self, PipelineSessionMixin):
+            # A pipeline's one step is a window of pp micro-steps on one rank's stages (and its
+            # first builds the schedule): count.count_steps_costs counts each rank's instead.
             return super().run(n, window=window, micro_batches=micro_batches)
         trial, recorder = self._recorded(n)
         if trial.fits and recorder.optimizer_stepped and not recorder.optimizer_cut:
