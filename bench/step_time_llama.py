@@ -14,8 +14,9 @@ model-parallel layout a case names.
     python bench/step_time_llama.py [--cases 8b:8 8b:128 70b:256 405b:512 70b:256:tp2 405b:512:tp2cp4]
                                     [--headroom 0.1]
 
-A case SHAPE:WORLD[:LAYOUT] (LAYOUT such as tp2, tp2cp4 or tp8pp8) plans that model-parallel
-layout, FSDP2 over its data-parallel ranks, a local batch of 2 per data-parallel rank; its
+A case SHAPE:WORLD[:LAYOUT[:bN]] (LAYOUT such as tp2, tp2cp4 or tp8pp8) plans that model-parallel
+layout, FSDP2 over its data-parallel ranks, a local batch of 2 (or N, in micro-batches of 2: a
+pipeline of pp 8 needs at least 16) per data-parallel rank; its
 TPS/GPU then holds the layout's exposed tensor-parallel collectives and bubble
 (``timing.layout``), per GPU.
 
@@ -62,15 +63,17 @@ PUBLISHED = {
 
 
 def plan_once(shape: str, world: int, optimize: str, out: Path,
-              headroom: float = 0.1, layout: dict | None = None) -> tuple[dict, float, float]:
+              headroom: float = 0.1, layout: dict | None = None,
+              local_batch: int = LOCAL_BATCH) -> tuple[dict, float, float]:
     """The plan file, and the CPU and wall seconds its planning process took. ``layout``:
-    {"tp": 2, "cp": 4, ...} (a local batch of 2 per data-parallel rank)."""
+    {"tp": 2, "cp": 4, ...}; ``local_batch`` per data-parallel rank, in micro-batches of 2 (a
+    pipeline's micro-batches are its accumulation steps: at least pp of them)."""
     layout = layout or {}
     data_parallel = world // (layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1))
     env = dict(os.environ, AUTOTUNE_LLAMA=shape, AUTOTUNE_LLAMA_SEQ=str(SEQ), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "autotune", "plan", str(ROOT / "bench" / "llama_like.py"),
                "--gpu", "h100-80gb", "--gpus-per-node", "8", "--world-size", str(world),
-               "--target-batch", str(LOCAL_BATCH * data_parallel),
+               "--target-batch", str(local_batch * data_parallel),
                "--micro-batch", str(LOCAL_BATCH), "--sharding", "fsdp", "--optimize", optimize,
                "--headroom", str(headroom), "-o", str(out), "--quiet",
                *[arg for degree, value in layout.items() for arg in (f"--{degree}", str(value))]]
@@ -101,14 +104,15 @@ def main() -> int:
             shape, world, *split = case.split(":")
             world = int(world)
             layout = {degree: int(value) for degree, value in re.findall(r"(tp|cp|pp)(\d+)", split[0])} if split else {}
+            local_batch = int(split[1][1:]) if len(split) > 1 and split[1].startswith("b") else LOCAL_BATCH
             memory, mem_cpu, mem_wall = plan_once(shape, world, "memory", Path(tmp) / f"{case}-m.json",
-                                                  args.headroom, layout)
+                                                  args.headroom, layout, local_batch)
             if "error" in memory:
-                print(f"{shape} x {world}: no plan (FSDP2 over the world, local batch {LOCAL_BATCH}): "
+                print(f"{shape} x {world}: no plan (FSDP2 over the world or the case's layout, local batch {local_batch}): "
                       f"{memory['error']} ({mem_cpu:.0f} CPU s, {mem_wall:.0f} s)", flush=True)
                 continue
             ranked, cpu, wall = plan_once(shape, world, "throughput", Path(tmp) / f"{case}-t.json",
-                                          args.headroom, layout)
+                                          args.headroom, layout, local_batch)
             t = ranked["step_time"]
             samples = t["samples_per_s"]
             tps, mfu, gib, layout = PUBLISHED.get((shape, world), (None, "-", None, "-"))
@@ -118,17 +122,22 @@ def main() -> int:
                 ("on" if ckpt["blocks"] == ckpt["total"] else f"{ckpt['blocks']}/{ckpt['total']}"),
                 step=t["step_s"], comm=t["exposed_comm_s"], tps=samples * SEQ, mfu=t["mfu"],
                 peak=ranked["predicted_peak_bytes"] / GiB, memory_peak=memory["predicted_peak_bytes"] / GiB,
-                allocated=(ranked["allocated_peak_bytes"] or 0) / GiB,
+                allocated=(ranked["allocated_peak_bytes"] / GiB if ranked["allocated_peak_bytes"] else None),
                 pub_tps=tps, pub_mfu=mfu, pub_gib=gib, pub_layout=layout,
                 cost=cpu / mem_cpu, cpu=(mem_cpu, cpu), wall=(mem_wall, wall)))
             print_row(rows[-1], header=len(rows) == 1)
     print("\npredicted peak: torch's caching allocator's reserved memory at the planned micro-batch, "
           "as modelled (the CUDA context and NCCL buffers come on top), with the tensors' allocated "
-          "peak in brackets, GiB; published memory: peak reserved; layouts: FSDP2 only")
+          "peak in brackets, GiB; published memory: peak reserved; layout: FSDP2 over the world unless "
+          "the case names one (tp2: FSDP x TP 2, ...)")
     print("TPS/GPU predicted = samples/s per GPU x 8192 tokens (torchtitan counts the sequence)")
     worst = max((r["cost"] for r in rows), default=float("nan"))
     print(f"planning cost, ranked / today's rule (CPU seconds): worst {worst:.2f}x")
     return 0
+
+
+def _gib(value) -> str:
+    return f"{value:.2f}" if value is not None else "-"  # a pipeline plan records no planned trial
 
 
 def print_row(r: dict, *, header: bool) -> None:
@@ -139,7 +148,7 @@ def print_row(r: dict, *, header: bool) -> None:
     pub_tps = f"{r['pub_tps']:,}" if r["pub_tps"] else "-"
     pub_gib = f"{r['pub_gib']:.1f}" if r["pub_gib"] else "-"
     print(f"{r['case']:<11} {r['ckpt']:>4} {r['step']:>7.3f} {r['comm']:>10.4f} {r['tps']:>8,.0f} "
-          f"{r['mfu']:>6.1%} {r['peak']:>10.2f} ({r['allocated']:>6.2f}) | {pub_tps:>13} {r['pub_mfu']:>6} {pub_gib:>5} "
+          f"{r['mfu']:>6.1%} {r['peak']:>10.2f} ({_gib(r['allocated']):>6}) | {pub_tps:>13} {r['pub_mfu']:>6} {pub_gib:>5} "
           f"{r['pub_layout']:<48} | {r['cpu'][0]:>9.1f} / {r['cpu'][1]:>7.1f} ({r['cost']:.2f}x)"
           f"{'':>7} {r['wall'][0]:>6.0f}/{r['wall'][1]:<6.0f}", flush=True)
 
