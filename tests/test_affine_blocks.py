@@ -51,6 +51,7 @@ def test_a_replica_from_few_blocks_is_the_full_build_to_the_byte(small_builds, c
     assert small_builds and max(small_builds) == blocks
 
 
+@pytest.mark.slow
 def test_fsdp_with_k_of_n_checkpointing_from_few_blocks_is_the_full_build(small_builds):
     few, full = both([2], sharding="fsdp", world_size=4, checkpointing=6, precision="bf16")
     assert few == full

@@ -64,6 +64,7 @@ def test_t4_profile_gives_fp16_under_auto(tmp_path):
     assert shown.exit_code == 0 and "estimated on fake tensors" in shown.output
 
 
+@pytest.mark.slow
 def test_estimate_for_cuda_includes_the_foreach_optimizer_transient():
     # The same model on a CPU-like estimate (no foreach) needs less at the optimizer step.
     cuda = autotune.plan(MLP, target_batch=32, gpu="a100-40gb", precision="fp32")

@@ -49,6 +49,7 @@ def _counting(monkeypatch):
     return probes, steps
 
 
+@pytest.mark.slow  # 15-30 s: the fast suite is at its 10 minutes
 def test_the_shard_group_search_finds_what_every_group_tried_finds(examples_dir, one_thread,
                                                                    monkeypatch):
     # mlp.py, one rank of 8: about 31 MiB on groups of 2, 23 MiB on 4, 18 MiB on 8, and a
@@ -97,6 +98,7 @@ def test_sharded_state_that_cannot_fit_skips_the_warm_up_step(examples_dir, one_
     assert steps == []
 
 
+@pytest.mark.slow
 def test_the_probe_on_fake_tensors_counts_what_the_plain_session_counts(examples_dir, one_thread,
                                                                         monkeypatch):
     # The probe's sharded (and --gpu) trials run EstimateSession: Adam state without a step, the

@@ -195,6 +195,7 @@ def test_a_memory_limited_fsdp_plan_fits_a_real_four_rank_gloo_run(examples_dir,
     assert all(all(rank) for rank in fits[result.micro_batch]), fits
 
 
+@pytest.mark.slow
 def test_verify_runs_a_sharded_plan_as_one_of_its_ranks(examples_dir, one_thread):
     from autotune.orchestration.verify import verify_plan
 

@@ -143,6 +143,7 @@ def test_errors_that_are_not_out_of_memory_are_not_swallowed_and_keep_their_caus
     assert "forward" in frames  # the user's frame is still in the original traceback
 
 
+@pytest.mark.slow
 def test_cuda_style_out_of_memory_from_the_model_is_treated_as_not_fitting():
     class FakeCudaOOM(Blocks):
         def forward(self, x):

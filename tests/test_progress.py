@@ -115,6 +115,7 @@ def _stderr_through_a_terminal(argv) -> str:
     return drawn.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_a_real_terminal_gets_bars_and_a_pipe_does_not(examples_dir):
     import subprocess
     import sys

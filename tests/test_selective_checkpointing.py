@@ -198,6 +198,7 @@ def test_a_count_or_fraction_is_planned_as_asked(one_thread, examples_dir):
         autotune.plan(path, target_batch=8, device="cpu", checkpointing=5)
 
 
+@pytest.mark.slow
 def test_plan_files_carry_k_and_files_with_only_the_bool_still_load(one_thread, examples_dir, tmp_path):
     plan = autotune.plan(examples_dir / "gpt_varlen.py", target_batch=64, device="cpu",
                          memory_limit="8MiB", headroom=0.0, precision="fp32")

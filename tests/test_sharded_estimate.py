@@ -8,6 +8,7 @@ from autotune.workload import load_workload
 from fsdp_helpers import real_fsdp_peaks, steady_peak, typical_peak
 
 
+@pytest.mark.slow
 def test_sharding_divides_the_persistent_state_by_the_world_size(examples_dir, one_thread):
     workload = load_workload(examples_dir / "mlp.py")
     params = sum(p.numel() * p.element_size() for p in workload.new_model().parameters())
@@ -20,6 +21,7 @@ def test_sharding_divides_the_persistent_state_by_the_world_size(examples_dir, o
     assert 3 * params / 4 <= saved <= params
 
 
+@pytest.mark.slow
 def test_hybrid_shard_groups_hold_more_than_full_sharding(examples_dir, one_thread):
     workload = examples_dir / "tiny_lm.py"
     full = estimate_peak(workload, 2, sharding="fsdp", world_size=4)

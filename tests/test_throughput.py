@@ -298,6 +298,7 @@ def test_real_side_by_side_comparison():
             precision="fp32", checkpointing=False, micro_batches=(8,))], seconds=0.01)
 
 
+@pytest.mark.slow  # 15-30 s: the fast suite is at its 10 minutes
 def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path):
     def fake_probe(workload, *, precision, checkpointing, max_micro_batch, backend, **_):
         return linear_probe(min(32, max_micro_batch), precision=precision, upper=max_micro_batch)
@@ -324,6 +325,7 @@ def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path)
     jsonschema.validate(json.loads(text), plan_schema())
 
 
+@pytest.mark.slow
 def test_cli_optimize_throughput_end_to_end(examples_dir, tmp_path):
     out = tmp_path / "plan.json"
     runner = CliRunner()

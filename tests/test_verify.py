@@ -67,6 +67,7 @@ def test_cli_exit_0_when_confirmed(plan_file):
     assert "confirmed" in result.output and "off by" in result.output
 
 
+@pytest.mark.slow  # 15-30 s: the fast suite is at its 10 minutes
 def test_cli_exit_1_when_re_planned_and_writes_only_with_o(plan_file, tmp_path):
     result = run("verify", plan_file, "--device", "cpu", "--memory-limit", "56MiB", "--steps", 1)
     assert result.exit_code == 1

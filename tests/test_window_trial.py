@@ -169,6 +169,7 @@ def test_a_peak_past_the_prediction_by_more_than_the_headroom_warns():
     assert buckets.over(3, 95 << 20, "tensors") is not None
 
 
+@pytest.mark.slow
 def test_sharded_plan_decides_when_gradients_are_reduced():
     kwargs = dict(target_batch=32, world_size=2, sharding="fsdp", micro_batch=8, device="cpu",
                   precision="fp32", checkpointing="off", headroom=0.0)
