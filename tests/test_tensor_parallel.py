@@ -22,6 +22,8 @@ ROOT = TESTS.parent
 TINY_LM = ROOT / "examples" / "tiny_lm.py"
 LLAMA = ROOT / "examples" / "real" / "llama.py"
 SP_DECODER = TESTS / "sp_decoder_model.py"
+SP_DECODER_LP = TESTS / "sp_decoder_lp_model.py"
+LLAMA_LP = TESTS / "hf_llama_lp_model.py"
 
 
 def _model_and_names(path):
@@ -85,6 +87,55 @@ def test_sequence_parallel_feeds_a_rowwise_embedding_whole_token_ids():
     hf_like = dataclasses.replace(derived, source="Hugging Face tp_plan",
                                   styles={**derived.styles, "embed": "rowwise"})
     assert with_sequence_parallel(model, hf_like, 2, source="m").styles["embed"] == "embedding_rowwise"
+
+
+def _layout_plan(path, namespace=None, **layout):
+    from autotune.distributed.tensor_parallel import layout_plan
+
+    workload = load_workload(path)
+    if namespace is not None:
+        workload.namespace.update(namespace)
+    return layout_plan(workload.new_model(), workload=workload, parallel=Layout(tp=2, **layout),
+                       sharding="fsdp")
+
+
+def test_a_decoders_loss_takes_the_logits_split_by_vocabulary_where_the_file_asks():
+    plan = _layout_plan(SP_DECODER_LP)
+    assert plan.loss_parallel and plan.styles["head"] == "colwise_loss_parallel"
+    assert plan.describe().endswith("sequence parallel over 5 norms, loss parallel")
+    default = _layout_plan(SP_DECODER)
+    assert not default.loss_parallel and default.styles["head"] == "colwise_gather_output"
+    # A pipeline's schedule takes its last stage's output as a plain tensor.
+    assert not _layout_plan(SP_DECODER_LP, pp=2).loss_parallel
+    with pytest.raises(ConfigError, match="LOSS_PARALLEL = 'no'; set it to True"):
+        _layout_plan(SP_DECODER, {"LOSS_PARALLEL": "no"})
+
+
+def test_loss_parallel_holds_less_than_the_gathered_logits_in_the_estimate():
+    # The logits of micro-batch 4 (4 x 16 x 64 fp32 = 16 KiB, whole on each rank when gathered)
+    # and their log-softmax and gradient: split by vocabulary over tp 2, each rank holds half.
+    split = estimate_peaks(SP_DECODER_LP, [4], sharding="fsdp", world_size=2, parallel=Layout(tp=2))[4]
+    whole = estimate_peaks(SP_DECODER, [4], sharding="fsdp", world_size=2, parallel=Layout(tp=2))[4]
+    assert whole - split >= 4 * 16 * 64 * 4 / 2
+
+
+def test_the_tensor_parallel_step_turns_torchs_loss_handlers_off_after_an_error():
+    from torch.distributed.tensor import DTensor
+    from autotune.distributed.tensor_parallel import tensor_parallel_step
+
+    def failing(model, batch):
+        raise ValueError("the loss took an argmax of the logits")
+
+    workload = load_workload(SP_DECODER)
+    workload.loss_fn = failing
+    dispatcher = DTensor._op_dispatcher
+    before = dict(dispatcher._custom_op_handlers)
+    with pytest.raises(ValueError) as caught:
+        with tensor_parallel_step(workload, 2) as step_workload:
+            assert len(dispatcher._custom_op_handlers) > len(before)
+            step_workload.loss(workload.new_model(), workload.batch(1))
+    assert dispatcher._custom_op_handlers == before
+    assert any("LOSS_PARALLEL = False" in note for note in caught.value.__notes__)
 
 
 def _q_k_v_o():
@@ -172,6 +223,7 @@ def _torchrun(nproc, *args):
 
 
 MODELS = [TINY_LM, LLAMA, SP_DECODER]  # LLAMA and SP_DECODER: with sequence parallel
+LOSS_PARALLEL_MODELS = [LLAMA_LP, SP_DECODER_LP]  # and loss parallel
 
 
 @pytest.mark.slow
@@ -202,16 +254,17 @@ def test_estimate_matches_a_real_gloo_tensor_parallel_run(world, tmp_path, monke
 
 @pytest.mark.slow
 def test_tensor_parallel_training_ends_where_one_process_ends(tmp_path):
-    """The same windows on 1 process, TP 2 (2 ranks) and FSDP 2 x TP 2 (4 ranks), fp32."""
+    """The same windows on 1 process, TP 2 (2 ranks) and FSDP 2 x TP 2 (4 ranks), fp32; with loss
+    parallel too (the models' own cross-entropy on logits split by vocabulary)."""
     pytest.importorskip("transformers")
     script = TESTS / "tp_train_script.py"
     runs = {}
     for world, tp in ((1, 1), (2, 2), (4, 2)):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        _torchrun(world, script, out, "equal", tp, *MODELS)
+        _torchrun(world, script, out, "equal", tp, *MODELS, *LOSS_PARALLEL_MODELS)
         runs[world] = out
-    for path in MODELS:
+    for path in MODELS + LOSS_PARALLEL_MODELS:
         single = torch.load(runs[1] / f"{path.stem}.pt", weights_only=True)["model"]
         reference = json.loads((runs[1] / f"{path.stem}.json").read_text())
         whole = torch.cat([t.flatten() for t in single.values()])

@@ -19,6 +19,7 @@ function applies the layout in the estimate (fake process group), the probe and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -55,13 +56,17 @@ class TensorParallelPlan:
     norms: tuple = ()
     """With sequence parallel (``with_sequence_parallel``): the norms that run on the rank's
     share of the sequence; empty without."""
+    loss_parallel: bool = False
+    """The head's logits stay split by vocabulary (a DTensor) into the loss, which runs under
+    torch's ``loss_parallel`` (``tensor_parallel_step``): no rank holds the whole logits."""
 
     def describe(self) -> str:
         if self.parallelize is not None:
             return "the model file's parallelize(model, mesh)"
         kinds = sorted({_style_label(s) for s in self.styles.values()})
         sequence = f", sequence parallel over {len(self.norms)} norms" if self.norms else ""
-        return f"{self.source}: {len(self.styles)} modules ({', '.join(kinds)}){sequence}"
+        loss = ", loss parallel" if self.loss_parallel else ""
+        return f"{self.source}: {len(self.styles)} modules ({', '.join(kinds)}){sequence}{loss}"
 
 
 def _style_label(style) -> str:
@@ -237,7 +242,8 @@ def torch_style(style):
     }[style]()
 
 
-_SP_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output")
+_SP_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output", "colwise_loss_parallel")
+_HEAD_STYLES = ("colwise_gather_output", "colwise_loss_parallel")
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -246,7 +252,7 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def with_sequence_parallel(model: nn.Module, plan: TensorParallelPlan, tp: int, *,
-                           source: str) -> TensorParallelPlan:
+                           source: str, loss_parallel: bool = False) -> TensorParallelPlan:
     """``plan`` with sequence parallel (Korthikanti et al., 2022; torchtitan's layout) where the
     model is the common decoder: one token embedding, blocks of norms and the plan's projections,
     a final norm and an untied vocabulary head, and no other parameter. Then the residual stream
@@ -254,7 +260,8 @@ def with_sequence_parallel(model: nn.Module, plan: TensorParallelPlan, tp: int, 
     on each rank's share (``SequenceParallel``) and hand the projections the whole sequence,
     gathered once per norm; the row-wise projections reduce-scatter into the stream, the embedding
     (split by vocabulary rows) reduce-scatters into it, and the head (split by vocabulary
-    columns) gathers the logits whole. A derived plan gains the embedding and head. Otherwise
+    columns) gathers the logits whole, or with ``loss_parallel`` hands them to the loss split by
+    vocabulary (``tensor_parallel_step``). A derived plan gains the embedding and head. Otherwise
     (a model file's own TP_PLAN or parallelize, another parameter in the stream's way, tied
     embeddings) ``plan`` is returned as it is."""
     if plan.parallelize is not None or plan.source not in ("Hugging Face tp_plan", "derived"):
@@ -276,15 +283,16 @@ def with_sequence_parallel(model: nn.Module, plan: TensorParallelPlan, tp: int, 
         styles[heads[0]] = "colwise_gather_output"
     if any(n not in styles for n in own):
         return plan
-    head = [n for n, st in styles.items() if st == "colwise_gather_output"]
+    head = [n for n, st in styles.items() if st in _HEAD_STYLES]
     if (len(head) != 1 or modules[head[0]].weight is modules[embedding[0]].weight
             or any(st not in _SP_STYLES for st in styles.values())):
         return plan
     norms = tuple(n for n, m in modules.items() if _is_norm(m) and _has_params(m))
     if not norms:
         return plan
+    styles[head[0]] = "colwise_loss_parallel" if loss_parallel else "colwise_gather_output"
     check_divisible(model, styles, tp, source=source)
-    return dataclasses.replace(plan, styles=styles, norms=norms)
+    return dataclasses.replace(plan, styles=styles, norms=norms, loss_parallel=loss_parallel)
 
 
 def _sequence_parallel_style(style: str):
@@ -298,13 +306,18 @@ def _sequence_parallel_style(style: str):
         "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "colwise": lambda: ColwiseParallel(),  # its input: a norm's gathered (Replicate) output
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_loss_parallel": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }[style]()
 
 
 def layout_plan(model: nn.Module, *, workload, parallel, sharding) -> TensorParallelPlan:
     """The plan its model file (``workload``) or its architecture gives ``model``
     (``resolve_plan``), checked against ``parallel.tp``, with sequence parallel where it applies
-    (``with_sequence_parallel``)."""
+    (``with_sequence_parallel``), and loss parallel with it where the model file sets
+    ``LOSS_PARALLEL = True`` and no pipeline's last stage computes the loss (its schedule takes
+    the stage's output as a plain tensor). Opt-in: on gloo the real peak of a loss-parallel step
+    is bimodal (a logits-sized share freed early in some runs), and the estimate is exact to the
+    upper mode only (docs/parallel-layouts.md)."""
     from .sharding.settings import Sharding
 
     source = getattr(workload, "source", "the model")
@@ -312,11 +325,17 @@ def layout_plan(model: nn.Module, *, workload, parallel, sharding) -> TensorPara
         raise ConfigError(f"{source}: {given('tp', parallel.tp)} with ddp: tensor-parallel plans "
                           f"hold the data-parallel ranks' copies with FSDP2 (FSDP x TP, as "
                           f"torchtitan does); use {given('sharding', 'fsdp')}")
-    plan = resolve_plan(model, getattr(workload, "namespace", None), parallel.tp, source=source)
+    namespace = getattr(workload, "namespace", None) or {}
+    plan = resolve_plan(model, namespace, parallel.tp, source=source)
     if plan.parallelize is None:
         heads = dict(_head_counts_of(model))
         parallel.check_model(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"))
-    return with_sequence_parallel(model, plan, parallel.tp, source=source)
+    wanted = namespace.get("LOSS_PARALLEL", False)
+    if not isinstance(wanted, bool):
+        raise ConfigError(f"{source}: LOSS_PARALLEL = {wanted!r}; set it to True (the loss takes the "
+                          f"logits split by vocabulary over the tp ranks) or False (gathered whole)")
+    return with_sequence_parallel(model, plan, parallel.tp, source=source,
+                                  loss_parallel=wanted and parallel.pp == 1)
 
 
 def held_part(plan: TensorParallelPlan, model: nn.Module) -> TensorParallelPlan:
@@ -337,6 +356,53 @@ def apply_tensor_parallel(model: nn.Module, mesh, *, workload, parallel, shardin
     """``model`` split on ``mesh["tp"]`` (``mesh``: the whole mesh) by its ``layout_plan``."""
     return apply_plan(model, mesh, layout_plan(model, workload=workload, parallel=parallel,
                                                sharding=sharding))
+
+
+class _LossParallelLoss:
+    """``loss_fn(model, batch)`` of a tensor-parallel workload: its own loss, a DTensor result
+    (under loss parallel, a replicated scalar) handed on as a plain tensor, which the loop's
+    accumulation adds to its own totals. An error from it is annotated with the way out of loss
+    parallel, where a loss does more with the split logits than cross-entropy."""
+
+    def __init__(self, workload, tp: int):
+        self.workload = workload
+        self.tp = tp
+
+    def __call__(self, model, batch):
+        from torch.distributed.tensor import DTensor
+
+        from ..memory.oom import is_oom_error
+
+        try:
+            loss, count = self.workload.loss(model, batch)
+        except Exception as error:
+            if not is_oom_error(error):
+                error.add_note(f"autotune: with tp {self.tp} and LOSS_PARALLEL = True the decoder's logits "
+                               f"reach the loss split by vocabulary (a DTensor, torch's "
+                               f"loss_parallel); if this error comes from the loss using them, set "
+                               f"LOSS_PARALLEL = False in {self.workload.source} to gather them whole")
+            raise
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
+        return loss if count is None else (loss, count)
+
+
+@contextlib.contextmanager
+def tensor_parallel_step(workload, tp: int):
+    """``workload`` for the steps of a tensor-parallel plan, for as long as this is entered
+    (forward, backward and optimizer step): torch's ``loss_parallel`` handlers on, so a
+    cross-entropy over logits split by vocabulary (``TensorParallelPlan.loss_parallel``) runs on
+    each rank's columns, and its loss as a plain tensor (``_LossParallelLoss``)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    handlers = loss_parallel()
+    handlers.__enter__()
+    try:
+        yield dataclasses.replace(workload, loss_fn=_LossParallelLoss(workload, tp))
+    finally:
+        # torch's context turns its handlers off only when its body succeeds; an out-of-memory
+        # trial must not leave them on.
+        handlers.__exit__(None, None, None)
 
 
 def _head_counts_of(model: nn.Module) -> list[tuple[str, int]]:
@@ -414,4 +480,4 @@ def grads_by_mesh(params) -> list[list[torch.Tensor]]:
 
 __all__ = ["STYLE_NAMES", "TensorParallelPlan", "apply_plan", "apply_tensor_parallel", "check_divisible",
            "clip_grad_norm_", "grads_by_mesh", "held_part", "layout_plan", "resolve_plan", "torch_style",
-           "with_sequence_parallel"]
+           "tensor_parallel_step", "with_sequence_parallel"]

@@ -20,6 +20,7 @@ from ..distributed.sharding.settings import resolve_shard_group
 from ..compiled import compiled_step_module, eager_module, is_compiled, with_compile
 from ..distributed.apply_layout import apply_layout
 from ..distributed.context_parallel import context_parallel_step
+from ..distributed.tensor_parallel import tensor_parallel_step
 from ..distributed.sharding.wrap import build_mesh, full_state_dict, is_sharded, shard_model
 from . import checkpoint_lock, checks, restart, sharded_checkpoint
 from ..distributed import process_group as distributed
@@ -158,7 +159,7 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
                            dataset_size=size, total_steps=total, checkpoint_dir=checkpoint_dir,
                            scaler=scaler, oom_record=oom_record, attempt=restarts.tag(),
                            on_checkpoint=on_checkpoint)
-        with session.context_parallel():
+        with session.parallel_step():
             result = session.run(resume=resume, checkpoint_every=checkpoint_every,
                                  metrics_path=metrics_path, num_workers=num_workers, progress=progress,
                                  measure_noise=measure_noise_scale)
@@ -231,14 +232,17 @@ class _Session:
         self.on_checkpoint = on_checkpoint
 
     @contextlib.contextmanager
-    def context_parallel(self):
+    def parallel_step(self):
         """While inside, every batch's sequence is sharded over the plan's cp ranks and attention
-        rings over them (``autotune.distributed.context_parallel``); nothing without cp."""
-        if self.plan.parallel.cp == 1:
-            yield
-            return
+        rings over them (``autotune.distributed.context_parallel``), and a tensor-parallel plan's
+        loss may take the logits split by vocabulary (``tensor_parallel.tensor_parallel_step``);
+        nothing without cp or tp."""
         workload = self.workload
-        with context_parallel_step(workload, self.mesh["cp"]) as self.workload:
+        with contextlib.ExitStack() as stack:
+            if self.plan.parallel.cp > 1:
+                self.workload = stack.enter_context(context_parallel_step(self.workload, self.mesh["cp"]))
+            if self.plan.parallel.tp > 1:
+                self.workload = stack.enter_context(tensor_parallel_step(self.workload, self.plan.parallel.tp))
             try:
                 yield
             finally:

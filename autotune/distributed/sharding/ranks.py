@@ -124,6 +124,10 @@ def sharded_step(workload, *, sharding, world_size: int, shard_group=None, preci
 
             fsdp_mesh(mesh)  # its group is made here, before any fake-tensor mode
             workload = stack.enter_context(context_parallel_step(workload, mesh["cp"]))
+        if parallel is not None and parallel.tp > 1:
+            from ..tensor_parallel import tensor_parallel_step
+
+            workload = stack.enter_context(tensor_parallel_step(workload, parallel.tp))
 
         def build_sharded():
             model = workload.new_model()
