@@ -109,6 +109,8 @@ def test_a_decoders_loss_takes_the_logits_split_by_vocabulary_where_the_file_ask
     assert not _layout_plan(SP_DECODER_LP, pp=2).loss_parallel
     with pytest.raises(ConfigError, match="LOSS_PARALLEL = 'no'; set it to True"):
         _layout_plan(SP_DECODER, {"LOSS_PARALLEL": "no"})
+    with pytest.raises(ConfigError, match="runs without sequence parallel.*remove LOSS_PARALLEL"):
+        _layout_plan(TINY_LM, {"LOSS_PARALLEL": True})  # its learned positions keep plain TP
 
 
 def test_loss_parallel_holds_less_than_the_gathered_logits_in_the_estimate():
@@ -127,12 +129,17 @@ def test_the_tensor_parallel_step_turns_torchs_loss_handlers_off_after_an_error(
         raise ValueError("the loss took an argmax of the logits")
 
     workload = load_workload(SP_DECODER)
+    with tensor_parallel_step(workload, Layout(tp=2)) as step_workload:
+        assert step_workload is workload  # not asked for: nothing changes
+    workload = load_workload(SP_DECODER_LP)
     workload.loss_fn = failing
     dispatcher = DTensor._op_dispatcher
     before = dict(dispatcher._custom_op_handlers)
     with pytest.raises(ValueError) as caught:
-        with tensor_parallel_step(workload, 2) as step_workload:
-            assert len(dispatcher._custom_op_handlers) > len(before)
+        with tensor_parallel_step(workload, Layout(tp=2)) as step_workload:
+            with tensor_parallel_step(workload, Layout(tp=2)):  # a few-block estimate inside a plan's
+                pass
+            assert len(dispatcher._custom_op_handlers) > len(before)  # still on after the inner step
             step_workload.loss(workload.new_model(), workload.batch(1))
     assert dispatcher._custom_op_handlers == before
     assert any("LOSS_PARALLEL = False" in note for note in caught.value.__notes__)

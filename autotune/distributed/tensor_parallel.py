@@ -325,17 +325,28 @@ def layout_plan(model: nn.Module, *, workload, parallel, sharding) -> TensorPara
         raise ConfigError(f"{source}: {given('tp', parallel.tp)} with ddp: tensor-parallel plans "
                           f"hold the data-parallel ranks' copies with FSDP2 (FSDP x TP, as "
                           f"torchtitan does); use {given('sharding', 'fsdp')}")
-    namespace = getattr(workload, "namespace", None) or {}
-    plan = resolve_plan(model, namespace, parallel.tp, source=source)
+    plan = resolve_plan(model, getattr(workload, "namespace", None), parallel.tp, source=source)
     if plan.parallelize is None:
         heads = dict(_head_counts_of(model))
         parallel.check_model(heads=heads.get("attention heads"), kv_heads=heads.get("KV heads"))
-    wanted = namespace.get("LOSS_PARALLEL", False)
+    asked = _loss_parallel_asked(workload, parallel)
+    plan = with_sequence_parallel(model, plan, parallel.tp, source=source, loss_parallel=asked)
+    if asked and not plan.loss_parallel:
+        raise ConfigError(f"{source}: LOSS_PARALLEL = True, and its tensor-parallel plan ({plan.describe()}) "
+                          f"runs without sequence parallel, which loss parallel comes with: the common "
+                          f"decoder (one token embedding, blocks of norms and projections, a final norm, "
+                          f"an untied head, no other parameter); remove LOSS_PARALLEL from the model file")
+    return plan
+
+
+def _loss_parallel_asked(workload, parallel) -> bool:
+    """The model file sets ``LOSS_PARALLEL = True`` and no pipeline computes the loss."""
+    wanted = (getattr(workload, "namespace", None) or {}).get("LOSS_PARALLEL", False)
     if not isinstance(wanted, bool):
-        raise ConfigError(f"{source}: LOSS_PARALLEL = {wanted!r}; set it to True (the loss takes the "
-                          f"logits split by vocabulary over the tp ranks) or False (gathered whole)")
-    return with_sequence_parallel(model, plan, parallel.tp, source=source,
-                                  loss_parallel=wanted and parallel.pp == 1)
+        raise ConfigError(f"{getattr(workload, 'source', 'the model')}: LOSS_PARALLEL = {wanted!r}; set it "
+                          f"to True (the loss takes the logits split by vocabulary over the tp ranks) "
+                          f"or False (gathered whole)")
+    return wanted and parallel.tp > 1 and parallel.pp == 1
 
 
 def held_part(plan: TensorParallelPlan, model: nn.Module) -> TensorParallelPlan:
@@ -388,21 +399,46 @@ class _LossParallelLoss:
 
 
 @contextlib.contextmanager
-def tensor_parallel_step(workload, tp: int):
-    """``workload`` for the steps of a tensor-parallel plan, for as long as this is entered
-    (forward, backward and optimizer step): torch's ``loss_parallel`` handlers on, so a
-    cross-entropy over logits split by vocabulary (``TensorParallelPlan.loss_parallel``) runs on
-    each rank's columns, and its loss as a plain tensor (``_LossParallelLoss``)."""
-    from torch.distributed.tensor.parallel import loss_parallel
+def tensor_parallel_step(workload, parallel):
+    """``workload`` for the steps of a tensor-parallel plan (``parallel``: its ``Layout``), for as
+    long as this is entered (forward, backward and optimizer step). Where the model file asks for
+    loss parallel (``layout_plan``), torch's ``loss_parallel`` handlers are on, so a cross-entropy
+    over logits split by vocabulary runs on each rank's columns, and its loss comes back as a
+    plain tensor (``_LossParallelLoss``); otherwise the workload is handed on as it is."""
+    if not _loss_parallel_asked(workload, parallel):
+        yield workload
+        return
+    with _LOSS_HANDLERS:
+        yield dataclasses.replace(workload, loss_fn=_LossParallelLoss(workload, parallel.tp))
 
-    handlers = loss_parallel()
-    handlers.__enter__()
-    try:
-        yield dataclasses.replace(workload, loss_fn=_LossParallelLoss(workload, tp))
-    finally:
-        # torch's context turns its handlers off only when its body succeeds; an out-of-memory
-        # trial must not leave them on.
-        handlers.__exit__(None, None, None)
+
+class _LossHandlers:
+    """torch's ``loss_parallel`` handlers (one global switch), on while any step needs them: a
+    few-block estimate's step runs inside a plan's, and the inner one must not turn them off
+    under the outer. Off again even after an error: torch's context turns them off only when its
+    body succeeds, and an out-of-memory trial must not leave them on."""
+
+    def __init__(self):
+        self._depth = 0
+        self._context = None
+
+    def __enter__(self):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        if self._depth == 0:
+            self._context = loss_parallel()
+            self._context.__enter__()
+        self._depth += 1
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            self._context.__exit__(None, None, None)
+            self._context = None
+        return False
+
+
+_LOSS_HANDLERS = _LossHandlers()
 
 
 def _head_counts_of(model: nn.Module) -> list[tuple[str, int]]:

@@ -242,7 +242,7 @@ class _Session:
             if self.plan.parallel.cp > 1:
                 self.workload = stack.enter_context(context_parallel_step(self.workload, self.mesh["cp"]))
             if self.plan.parallel.tp > 1:
-                self.workload = stack.enter_context(tensor_parallel_step(self.workload, self.plan.parallel.tp))
+                self.workload = stack.enter_context(tensor_parallel_step(self.workload, self.plan.parallel))
             try:
                 yield
             finally:

@@ -127,7 +127,7 @@ def sharded_step(workload, *, sharding, world_size: int, shard_group=None, preci
         if parallel is not None and parallel.tp > 1:
             from ..tensor_parallel import tensor_parallel_step
 
-            workload = stack.enter_context(tensor_parallel_step(workload, parallel.tp))
+            workload = stack.enter_context(tensor_parallel_step(workload, parallel))
 
         def build_sharded():
             model = workload.new_model()
