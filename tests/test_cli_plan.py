@@ -60,6 +60,7 @@ def test_export_each_target(mlp_plan, target, needle, tmp_path):
     assert needle in out.read_text()
 
 
+@pytest.mark.slow  # about 15 s
 def test_api_plan_of_a_small_lm_with_world_size():
     plan = autotune.plan(EXAMPLES / "tiny_lm.py", target_batch=16, world_size=2,
                          precision="fp32", checkpointing="off", memory_limit="256MiB")

@@ -24,8 +24,11 @@ def _trials(result):
     return [{k: v for k, v in dataclasses.asdict(t).items() if k != "seconds"} for t in result.trials]
 
 
-@pytest.mark.parametrize("layout", [dict(sharding="ddp", checkpointing="on"),
-                                    dict(sharding="fsdp", checkpointing="off", world_size=2, explain=False)])
+@pytest.mark.parametrize("layout", [
+    dict(sharding="ddp", checkpointing="on"),
+    pytest.param(dict(sharding="fsdp", checkpointing="off", world_size=2, explain=False),
+                 marks=pytest.mark.slow),  # about 11 s
+])
 def test_a_probe_records_its_one_step_trials_as_the_step_counted_again(layout):
     kwargs = dict(precision="bf16", max_micro_batch=4, share=4, **layout)
     store = {}

@@ -576,7 +576,8 @@ def _as_instance(workload):
     return dataclasses.replace(workload, model=workload.model(), source="<instance>", file_sha256=None)
 
 
-@pytest.mark.parametrize("example, limit", [("mlp.py", "64MiB"), ("tiny_lm.py", "32MiB")])
+@pytest.mark.parametrize("example, limit", [("mlp.py", "64MiB"),
+                                            pytest.param("tiny_lm.py", "32MiB", marks=pytest.mark.slow)])
 def test_an_instance_gets_the_answer_of_its_model_file(examples_dir, one_thread, example, limit):
     import autotune
     from autotune.workload.contract import load_workload
@@ -609,6 +610,7 @@ def make_batch(n):
 '''
 
 
+@pytest.mark.slow  # about 12 s of out-of-memory trials
 def test_a_checkpointed_gpt2_instance_gets_its_files_answer_after_out_of_memory_trials(tmp_path, one_thread):
     pytest.importorskip("transformers")
     import autotune

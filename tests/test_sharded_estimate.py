@@ -90,7 +90,8 @@ def test_a_sharded_setup_is_not_charged_for_the_full_model_it_replaced(examples_
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("sharding", ["fsdp", "fsdp-offload"])
-@pytest.mark.parametrize("model", ["mlp", "hf_t5"])
+# T5's cases take about 30 s together: slow (the MLP keeps the promise in the fast suite).
+@pytest.mark.parametrize("model", ["mlp", pytest.param("hf_t5", marks=pytest.mark.slow)])
 def test_stepping_the_local_shards_counts_what_the_dtensor_step_counts(examples_dir, one_thread,
                                                                       monkeypatch, precision, sharding,
                                                                       model):
