@@ -2,6 +2,7 @@
 the same bytes as the full fake build (autotune/probing/affine_blocks.py)."""
 
 import pathlib
+import re
 
 import pytest
 
@@ -75,6 +76,73 @@ def test_cuda_estimates_run_the_whole_model(small_builds):
               "gradient_bytes", "held_gradient_bytes", "reserved_peak_bytes", "allocated_peak_bytes")
     assert [getattr(few, f) for f in fields] == [getattr(full, f) for f in fields]
     assert not small_builds
+
+
+
+@pytest.fixture
+def full_builds_made(monkeypatch):
+    """How many full builds the TensorFloorSessions of a test made."""
+    made = []
+    original = affine_blocks.TensorFloorSession._full_session
+
+    def full_session(self):
+        if self._full is None:
+            made.append(self)
+        return original(self)
+
+    monkeypatch.setattr(affine_blocks.TensorFloorSession, "_full_session", full_session)
+    return made
+
+
+def _cuda_probe(budget, checkpointing, explain=False):
+    from autotune.probing.api import probe
+
+    try:
+        result = probe(str(MODEL), backend=EstimateMemoryBackend(budget, for_cuda=True),
+                       sharding="fsdp", world_size=4, precision="bf16", checkpointing=checkpointing,
+                       max_micro_batch=64, explain=explain)
+    except Exception as exc:  # noqa: BLE001 - compared with the full build's, type and message
+        return type(exc), str(exc)
+    return result.max_micro_batch, [(t.micro_batch, t.fits, t.peak_bytes if t.fits else None)
+                                    for t in result.trials]
+
+
+def test_a_cuda_probe_rules_out_what_the_small_builds_tensors_pass_without_the_full_build(
+        small_builds, full_builds_made):
+    # 8 MiB: the tensors of one step at micro-batch 1 alone pass it (reserved memory holds every
+    # tensor), so the probe answers from the small builds (4 and 5 of 12 blocks) and never makes
+    # the full build (whose own answer is the same: the slow test below); how far over it is
+    # comes from the small builds too, as a lower bound.
+    error, message = _cuda_probe(8 << 20, "off", explain=True)
+    assert small_builds and max(small_builds) == 5
+    assert not full_builds_made
+    assert re.search(r"micro-batch 1 needs [0-9.]+ MiB of tensors alone \(reserved memory holds "
+                     r"more\), [0-9.]+x the 8.00 MiB budget", message), message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget, checkpointing", [(8 << 20, "off"), (24 << 20, "on"), (64 << 20, "off"),
+                                                   (64 << 20, "on")])
+def test_a_cuda_probe_with_the_tensor_floor_answers_what_the_full_build_answers(
+        full_builds_made, budget, checkpointing):
+    # 8 MiB: the floor rules micro-batch 1 out (the test above); 24 MiB: the tensors fit,
+    # reserved memory (the cuBLAS workspaces' 22 MiB with them) does not; 64 MiB: both fit up to
+    # a micro-batch, which the full build's trials find, each of the same peak as without the floor.
+    few = _cuda_probe(budget, checkpointing)
+    assert len(full_builds_made) == (budget > 8 << 20)
+    with full_builds():
+        full = _cuda_probe(budget, checkpointing)
+    if budget > 8 << 20:
+        assert few == full
+        return
+    # The same error, but for the bytes in use when it ran out: the floor's are the tensors',
+    # the full build's the allocator's reserved memory, cuBLAS workspaces included.
+    def without_bytes_in_use(message):
+        before, after = message.split(" in use ")
+        return before.rsplit(" with ", 1)[0], after
+
+    assert few[0] is full[0]
+    assert without_bytes_in_use(few[1]) == without_bytes_in_use(full[1])
 
 
 def test_blocks_that_differ_are_estimated_on_the_full_build(monkeypatch, small_builds):

@@ -120,16 +120,21 @@ def layout_session(workload, backend, *, session_type, precision, checkpointing,
 
             yield WorstPipelineRankSession(rank_session, pipeline_fake_ranks(parallel, world_size))
             return
-    # A modelled CUDA allocator's reserved memory (rounding, cached segments) does not extend
-    # from small builds as tensor bytes do: CUDA estimates run the whole model.
     total = (identical_block_count(workload)
              if _enabled and few_blocks and isinstance(backend, EstimateMemoryBackend)
-             and backend.allocator is None and not torch.distributed.is_initialized()
+             and not torch.distributed.is_initialized()
              # Proven for data-parallel layouts (tests/test_affine_blocks.py) and PROVEN_SPLITS.
              and _few_blocks_proven(parallel) else None)
-    if total is not None:
+    if total is not None and backend.allocator is None:
         yield FewBlocksSession(workload, backend, session_type=session_type, total_blocks=total,
                                layout=layout, **session_args)
+        return
+    if total is not None and backend.tracker.budget_bytes is not None:
+        # A modelled CUDA allocator's reserved memory (rounding, cached segments) does not extend
+        # from small builds as tensor bytes do: the small builds' tensors only rule trials out
+        # (under a budget; an estimate without one runs the full build alone).
+        yield TensorFloorSession(workload, backend, session_type=session_type, total_blocks=total,
+                                 layout=layout, **session_args)
         return
     with sharded_step(workload, **layout) as step_workload:
         yield session_type(step_workload, backend, parallel=parallel, **session_args)
@@ -251,8 +256,10 @@ class _ResumableBackend(EstimateMemoryBackend):
     """An unbudgeted estimate backend whose fake mode is entered only while its own session
     runs (``resumed``), so several sessions live side by side in one process."""
 
-    def __init__(self, like: EstimateMemoryBackend):
+    def __init__(self, like: EstimateMemoryBackend, *, tensors_only: bool = False):
         super().__init__(None, for_cuda=like.for_cuda, target=like.info(), offload=like.offload)
+        if tensors_only:  # CUDA's accounting (foreach, no gloo buffers), tensor bytes only
+            self.allocator = self.tracker.allocator = None
         self._mode = self.counting_mode()
 
     def tracking(self):
@@ -277,8 +284,11 @@ class FewBlocksSession:
 
     def __init__(self, workload, backend: EstimateMemoryBackend, *, session_type, total_blocks: int,
                  layout: dict, precision, checkpointing, sharded: bool, offload: bool,
-                 reduce_every_micro_step: bool):
+                 reduce_every_micro_step: bool, tensors_only: bool = False):
+        """``tensors_only``: the small builds count tensor bytes without ``backend``'s allocator
+        model (``TensorFloorSession``'s floor); the budget is still ``backend``'s."""
         self.workload = workload
+        self._tensors_only = tensors_only
         self.backend = backend
         self.session_type = session_type
         self.layout = layout
@@ -410,7 +420,7 @@ class FewBlocksSession:
     def _child(self, size: int):
         if size in self._children:
             return self._children[size]
-        backend = _ResumableBackend(self.backend)
+        backend = _ResumableBackend(self.backend, tensors_only=self._tensors_only)
         step_workload = self._stack.enter_context(
             sharded_step(_first_blocks(self.workload, size, self._dropped_block_ran), **self.layout))
         session = self.session_type(step_workload, backend, precision=self.precision,
@@ -426,6 +436,107 @@ class FewBlocksSession:
 
     def _dropped_block_ran(self, module, args) -> None:
         self._dropped_ran = True
+
+
+class TensorFloorSession:
+    """A CUDA estimate's session (allocator modelled) for a model of identical blocks: each trial
+    runs first on the small builds, counting tensor bytes only (``FewBlocksSession``), and where
+    they alone pass the budget the trial is out of memory without the full build: reserved memory
+    holds every tensor (rounded up) and the cuBLAS workspaces, so it is never below them. Other
+    trials run on the full build, built at the first of them, as without this class.
+
+    The tensors of the small builds, extended, are the full build's to the byte for the layouts
+    few blocks are proven for (bench/llama_plans.py ``--check`` with CUDA's accounting;
+    tests/test_affine_blocks.py, tests/test_affine_layouts.py), so a trial the floor rules out
+    does not fit on the full build either. What it saves: the settings of a plan's search that
+    cannot fit at all (70B or 405B without checkpointing: terabytes of activations), each of
+    which cost a full build and its warm-up step."""
+
+    compiled = False
+    graphs_compiled = 0
+
+    def __init__(self, workload, backend: EstimateMemoryBackend, *, session_type, total_blocks: int,
+                 layout: dict, precision, checkpointing, sharded: bool, offload: bool,
+                 reduce_every_micro_step: bool):
+        from .estimate import EstimateSession  # it imports this module
+
+        self.workload, self.backend, self.layout = workload, backend, layout
+        self.session_type = session_type
+        self._session_args = dict(precision=precision, sharded=sharded, offload=offload,
+                                  reduce_every_micro_step=reduce_every_micro_step)
+        # Plain estimate sessions for the floor: a session type that records the steps it runs
+        # (timing.recorded) records the full build's only.
+        self._floor = FewBlocksSession(workload, backend, session_type=EstimateSession,
+                                       total_blocks=total_blocks, layout=layout,
+                                       precision=precision, checkpointing=checkpointing,
+                                       sharded=sharded, offload=offload,
+                                       reduce_every_micro_step=reduce_every_micro_step,
+                                       tensors_only=True)
+        self._asked = checkpointing
+        self._full = None
+        self._stack: contextlib.ExitStack | None = None
+        self._full_fits = 0
+        """The largest micro-batch a full-build trial fitted at: trials at or below it skip the
+        floor (memory grows with the micro-batch)."""
+        self.floored_trials = 0
+        """Trials the floor ruled out without the full build."""
+
+    def __enter__(self) -> "TensorFloorSession":
+        self._stack = contextlib.ExitStack()
+        try:
+            self._stack.enter_context(self._floor)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self._full, self._full_fits = None, 0
+        return self
+
+    def __exit__(self, *exc_info):
+        stack, self._stack, self._full = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def _full_session(self):
+        if self._full is None:
+            step_workload = self._stack.enter_context(sharded_step(self.workload, **self.layout))
+            session = self.session_type(step_workload, self.backend, checkpointing=self._asked,
+                                        parallel=self.layout.get("parallel"), **self._session_args)
+            self._stack.enter_context(session)
+            self._full = session
+        return self._full
+
+    def __getattr__(self, name):
+        # What the full session knows (its model, its device); the floor's where the full build
+        # is not made yet and the floor has it (blocks, checkpointing, gradients: the same).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._full is None and hasattr(self._floor, name):
+            return getattr(self._floor, name)
+        return getattr(self._full_session(), name)
+
+    def set_checkpointing(self, checkpointing) -> int:
+        self._asked = checkpointing
+        self._full_fits = 0
+        count = self._floor.set_checkpointing(checkpointing)
+        if self._full is not None:
+            count = self._full.set_checkpointing(checkpointing)
+        return count
+
+    def tensor_peak(self, n: int) -> int:
+        """The tensors' peak of one step at micro-batch ``n``, from the small builds (the budget
+        in force checked): what the reserved peak is at least."""
+        return self._floor.run(n).peak_bytes
+
+    def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> Trial:
+        if max(micro_batches or [n]) > self._full_fits:
+            floor = self._floor.run(n, window=window, micro_batches=micro_batches)
+            if not floor.fits:
+                self.floored_trials += 1
+                return floor
+        trial = self._full_session().run(n, window=window, micro_batches=micro_batches)
+        if trial.fits:
+            self._full_fits = max(self._full_fits, max(micro_batches or [n]))
+        return trial
 
 
 class _Timeline:
@@ -522,5 +633,5 @@ def _first_blocks(workload, count: int, dropped_ran):
     return dataclasses.replace(workload, model=build)
 
 
-__all__ = ["BlockPattern", "FewBlocksSession", "block_pattern", "extend", "full_builds",
-           "identical_block_count", "layout_session"]
+__all__ = ["BlockPattern", "FewBlocksSession", "TensorFloorSession", "block_pattern", "extend",
+           "full_builds", "identical_block_count", "layout_session"]

@@ -18,7 +18,7 @@ from ..units import format_bytes
 from ..workload.checkpoint_count import CheckpointingRequest
 from ..workload.contract import load_workload
 from .result import MemoryModel, ProbeResult, Trial, setting_label
-from .affine_blocks import layout_session
+from .affine_blocks import TensorFloorSession, layout_session
 from .estimate import EstimateSession
 from .search import fit_memory_model, search_largest_fitting
 from .isolated import isolated, seed_in_child
@@ -243,17 +243,23 @@ def window_trial(workload, backend: MemoryBackend, *, micro_batch: int, window: 
             return None
 
 
-def _peak_without_budget(session: TrialSession, backend) -> int | None:
-    """On the CPU, measure the real need at micro-batch 1 with the budget lifted.
+def _peak_without_budget(session: TrialSession, backend) -> tuple[int, bool] | None:
+    """On the CPU, measure the real need at micro-batch 1 with the budget lifted: (bytes, whether
+    they are the tensors' alone). A CUDA estimate of identical blocks (``TensorFloorSession``)
+    gives its small builds' tensors, a lower bound of the reserved need, instead of a full build
+    of a model that is far over (70B without checkpointing: 1.61 TiB).
 
     Not possible on CUDA (the device is the limit), where the message gives a lower bound.
     """
     unlimited = getattr(backend, "unlimited", None)
     if unlimited is None:
         return None
+    tensor_peak = session.tensor_peak if isinstance(session, TensorFloorSession) else None
     with unlimited(), session:
+        if tensor_peak is not None:
+            return tensor_peak(1), True
         trial = session.run(1)
-    return trial.peak_bytes if trial.fits else None
+    return (trial.peak_bytes, False) if trial.fits else None
 
 
 def _does_not_fit_message(workload, info, precision, session: TrialSession, trial: Trial | None,
@@ -261,7 +267,10 @@ def _does_not_fit_message(workload, info, precision, session: TrialSession, tria
                           world_size: int = 1) -> str:
     budget = info.budget_bytes
     if needed is not None:
-        need = (f"one training step at micro-batch 1 needs {format_bytes(needed)}, "
+        needed, tensors_alone = needed
+        what = (f"needs {format_bytes(needed)} of tensors alone (reserved memory holds more)"
+                if tensors_alone else f"needs {format_bytes(needed)}")
+        need = (f"one training step at micro-batch 1 {what}, "
                 f"{needed / budget:.2f}x the {format_bytes(budget)} budget")
     elif trial is None:
         need = f"one training step at micro-batch 1 does not fit ({detail})"
