@@ -16,19 +16,22 @@ MODEL = pathlib.Path(__file__).with_name("twelve_block_llama.py")
 def test_only_proven_splits_are_extended_and_pipelines_never():
     assert affine_blocks._few_blocks_proven(None) and affine_blocks._few_blocks_proven(parse_layout())
     assert affine_blocks._few_blocks_proven(parse_layout(tp=2))  # proved below
-    assert not affine_blocks._few_blocks_proven(parse_layout(cp=2))
+    assert affine_blocks._few_blocks_proven(parse_layout(tp=2, cp=2))
     assert not affine_blocks._few_blocks_proven(parse_layout(tp=2, pp=2))
+    with few_blocks_for(("tp",)):
+        assert not affine_blocks._few_blocks_proven(parse_layout(cp=2))
     with few_blocks_for(("tp", "cp", "pp")):
-        assert affine_blocks._few_blocks_proven(parse_layout(tp=2, cp=2))
-        assert not affine_blocks._few_blocks_proven(parse_layout(tp=2, pp=2))
-    assert affine_blocks.PROVEN_SPLITS == frozenset({"tp"})
+        assert not affine_blocks._few_blocks_proven(parse_layout(cp=2, pp=2))
+    assert affine_blocks.PROVEN_SPLITS == frozenset({"tp", "cp"})
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("degrees, world", [(dict(tp=2), 2), (dict(tp=2), 4)])
+@pytest.mark.parametrize("degrees, world", [(dict(tp=2), 2), (dict(tp=2), 4), (dict(cp=2), 2),
+                                           (dict(cp=2), 4), (dict(tp=2, cp=2), 4),
+                                           (dict(tp=2, cp=2), 8)])
 def test_a_split_from_few_blocks_is_the_full_build_to_the_byte(monkeypatch, degrees, world):
-    """The proof behind PROVEN_SPLITS (tp 2 alone, and FSDP 2 × TP 2)."""
+    """The proof behind PROVEN_SPLITS (tp 2 and cp 2 alone, with each other, with FSDP 2)."""
     from autotune.probing.estimate import estimate_peaks
 
     ran = []

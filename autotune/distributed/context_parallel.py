@@ -146,12 +146,16 @@ def _cpu_ring_kernels():
 # -- attention as ring attention, for a session -------------------------------------------------
 
 class _Attention:
-    """What the patched SDPA saw: the calls, and the first one ring attention cannot take."""
+    """One session's ring (its cp ``mesh``, torch's SDPA input and output functions for it) and
+    what the patched SDPA saw through it: the calls, and the first one ring attention cannot take."""
 
-    def __init__(self, source: str, cp: int):
+    def __init__(self, source: str, mesh, style):
         self.source = source
-        self.cp = cp
+        self.mesh = mesh
+        self.cp = mesh.size()
         self.calls = 0
+        self.checked_input = self.input_fn(style.sdpa_input_fn)
+        self.output_fn = style.sdpa_output_fn
 
     def input_fn(self, sdpa_input_fn):
         def check(module, args, kwargs, mesh):
@@ -196,21 +200,73 @@ def ring_attention(mesh, *, source: str = "<model>"):
                           f"fake-tensor estimate) rings the CPU's attention kernel through "
                           f"sharding-rule hooks torch {torch.__version__} lacks; use torch 2.14 "
                           f"or later, or plan and train context parallelism on CUDA")
-    attention = _Attention(source, mesh.size())
     style = cp._ContextParallel(seq_dim=_ATTENTION_SEQ_DIM, attention_type=cp._ContextParallel.AttentionType.SDPA)
+    attention = _Attention(source, mesh, style)
+    with _patched_sdpa(cpu_ring):
+        _RINGS.entered.append(attention)
+        previous, _RINGS.active = _RINGS.active, attention
+        try:
+            yield attention
+        finally:
+            _RINGS.entered.remove(attention)
+            _RINGS.active = (previous if previous in _RINGS.entered
+                             else _RINGS.entered[-1] if _RINGS.entered else None)
+
+
+class _Rings:
+    """The rings of the sessions alive (a few-block estimate holds two or three at once, each on
+    its own fake mesh) and the one SDPA goes through: the ring of the last loss computed
+    (``ContextParallelLoss`` activates its own), which stays on through that step's backward."""
+
+    def __init__(self):
+        self.entered: list[_Attention] = []
+        self.active: _Attention | None = None
+        self.depth = 0
+
+
+_RINGS = _Rings()
+
+
+def _ring_sdpa(original):
+    def sdpa(*args, **kwargs):
+        ring = _RINGS.active
+        args, kwargs = ring.checked_input(None, args, kwargs, ring.mesh)
+        return ring.output_fn(None, (args, kwargs), original(*args, **kwargs), ring.mesh)
+
+    return sdpa
+
+
+@contextlib.contextmanager
+def _patched_sdpa(cpu_ring: bool):
+    """SDPA through the active ring, DTensor's ring dispatch and load balancing on, while any
+    session's ring is entered (once for all of them: torch's own ``_distribute_function`` keys
+    its patch on the function, so a second session would find it patched with the first one's
+    mesh, and the first to leave would turn the dispatcher off under the others)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    if _RINGS.depth:
+        _RINGS.depth += 1
+        try:
+            yield
+        finally:
+            _RINGS.depth -= 1
+        return
+    original = F.scaled_dot_product_attention
     saved_balance = cp._cp_options.enable_load_balance
     cp._cp_options.enable_load_balance = True
     cp._enable_cp_dtensor_dispatcher()
+    _RINGS.depth = 1
     try:
         # torch rings its CUDA kernels itself; the CPU's need the hooks (cpu_ring_available).
         with _cpu_ring_kernels() if cpu_ring else contextlib.nullcontext():
-            cp._distribute_function(F.scaled_dot_product_attention, F, mesh,
-                                    attention.input_fn(style.sdpa_input_fn), style.sdpa_output_fn)
+            F.scaled_dot_product_attention = _ring_sdpa(original)
             try:
-                yield attention
+                yield
             finally:
-                cp._restore_function(F.scaled_dot_product_attention, F)
+                F.scaled_dot_product_attention = original
     finally:
+        _RINGS.depth = 0
         cp._disable_cp_dtensor_dispatcher()
         cp._cp_options.enable_load_balance = saved_balance
 
@@ -328,6 +384,7 @@ class ContextParallelLoss:
         if causal_lm:
             batch = _causal_lm_batch(eager_module(model), batch, source=source, cp=cp)
         local = shard_batch(batch, self.mesh, source=source)
+        _RINGS.active = self.attention  # this step's attention rings over this session's mesh
         calls = self.attention.calls
         with _no_packed_sequences() if causal_lm else contextlib.nullcontext():
             loss, count = self.workload.loss(model, local)

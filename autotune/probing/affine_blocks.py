@@ -52,12 +52,13 @@ smaller build repeats the unit twice that often, the larger once more."""
 
 _enabled = True
 
-PROVEN_SPLITS: frozenset = frozenset({"tp"})
+PROVEN_SPLITS: frozenset = frozenset({"tp", "cp"})
 """Model-parallel degrees whose few-block estimates tests/test_affine_layouts.py proves to the
-byte against full fake builds (tp 2 and FSDP 2 × TP 2 on a twelve-layer Hugging Face Llama, every
-block checkpointed, micro-batches 1 and 2); layouts with any other degree above 1 run the full
-build. Context parallelism is not proved yet (its test model's attention was not seen as SDPA
-under the few-block build; run the proof with cp once it is). Pipelines are not extended: a stage
+byte against full fake builds (tp 2, FSDP 2 × TP 2, cp 2, FSDP 2 × CP 2, TP 2 × CP 2 and FSDP 2 ×
+TP 2 × CP 2 on a twelve-layer Hugging Face Llama, every block checkpointed, micro-batches 1 and
+2); layouts with any other degree above 1 run the full build. (Context parallelism failed the
+proof until each session's ring attention ran on its own mesh: the small builds' rings were
+patched over one another, ``context_parallel._Rings``.) Pipelines are not extended: a stage
 holds N/pp blocks and the first holds pp micro-batches, so small builds would need pp × 2·EDGE and
 pp × (2·EDGE + 1) blocks (32 and 40 at pp 8, more than 8B's 32)."""
 
