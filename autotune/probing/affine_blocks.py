@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import EstimateUnavailable
 from ..distributed.sharding.ranks import sharded_step
 from ..memory.cpu import tracking_resizes
-from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits
+from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, uncounted_sharding_propagation
 from ..units import format_bytes
 from ..workload.activation_checkpointing import (checkpointable_blocks, enable_checkpointing,
                                                  repeated_blocks, spread_evenly)
@@ -268,7 +268,7 @@ class _ResumableBackend(EstimateMemoryBackend):
 
     @contextlib.contextmanager
     def resumed(self):
-        with tracking_resizes(self.tracker), self._mode:
+        with tracking_resizes(self.tracker), self._mode, uncounted_sharding_propagation():
             yield
 
 
