@@ -202,7 +202,9 @@ def test_every_check_runs_on_the_cpu_with_cuda_faked(tmp_path, monkeypatch, caps
     monkeypatch.setattr(gpu_proof, "run_command", run)
     device = CPUDevice(count=2)
     out = tmp_path / "out"
-    code = gpu_proof.main(["--out", str(out)], device=device, config=_tiny_config())
+    # The tiny configuration's 300 s budget cut a check short on a machine slowed by a debugging
+    # allocator and other work; what this asserts is that every check runs, not how fast.
+    code = gpu_proof.main(["--out", str(out)], device=device, config=_tiny_config(budget_seconds=3600))
     lines = capsys.readouterr().out.splitlines()
     report = json.loads((out / "report.json").read_text())
     checks = {c["name"]: c for c in report["checks"]}
