@@ -479,9 +479,9 @@ class TensorFloorSession:
         self._stack: contextlib.ExitStack | None = None
         self._floor_passed = False
         """A trial of this setting passed the floor: the later ones go to the full build at once.
-        A floor costs its small builds' steps (9 of 32 blocks at 8B: in a planner's search at
-        sequence 131072, flooring every trial took 403 CPU s against 188 without a floor); its
-        gain is a setting that fits nowhere, which its first trial shows."""
+        A floor costs its small builds' steps (9 of 32 blocks at 8B) on top of the full build's
+        for every trial that passes it; its gain is a setting that fits nowhere, which the
+        setting's first trial shows."""
         self.floored_trials = 0
         """Trials the floor ruled out without the full build."""
 
