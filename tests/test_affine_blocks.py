@@ -81,7 +81,9 @@ def test_cuda_estimates_run_the_whole_model(small_builds):
 
 @pytest.fixture
 def full_builds_made(monkeypatch):
-    """How many full builds the TensorFloorSessions of a test made."""
+    """How many full builds the TensorFloorSessions of a test made (the floor taken by this
+    twelve-block model too, which is below FLOOR_MIN_BLOCKS)."""
+    monkeypatch.setattr(affine_blocks, "FLOOR_MIN_BLOCKS", 0)
     made = []
     original = affine_blocks.TensorFloorSession._full_session
 
@@ -118,6 +120,19 @@ def test_a_cuda_probe_rules_out_what_the_small_builds_tensors_pass_without_the_f
     assert not full_builds_made
     assert re.search(r"micro-batch 1 needs [0-9.]+ MiB of tensors alone \(reserved memory holds "
                      r"more\), [0-9.]+x the 8.00 MiB budget", message), message
+
+
+def test_a_model_of_few_blocks_takes_no_tensor_floor(monkeypatch):
+    # Twelve blocks: the floor's builds of 4 and 5 would cost 75% of the full build's steps on
+    # top of it wherever the setting fits (FLOOR_MIN_BLOCKS), so the full build runs alone.
+    floors = []
+    monkeypatch.setattr(affine_blocks.TensorFloorSession, "run",
+                        lambda self, *a, **k: floors.append(1) or pytest.fail("floored"))
+    assert affine_blocks.FLOOR_MIN_BLOCKS > 12
+    trial = window_trial(MODEL, EstimateMemoryBackend(8 << 20, for_cuda=True), micro_batch=1,
+                         window=1, precision="bf16", checkpointing="off", sharding="fsdp",
+                         world_size=4)
+    assert trial is not None and not trial.fits and not floors
 
 
 @pytest.mark.slow

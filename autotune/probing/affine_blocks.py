@@ -63,6 +63,15 @@ holds N/pp blocks and the first holds pp micro-batches, so small builds would ne
 pp × (2·EDGE + 1) blocks (32 and 40 at pp 8, more than 8B's 32)."""
 
 
+FLOOR_MIN_BLOCKS = 4 * (2 * EDGE + 2 * EDGE + 1)
+"""A CUDA estimate takes the tensor floor (``TensorFloorSession``) for models of at least this
+many identical blocks: four times the blocks of the two small builds (4 and 5), which a floor
+runs on top of the full build wherever the setting fits. Measured with ``bench/llama_plans.py``
+(2026-12-02): 8B at sequence 131072 (32 blocks: the floor's builds are 28% of the full one)
+planned in 452 CPU s with the floor and 390 without; 70B (80 blocks, 11%) in 288-343 against
+381, 405B (126 blocks, 7%) in 506 against 769."""
+
+
 def _few_blocks_proven(parallel) -> bool:
     if parallel is None or parallel.trivial:
         return True
@@ -130,7 +139,7 @@ def layout_session(workload, backend, *, session_type, precision, checkpointing,
         yield FewBlocksSession(workload, backend, session_type=session_type, total_blocks=total,
                                layout=layout, **session_args)
         return
-    if total is not None and backend.tracker.budget_bytes is not None:
+    if total is not None and total >= FLOOR_MIN_BLOCKS and backend.tracker.budget_bytes is not None:
         # A modelled CUDA allocator's reserved memory (rounding, cached segments) does not extend
         # from small builds as tensor bytes do: the small builds' tensors only rule trials out
         # (under a budget; an estimate without one runs the full build alone).
