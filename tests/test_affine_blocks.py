@@ -220,3 +220,12 @@ def test_block_patterns():
     pattern = BlockPattern((True,), (True, False), 10)
     assert [pattern.position(i, 5) for i in range(11)] == [
         ("prefix", 0), (0, 0), (0, 1), (1, 0), (1, 1), None, None, (-2, 0), (-2, 1), (-1, 0), (-1, 1)]
+
+
+def test_the_tensor_floor_runs_plain_estimate_sessions_under_a_recording_one():
+    # A probe that records its steps' costs (the throughput ranking) records the full build's:
+    # the floor's small builds run the plain session its type names.
+    from autotune.probing.estimate import EstimateSession
+    from autotune.timing.recorded import recording_session
+
+    assert recording_session({}).plain_type is EstimateSession is EstimateSession.plain_type

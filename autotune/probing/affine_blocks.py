@@ -469,15 +469,14 @@ class TensorFloorSession:
     def __init__(self, workload, backend: EstimateMemoryBackend, *, session_type, total_blocks: int,
                  layout: dict, precision, checkpointing, sharded: bool, offload: bool,
                  reduce_every_micro_step: bool):
-        from .estimate import EstimateSession  # it imports this module
-
         self.workload, self.backend, self.layout = workload, backend, layout
         self.session_type = session_type
         self._session_args = dict(precision=precision, sharded=sharded, offload=offload,
                                   reduce_every_micro_step=reduce_every_micro_step)
         # Plain estimate sessions for the floor: a session type that records the steps it runs
         # (timing.recorded) records the full build's only.
-        self._floor = FewBlocksSession(workload, backend, session_type=EstimateSession,
+        self._floor = FewBlocksSession(workload, backend,
+                                       session_type=getattr(session_type, "plain_type", session_type),
                                        total_blocks=total_blocks, layout=layout,
                                        precision=precision, checkpointing=checkpointing,
                                        sharded=sharded, offload=offload,

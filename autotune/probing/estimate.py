@@ -240,6 +240,12 @@ class EstimateSession(TrialSession):
 
 
 
+
+EstimateSession.plain_type = EstimateSession
+"""The session type that counts bytes and nothing else, inherited by the subclasses that also
+count a step's costs (timing.recorded): a tensor floor's small builds run it
+(affine_blocks.TensorFloorSession), so only the full build's steps are recorded."""
+
 def _gradient_layout(params) -> tuple:
     """What the optimizer phase's memory depends on: each gradient's layout and storage sharing."""
     storages: dict[int, int] = {}
