@@ -112,6 +112,7 @@ def test_explicit_offload_is_planned(examples_dir, one_thread, sharding):
     assert result.reasons["sharding"] == "fsdp-offload (shard group 4) as requested"
 
 
+@pytest.mark.slow  # 6-12 s: the fast suite's 10 minutes
 def test_auto_does_not_offload_where_fsdp_fits(examples_dir, one_thread):
     # 40 MiB: no replica fits, fsdp does: offload is not even estimated.
     result = plan(examples_dir / "mlp.py", target_batch=64, world_size=4, device="cpu",

@@ -102,6 +102,7 @@ def test_plan_file_keeps_sharding_and_the_settings_layouts(tmp_path):
     assert all(s.sharding is Sharding.DDP for s in load_plan(path).settings)
 
 
+@pytest.mark.slow  # 6-12 s: the fast suite's 10 minutes
 def test_plan_shards_a_model_that_does_not_fit_replicated(examples_dir, one_thread):
     # mlp.py: 10 MiB of parameters, so AdamW needs 40 MiB per replica: nothing fits 40 MiB with
     # the DDP buckets, one rank of 4 under FSDP2 holds a quarter.
@@ -129,6 +130,7 @@ def test_explicit_sharding_and_shard_group(examples_dir, one_thread):
         plan(examples_dir / "mlp.py", target_batch=64, world_size=4, sharding="zero")
 
 
+@pytest.mark.slow  # 6-12 s: the fast suite's 10 minutes
 def test_replicated_plans_do_not_estimate_sharding_when_a_replica_reaches_the_share(examples_dir,
                                                                                       one_thread):
     result = plan(examples_dir / "mlp.py", target_batch=64, world_size=4, device="cpu",

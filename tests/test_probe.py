@@ -72,6 +72,7 @@ def test_probe_finds_the_exact_largest_micro_batch(setting):
     assert result.oom_count == sum(not t.fits for t in result.trials) >= 1
 
 
+@pytest.mark.slow  # 6-12 s: the fast suite's 10 minutes
 def test_checkpointing_and_bf16_each_fit_more_than_fp32_without():
     workload = small_workload()
     plain = probe(workload, device="cpu", memory_limit=LIMIT).max_micro_batch

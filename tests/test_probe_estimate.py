@@ -35,6 +35,7 @@ def test_estimate_seeded_probe_is_exact_with_two_or_three_real_trials(name, limi
     assert any(f"{len(steps)} real trial(s) confirmed it" in note for note in seeded.notes)
 
 
+@pytest.mark.slow  # 6-12 s: the fast suite's 10 minutes
 def test_same_answer_as_the_search_without_the_estimate():
     plain = probe(EXAMPLES / "cnn_bn.py", device="cpu", memory_limit="64MiB", use_estimate=False)
     seeded = probe(EXAMPLES / "cnn_bn.py", device="cpu", memory_limit="64MiB")

@@ -63,6 +63,7 @@ def test_the_estimate_counts_the_4bit_storage_by_dtype_to_the_byte(qlora):
     assert 0 <= estimated.peak_bytes - real.peak_bytes <= 0.03 * real.peak_bytes
 
 
+@pytest.mark.slow  # 6-12 s: the fast suite's 10 minutes
 def test_a_gpu_plan_of_qlora_is_estimated_and_says_it_is_unverified(qlora, tmp_path):
     out = tmp_path / "plan.json"
     result = CliRunner().invoke(cli, ["plan", real_path("llama_qlora"), "--gpu", "t4",

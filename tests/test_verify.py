@@ -39,6 +39,7 @@ def test_confirmed_on_the_device_it_was_planned_for(plan_file):
     assert result.measured_peak_bytes <= result.usable_bytes
 
 
+@pytest.mark.slow  # 6-12 s: the fast suite's 10 minutes
 def test_a_smaller_device_re_plans_and_says_how_far_off(plan_file):
     plan = load_plan(plan_file)
     # A budget the plan's window fits, but not less the headroom (10%).
