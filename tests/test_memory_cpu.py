@@ -107,3 +107,18 @@ def test_a_refused_allocation_holds_nothing_so_an_oom_handler_can_allocate_again
             assert backend.current_bytes() == in_use + 400
             del small
     assert keep.numel() == 2000
+
+
+def test_a_real_runs_tracking_counts_nothing_made_in_a_fake_mode_of_torchs_own():
+    # DTensor's sharding propagation runs an op on fake tensors of the global shape in a fake
+    # mode of its own: nothing is allocated, and the CPU backend counted it (a context-parallel
+    # plan's verify measured 987,208 bytes where the run held 829,256).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    backend = CPUMemoryBackend("1GiB")
+    with backend.tracking():
+        real = torch.ones(1024)
+        with FakeTensorMode():
+            fake = torch.ones(1 << 20) * 2
+        assert fake.shape == (1 << 20,)
+        assert backend.current_bytes() == real.untyped_storage().nbytes() == 4096

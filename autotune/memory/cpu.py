@@ -14,6 +14,7 @@ import weakref
 
 import psutil
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -234,6 +235,11 @@ class _TrackingMode(TorchDispatchMode):
             # through this mode: their temporaries are counted, as the fake-tensor mode counts them.
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, FakeTensor) for t in tree_flatten(out)[0]):
+            # A fake mode of torch's own (DTensor's sharding propagation runs an op on fake
+            # tensors of the global shape): nothing is allocated, as the estimate counts it
+            # (memory.fake.uncounted_sharding_propagation).
+            return out
         try:
             self.tracker.add_outputs(out)
         except torch.OutOfMemoryError:
