@@ -235,7 +235,8 @@ class _TrackingMode(TorchDispatchMode):
             # through this mode: their temporaries are counted, as the fake-tensor mode counts them.
             return NotImplemented
         out = func(*args, **(kwargs or {}))
-        if any(isinstance(t, FakeTensor) for t in tree_flatten(out)[0]):
+        if isinstance(out, FakeTensor) or (not isinstance(out, torch.Tensor) and any(
+                isinstance(t, FakeTensor) for t in tree_flatten(out)[0])):
             # A fake mode of torch's own (DTensor's sharding propagation runs an op on fake
             # tensors of the global shape): nothing is allocated, as the estimate counts it
             # (memory.fake.uncounted_sharding_propagation).
