@@ -171,6 +171,35 @@ def test_collective_cpu_cost_is_per_call_plus_per_byte_by_kind():
     assert cpu.seconds(CollectiveCall("broadcast", 1000, 2, "forward")) == pytest.approx(2e-4 + 3e-6)
 
 
+def test_a_noisy_gloo_measurement_is_taken_again_and_only_rank_0_fits(monkeypatch):
+    from autotune.timing import gloo
+
+    # Rank 1 of a pair: its own times (which once fit a negative bandwidth and raised there) are
+    # never fitted; it takes whatever rank 0 broadcasts, and measures again when that is nan.
+    monkeypatch.setattr(gloo.dist, "get_rank", lambda: 1)
+    broadcasts = iter([float("nan"), 2e-9])
+
+    def broadcast(numbers, src, group=None):
+        assert src == 0
+        numbers.fill_(next(broadcasts))
+
+    monkeypatch.setattr(gloo.dist, "broadcast", broadcast)
+    measured = []
+    noisy = [[(1.0, 1e3, 5e-4), (1.0, 1e6, 1e-4)]]  # more bytes, less time
+    fits = gloo._fitted_on_rank_0(lambda: measured.append(1) or noisy, None, 3, what="t")
+    assert len(measured) == 2 and fits == [(2e-9, 2e-9)]
+    # Rank 0 fits: a negative slope is nan (measure again), a clean one is kept.
+    assert all(math.isnan(v) for v in gloo._fit(noisy[0]))
+    alpha, beta = gloo._fit([(1.0, 1e3, 1e-4 + 1e-6), (1.0, 1e6, 1e-4 + 1e-3)])
+    assert alpha == pytest.approx(1e-4) and beta == pytest.approx(1e-9)
+    # Every attempt noisy: the error says so, after `attempts` measurements.
+    monkeypatch.setattr(gloo.dist, "broadcast", lambda numbers, src, group=None: numbers.fill_(float("nan")))
+    measured.clear()
+    with pytest.raises(RuntimeError, match="no bandwidth in 3 attempts"):
+        gloo._fitted_on_rank_0(lambda: measured.append(1) or noisy, None, 3, what="t")
+    assert len(measured) == 3
+
+
 def _gloo_cpu_worker(rank, world, port, out):
     from autotune.timing.gloo import measure_gloo_cpu
 

@@ -27,21 +27,25 @@ from .comm import Link, terms
 SIZES = (2**12, 2**16, 2**20, 2**22)
 """Bytes per collective's full buffer (4 KiB to 4 MiB of fp32)."""
 REPEATS = 5
+ATTEMPTS = 3
+"""Measurements tried before a busy machine's noise is reported as an error."""
 _MEASURED = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def measure_gloo(group=None, *, sizes=SIZES, repeats: int = REPEATS) -> Link:
+def measure_gloo(group=None, *, sizes=SIZES, repeats: int = REPEATS, attempts: int = ATTEMPTS) -> Link:
     """The link between this group's ranks (call it on every rank)."""
     p = dist.get_world_size(group)
-    rows = []  # (steps, factor * bytes, seconds)
-    for kind in _MEASURED:
-        for nbytes in sizes:
-            seconds = _median_time(kind, nbytes // 4 // p * p, p, group, repeats)
-            factor, steps = terms(kind, p)
-            rows.append((steps, factor * (nbytes // 4 // p * p) * 4, seconds))
-    fitted = torch.tensor([_fit(rows)], dtype=torch.float64)
-    dist.broadcast(fitted, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    alpha, inverse_bandwidth = fitted[0].tolist()
+
+    def rows():  # (steps, factor * bytes, seconds)
+        out = []
+        for kind in _MEASURED:
+            for nbytes in sizes:
+                elements = nbytes // 4 // p * p
+                factor, steps = terms(kind, p)
+                out.append((steps, factor * elements * 4, _median_time(kind, elements, p, group, repeats)))
+        return [out]
+
+    (alpha, inverse_bandwidth), = _fitted_on_rank_0(rows, group, attempts, what="gloo timings")
     return Link(bandwidth=1.0 / inverse_bandwidth, latency=alpha)
 
 
@@ -60,23 +64,26 @@ class CollectiveCpu:
         return self.per_call[kind] + self.per_byte[kind] * call.bytes
 
 
-def measure_gloo_cpu(group=None, *, sizes=SIZES, repeats: int = REPEATS) -> CollectiveCpu:
+def measure_gloo_cpu(group=None, *, sizes=SIZES, repeats: int = REPEATS,
+                     attempts: int = ATTEMPTS) -> CollectiveCpu:
     """Each collective kind's CPU cost on this rank's process clock (call it on every rank; every
     rank gets rank 0's fit)."""
     p = dist.get_world_size(group)
-    fitted = []
-    for kind in _MEASURED:
-        rows = []
-        for nbytes in sizes:
-            elements = nbytes // 4 // p * p
-            rows.append((1.0, elements * 4.0, _median_time(kind, elements, p, group, repeats,
-                                                           clock=time.process_time)))
-        fitted.extend(_fit(rows, what=f"gloo {kind} CPU timings"))
-    numbers = torch.tensor([fitted], dtype=torch.float64)
-    dist.broadcast(numbers, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    values = numbers[0].tolist()
-    return CollectiveCpu(per_call=dict(zip(_MEASURED, values[0::2])),
-                         per_byte=dict(zip(_MEASURED, values[1::2])))
+
+    def rows():
+        out = []
+        for kind in _MEASURED:
+            kind_rows = []
+            for nbytes in sizes:
+                elements = nbytes // 4 // p * p
+                kind_rows.append((1.0, elements * 4.0, _median_time(kind, elements, p, group, repeats,
+                                                                    clock=time.process_time)))
+            out.append(kind_rows)
+        return out
+
+    fits = _fitted_on_rank_0(rows, group, attempts, what="gloo CPU timings")
+    return CollectiveCpu(per_call={kind: fit[0] for kind, fit in zip(_MEASURED, fits)},
+                         per_byte={kind: fit[1] for kind, fit in zip(_MEASURED, fits)})
 
 
 def collective_cpu_seconds(calls, cpu: CollectiveCpu) -> float:
@@ -102,16 +109,35 @@ def _median_time(kind: str, elements: int, p: int, group, repeats: int, clock=ti
     return statistics.median(times)
 
 
-def _fit(rows, what: str = "gloo timings") -> tuple[float, float]:
-    """Least squares of seconds = alpha * steps + beta * weighted bytes, both kept positive."""
+def _fitted_on_rank_0(measure, group, attempts: int, what: str) -> list[tuple[float, float]]:
+    """Rank 0's fits of each row set ``measure()`` returns, on every rank. Every rank measures (the
+    collectives need them all), only rank 0 fits; where a fit finds no bandwidth (a busy machine's
+    noise outweighed the bytes) every rank measures again, up to ``attempts`` times."""
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    is_root = dist.get_rank() == root
+    for _ in range(attempts):
+        row_sets = measure()
+        numbers = torch.full((len(row_sets), 2), float("nan"), dtype=torch.float64)
+        if is_root:
+            for i, rows in enumerate(row_sets):
+                numbers[i] = torch.tensor(_fit(rows), dtype=torch.float64)
+        dist.broadcast(numbers, src=root, group=group)
+        if bool(torch.isfinite(numbers).all()):
+            return [tuple(row) for row in numbers.tolist()]
+    raise RuntimeError(f"{what} gave no bandwidth in {attempts} attempts (a fitted 1/bandwidth "
+                       f"was not positive): rerun on a quieter machine")
+
+
+def _fit(rows) -> tuple[float, float]:
+    """Least squares of seconds = alpha * steps + beta * weighted bytes; (nan, nan) where beta is
+    not positive."""
     a = torch.tensor([[s, b] for s, b, _ in rows], dtype=torch.float64)
     y = torch.tensor([t for _, _, t in rows], dtype=torch.float64)
     # Relative error: each row divided by its time, so small collectives weigh as much as large.
     w = 1.0 / y
     alpha, beta = torch.linalg.lstsq(a * w[:, None], (y * w)[:, None]).solution[:, 0].tolist()
-    if beta <= 0:
-        raise RuntimeError(f"{what} give no bandwidth (fitted 1/bandwidth {beta}); rerun on a "
-                           f"quieter machine")
+    if not beta > 0:
+        return float("nan"), float("nan")
     return max(alpha, 0.0), beta
 
 
