@@ -265,9 +265,11 @@ def test_search_layout_plans_each_candidate_and_records_why(tmp_path):
     assert reason.startswith("auto: FSDP 4 × TP 2: 4 accumulation steps, the fewest of the layouts that "
                              "fit; the least communication of the 3 with 4 accumulation steps (36.06 MiB "
                              "per rank and step against FSDP 8's 84.00 MiB). ")
-    assert ("FSDP 8 (4 accumulation steps, 84.00 MiB); pp 2 (1f1b) (nothing fits: every setting runs out "
+    # Each plan's peak beside its communication, named so neither reads as the other.
+    assert ("FSDP 8 (4 accumulation steps, peak 120.00 MiB, 84.00 MiB communicated per rank and step); pp 2 (1f1b) (nothing fits: every setting runs out "
             "of memory at micro-batch 1); pp 8 (1f1b) (nothing fits: screened); ") in reason
-    assert "FSDP 2 × TP 2 × PP 2 (1f1b) (4 accumulation steps, 12.07 MiB, bubble 20%)" in reason
+    assert ("FSDP 2 × TP 2 × PP 2 (1f1b) (4 accumulation steps, peak 180.00 MiB, 12.07 MiB communicated per "
+            "rank and step, bubble 20%)") in reason
     assert ("pp 4 (1f1b) (fits nowhere, not estimated: a rank holds no less than under pp 8 (1f1b), "
             "which fits nowhere)") in reason
     assert reason.endswith("tp 4, tp 2 × pp 4 (1f1b), tp 4 × pp 2 (1f1b) (not estimated: 2 layout(s) in "
@@ -320,6 +322,24 @@ def test_a_layout_that_cannot_reach_the_fewest_steps_is_screened_not_planned():
     unscreened = search(precision="auto")
     assert (unscreened.accumulation_steps, unscreened.parallel) == (4, Layout(tp=2))
     assert Layout(pp=2) in planned_layouts and (Layout(pp=2), 4) not in screened
+
+
+def test_a_screen_that_runs_out_of_memory_says_what_was_in_use(examples_dir):
+    from types import SimpleNamespace
+
+    from autotune.memory.fake import EstimateMemoryBackend
+    from autotune.orchestration.layout_search import _screen
+    from autotune.units import format_bytes
+
+    # mlp: 31.6 MB of parameters and optimizer state, 54.7 MB at micro-batch 1024. With a 40 MB
+    # budget the step runs out of memory at what was in use then, which is no peak to compare.
+    planner = SimpleNamespace(backend=EstimateMemoryBackend(40_000_000), options=SimpleNamespace(sharding="ddp"),
+                              chosen="fp32", world_size=1, usable=40_000_000)
+    why = _screen(examples_dir / "mlp.py", planner, Layout(), False, micro_batch=1024)
+    assert why.startswith("micro-batch 1024 runs out of memory (with ") and why.endswith(" in use)")
+    planner.backend, planner.usable = EstimateMemoryBackend(None), 50_000_000
+    assert _screen(examples_dir / "mlp.py", planner, Layout(), False, micro_batch=1024) == (
+        f"{format_bytes(54_743_240)} at micro-batch 1024, past the {format_bytes(50_000_000)} the headroom leaves")
 
 
 def test_steps_to_win_counts_the_tie_only_where_the_tie_breaks_could_pick_the_layout():

@@ -111,7 +111,7 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                                 communication=volume(layout, sum(planned.micro_batches),
                                                      sharded=planned.sharding.sharded,
                                                      steps=planned.accumulation_steps),
-                                samples_per_s=timed)
+                                peak_bytes=planned.predicted_peak_bytes, samples_per_s=timed)
         leader[:] = [min(leader + [outcome], key=choice_key)]  # the earlier one on a tie
         return outcome
 
@@ -146,7 +146,7 @@ def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch
     # A --gpu estimate's budget holds the modelled reserved memory, not only the tensors.
     peak = getattr(trial, "reserved_peak_bytes", None) or trial.peak_bytes
     if not trial.fits:
-        return f"{least} runs out of memory ({format_bytes(peak)})"
+        return f"{least} runs out of memory (with {format_bytes(peak)} in use)"
     if peak > planner.usable:
         return (f"{format_bytes(peak)} at {least}, past the "
                 f"{format_bytes(planner.usable)} the headroom leaves")

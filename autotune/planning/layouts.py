@@ -167,6 +167,8 @@ class LayoutOutcome:
     """Accumulation steps of its plan (None: nothing fits, or not estimated)."""
     communication: float = 0.0
     """Bytes per rank and optimizer step (``communication_bytes``)."""
+    peak_bytes: int | None = None
+    """Its plan's predicted per-rank peak."""
     label: str = ""
     """The layout as the plan names it ("FSDP 4 × TP 2")."""
     samples_per_s: float | None = None
@@ -321,7 +323,9 @@ def _tried_words(outcomes: list[LayoutOutcome]) -> str:
         elif o.steps is not None:
             speed = f", {o.samples_per_s:.4g} samples/s per GPU" if o.samples_per_s is not None else ""
             bubble = f", bubble {_bubble(o):.0%}" if o.layout.pp > 1 else ""
-            parts.append(f"{o.name} ({_steps(o.steps)}, {_gb(o.communication)}{bubble}{speed})")
+            peak = f", peak {_gb(o.peak_bytes)}" if o.peak_bytes is not None else ""
+            parts.append(f"{o.name} ({_steps(o.steps)}{peak}, {_gb(o.communication)} communicated per "
+                         f"rank and step{bubble}{speed})")
         else:
             parts.append(f"{o.name} ({o.error or 'fits nowhere'})")
     parts += [f"{', '.join(names)} ({error})" for error, names in skipped.items()]
