@@ -314,6 +314,30 @@ def test_gpu_plan_states_reserved_above_allocated(tmp_path):
     assert "tensors allocated" in shown.output
 
 
+def test_a_gpu_plan_synced_on_the_last_micro_step_states_that_windows_tensors(tmp_path):
+    from autotune.probing.api import window_trial
+    from autotune.units import format_bytes
+
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(cli, ["plan", str(TINY_LM), "--target-batch", "16", "--gpu", "h100-80gb",
+                                      "--world-size", "2", "--sharding", "fsdp", "--micro-batch", "4",
+                                      "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = autotune.load_plan(out)
+    assert plan.micro_batches == [4, 4] and plan.reduce_every_micro_step is False
+    # The window the plan runs holds this rank's unsharded gradients: its tensors, not those of the
+    # probe's window (which reduce-scattered every micro-step).
+    backend = EstimateMemoryBackend(None, for_cuda=True, target=plan.device)
+    planned = window_trial(TINY_LM, backend, micro_batch=4, window=2, precision=plan.precision,
+                           checkpointing=plan.checkpointing, sharding="fsdp", world_size=2,
+                           reduce_every_micro_step=False, micro_batches=[1, 4])
+    assert plan.predicted_peak_bytes == planned.reserved_peak_bytes
+    assert plan.predicted_allocated_bytes == planned.allocated_peak_bytes
+    assert plan.predicted_allocated_bytes > plan.planned_trial.allocated_peak_bytes
+    shown = CliRunner().invoke(cli, ["show", str(out)])
+    assert f"tensors allocated {format_bytes(plan.predicted_allocated_bytes)})" in shown.output
+
+
 def test_estimate_cli_for_cuda_prints_both():
     # --cuda is the deprecated alias of --gpu (tests/test_estimate_gpu_cli.py): a warning on stderr.
     result = CliRunner().invoke(cli, ["estimate", str(TINY_LM), "--micro-batch", "4", "--cuda",

@@ -19,11 +19,13 @@ def table(headers: list[str], rows: list[list], *, align: str | None = None) -> 
 
 def _reserved_text(plan) -> str:
     """For a CUDA estimate: the peak is reserved memory; what the tensors hold beside it."""
-    trial = plan.planned_trial
-    if trial is None or trial.allocated_peak_bytes is None:
+    allocated = plan.predicted_allocated_bytes
+    if allocated is None:
+        trial = plan.planned_trial  # a plan made before the plan stated it
+        allocated = trial.allocated_peak_bytes if trial is not None else None
+    if allocated is None:
         return ""
-    return (f" reserved by the caching allocator (modelled; tensors allocated "
-            f"{format_bytes(trial.allocated_peak_bytes)})")
+    return f" reserved by the caching allocator (modelled; tensors allocated {format_bytes(allocated)})"
 
 
 def format_cuda_estimate(source, device: str, peaks: dict, *, outside: int | None = None,

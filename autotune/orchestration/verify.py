@@ -125,7 +125,9 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
 def _planned_tensor_bytes(plan: Plan) -> int | None:
     """The tensors' peak a plan estimated for CUDA predicted at its micro-batch (its peak is the
     modelled reserved memory); None for any other plan."""
-    trial = plan.planned_trial
+    if plan.predicted_allocated_bytes is not None:
+        return plan.predicted_allocated_bytes - plan.ddp_bucket_bytes
+    trial = plan.planned_trial  # a plan made before the plan stated it
     return trial.allocated_peak_bytes if trial is not None else None
 
 

@@ -644,6 +644,8 @@ class SyncOnLast:
     """The window's peak (None: it ran out of memory)."""
     held_gradient_bytes: int | None = None
     """The unsharded gradients held between micro-steps."""
+    allocated_peak_bytes: int | None = None
+    """For a CUDA estimate (peak_bytes is modelled reserved memory): the tensors' peak."""
 
 
 def held_gradient_bytes(probe: ProbeResult | None) -> int | None:
@@ -713,6 +715,7 @@ def build_plan(
         versions=dict(versions or {}), device=device, headroom=request.headroom,
         ddp_bucket_bytes=extra,
         predicted_peak_bytes=peak, reduce_every_micro_step=reduce_every,
+        predicted_allocated_bytes=_allocated_bytes(setting, split, reduce_every, sync_on_last, extra),
         settings=list(considered if considered is not None else settings), reasons=reasons,
         distributed=request.distributed, created_at=created_at,
         optimize="throughput" if throughput is not None else "memory",
@@ -744,6 +747,18 @@ def compile_reason(probe) -> str:
     return (f"the training step is compiled ({how}): the peak is the compiled step's, measured "
             f"by compiled real trials{graphs} (batch sizes dynamic){seed}; autotune train trains "
             f"compiled")
+
+
+def _allocated_bytes(setting: SettingTried, split: list[int], reduce_every: bool,
+                     on_last: SyncOnLast | None, extra: int) -> int | None:
+    """The planned window's tensor peak where its peak is modelled reserved memory (see
+    ``Plan.predicted_allocated_bytes``)."""
+    if setting.sharding.sharded and len(split) >= 2 and not reduce_every:
+        allocated = on_last.allocated_peak_bytes if on_last is not None else None
+    else:
+        trial = setting.probe.trial_at(max(split)) if setting.probe is not None else None
+        allocated = trial.allocated_peak_bytes if trial is not None else None
+    return allocated + extra if allocated is not None else None
 
 
 def _gradient_sync(setting: SettingTried, split: list[int], peak: int, on_last: SyncOnLast | None,

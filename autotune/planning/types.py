@@ -348,6 +348,10 @@ class Plan(SplitArithmetic):
     """Memory added to every prediction for DDP's gradient buckets (world size > 1)."""
     predicted_peak_bytes: int | None = None
     """Predicted (or measured) peak of the planned micro-batch, including ddp_bucket_bytes."""
+    predicted_allocated_bytes: int | None = None
+    """Where the peak is a CUDA estimate's modelled reserved memory: the tensors' peak of the
+    planned window (with gradient sync on the last micro-step, of that window, not the probe's),
+    including ddp_bucket_bytes. None for any other plan (and plans made before it was stated)."""
     settings: list[SettingTried] = field(default_factory=list)
     reasons: dict = field(default_factory=dict)
     """Why each decision was made: {"precision": ..., "checkpointing": ..., "split": ..., ...}."""
@@ -486,7 +490,7 @@ class Plan(SplitArithmetic):
     @property
     def planned_trial(self):
         """The chosen setting's fitting trial at the planned micro-batch, where the probe (or the
-        planner's own check) ran one."""
+        planner's own check) ran one (its window reduce-scattered every micro-step)."""
         setting = self.chosen_setting
         return setting.probe.trial_at(self.micro_batch) if setting and setting.probe else None
 
