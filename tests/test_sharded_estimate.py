@@ -147,3 +147,49 @@ def test_dtensors_sharding_propagation_allocates_nothing_in_a_cuda_estimate(exam
                         sharding="fsdp", world_size=4)
     assert state["propagations"] and state["allocated"]
     assert state["allocated_then"] == 0
+
+
+@pytest.mark.parametrize("model, layout, sharding, cuda", [
+    pytest.param("tiny_lm", None, "fsdp", False, marks=pytest.mark.slow),
+    ("tiny_lm", None, "fsdp", True),
+    ("tiny_lm", None, "fsdp-offload", True),
+    ("sp_decoder_model", "tp", "fsdp", True),
+    pytest.param("cp_hf_llama_model", "cp", "fsdp", False, marks=pytest.mark.slow),
+    pytest.param("cp_hf_llama_model", "cp", "fsdp", True, marks=pytest.mark.slow),
+])
+def test_an_estimate_without_the_warm_up_step_counts_what_one_after_it_counts(
+        examples_dir, one_thread, monkeypatch, model, layout, sharding, cuda):
+    # EstimateSession skips a sharded session's warm-up step (a third of a one-trial estimate):
+    # every field of a single step's and a window's trial is the same as after the warm-up.
+    from pathlib import Path
+
+    from autotune import Layout
+    from autotune.memory.base import DeviceInfo
+    from autotune.memory.fake import EstimateMemoryBackend
+    from autotune.probing.api import window_trial
+    from autotune.probing.estimate import EstimateSession
+
+    path = examples_dir / f"{model}.py" if model == "tiny_lm" else Path(__file__).parent / f"{model}.py"
+    parallel = {None: None, "tp": Layout(tp=2), "cp": Layout(cp=2)}[layout]
+    warmed_up = []
+
+    def counted_warm_up(self):
+        warmed_up.append(self.warm_up_step)
+        return warm_up(self)
+
+    warm_up = EstimateSession._warm_up
+    monkeypatch.setattr(EstimateSession, "_warm_up", counted_warm_up)
+
+    def trials(warm: bool):
+        monkeypatch.setattr(EstimateSession, "warm_up_step", warm)
+        found = []
+        for checkpointing, window in (("off", 1), ("on", 2)):
+            target = DeviceInfo(kind="cuda", name="NVIDIA H100 SXM5 80GB", budget_bytes=0) if cuda else None
+            backend = EstimateMemoryBackend(None, for_cuda=cuda, target=target, offload=sharding == "fsdp-offload")
+            found.append(window_trial(path, backend, micro_batch=2, window=window, precision="bf16",
+                                      checkpointing=checkpointing, sharding=sharding, world_size=4,
+                                      parallel=parallel))
+        return [{k: v for k, v in vars(t).items() if k != "seconds"} for t in found]
+
+    assert trials(False) == trials(True)
+    assert warmed_up == [False, False, True, True]

@@ -159,6 +159,14 @@ class EstimateSession(TrialSession):
       ``_optimizer_phase``).
     """
 
+    warm_up_step = False
+    """A sharded session's warm-up step (``TrialSession._warm_up``), skipped: on fake tensors its
+    one-time work leaves nothing the measured steps would count otherwise (DTensor's first
+    sharding propagation runs in a fake mode of its own, uncounted since commit c202f4b; FSDP2's
+    lazy set-up holds no memory), and it cost a full step per session, about a third of a
+    one-trial estimate. tests/test_sharded_estimate.py holds the trials without it to those after
+    it. Sessions that count a step's ops keep it (``timing.count``)."""
+
     _step_cost = None
     """(gradient layout, bytes the optimizer phase adds to the live bytes, and to the host's under
     fsdp-offload) of the first step."""
@@ -166,6 +174,10 @@ class EstimateSession(TrialSession):
     def _setup(self):
         super()._setup()
         self._step_cost = None  # a warm-up step's optimizer phase is no steady-state one
+
+    def _warm_up(self):
+        if self.warm_up_step:
+            super()._warm_up()
 
     def _optimizer_phase(self) -> int:
         # Measured once per session: its transient depends only on the gradients, parameters

@@ -158,6 +158,9 @@ class _RecordsSteps:
     (the micro-steps' phases, and the optimizer phase as such)."""
 
     _recorder: "_OpRecorder | None" = None
+    warm_up_step = True
+    """A sharded session's first step runs DTensor's first sharding propagation of each op and
+    FSDP2's lazy set-up: kept out of the recorded step's op counts (``EstimateSession``'s)."""
 
     def _recorded(self, n: int, **run) -> tuple:
         """(the trial, the recorder) of one run at ``n``."""
