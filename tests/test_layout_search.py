@@ -324,19 +324,33 @@ def test_a_layout_that_cannot_reach_the_fewest_steps_is_screened_not_planned():
     assert Layout(pp=2) in planned_layouts and (Layout(pp=2), 4) not in screened
 
 
-def test_a_screen_that_runs_out_of_memory_says_what_was_in_use(examples_dir):
+def test_a_screen_that_runs_out_of_memory_says_what_it_needs_or_held(examples_dir, monkeypatch):
     from types import SimpleNamespace
 
     from autotune.memory.fake import EstimateMemoryBackend
+    from autotune.orchestration import layout_search
     from autotune.orchestration.layout_search import _screen
     from autotune.units import format_bytes
 
     # mlp: 31.6 MB of parameters and optimizer state, 54.7 MB at micro-batch 1024. With a 40 MB
-    # budget the step runs out of memory at what was in use then, which is no peak to compare.
+    # budget the CPU count stops at the allocation that passes it: the step needs at least that.
     planner = SimpleNamespace(backend=EstimateMemoryBackend(40_000_000), options=SimpleNamespace(sharding="ddp"),
                               chosen="fp32", world_size=1, usable=40_000_000)
     why = _screen(examples_dir / "mlp.py", planner, Layout(), False, micro_batch=1024)
-    assert why.startswith("micro-batch 1024 runs out of memory (with ") and why.endswith(" in use)")
+    assert why.startswith("micro-batch 1024 runs out of memory (needs at least ")
+    # A modelled CUDA allocator fails an allocation with less than the budget reserved (a 31 GiB
+    # logits tensor failed at 49.56 GiB of 78.71): that is what was in use, no peak.
+    failed = SimpleNamespace(fits=False, peak_bytes=30_000_000, reserved_peak_bytes=30_000_000)
+    monkeypatch.setattr(layout_search, "window_trial", lambda *args, **kwargs: failed)
+    assert _screen(examples_dir / "mlp.py", planner, Layout(), True, micro_batch=1024) == (
+        f"micro-batch 1024, every block checkpointed runs out of memory (with {format_bytes(30_000_000)} "
+        f"in use)")
+    # A tensor floor's trial (affine_blocks) counts the whole step's tensors, past the budget.
+    failed.peak_bytes, failed.reserved_peak_bytes = 54_743_240, None
+    assert _screen(examples_dir / "mlp.py", planner, Layout(), True, micro_batch=1024) == (
+        f"micro-batch 1024, every block checkpointed runs out of memory (needs at least "
+        f"{format_bytes(54_743_240)})")
+    monkeypatch.undo()
     planner.backend, planner.usable = EstimateMemoryBackend(None), 50_000_000
     assert _screen(examples_dir / "mlp.py", planner, Layout(), False, micro_batch=1024) == (
         f"{format_bytes(54_743_240)} at micro-batch 1024, past the {format_bytes(50_000_000)} the headroom leaves")

@@ -146,7 +146,11 @@ def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch
     # A --gpu estimate's budget holds the modelled reserved memory, not only the tensors.
     peak = getattr(trial, "reserved_peak_bytes", None) or trial.peak_bytes
     if not trial.fits:
-        return f"{least} runs out of memory (with {format_bytes(peak)} in use)"
+        # An out-of-memory step stops where an allocation fails, holding less than the budget;
+        # a tensor floor's (affine_blocks) counts the whole step's tensors, more than the budget.
+        budget = planner.backend.info().budget_bytes
+        held = "needs at least {}" if budget and peak > budget else "with {} in use"
+        return f"{least} runs out of memory ({held.format(format_bytes(peak))})"
     if peak > planner.usable:
         return (f"{format_bytes(peak)} at {least}, past the "
                 f"{format_bytes(planner.usable)} the headroom leaves")
