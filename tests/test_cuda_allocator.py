@@ -434,3 +434,36 @@ def test_a_real_cuda_step_reserves_what_the_estimate_says():
     # tenth (and 20 MiB) of slack either way.
     assert abs(reserved - real.reserved_peak_bytes) <= 0.1 * real.reserved_peak_bytes + 20 * MiB
     assert abs(tensors - real.peak_bytes) <= 0.1 * real.peak_bytes + 20 * MiB
+
+
+def test_a_gpu_plan_states_its_trial_as_a_fresh_session_reaches_it(monkeypatch):
+    # A modelled allocator's reserved peak depends on the trials the session ran before (8B at
+    # sequence 131072 under CP 8: 47.48 GiB as the probe's third trial, 49.26 GiB as a run's first
+    # step). Here the probe's later trials are made to read 1 MiB low, as such a history would:
+    # the plan states what its trial reaches in a session of its own.
+    from autotune.orchestration import planner
+    from autotune.probing.api import window_trial
+
+    probe = planner.probe
+
+    def with_history(*args, **kwargs):
+        result = probe(*args, **kwargs)
+        for trial in result.trials[1:]:
+            trial.peak_bytes -= MiB
+            trial.reserved_peak_bytes -= MiB
+        return result
+
+    monkeypatch.setattr(planner, "probe", with_history)
+    # 32 steps of 2040, the probe's third trial (after 65536, out of memory, and 1).
+    plan = autotune.plan(TINY_LM, target_batch=32 * 2040, gpu="h100-80gb", precision="bf16",
+                         checkpointing="off")
+    trials = plan.chosen_setting.probe.trials
+    assert plan.micro_batches == [2040] * 32 and trials[0].micro_batch != 2040
+    backend = EstimateMemoryBackend(plan.device.budget_bytes, for_cuda=True, target=plan.device)
+    from autotune.probing.share import window_steps
+
+    window = window_steps(plan.micro_batch, plan.chosen_setting.probe.share)
+    fresh = window_trial(TINY_LM, backend, micro_batch=plan.micro_batch, window=window,
+                         precision="bf16", checkpointing="off")
+    assert plan.predicted_peak_bytes == fresh.reserved_peak_bytes + plan.ddp_bucket_bytes
+    assert plan.planned_trial.reserved_peak_bytes == fresh.reserved_peak_bytes

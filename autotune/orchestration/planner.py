@@ -24,7 +24,7 @@ from ..distributed.context_parallel import check_seq_len as check_cp_seq_len
 from ..distributed import collectives
 from ..compiled import eager_module, with_compile
 from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError, given, option
-from ..memory.fake import fake_tensor_limits
+from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits
 from ..memory.fake_build import build_fake_model, estimate_caveat
 from ..memory import backend_for
 from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
@@ -551,21 +551,36 @@ MEASURE_PLANNED = 4
 
 def _measure_planned(planned: Plan, made, workload, backend, world_size: int, usable: int,
                      param_bytes: int) -> Plan:
-    """The plan, with the peak of its own micro-batch measured where the probe only predicted it.
+    """The plan, with the peak of its own micro-batch measured where the probe only predicted it,
+    and, for a CUDA estimate, measured again where the probe's trial was not its session's first.
 
     Below the largest micro-batch that fits, memory is convex in n (a max of affine pieces), so
     a line fitted to the largest trials under-predicts there, by as much as the pieces'
     intercepts (a window's in-place gradient add, a single step's end of backward): the plan's
-    own micro-batch is measured with the probe's trial (a window with accumulation). Where it
-    passes the budget less the headroom the setting allows no more than one micro-batch below,
-    and the plan is made again (at most ``MEASURE_PLANNED`` times; then the prediction stands)."""
+    own micro-batch is measured with the probe's trial (a window with accumulation).
+
+    A modelled caching allocator's reserved peak depends on the trials its session ran before
+    (where the segments that outlive a trial were cut): 8B at sequence 131072 under CP 8 read
+    47.48 GiB as the probe's third trial, 49.26 GiB as a run's first step. A run starts fresh, so
+    the plan's trial runs in a session of its own (``_fresh_backend``) unless it was the first.
+
+    Where the measured peak passes the budget less the headroom the setting allows no more than
+    one micro-batch below, and the plan is made again (at most ``MEASURE_PLANNED`` times; then the
+    prediction stands)."""
+    fresh = set()
     for _ in range(MEASURE_PLANNED):
         setting = planned.chosen_setting
         probe_ = setting.probe if setting is not None else None
-        if probe_ is None or probe_.peak_at(planned.micro_batch) is not None:
+        if probe_ is None:
+            return planned
+        probed = probe_.trial_at(planned.micro_batch)
+        again = (probed is not None and _modelled_allocator(backend) and id(probed) not in fresh
+                 and probe_.trials.index(probed) > 0)
+        if probed is not None and not again:
             return planned
         try:
-            trial = window_trial(workload, backend, micro_batch=planned.micro_batch,
+            trial = window_trial(workload, _fresh_backend(backend) if again else backend,
+                                 micro_batch=planned.micro_batch,
                                  window=window_steps(planned.micro_batch, probe_.share),
                                  precision=setting.precision,
                                  checkpointing=planned.checkpointing,
@@ -576,6 +591,9 @@ def _measure_planned(planned: Plan, made, workload, backend, world_size: int, us
             return planned
         if trial is None:
             return planned
+        if again:
+            probe_.trials.remove(probed)  # the plan states the fresh session's peak
+            fresh.add(id(trial))
         probe_.trials.append(trial)
         extra = setting_extra_bytes(setting, world_size, param_bytes)
         if not trial.fits or trial.peak_bytes + extra > usable:
@@ -585,6 +603,16 @@ def _measure_planned(planned: Plan, made, workload, backend, world_size: int, us
         except PlanError:
             return planned
     return planned
+
+
+def _modelled_allocator(backend) -> bool:
+    return isinstance(backend, EstimateMemoryBackend) and backend.allocator is not None
+
+
+def _fresh_backend(backend: EstimateMemoryBackend) -> EstimateMemoryBackend:
+    """A backend like ``backend`` whose modelled allocator has seen nothing yet."""
+    return EstimateMemoryBackend(backend.info().budget_bytes, for_cuda=True, target=backend.info(),
+                                 offload=backend.offload, allocator_config=backend.allocator.config)
 
 
 def _sync_on_last(workload, backend, planned: Plan, world_size: int) -> SyncOnLast | None:
