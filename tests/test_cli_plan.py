@@ -106,6 +106,15 @@ def test_plan_summary_shows_warnings(monkeypatch, tmp_path):
     assert "10 × 1 accumulation step × 4 ranks = 40" in result.output
     assert "warning: the model has BatchNorm and its micro-batch is 10" in result.output
     assert "warning: --world-size 4 was planned from one process" in result.output
+    # A model-parallel layout's ranks are not all data-parallel: the split says which are.
+    import dataclasses
+
+    from autotune import Layout
+    from autotune.cli.format import format_plan
+
+    split = dataclasses.replace(load_plan(tmp_path / "p.json"), world_size=16, parallel=Layout(cp=4))
+    assert "split:        10 × 1 accumulation step × 4 data-parallel rank(s) of 16 = 40" in \
+        format_plan(split).splitlines()
 
 
 def test_even_flag_plans_equal_micro_batches(monkeypatch, tmp_path):

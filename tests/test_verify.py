@@ -54,6 +54,21 @@ def test_a_smaller_device_re_plans_and_says_how_far_off(plan_file):
     assert new.precision == plan.precision and not new.estimated
 
 
+def test_a_re_plan_keeps_the_plans_layout(plan_file, monkeypatch):
+    import dataclasses
+
+    from autotune import Layout
+    from autotune.orchestration import verify
+
+    asked = {}
+    monkeypatch.setattr(verify, "make_plan", lambda workload, **kwargs: asked.update(kwargs))
+    layout = Layout(tp=2, pp=2, pp_schedule="interleaved-1f1b", stages_per_rank=2)
+    plan = dataclasses.replace(load_plan(plan_file), world_size=8, parallel=layout)
+    verify._replan(plan, None, device="cpu", budget=2**30)
+    assert {k: asked[k] for k in ("tp", "cp", "pp", "stages_per_rank")} == dict(tp=2, cp=1, pp=2, stages_per_rank=2)
+    assert Layout.from_dict(dict(tp=2, pp=2, pp_schedule=asked["pp_schedule"], stages_per_rank=2)) == layout
+
+
 def test_an_estimated_plan_reports_the_estimate_error(tmp_path):
     estimated = autotune.plan(MLP, target_batch=64, gpu="a100-40gb", precision="fp32")
     path = save_plan(estimated, tmp_path / "a100.json")

@@ -284,7 +284,11 @@ def _split_text(plan) -> str:
         per_rank = f"{plan.micro_batch} × {steps} accumulation step{'s' if steps > 1 else ''}"
     else:
         per_rank = f"({plan.split_text}) over {steps} accumulation steps"
-    return f"{per_rank} × {plan.world_size} rank{'s' if plan.world_size > 1 else ''} = {plan.effective_batch}"
+    if plan.parallel.trivial:
+        ranks = f"{plan.world_size} rank{'s' if plan.world_size > 1 else ''}"
+    else:  # the model-parallel ranks of one data-parallel rank see the same samples
+        ranks = f"{plan.data_parallel} data-parallel rank(s) of {plan.world_size}"
+    return f"{per_rank} × {ranks} = {plan.effective_batch}"
 
 
 def format_verify(result) -> str:
@@ -314,7 +318,8 @@ def format_verify(result) -> str:
         new = result.new_plan
         if new is not None:
             lines.append(f"re-planned: micro-batch {new.micro_batch} × {new.accumulation_steps} "
-                         f"accumulation steps × {new.world_size} rank(s) = {new.effective_batch} "
+                         f"accumulation steps × {new.data_parallel} data-parallel rank(s) = "
+                         f"{new.effective_batch} "
                          f"(was {plan.micro_batch} × {plan.accumulation_steps}); "
                          f"{setting_label(new.precision, new.checkpointing_label)}")
         if result.replan_error is not None:

@@ -157,6 +157,10 @@ def _replan(plan: Plan, workload, *, device, budget: int) -> Plan:
         base_lr=lr.base_lr, base_batch=lr.base_batch,
         lr_rule=lr.rule if lr.base_lr is not None else "auto",
         sharding=str(plan.sharding), shard_group=plan.shard_group,
+        # The same layout: a model-parallel plan re-planned as data parallel would answer for
+        # another run.
+        tp=plan.parallel.tp, cp=plan.parallel.cp, pp=plan.parallel.pp,
+        pp_schedule=str(plan.parallel.pp_schedule), stages_per_rank=plan.parallel.stages_per_rank,
     )
 
 
