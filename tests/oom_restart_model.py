@@ -4,7 +4,8 @@
 what the CUDA allocator and the CPU memory backend raise) in the CALL-th forward of the middle
 block (PHASE ``forward``) or in its backward (``backward``), in torchrun's first attempt only.
 ``AUTOTUNE_TEST_KILL=RANK:CALL`` makes rank RANK SIGKILL itself in its CALL-th forward of the
-model (first attempt only); ``AUTOTUNE_TEST_SLOW=S`` sleeps S seconds in every forward.
+model (first attempt only); ``AUTOTUNE_TEST_SLOW=S`` sleeps S seconds in every forward;
+``AUTOTUNE_TEST_WAIT_FOR=PATH`` holds every forward until PATH exists (at most 120 s).
 """
 
 import os
@@ -71,6 +72,9 @@ _forwards = []
 
 def _kill_or_slow():
     time.sleep(float(os.environ.get("AUTOTUNE_TEST_SLOW", "0")))
+    gate, deadline = os.environ.get("AUTOTUNE_TEST_WAIT_FOR"), time.time() + 120
+    while gate and not os.path.exists(gate) and time.time() < deadline:
+        time.sleep(0.05)
     spec = os.environ.get("AUTOTUNE_TEST_KILL")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return

@@ -412,13 +412,16 @@ def test_a_rank_killed_with_sigkill_is_recovered_by_torchruns_restart(tmp_path, 
 
 @pytest.mark.slow
 def test_a_torchrun_run_holds_its_folder_against_a_second_run(tmp_path):
-    """Run A (2 ranks, slowed) holds the lock for its whole run; run B on the same folder is
+    """Run A (2 ranks, held in its forwards until B is done) holds the lock for its whole run; run B on the same folder is
     refused naming A's rank 0; after A ends the lock is gone and B may continue A's checkpoint."""
     from test_train_oom_restart import MODEL, STEPS, TESTS as HERE, _plan
 
     plan = save_plan(_plan([4, 4], "ddp"), tmp_path / "plan.json")
     folder = tmp_path / "ckpt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", AUTOTUNE_TEST_SLOW="0.5",
+    # A's forwards wait until B is done: slowed by a fixed time, A once finished first on a busy
+    # machine where B took longer to start, and B met no lock.
+    b_done = tmp_path / "b_done"
+    env = dict(os.environ, OMP_NUM_THREADS="1", AUTOTUNE_TEST_WAIT_FOR=str(b_done),
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     train_args = ["train", str(MODEL), "--plan", str(plan), "--steps", str(STEPS), "--checkpoint-dir", str(folder)]
     first = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -429,10 +432,13 @@ def test_a_torchrun_run_holds_its_folder_against_a_second_run(tmp_path):
         deadline = time.time() + 120
         while not (folder / LOCK_NAME).exists() and time.time() < deadline and first.poll() is None:
             time.sleep(0.1)
+        while not (folder / LOCK_NAME).read_text().strip() and time.time() < deadline:
+            time.sleep(0.05)  # made, its record not written yet
         held = json.loads((folder / LOCK_NAME).read_text())
         second = subprocess.run([sys.executable, "-m", "autotune", *train_args, "--resume"], env=env,
                                 capture_output=True, text=True, timeout=120)
         assert first.poll() is None  # A was still running, so the refusal was tested against it
+        b_done.touch()
         output, _ = first.communicate(timeout=300)
     finally:
         first.kill()
