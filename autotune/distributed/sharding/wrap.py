@@ -6,6 +6,9 @@ the probe and the training loop all shard the same units.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
+
 import torch
 
 from ...precision import Precision
@@ -66,10 +69,66 @@ def shard_model(model: torch.nn.Module, *, mesh, sharding, precision="fp32") -> 
 
     sharding = Sharding.parse(sharding)
     options = fsdp_policies(sharding, Precision.parse(precision))
-    for block in repeated_blocks(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, **options)
-    fully_shard(model, mesh=mesh, **options)
+    with _few_fake_chunks():
+        for block in repeated_blocks(model):
+            fully_shard(block, mesh=mesh, reshard_after_forward=True, **options)
+        fully_shard(model, mesh=mesh, **options)
     return model
+
+
+class _NarrowedChunks(Sequence):
+    """``torch.chunk(tensor, count, dim)`` padded with empty tensors to ``count``, as FSDP2's
+    ``_chunk_with_empty`` returns it, made one chunk at a time when asked: FSDP2 reads its rank's
+    chunk and the first, and on fake tensors every chunk is a fake tensor built through the
+    dispatch cache (a 70B model sharded over 128 ranks made 2.9 million of them, a third of its
+    plan's CPU time). Each chunk is the same view ``torch.chunk`` makes (``narrow``)."""
+
+    def __init__(self, tensor: torch.Tensor, count: int, dim: int):
+        self._tensor, self._count, self._dim = tensor, count, dim
+        size = tensor.size(dim)
+        self._length = -(-size // count)
+        self._made = -(-size // self._length)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        if index >= self._made:
+            return self[0].new_empty(0)
+        start = index * self._length
+        return self._tensor.narrow(self._dim, start, min(self._length, self._tensor.size(self._dim) - start))
+
+
+@contextlib.contextmanager
+def _few_fake_chunks():
+    """FSDP2's chunking of fake parameters as ``_NarrowedChunks``; real ones as before."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:
+        yield
+        return
+    chunked = getattr(_fsdp_param, "_chunk_with_empty", None)
+    if chunked is None:
+        yield
+        return
+
+    def chunk_with_empty(tensor, num_chunks, dim):
+        if isinstance(tensor, FakeTensor) and tensor.size(dim) > 0:
+            return _NarrowedChunks(tensor, num_chunks, dim)
+        return chunked(tensor, num_chunks, dim)
+
+    _fsdp_param._chunk_with_empty = chunk_with_empty
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = chunked
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
