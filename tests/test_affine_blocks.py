@@ -81,8 +81,8 @@ def test_cuda_estimates_run_the_whole_model(small_builds):
 
 @pytest.fixture
 def full_builds_made(monkeypatch):
-    """How many full builds the TensorFloorSessions of a test made (the floor taken by this
-    twelve-block model too, which is below FLOOR_MIN_BLOCKS)."""
+    """The full builds the TensorFloorSessions of a test made, one per trial that passed the
+    floor (the floor taken by this twelve-block model too, which is below FLOOR_MIN_BLOCKS)."""
     monkeypatch.setattr(affine_blocks, "FLOOR_MIN_BLOCKS", 0)
     made = []
     original = affine_blocks.TensorFloorSession._full_session
@@ -144,7 +144,7 @@ def test_a_cuda_probe_with_the_tensor_floor_answers_what_the_full_build_answers(
     # reserved memory (the cuBLAS workspaces' 22 MiB with them) does not; 64 MiB: both fit up to
     # a micro-batch, which the full build's trials find, each of the same peak as without the floor.
     few = _cuda_probe(budget, checkpointing)
-    assert len(full_builds_made) == (budget > 8 << 20)
+    assert bool(full_builds_made) == (budget > 8 << 20)
     with full_builds():
         full = _cuda_probe(budget, checkpointing)
     if budget > 8 << 20:

@@ -439,8 +439,9 @@ def test_a_real_cuda_step_reserves_what_the_estimate_says():
 def test_a_gpu_plan_states_its_trial_as_a_fresh_session_reaches_it(monkeypatch):
     # A modelled allocator's reserved peak depends on the trials the session ran before (8B at
     # sequence 131072 under CP 8: 47.48 GiB as the probe's third trial, 49.26 GiB as a run's first
-    # step). Here the probe's later trials are made to read 1 MiB low, as such a history would:
-    # the plan states what its trial reaches in a session of its own.
+    # step). Here the probe's later trials are made to read 1 MiB low, as such a history would
+    # (and not to have run fresh, as a CUDA estimate's trials do: the test below): the plan states
+    # what its trial reaches in a session of its own.
     from autotune.orchestration import planner
     from autotune.probing.api import window_trial
 
@@ -451,6 +452,7 @@ def test_a_gpu_plan_states_its_trial_as_a_fresh_session_reaches_it(monkeypatch):
         for trial in result.trials[1:]:
             trial.peak_bytes -= MiB
             trial.reserved_peak_bytes -= MiB
+            trial.first_in_session = None
         return result
 
     monkeypatch.setattr(planner, "probe", with_history)
@@ -467,3 +469,26 @@ def test_a_gpu_plan_states_its_trial_as_a_fresh_session_reaches_it(monkeypatch):
                          precision="bf16", checkpointing="off")
     assert plan.predicted_peak_bytes == fresh.reserved_peak_bytes + plan.ddp_bucket_bytes
     assert plan.planned_trial.reserved_peak_bytes == fresh.reserved_peak_bytes
+
+
+def test_every_trial_of_a_gpu_probe_runs_fresh_and_the_plan_needs_no_second_run(monkeypatch):
+    # Each trial of a CUDA estimate builds its session and modelled allocator afresh
+    # (probing.fresh_trials), as a run's first step starts: the plan's trial, wherever the probe
+    # ran it, is what a session of its own reaches, and the planner does not run it again.
+    from autotune.orchestration import planner
+    from autotune.probing.api import window_trial
+    from autotune.probing.share import window_steps
+
+    again = []
+    monkeypatch.setattr(planner, "window_trial", lambda *a, **k: again.append(a) or window_trial(*a, **k))
+    plan = autotune.plan(TINY_LM, target_batch=32 * 2040, gpu="h100-80gb", precision="bf16",
+                         checkpointing="off")
+    trials = plan.chosen_setting.probe.trials
+    assert len(trials) > 1 and all(t.first_in_session for t in trials)
+    assert trials.index(plan.planned_trial) > 0 and not again
+    backend = EstimateMemoryBackend(plan.device.budget_bytes, for_cuda=True, target=plan.device)
+    fresh = window_trial(TINY_LM, backend, micro_batch=plan.micro_batch,
+                         window=window_steps(plan.micro_batch, plan.chosen_setting.probe.share),
+                         precision="bf16", checkpointing="off")
+    assert plan.planned_trial.reserved_peak_bytes == fresh.reserved_peak_bytes
+    assert plan.predicted_peak_bytes == fresh.reserved_peak_bytes + plan.ddp_bucket_bytes

@@ -98,6 +98,13 @@ class EstimateMemoryBackend(CPUMemoryBackend):
                 self.allocator.malloc(("cublas workspace", index), nbytes)
         self._trial_reserved = self._trial_tensors = 0
 
+    def fresh(self) -> "EstimateMemoryBackend":
+        """A backend like this one (its target, the budget in force, offload, the allocator's
+        configuration) whose tracker and modelled allocator have seen nothing yet."""
+        return EstimateMemoryBackend(self.tracker.budget_bytes, for_cuda=self.for_cuda, target=self._info,
+                                     offload=self.offload,
+                                     allocator_config=self.allocator.config if self.allocator is not None else None)
+
     def counting_mode(self) -> fake_tensor.FakeTensorMode:
         """A fresh fake-tensor mode that counts into this backend's tracker."""
         gloo = None if self.for_cuda else _GlooCollectiveBuffers(self.tracker)

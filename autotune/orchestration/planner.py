@@ -562,7 +562,8 @@ def _measure_planned(planned: Plan, made, workload, backend, world_size: int, us
     A modelled caching allocator's reserved peak depends on the trials its session ran before
     (where the segments that outlive a trial were cut): 8B at sequence 131072 under CP 8 read
     47.48 GiB as the probe's third trial, 49.26 GiB as a run's first step. A run starts fresh, so
-    the plan's trial runs in a session of its own (``_fresh_backend``) unless it was the first.
+    the plan's trial runs in a session of its own (``EstimateMemoryBackend.fresh``) unless it was
+    the first (or ran fresh: ``Trial.first_in_session``).
 
     Where the measured peak passes the budget less the headroom the setting allows no more than
     one micro-batch below, and the plan is made again (at most ``MEASURE_PLANNED`` times; then the
@@ -575,11 +576,11 @@ def _measure_planned(planned: Plan, made, workload, backend, world_size: int, us
             return planned
         probed = probe_.trial_at(planned.micro_batch)
         again = (probed is not None and _modelled_allocator(backend) and id(probed) not in fresh
-                 and probe_.trials.index(probed) > 0)
+                 and probe_.trials.index(probed) > 0 and not probed.first_in_session)
         if probed is not None and not again:
             return planned
         try:
-            trial = window_trial(workload, _fresh_backend(backend) if again else backend,
+            trial = window_trial(workload, backend.fresh() if again else backend,
                                  micro_batch=planned.micro_batch,
                                  window=window_steps(planned.micro_batch, probe_.share),
                                  precision=setting.precision,
@@ -609,10 +610,6 @@ def _modelled_allocator(backend) -> bool:
     return isinstance(backend, EstimateMemoryBackend) and backend.allocator is not None
 
 
-def _fresh_backend(backend: EstimateMemoryBackend) -> EstimateMemoryBackend:
-    """A backend like ``backend`` whose modelled allocator has seen nothing yet."""
-    return EstimateMemoryBackend(backend.info().budget_bytes, for_cuda=True, target=backend.info(),
-                                 offload=backend.offload, allocator_config=backend.allocator.config)
 
 
 def _sync_on_last(workload, backend, planned: Plan, world_size: int) -> SyncOnLast | None:

@@ -43,6 +43,7 @@ from ..units import format_bytes
 from ..workload.activation_checkpointing import (checkpointable_blocks, enable_checkpointing,
                                                  repeated_blocks, spread_evenly)
 from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
+from .fresh_trials import FreshTrialsSession
 from .result import Trial
 from .trial import SetupOutOfMemory
 
@@ -145,6 +146,10 @@ def layout_session(workload, backend, *, session_type, precision, checkpointing,
         # (under a budget; an estimate without one runs the full build alone).
         yield TensorFloorSession(workload, backend, session_type=session_type, total_blocks=total,
                                  layout=layout, **session_args)
+        return
+    if isinstance(backend, EstimateMemoryBackend) and backend.allocator is not None \
+            and not torch.distributed.is_initialized():
+        yield FreshTrialsSession(workload, backend, session_type=session_type, layout=layout, **session_args)
         return
     with sharded_step(workload, **layout) as step_workload:
         yield session_type(step_workload, backend, parallel=parallel, **session_args)
@@ -448,13 +453,13 @@ class FewBlocksSession:
         self._dropped_ran = True
 
 
-class TensorFloorSession:
+class TensorFloorSession(FreshTrialsSession):
     """A CUDA estimate's session (allocator modelled) for a model of identical blocks: a setting's
     trials run first on the small builds, counting tensor bytes only (``FewBlocksSession``), and
     where those alone pass the budget the trial is out of memory without the full build: reserved
     memory holds every tensor (rounded up) and the cuBLAS workspaces, so it is never below them.
-    From the first trial that passes the floor on, trials run on the full build (built then), as
-    without this class.
+    From the first trial that passes the floor on, trials run on the full build, each on one of
+    its own (``FreshTrialsSession``).
 
     The tensors of the small builds, extended, are the full build's to the byte for the layouts
     few blocks are proven for (bench/llama_plans.py ``--check`` with CUDA's accounting;
@@ -463,16 +468,12 @@ class TensorFloorSession:
     cannot fit at all (70B or 405B without checkpointing: terabytes of activations), each of
     which cost a full build and its warm-up step."""
 
-    compiled = False
-    graphs_compiled = 0
-
     def __init__(self, workload, backend: EstimateMemoryBackend, *, session_type, total_blocks: int,
                  layout: dict, precision, checkpointing, sharded: bool, offload: bool,
                  reduce_every_micro_step: bool):
-        self.workload, self.backend, self.layout = workload, backend, layout
-        self.session_type = session_type
-        self._session_args = dict(precision=precision, sharded=sharded, offload=offload,
-                                  reduce_every_micro_step=reduce_every_micro_step)
+        super().__init__(workload, backend, session_type=session_type, layout=layout, precision=precision,
+                         checkpointing=checkpointing, sharded=sharded, offload=offload,
+                         reduce_every_micro_step=reduce_every_micro_step)
         # Plain estimate sessions for the floor: a session type that records the steps it runs
         # (timing.recorded) records the full build's only.
         self._floor = FewBlocksSession(workload, backend,
@@ -482,8 +483,6 @@ class TensorFloorSession:
                                        sharded=sharded, offload=offload,
                                        reduce_every_micro_step=reduce_every_micro_step,
                                        tensors_only=True)
-        self._asked = checkpointing
-        self._full = None
         self._stack: contextlib.ExitStack | None = None
         self._floor_passed = False
         """A trial of this setting passed the floor: the later ones go to the full build at once.
@@ -494,28 +493,23 @@ class TensorFloorSession:
         """Trials the floor ruled out without the full build."""
 
     def __enter__(self) -> "TensorFloorSession":
+        super().__enter__()
         self._stack = contextlib.ExitStack()
         try:
             self._stack.enter_context(self._floor)
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        self._full, self._floor_passed = None, False
+        self._floor_passed = False
         return self
 
     def __exit__(self, *exc_info):
-        stack, self._stack, self._full = self._stack, None, None
-        if stack is not None:
-            stack.close()
-
-    def _full_session(self):
-        if self._full is None:
-            step_workload = self._stack.enter_context(sharded_step(self.workload, **self.layout))
-            session = self.session_type(step_workload, self.backend, checkpointing=self._asked,
-                                        parallel=self.layout.get("parallel"), **self._session_args)
-            self._stack.enter_context(session)
-            self._full = session
-        return self._full
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            stack, self._stack = self._stack, None
+            if stack is not None:
+                stack.close()
 
     def __getattr__(self, name):
         # What the full session knows (its model, its device); the floor's where the full build
@@ -529,10 +523,8 @@ class TensorFloorSession:
     def set_checkpointing(self, checkpointing) -> int:
         self._asked = checkpointing
         self._floor_passed = False
-        count = self._floor.set_checkpointing(checkpointing)
-        if self._full is not None:
-            count = self._full.set_checkpointing(checkpointing)
-        return count
+        self._close_full()  # the next trial builds afresh, with this setting
+        return self._floor.set_checkpointing(checkpointing)
 
     def tensor_peak(self, n: int) -> int:
         """The tensors' peak of one step at micro-batch ``n``, from the small builds (the budget
@@ -546,7 +538,7 @@ class TensorFloorSession:
                 self.floored_trials += 1
                 return floor
             self._floor_passed = True
-        return self._full_session().run(n, window=window, micro_batches=micro_batches)
+        return super().run(n, window=window, micro_batches=micro_batches)
 
 
 class _Timeline:

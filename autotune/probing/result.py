@@ -62,6 +62,10 @@ class Trial:
     """A window trial: the gradient bytes the first micro-step left alive for the others (this
     rank's local gradients; FSDP2's unsharded ones with sync off, sharded ones when it
     reduce-scatters every micro-step)."""
+    first_in_session: bool | None = None
+    """A CUDA estimate's trial that ran on a build and modelled allocator of its own, as a run's
+    first step does (``TensorFloorSession``); None: its session's history is its place in the
+    probe's trials."""
 
     @property
     def window(self) -> bool:

@@ -1,0 +1,87 @@
+"""Trials of a CUDA estimate, each on a build and modelled allocator of its own.
+
+A modelled caching allocator's reserved peak depends on every trial its session ran before
+(where the segments that outlive a trial were cut): 8B at sequence 131072 under CP 8 read
+47.48 GiB as its probe's third trial and 49.26 GiB as a run's first step, which has nothing
+before it. So each trial of a CUDA estimate builds its session afresh, on a fresh backend
+(``EstimateMemoryBackend.fresh``): its set-up costs 3-4 CPU s at 70B, where a reused session
+left the plan's own trial to run again (29 CPU s at 70B, ``planner._measure_planned``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..distributed.sharding.ranks import sharded_step
+
+
+class FreshTrialsSession:
+    """A ``TrialSession`` stand-in whose every trial runs in a new ``session_type`` session of
+    ``workload`` under ``layout`` (``sharded_step``'s arguments), on ``backend.fresh()``; its
+    trials say so (``Trial.first_in_session``). Attributes are the latest session's (built on
+    first use: a session read before its first trial runs that trial)."""
+
+    compiled = False
+    """Fake-tensor steps run eager (a compiled model's estimate runs apart, probing.isolated)."""
+    graphs_compiled = 0
+
+    def __init__(self, workload, backend, *, session_type, layout: dict, precision, checkpointing,
+                 sharded: bool, offload: bool, reduce_every_micro_step: bool):
+        self.workload, self.backend, self.layout = workload, backend, layout
+        self.session_type = session_type
+        self._session_args = dict(precision=precision, sharded=sharded, offload=offload,
+                                  reduce_every_micro_step=reduce_every_micro_step)
+        self._asked = checkpointing
+        self._full = None
+        self._full_ran = False
+        self._full_stack: contextlib.ExitStack | None = None
+
+    def __enter__(self):
+        self._close_full()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._close_full()
+
+    def _close_full(self) -> None:
+        stack, self._full_stack, self._full, self._full_ran = self._full_stack, None, None, False
+        if stack is not None:
+            stack.close()
+
+    def _full_session(self):
+        if self._full is None:
+            self._full_stack = contextlib.ExitStack()
+            try:
+                step_workload = self._full_stack.enter_context(sharded_step(self.workload, **self.layout))
+                session = self.session_type(step_workload, self.backend.fresh(), checkpointing=self._asked,
+                                            parallel=self.layout.get("parallel"), **self._session_args)
+                self._full_stack.enter_context(session)
+            except BaseException:
+                self._close_full()
+                raise
+            self._full = session
+        return self._full
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._full_session(), name)
+
+    def set_checkpointing(self, checkpointing) -> int:
+        self._asked = checkpointing
+        if self._full is not None and not self._full_ran:
+            return self._full.set_checkpointing(checkpointing)
+        self._close_full()  # the next trial builds afresh, with this setting
+        return self._full_session().checkpointed_blocks
+
+    def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None):
+        if self._full_ran:
+            self._close_full()
+        session = self._full_session()
+        self._full_ran = True
+        trial = session.run(n, window=window, micro_batches=micro_batches)
+        trial.first_in_session = True
+        return trial
+
+
+__all__ = ["FreshTrialsSession"]
