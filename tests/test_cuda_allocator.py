@@ -4,6 +4,7 @@ c10/cuda/CUDACachingAllocator.cpp, exact to the byte, and how CUDA estimates use
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import autotune
@@ -492,3 +493,52 @@ def test_every_trial_of_a_gpu_probe_runs_fresh_and_the_plan_needs_no_second_run(
                          precision="bf16", checkpointing="off")
     assert plan.planned_trial.reserved_peak_bytes == fresh.reserved_peak_bytes
     assert plan.predicted_peak_bytes == fresh.reserved_peak_bytes + plan.ddp_bucket_bytes
+
+
+
+def test_a_fresh_trials_session_read_after_it_ended_builds_nothing():
+    # Why nothing fits is read from the probe's session after it ended (its blocks): a session
+    # whose trials each build their own (probing.fresh_trials) answers from the last one. Building
+    # another there would leave it open, in its fake mode, and the next probe's mesh failed in it
+    # (8B at sequence 131072: "cannot be estimated under fake tensors ... .item()").
+    from autotune.distributed.sharding.settings import Sharding
+    from autotune.memory.fake import on_fake_tensors
+    from autotune.probing.affine_blocks import layout_session
+    from autotune.probing.estimate import EstimateSession
+    from autotune.precision import Precision
+    from autotune.probing.fresh_trials import FreshTrialsSession
+    from autotune.workload import load_workload
+    from autotune.workload.checkpoint_count import CheckpointingRequest
+
+    def fake_mode():
+        return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+    backend = EstimateMemoryBackend(8 << 30, for_cuda=True)
+    with layout_session(on_fake_tensors(load_workload(TINY_LM), foreach=True), backend,
+                        session_type=EstimateSession, precision=Precision.BF16,
+                        checkpointing=CheckpointingRequest.parse("off", allow_auto=False),
+                        sharding=Sharding.parse("fsdp"), world_size=8, shard_group=None) as session:
+        assert isinstance(session, FreshTrialsSession)
+        with session:
+            first = session.run(2)
+            last = session.run(1)
+        assert first.first_in_session and last.first_in_session and fake_mode() is None
+        assert session.total_blocks == 4 and session.checkpointed_blocks == 0
+        assert fake_mode() is None and session._full is None
+
+
+def test_a_gpu_probe_that_fits_nowhere_leaves_no_fake_mode_behind():
+    # Why nothing fits is read from the probe's session after it ended (its blocks): a session
+    # whose trials each build their own (probing.fresh_trials) answers from the last one, and does
+    # not build another, which would stay in its fake mode and break the next probe's mesh.
+    from autotune.errors import AutotuneError
+    from autotune.probing.api import probe
+
+    for budget in (64 << 10, 24 << 20):  # parameters alone pass it; then one step does
+        with pytest.raises(AutotuneError, match="does not fit|pass the"):
+            probe(TINY_LM, backend=EstimateMemoryBackend(budget, for_cuda=True), precision="bf16",
+                  max_micro_batch=8)
+        assert torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+    found = probe(TINY_LM, backend=EstimateMemoryBackend(8 << 30, for_cuda=True), precision="bf16",
+                  sharding="fsdp", world_size=4, max_micro_batch=8)
+    assert found.max_micro_batch == 8

@@ -518,7 +518,7 @@ class TensorFloorSession(FreshTrialsSession):
             raise AttributeError(name)
         if self._full is None and hasattr(self._floor, name):
             return getattr(self._floor, name)
-        return getattr(self._full_session(), name)
+        return super().__getattr__(name)
 
     def set_checkpointing(self, checkpointing) -> int:
         self._asked = checkpointing

@@ -18,8 +18,9 @@ from ..distributed.sharding.ranks import sharded_step
 class FreshTrialsSession:
     """A ``TrialSession`` stand-in whose every trial runs in a new ``session_type`` session of
     ``workload`` under ``layout`` (``sharded_step``'s arguments), on ``backend.fresh()``; its
-    trials say so (``Trial.first_in_session``). Attributes are the latest session's (built on
-    first use: a session read before its first trial runs that trial)."""
+    trials say so (``Trial.first_in_session``). Attributes are the latest session's, closed or
+    not (as a plain session's are read after it ends, where a probe says why nothing fit); one is
+    built where none was yet, and a session read before its first trial runs that trial."""
 
     compiled = False
     """Fake-tensor steps run eager (a compiled model's estimate runs apart, probing.isolated)."""
@@ -33,6 +34,8 @@ class FreshTrialsSession:
                                   reduce_every_micro_step=reduce_every_micro_step)
         self._asked = checkpointing
         self._full = None
+        self._last = None
+        """The latest session made, open or closed (its set-up may have run out of memory)."""
         self._full_ran = False
         self._full_stack: contextlib.ExitStack | None = None
 
@@ -53,8 +56,9 @@ class FreshTrialsSession:
             self._full_stack = contextlib.ExitStack()
             try:
                 step_workload = self._full_stack.enter_context(sharded_step(self.workload, **self.layout))
-                session = self.session_type(step_workload, self.backend.fresh(), checkpointing=self._asked,
-                                            parallel=self.layout.get("parallel"), **self._session_args)
+                session = self._last = self.session_type(
+                    step_workload, self.backend.fresh(), checkpointing=self._asked,
+                    parallel=self.layout.get("parallel"), **self._session_args)
                 self._full_stack.enter_context(session)
             except BaseException:
                 self._close_full()
@@ -65,6 +69,8 @@ class FreshTrialsSession:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        if self._full is None and self._last is not None:
+            return getattr(self._last, name)
         return getattr(self._full_session(), name)
 
     def set_checkpointing(self, checkpointing) -> int:
