@@ -457,11 +457,11 @@ def test_a_gpu_plan_states_its_trial_as_a_fresh_session_reaches_it(monkeypatch):
         return result
 
     monkeypatch.setattr(planner, "probe", with_history)
-    # 32 steps of 2040, the probe's third trial (after 65536, out of memory, and 1).
+    # 3 steps of 21760, the probe's third trial (after 65280, out of memory, and 255).
     plan = autotune.plan(TINY_LM, target_batch=32 * 2040, gpu="h100-80gb", precision="bf16",
                          checkpointing="off")
     trials = plan.chosen_setting.probe.trials
-    assert plan.micro_batches == [2040] * 32 and trials[0].micro_batch != 2040
+    assert plan.micro_batches == [21760] * 3 and trials[0].micro_batch != 21760
     backend = EstimateMemoryBackend(plan.device.budget_bytes, for_cuda=True, target=plan.device)
     from autotune.probing.share import window_steps
 

@@ -134,6 +134,43 @@ def test_share_is_tried_as_one_step_first_and_windows_below_it():
     assert best == 16 and 32 not in runs
 
 
+@pytest.mark.parametrize("share", [2, 3, 4, 7, 32, 100, 513])
+def test_steps_only_tries_the_micro_batches_that_change_the_steps_and_plans_the_same_split(share):
+    # A micro-batch between ceil(share / k) and ceil(share / (k - 1)) takes k steps, as the one
+    # below it does: the steps-only search (CUDA estimates) tries none of them, and its answer
+    # gives the split the exact largest micro-batch gives.
+    useful = {-(-share // k) for k in range(1, share + 1)}
+    for largest in range(0, share + 1):
+        runs = {True: [], False: []}
+
+        def run(n, steps_only):
+            runs[steps_only].append(n)
+            return _trial(n, fits=n <= largest, window=n < share)
+
+        exact, _, _ = search_with_share(lambda n: run(n, False), budget=largest, upper=share, share=share)
+        best, _, _ = search_with_share(lambda n: run(n, True), budget=largest, upper=share, share=share,
+                                       steps_only=True)
+        assert exact == largest
+        assert set(runs[True]) <= useful
+        if largest:
+            assert best <= largest and best in useful and -(-share // best) == -(-share // largest)
+        else:
+            assert best == 0
+
+
+def test_steps_only_proves_a_share_of_4_in_two_trials():
+    # 70B on 256 H100s, FSDP 128 x TP 2: 4 samples per rank; 4 in one step does not fit, 2 in a
+    # window of two does. The exact search tried 4, 1, 2 and 3 (a full build each, 20 CPU s).
+    runs = []
+
+    def run(n):
+        runs.append(n)
+        return _trial(n, fits=n <= 3, window=n < 4)
+
+    best, _, _ = search_with_share(run, budget=3, upper=4, share=4, steps_only=True)
+    assert best == 2 and runs == [4, 2]
+
+
 def test_verify_runs_the_plans_window(tiny_lm_16x2):
     plan, _ = tiny_lm_16x2
     assert plan_window(plan) == [16, 16]

@@ -71,7 +71,9 @@ def probe(
     below it means gradient accumulation, so trials below the share measure the steady state of
     an accumulation window (micro-steps that start with every gradient alive, see
     ``TrialSession.window_micro_batches``) and the trial at the share one step (see
-    ``autotune.probing.share``); None: every trial is one step. Sharded windows reduce-scatter
+    ``autotune.probing.share``); None: every trial is one step. A CUDA estimate (fake tensors,
+    allocator modelled) tries only the micro-batches below the share that take fewer steps than
+    every smaller one (``search_with_share``'s ``steps_only``): its answer is the largest of those. Sharded windows reduce-scatter
     every micro-step (``reduce_every_micro_step``, the least memory a sharded window needs;
     the planner estimates holding unsharded gradients apart, see ``window_trial``).
 
@@ -135,6 +137,10 @@ def probe(
                     # Real trials prove one step at the share unless the estimate, which ran
                     # that very step on fake tensors, found it past the budget.
                     try_share=seed is None or seed.share_fits is not False,
+                    # A CUDA estimate's trials (a modelled allocator, each on a build of its
+                    # own) cost tens of seconds at 70B: only the micro-batches that change the
+                    # plan's accumulation steps.
+                    steps_only=estimating and backend.allocator is not None,
                 )
         except SetupOutOfMemory as exc:
             detail, trials, best = str(exc), [], 0

@@ -163,7 +163,7 @@ def _floor(x: float) -> float:
 
 def search_largest_fitting(
     run_trial: Callable[[int], Trial], *, budget: int, upper: int | None, hint: int | None = None,
-    estimate: Callable[[int], float] | None = None,
+    estimate: Callable[[int], float] | None = None, share: int | None = None,
 ) -> tuple[int, list[Trial], MemoryModel]:
     """Exact largest n in [1, upper] for which ``run_trial(n).fits``; 0 when n = 1 does not fit.
 
@@ -179,9 +179,27 @@ def search_largest_fitting(
     misses by a hair (``HAIR``) is corrected in at most three real steps with one failure: the
     hint (or, where the hint is within a hair of the budget, the largest n a hair below it), the
     corrected answer and the one above it (see ``_estimate_trials``).
+
+    ``share`` (samples per optimizer step): only the micro-batches that take fewer accumulation
+    steps than every smaller one are tried (``ceil(share / k)`` for k steps), and the answer is
+    the largest of them that fits, proven by a failure at the next one: a micro-batch between
+    takes as many steps as the one below it, so the plan's split is the same.
     """
     trials: list[Trial] = []
     lo, hi = 0, (upper + 1 if upper is not None else None)
+
+    def snapped(n: int) -> int:
+        """``n``, or the largest useful micro-batch below it, or the next one above ``lo``."""
+        if share is None:
+            return n
+        n = -(-share // -(-share // n))
+        return n if n > lo else _next_useful(lo, share)
+
+    def open_bracket() -> bool:
+        if share is None:
+            return hi is None or hi - lo > 1
+        above = _next_useful(lo, share)
+        return above is not None and (hi is None or above < hi)
 
     def record(n: int) -> Trial:
         nonlocal lo, hi
@@ -195,26 +213,49 @@ def search_largest_fitting(
 
     if hint is not None and estimate is not None:
         for n in _estimate_trials(hint, estimate, budget, upper, trials):
-            if n <= lo or (hi is not None and n >= hi):
+            n = snapped(n) if n > lo else n
+            if n is None or n <= lo or (hi is not None and n >= hi):
                 break  # known already: the ordinary search takes over from the bracket
             record(n)
     elif hint is not None:
         for n in _hint_trials(hint, upper):
-            if hi is not None and n >= hi:
+            n = snapped(n) if n > lo else n
+            if n is None or n <= lo or (hi is not None and n >= hi):
                 break  # the hint itself failed: hint + 1 would fail too
             record(n)
+    while lo == 0 and share is not None:
+        # Only a few micro-batches change the steps: halve them (the upper middle one first, a
+        # fit proves the answer where it is the largest below a failure) until one fits.
+        values = [n for n in _useful_up_to(share, share) if hi is None or n < hi]
+        if not values:
+            return 0, trials, fit_memory_model(trials)
+        record(values[len(values) // 2])
     if lo == 0:
         # Nothing known to fit yet (no hint, or it failed): micro-batch 1 either fits, giving the
         # baseline the estimates grow from, or proves that nothing does.
         if hi == 1 or not record(1).fits:
             return 0, trials, fit_memory_model(trials)
-    while hi is None or hi - lo > 1:
+    while open_bracket():
         candidate = next_candidate(trials, budget, lo, hi)
         if candidate is None:
             break  # memory does not grow: doubling reached GROWTH_LIMIT without a failure
+        candidate = snapped(candidate)
         assert lo < candidate and (hi is None or candidate < hi), (lo, candidate, hi)
         record(candidate)
     return lo, trials, fit_memory_model(trials)
+
+
+def _useful_up_to(top: int, share: int) -> list[int]:
+    """The micro-batches up to ``top`` that take fewer accumulation steps of ``share`` samples
+    than every smaller one, ascending."""
+    return sorted({-(-share // steps) for steps in range(1, share + 1)} & set(range(1, top + 1)))
+
+
+def _next_useful(n: int, share: int) -> int | None:
+    """The smallest micro-batch above ``n`` that takes fewer accumulation steps of ``share``
+    samples than ``n`` (None: ``n`` takes one)."""
+    steps = -(-share // n) if n > 0 else share + 1
+    return -(-share // (steps - 1)) if steps > 1 else None
 
 
 def _hint_trials(hint: int, upper: int | None) -> list[int]:

@@ -29,13 +29,16 @@ def window_steps(n: int, share: int | None) -> int:
 
 def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: int | None,
                       share: int | None, hint: int | None = None, estimate=None,
-                      try_share: bool = True) -> tuple[int, list[Trial], MemoryModel]:
+                      try_share: bool = True, steps_only: bool = False) -> tuple[int, list[Trial], MemoryModel]:
     """``search_largest_fitting`` for a probe that plans for ``share`` samples per rank.
 
     Where ``upper`` reaches the share, one step at the share is tried first (unless
     ``try_share`` is False: the caller knows from an estimate that it does not fit) and is the
     answer when it fits; otherwise the search runs below the share, on window trials, and its
-    memory model is theirs. ``hint`` and ``estimate``: see ``search_largest_fitting``."""
+    memory model is theirs. ``hint`` and ``estimate``: see ``search_largest_fitting``.
+    ``steps_only``: below the share, try only the micro-batches that take fewer accumulation
+    steps than every smaller one (``search_largest_fitting``'s ``share``): the answer is the
+    largest of those that fits, and the plan's split the same as from the exact largest."""
     first: list[Trial] = []
     if share is not None and upper is not None and upper >= share:
         if try_share:
@@ -49,7 +52,9 @@ def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: 
         if hint is not None:
             hint = min(hint, upper)
     best, trials, model = search_largest_fitting(run_trial, budget=budget, upper=upper, hint=hint,
-                                                 estimate=estimate)
+                                                 estimate=estimate,
+                                                 share=share if steps_only and share is not None and upper is not None and upper < share
+                                                 else None)
     return best, first + trials, model
 
 
