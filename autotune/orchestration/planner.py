@@ -60,6 +60,7 @@ from ..workload.dataset_batch import check_default_collate
 
 
 
+@frozen_heap()
 def plan(
     workload,
     *,
@@ -203,8 +204,10 @@ def plan(
         network_gbps=network_gbps, eval_batch=eval_batch, max_eval_batch=max_eval_batch,
         parallel=parallel)
     inspected = inspect_workload(workload)
-    planned = (search_layout(workload, options, degrees, make_planner=_Planner, inspected=inspected)
-               if searching else _Planner(workload, options, inspected=inspected).run())
+    # Every candidate layout's planner runs the same fake step to see that it can: once is enough.
+    make_planner = functools.partial(_Planner, estimable=set())
+    planned = (search_layout(workload, options, degrees, make_planner=make_planner, inspected=inspected)
+               if searching else make_planner(workload, options, inspected=inspected).run())
     caveat = estimate_caveat(workload)
     if planned.estimated and caveat is not None:  # real trials would have measured it
         planned.warnings.append(caveat)
@@ -240,8 +243,9 @@ class _Planner:
     """One ``plan()`` call: the device, the request and what was probed so far; its methods probe
     settings and layouts and hand them to the pure policy."""
 
-    def __init__(self, workload: Workload, options: PlanOptions, *, inspected=None):
-        # inspected: the model's (fingerprint, ModelShape), where plan() already built it.
+    def __init__(self, workload: Workload, options: PlanOptions, *, inspected=None, estimable=None):
+        # inspected: the model's (fingerprint, ModelShape), where plan() already built it;
+        # estimable: the precisions whose fake step another planner of this workload ran.
         self.workload = workload
         self.options = options
         self.distributed = options.distributed
@@ -256,8 +260,10 @@ class _Planner:
             self.target.choose_precision(options.precision) if self.target else choose_precision(
                 options.precision, device_kind=self.backend.device.type,
                 bf16_supported=supports_bf16(self.backend.device)))
-        if self.target:
+        estimable = set() if estimable is None else estimable
+        if self.target and self.chosen not in estimable:
             self.target.check_estimable(workload, self.chosen)
+            estimable.add(self.chosen)
         self.fingerprint, shape = inspected or inspect_workload(workload)
         self.shape = shape
         self.checkpointing = _requested_blocks(options.checkpointing, self.fingerprint)
