@@ -171,6 +171,69 @@ def test_steps_only_proves_a_share_of_4_in_two_trials():
     assert best == 2 and runs == [4, 2]
 
 
+@pytest.mark.parametrize("share", [2, 5, 32, 100])
+@pytest.mark.parametrize("steps_only", [False, True])
+def test_a_limit_below_the_budget_takes_the_largest_measured_micro_batch_within_it(share, steps_only):
+    # A step at the share costs 3 bytes a sample, a window 1 a sample: everything fits the budget,
+    # and the plan may hold only ``limit``. The search goes on below the largest that fits the
+    # budget until the largest micro-batch that changes the steps within the limit is measured,
+    # proven by a measured one above it.
+    useful = sorted({-(-share // k) for k in range(1, share + 1)})
+    for limit in range(0, 3 * share + 1):
+        runs = []
+
+        def run(n):
+            runs.append(n)
+            return _trial(n, fits=True, window=n < share) if n < share else dataclasses.replace(
+                _trial(n, fits=True), peak_bytes=3 * n)
+
+        best, trials, _ = search_with_share(run, budget=10**9, upper=share, share=share,
+                                            steps_only=steps_only, limit=limit)
+        assert best == share  # the probe's raw maximum is still the budget's
+        within = [n for n in useful if (3 * n if n == share else n) <= limit]
+        measured = {t.micro_batch: t.peak_bytes for t in trials}
+        if within:
+            # The largest useful micro-batch within the limit was measured, and so was the next
+            # useful one above it (past the limit), or it is the share.
+            answer = within[-1]
+            assert answer in measured and measured[answer] <= limit
+            above = [n for n in useful if n > answer]
+            assert not above or measured.get(above[0], limit + 1) > limit
+        else:
+            assert all(peak > limit for peak in measured.values())
+        assert len(set(runs)) == len(runs)  # nothing measured twice
+        if share == 100:
+            assert len(runs) <= 6  # 1 + log2 of the 19 useful micro-batches
+
+
+def test_a_limit_the_largest_fitting_micro_batch_keeps_adds_no_trial():
+    runs = []
+
+    def run(n):
+        runs.append(n)
+        return _trial(n, fits=n <= 20, window=n < 32)
+
+    search_with_share(run, budget=100, upper=32, share=32, limit=20)
+    unlimited = list(runs)
+    runs.clear()
+    search_with_share(run, budget=100, upper=32, share=32)
+    assert runs == unlimited
+
+
+def test_a_plan_past_its_headroom_at_the_largest_fitting_micro_batch_measures_below_it():
+    # tiny_lm, 64 samples in 128 MiB less a 30% headroom: 23 fits the budget and not the
+    # headroom. The plan's micro-batch (13, 5 steps) is a measured window within it, and so is
+    # the one above it that takes fewer steps (16, 4 steps), past it.
+    plan = autotune.plan(TINY_LM, target_batch=64, memory_limit="128MiB", device="cpu",
+                         precision="fp32", checkpointing="off", headroom=0.3, eval_batch=False)
+    probe = plan.chosen_setting.probe
+    usable = int(probe.budget_bytes * 0.7)
+    assert probe.max_micro_batch == 23 and (plan.micro_batch, plan.accumulation_steps) == (13, 5)
+    assert probe.peak_at(23) > usable
+    assert probe.trial_at(13) is not None and probe.peak_at(13) <= usable
+    assert probe.trial_at(16) is not None and probe.peak_at(16) > usable
+
+
 def test_verify_runs_the_plans_window(tiny_lm_16x2):
     plan, _ = tiny_lm_16x2
     assert plan_window(plan) == [16, 16]

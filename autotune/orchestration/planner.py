@@ -27,6 +27,7 @@ from ..errors import ConfigError, EstimateUnavailable, PlanError, ProbeError, gi
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits
 from ..memory.fake_build import build_fake_model, estimate_caveat
 from ..memory import backend_for
+from ..memory.frozen_heap import frozen_heap
 from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFingerprint
 from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointing_worth_probing,
                       choose_precision, cpu_precision, ddp_bucket_bytes, evaluate_setting, fewest_steps,
@@ -339,7 +340,8 @@ class _Planner:
                                  upper or self.request.wanted_micro_batch, layout=layout,
                                  world_size=self.world_size, hint=hint, share=self.request.share,
                                  parallel=self.request.parallel,
-                                 session_type=recording_session(steps) if steps is not None else None)
+                                 session_type=recording_session(steps) if steps is not None else None,
+                                 limit=self.usable - (0 if layout[0].sharded else self.extra))
         if steps:
             self.recorded_steps[recorded_key(setting)] = steps
         return evaluate_setting(setting, usable=self.usable, agree=self.agree,
@@ -658,7 +660,7 @@ def _requested_blocks(value, fingerprint: WorkloadFingerprint) -> CheckpointingR
 def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
                    layout=(Sharding.DDP, None), world_size: int = 1,
                    hint: int | None = None, share: int | None = None, parallel=None,
-                   session_type=None) -> SettingTried:
+                   session_type=None, limit: int | None = None) -> SettingTried:
     sharding, group = layout
     parallel = parallel if parallel is not None else Layout()
     # Where the probe finds nothing, the setting is what was asked (its blocks not counted).
@@ -673,7 +675,7 @@ def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
     try:
         # share: micro-batches below it accumulate, and are probed as accumulation windows.
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
-                       backend=backend, share=share, **layout_args,
+                       backend=backend, share=share, limit=limit, **layout_args,
                        **({"session_type": session_type} if session_type is not None else {}))
     except SetupOutOfMemory as exc:
         return SettingTried(**tried, error=str(exc), state_fits=False)

@@ -47,6 +47,7 @@ def probe(
     compile=None,
     parallel=None,
     session_type=None,
+    limit: int | None = None,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -89,6 +90,10 @@ def probe(
 
     ``parallel`` (an ``autotune.Layout``): probe one rank of that tensor/context/pipeline split
     of ``world_size`` ranks (``shard_group`` then counts data-parallel ranks).
+
+    ``limit`` (bytes; a planner's budget less its headroom): where the largest micro-batch that
+    fits the budget holds more, the search goes on below it to the largest within ``limit``
+    (``share._down_to_limit``), so that a plan's micro-batch is measured, not predicted.
 
     ``session_type`` (trials on fake tensors only): the ``EstimateSession`` subclass (or a factory
     of one) that runs them; ``autotune.timing.recorded`` counts the steps it runs as it goes.
@@ -141,6 +146,7 @@ def probe(
                     # own) cost tens of seconds at 70B: only the micro-batches that change the
                     # plan's accumulation steps.
                     steps_only=estimating and backend.allocator is not None,
+                    limit=limit,
                 )
         except SetupOutOfMemory as exc:
             detail, trials, best = str(exc), [], 0

@@ -226,7 +226,7 @@ def search_largest_fitting(
     while lo == 0 and share is not None:
         # Only a few micro-batches change the steps: halve them (the upper middle one first, a
         # fit proves the answer where it is the largest below a failure) until one fits.
-        values = [n for n in _useful_up_to(share, share) if hi is None or n < hi]
+        values = [n for n in useful_micro_batches(share, share) if hi is None or n < hi]
         if not values:
             return 0, trials, fit_memory_model(trials)
         record(values[len(values) // 2])
@@ -245,7 +245,7 @@ def search_largest_fitting(
     return lo, trials, fit_memory_model(trials)
 
 
-def _useful_up_to(top: int, share: int) -> list[int]:
+def useful_micro_batches(top: int, share: int) -> list[int]:
     """The micro-batches up to ``top`` that take fewer accumulation steps of ``share`` samples
     than every smaller one, ascending."""
     return sorted({-(-share // steps) for steps in range(1, share + 1)} & set(range(1, top + 1)))

@@ -17,7 +17,7 @@ import math
 from typing import Callable
 
 from .result import MemoryModel, Trial
-from .search import fit_memory_model, search_largest_fitting
+from .search import useful_micro_batches, fit_memory_model, search_largest_fitting
 
 
 def window_steps(n: int, share: int | None) -> int:
@@ -29,7 +29,8 @@ def window_steps(n: int, share: int | None) -> int:
 
 def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: int | None,
                       share: int | None, hint: int | None = None, estimate=None,
-                      try_share: bool = True, steps_only: bool = False) -> tuple[int, list[Trial], MemoryModel]:
+                      try_share: bool = True, steps_only: bool = False,
+                      limit: int | None = None) -> tuple[int, list[Trial], MemoryModel]:
     """``search_largest_fitting`` for a probe that plans for ``share`` samples per rank.
 
     Where ``upper`` reaches the share, one step at the share is tried first (unless
@@ -38,7 +39,14 @@ def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: 
     memory model is theirs. ``hint`` and ``estimate``: see ``search_largest_fitting``.
     ``steps_only``: below the share, try only the micro-batches that take fewer accumulation
     steps than every smaller one (``search_largest_fitting``'s ``share``): the answer is the
-    largest of those that fits, and the plan's split the same as from the exact largest."""
+    largest of those that fits, and the plan's split the same as from the exact largest.
+    ``limit`` (what a plan may hold: the budget less the headroom): see ``_down_to_limit``."""
+    best, trials, model = _search(run_trial, budget=budget, upper=upper, share=share, hint=hint,
+                                  estimate=estimate, try_share=try_share, steps_only=steps_only)
+    return _down_to_limit(run_trial, best, trials, model, share=share, limit=limit)
+
+
+def _search(run_trial, *, budget, upper, share, hint, estimate, try_share, steps_only):
     first: list[Trial] = []
     if share is not None and upper is not None and upper >= share:
         if try_share:
@@ -56,6 +64,46 @@ def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: 
                                                  share=share if steps_only and share is not None and upper is not None and upper < share
                                                  else None)
     return best, first + trials, model
+
+
+def _down_to_limit(run_trial: Callable[[int], Trial], best: int, trials: list[Trial], model: MemoryModel,
+                   *, share: int | None, limit: int | None) -> tuple[int, list[Trial], MemoryModel]:
+    """Where the largest micro-batch that fits the budget (``best``, the probe's answer) holds
+    more than ``limit``, the largest below it within ``limit``, measured: the plan's micro-batch
+    is then a trial's, not the memory model's guess from points past the limit. 70B under FSDP on
+    256 H100s fitted the share of 2 in one step at 74.55 GiB, past the 70.84 the headroom leaves,
+    and the model put a window of 2 x 1 at 75.58 GiB, so no micro-batch was planned, where the
+    window, measured, holds 45.80 GiB.
+
+    Only the micro-batches that change the accumulation steps (below the share) are tried: the
+    largest the memory model, refitted after each trial, puts within the limit, then the one
+    above it, which prove the answer in two trials where the model is right; where the model
+    puts none within, halving (the upper middle one first), until the largest within the limit
+    is proven by a measured one above it. ``best`` stays the probe's raw maximum."""
+    top = next((t for t in trials if t.micro_batch == best and t.fits), None)
+    if limit is None or top is None or top.peak_bytes <= limit:
+        return best, trials, model
+    candidates = useful_micro_batches(best - 1, share) if share is not None else list(range(1, best))
+    added: list[Trial] = []
+    within, trust = False, True
+    while candidates:
+        # The memory model, refitted to every trial so far, guesses (not twice in a row where
+        # its guess did not hold); where it puts none within the limit, the one above the last
+        # trial within proves it, else halve.
+        guessed = [m for m in candidates if trust and model.points and model.predict(m) <= limit]
+        n = guessed[-1] if guessed else candidates[0] if within else candidates[len(candidates) // 2]
+        trial = run_trial(n)
+        added.append(trial)
+        within = trial.fits and trial.peak_bytes <= limit
+        trust = within or not guessed
+        candidates = [m for m in candidates if (m > n if within else m < n)]
+        model = _window_model(trials + added)
+    return best, trials + added, model
+
+
+def _window_model(trials: list[Trial]) -> MemoryModel:
+    """The memory model of the window trials where there are any (see the module docstring)."""
+    return fit_memory_model([t for t in trials if t.window] or trials)
 
 
 __all__ = ["search_with_share", "window_steps"]
