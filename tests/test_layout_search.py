@@ -324,6 +324,41 @@ def test_a_layout_that_cannot_reach_the_fewest_steps_is_screened_not_planned():
     assert Layout(pp=2) in planned_layouts and (Layout(pp=2), 4) not in screened
 
 
+def test_a_layout_that_could_only_tie_at_micro_batch_1_and_runs_out_there_fits_nowhere():
+    # 8B at sequence 131072 on 8 GPUs: CP 8 planned 8 steps of micro-batch 1 (its whole share),
+    # so a later layout could only tie, at micro-batch 1. One estimate there says it fits nowhere
+    # (its planner had tried 8 micro-batches that all ran out of memory, 47 CPU s).
+    from types import SimpleNamespace
+
+    from autotune.orchestration.layout_search import search_layout
+    from autotune.orchestration.request import PlanOptions
+
+    _StubPlanner.allowed = {Layout(): None, Layout(tp=2): None, Layout(tp=4): 1}
+    shape = ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)
+    screened, planned_layouts = [], []
+
+    class Planner(_StubPlanner):
+        def run(self):
+            planned_layouts.append(self.options.parallel)
+            return super().run()
+
+    def screen(workload, planner, layout, checkpointable, micro_batch=1):
+        screened.append((layout, micro_batch))
+        allowed = _StubPlanner.allowed[layout]
+        return None if isinstance(allowed, int) and micro_batch <= allowed else "runs out of memory"
+
+    planned = search_layout(SimpleNamespace(seq_len=None), PlanOptions(
+        target_batch=4, world_size=4, sharding="fsdp", eval_batch=False, precision="bf16"),
+        dict(tp="auto", pp=1), make_planner=Planner, screen=screen,
+        inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True), shape))
+    # Data parallel fits nowhere, so tp 4 next: 4 steps of its share of 4. tp 2 (a share of 2)
+    # could tie only at micro-batch 1, and runs out of memory there: no planner search.
+    assert planned.parallel == Layout(tp=4) and planned.accumulation_steps == 4
+    assert screened == [(Layout(tp=4), 1), (Layout(tp=2), 1)]
+    assert planned_layouts == [Layout(), Layout(tp=4)]
+    assert "tp 2 (nothing fits: runs out of memory)" in planned.reasons["layout"]
+
+
 def test_a_screen_that_runs_out_of_memory_says_what_it_needs_or_held(examples_dir, monkeypatch):
     from types import SimpleNamespace
 

@@ -83,8 +83,14 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                 steps, why = steps_to_win(layout, leader[0], lambda steps: volume(
                     layout, share, sharded=Sharding.parse(sharding).sharded, steps=steps))
                 needed = -(-share // steps)
-                short = (screen(workload, planner, layout, fingerprint.checkpointable, micro_batch=needed)
-                         if needed > 1 else None)
+                short = screen(workload, planner, layout, fingerprint.checkpointable, micro_batch=needed)
+                if short is not None and needed == 1:
+                    # Not even micro-batch 1 fits: the layout fits nowhere, and neither does any
+                    # it dominates (8B at sequence 131072 after CP 8's 8 steps: tp 2 x cp 4's
+                    # planner tried 8 micro-batches that ran out of memory, 47 CPU s).
+                    screening.append(layout)
+                    return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True,
+                                         screened=True)
                 if short is not None:
                     return LayoutOutcome(layout, beaten=steps + 1, screened=True, error=(
                         f"{why}: its share of {share} samples in {_steps_words(steps)} needs "
