@@ -276,6 +276,23 @@ def test_search_layout_plans_each_candidate_and_records_why(tmp_path):
                            "a row fitted without fewer accumulation steps (later ones communicate more))")
 
 
+def _recording_search(screened: list, planned_layouts: list, answer: str = "screened"):
+    """A stub planner class and screen that record the layouts planned and screened (at which
+    micro-batch); the screen passes up to ``_StubPlanner.allowed`` and says ``answer`` past it."""
+
+    class Planner(_StubPlanner):
+        def run(self):
+            planned_layouts.append(self.options.parallel)
+            return super().run()
+
+    def screen(workload, planner, layout, checkpointable, micro_batch=1):
+        screened.append((layout, micro_batch))
+        allowed = _StubPlanner.allowed[layout]
+        return None if isinstance(allowed, int) and micro_batch <= allowed else answer
+
+    return Planner, screen
+
+
 def test_a_layout_that_cannot_reach_the_fewest_steps_is_screened_not_planned():
     from types import SimpleNamespace
 
@@ -287,16 +304,7 @@ def test_a_layout_that_cannot_reach_the_fewest_steps_is_screened_not_planned():
                             Layout(tp=2, pp=4): 8, Layout(tp=4, pp=4): 8, Layout(pp=8): None}
     shape = ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)
     screened, planned_layouts = [], []
-
-    class Planner(_StubPlanner):
-        def run(self):
-            planned_layouts.append(self.options.parallel)
-            return super().run()
-
-    def screen(workload, planner, layout, checkpointable, micro_batch=1):
-        screened.append((layout, micro_batch))
-        allowed = _StubPlanner.allowed[layout]
-        return None if isinstance(allowed, int) and micro_batch <= allowed else "screened"
+    Planner, screen = _recording_search(screened, planned_layouts)
 
     def search(**options):
         screened.clear(), planned_layouts.clear()
@@ -336,16 +344,7 @@ def test_a_layout_that_could_only_tie_at_micro_batch_1_and_runs_out_there_fits_n
     _StubPlanner.allowed = {Layout(): None, Layout(tp=2): None, Layout(tp=4): 1}
     shape = ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)
     screened, planned_layouts = [], []
-
-    class Planner(_StubPlanner):
-        def run(self):
-            planned_layouts.append(self.options.parallel)
-            return super().run()
-
-    def screen(workload, planner, layout, checkpointable, micro_batch=1):
-        screened.append((layout, micro_batch))
-        allowed = _StubPlanner.allowed[layout]
-        return None if isinstance(allowed, int) and micro_batch <= allowed else "runs out of memory"
+    Planner, screen = _recording_search(screened, planned_layouts, "runs out of memory")
 
     planned = search_layout(SimpleNamespace(seq_len=None), PlanOptions(
         target_batch=4, world_size=4, sharding="fsdp", eval_batch=False, precision="bf16"),
