@@ -23,7 +23,8 @@ dominates, and the planner screens each later candidate with one estimate of its
 accumulation steps, ranked by steps, the planner screens each later one at the micro-batch that
 N steps of its share need (N - 1 where with N steps it would lose the tie: a larger bubble or
 more communication, ``steps_to_win``): one that does not fit there cannot win (``beaten``), and
-costs one estimate instead of a search. The search stops at one accumulation step (nothing later has fewer steps, and it
+costs one estimate instead of a search; where that micro-batch is 1, one that does not fit there
+fits nowhere (and rules out what it dominates). The search stops at one accumulation step (nothing later has fewer steps, and it
 communicates more), after ``PATIENCE`` estimates in a row that fit without cutting steps, or
 after ``MAX_ESTIMATED`` planned or ``MAX_SCREENED`` screened layouts; ``plan.reasons["layout"]``
 says which.
