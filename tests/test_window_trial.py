@@ -234,6 +234,28 @@ def test_a_plan_past_its_headroom_at_the_largest_fitting_micro_batch_measures_be
     assert probe.trial_at(16) is not None and probe.peak_at(16) > usable
 
 
+def test_the_limit_the_probe_searches_below_is_agreed_across_ranks(monkeypatch):
+    # Under torchrun each rank has its own budget; the sharded trials the search runs below the
+    # budget are collectives, so every rank must compare with the same limit (the least).
+    from autotune.orchestration import planner as planner_module
+    from autotune.orchestration.request import PlanOptions
+
+    seen = {}
+
+    def probe_setting(*args, limit=None, **kwargs):
+        seen["limit"] = limit
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(planner_module, "_probe_setting", probe_setting)
+    planner = planner_module._Planner(load_workload(MLP), PlanOptions(
+        target_batch=64, device="cpu", memory_limit="64MiB", precision="fp32", checkpointing="off",
+        eval_batch=False))
+    planner.agree = lambda value: value - 1000  # another rank has less
+    with pytest.raises(RuntimeError, match="stop here"):
+        planner.try_setting(planner.first)
+    assert seen["limit"] == planner.usable - 1000
+
+
 def test_verify_runs_the_plans_window(tiny_lm_16x2):
     plan, _ = tiny_lm_16x2
     assert plan_window(plan) == [16, 16]

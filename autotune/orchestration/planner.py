@@ -336,12 +336,16 @@ class _Planner:
         # Ranked by predicted throughput for a GPU: the probe's one-step trials are counted as they
         # run (autotune.timing.recorded), so the ranking need not run them again.
         steps = {} if self.options.optimize == "throughput" and self.target else None
+        # What the plan may hold, the same on every rank (each has its own budget): the probe's
+        # search below the budget reads it, and ranks whose trials run collectives must agree.
+        limit = self.usable - (0 if layout[0].sharded else self.extra)
+        limit = self.agree(limit) if self.agree is not None else limit
         setting = _probe_setting(self.workload, self.backend, precision or self.chosen, checkpoint,
                                  upper or self.request.wanted_micro_batch, layout=layout,
                                  world_size=self.world_size, hint=hint, share=self.request.share,
                                  parallel=self.request.parallel,
                                  session_type=recording_session(steps) if steps is not None else None,
-                                 limit=self.usable - (0 if layout[0].sharded else self.extra))
+                                 limit=limit)
         if steps:
             self.recorded_steps[recorded_key(setting)] = steps
         return evaluate_setting(setting, usable=self.usable, agree=self.agree,
