@@ -542,3 +542,43 @@ def test_a_gpu_probe_that_fits_nowhere_leaves_no_fake_mode_behind():
     found = probe(TINY_LM, backend=EstimateMemoryBackend(8 << 30, for_cuda=True), precision="bf16",
                   sharding="fsdp", world_size=4, max_micro_batch=8)
     assert found.max_micro_batch == 8
+
+
+def test_a_fresh_trial_asked_again_is_answered_from_the_planners_memo(examples_dir, monkeypatch):
+    # A --gpu planner's backend keeps each fresh trial's answer by setting: a layout screen's
+    # trial, asked again by the probe, is not run again (a 70B window of 2 x 2 under TP 2 costs
+    # 25 CPU s). Without the memo every trial builds anew.
+    from autotune.gpus.target import profile_target
+    from autotune.probing import fresh_trials
+    from autotune.probing.api import window_trial
+
+    built = []
+    original = fresh_trials.FreshTrialsSession._full_session
+
+    def counting_builds(self):
+        if self._full is None:
+            built.append(self._asked)
+        return original(self)
+
+    monkeypatch.setattr(fresh_trials.FreshTrialsSession, "_full_session", counting_builds)
+    target = profile_target("h100-80gb", world_size=2)
+    model = str(examples_dir / "tiny_lm.py")
+    args = dict(micro_batch=2, window=2, precision="bf16", checkpointing="on", sharding="fsdp",
+                world_size=2, reduce_every_micro_step=True)
+    first = window_trial(model, target.backend, **args)
+    assert window_trial(model, target.backend, **args).peak_bytes == first.peak_bytes
+    assert len(built) == 2  # no memo: built twice, the same answer
+    target.backend.trials_memo = {}
+    kept = window_trial(model, target.backend, **args)
+    again = window_trial(model, target.backend, **args)
+    # The shard group named (as the planner's probe names it) or left to default: the same trial.
+    named = window_trial(model, target.backend, shard_group=2, **args)
+    assert len(built) == 3
+    assert again is not kept and again.peak_bytes == kept.peak_bytes == first.peak_bytes == named.peak_bytes
+    assert again.first_in_session
+    # Another micro-batch, window, checkpointing or sync is another trial.
+    window_trial(model, target.backend, **{**args, "micro_batch": 1})
+    window_trial(model, target.backend, **{**args, "window": 1})
+    window_trial(model, target.backend, **{**args, "checkpointing": "off"})
+    window_trial(model, target.backend, **{**args, "reduce_every_micro_step": False})
+    assert len(built) == 7

@@ -369,7 +369,8 @@ def test_a_screen_that_runs_out_of_memory_says_what_it_needs_or_held(examples_di
     # mlp: 31.6 MB of parameters and optimizer state, 54.7 MB at micro-batch 1024. With a 40 MB
     # budget the CPU count stops at the allocation that passes it: the step needs at least that.
     planner = SimpleNamespace(backend=EstimateMemoryBackend(40_000_000), options=SimpleNamespace(sharding="ddp"),
-                              chosen="fp32", world_size=1, usable=40_000_000)
+                              chosen="fp32", world_size=1, usable=40_000_000,
+                              request=SimpleNamespace(share=1024))
     why = _screen(examples_dir / "mlp.py", planner, Layout(), False, micro_batch=1024)
     assert why.startswith("micro-batch 1024 runs out of memory (needs at least ")
     # A modelled CUDA allocator fails an allocation with less than the budget reserved (a 31 GiB

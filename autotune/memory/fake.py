@@ -97,6 +97,10 @@ class EstimateMemoryBackend(CPUMemoryBackend):
                 # Taken at the first matmul and kept: they are in every step's reserved memory.
                 self.allocator.malloc(("cublas workspace", index), nbytes)
         self._trial_reserved = self._trial_tensors = 0
+        self.trials_memo: dict | None = None
+        """Where set (a dict: a --gpu planner's backend, one workload), the CUDA estimates' fresh
+        trials (``probing.fresh_trials``) run on this backend's copies keep their answers here by
+        setting, and one asked again is not run again."""
 
     def fresh(self) -> "EstimateMemoryBackend":
         """A backend like this one (its target, the budget in force, offload, the allocator's

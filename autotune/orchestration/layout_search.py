@@ -20,6 +20,7 @@ from ..planning.layouts import (LayoutOutcome, choice_key, choose_layout, commun
 from ..planning.types import Plan
 from ..precision import Precision
 from ..probing.api import window_trial
+from ..probing.share import window_steps
 from ..units import format_bytes
 from .eval_batch import plan_eval_batch
 
@@ -135,17 +136,22 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
 def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch: int = 1) -> str | None:
     """Why ``layout`` does not fit at ``micro_batch``, from one estimate of its least memory
     there (every block checkpointed, FSDP2 over all its data-parallel ranks, the planner's
-    precision); None where that fits (the planner then searches it). Memory grows with the
-    micro-batch, so at 1 this says the layout fits nowhere. One step instead of a planner's
-    search: where data parallelism fit nowhere, many candidates do not either, and where a layout
-    planned N steps, many cannot reach N."""
-    # A pipeline's window is at least pp micro-batches (its schedule's). The layout's sharding
-    # as the planner plans it (fsdp under auto; fsdp-offload holds less on the device).
+    precision, the accumulation window a plan at ``micro_batch`` runs); None where that fits
+    (the planner then searches it). Memory grows with the micro-batch, so at 1 this says the
+    layout fits nowhere. One trial instead of a planner's search: where data parallelism fit
+    nowhere, many candidates do not either, and where a layout planned N steps, many cannot reach
+    N."""
+    # The window the planner's probe runs at ``micro_batch`` (``window_steps`` of the layout's
+    # share, reduce-scattering every micro-step), so that a CUDA estimate's probe takes this
+    # trial's answer instead of running it again (``FreshTrialsSession``'s memo); a pipeline's
+    # is at least pp micro-batches (its schedule's). The layout's sharding as the planner plans
+    # it (fsdp under auto; fsdp-offload holds less on the device).
     sharding = str(planner.options.sharding)
-    trial = window_trial(workload, planner.backend, micro_batch=micro_batch, window=layout.pp,
+    window = layout.pp if layout.pp > 1 else window_steps(micro_batch, planner.request.share)
+    trial = window_trial(workload, planner.backend, micro_batch=micro_batch, window=window,
                          precision=planner.chosen, checkpointing="on" if checkpointable else "off",
                          sharding="fsdp" if sharding == "auto" else sharding,
-                         world_size=planner.world_size, parallel=layout)
+                         world_size=planner.world_size, parallel=layout, reduce_every_micro_step=True)
     least = f"micro-batch {micro_batch}" + (", every block checkpointed" if checkpointable else "")
     if trial is None:
         return f"parameters and optimizer state alone pass the budget ({least} screened)"

@@ -256,6 +256,10 @@ class _Planner:
                                       world_size=self.world_size)
                        if options.gpu is not None else None)
         self.backend = self.target.backend if self.target else backend_for(options.device, options.memory_limit)
+        if self.target:
+            # Each trial of a CUDA estimate runs on a fresh build: one asked twice (a layout
+            # screen's, then the probe's) is answered from the first (probing.fresh_trials).
+            self.backend.trials_memo = {}
         self.info = self.backend.info()
         self.chosen, precision_reason = (
             self.target.choose_precision(options.precision) if self.target else choose_precision(
