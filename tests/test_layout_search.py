@@ -391,6 +391,24 @@ def test_a_screen_that_runs_out_of_memory_says_what_it_needs_or_held(examples_di
         f"{format_bytes(54_743_240)} at micro-batch 1024, past the {format_bytes(50_000_000)} the headroom leaves")
 
 
+def test_a_screen_runs_the_window_the_probe_runs_at_its_micro_batch(monkeypatch):
+    # So that where it fits, the probe of a --gpu plan takes its answer (the planner's memo of
+    # fresh trials) instead of running the same window again.
+    from types import SimpleNamespace
+
+    from autotune.orchestration import layout_search
+
+    asked = []
+    monkeypatch.setattr(layout_search, "window_trial", lambda *a, **kw: asked.append(kw) or SimpleNamespace(
+        fits=True, peak_bytes=1, reserved_peak_bytes=1))
+    planner = SimpleNamespace(backend=None, options=SimpleNamespace(sharding="auto"), chosen="bf16",
+                              world_size=8, usable=10, request=SimpleNamespace(share=8))
+    for layout, n in ((Layout(tp=2), 2), (Layout(tp=2), 8), (Layout(cp=2), 3), (Layout(pp=2), 1)):
+        assert layout_search._screen(None, planner, layout, True, micro_batch=n) is None
+    assert [(kw["micro_batch"], kw["window"]) for kw in asked] == [(2, 4), (8, 1), (3, 3), (1, 2)]
+    assert all(kw["reduce_every_micro_step"] and kw["sharding"] == "fsdp" for kw in asked)
+
+
 def test_steps_to_win_counts_the_tie_only_where_the_tie_breaks_could_pick_the_layout():
     from autotune.planning.layouts import steps_to_win
 
