@@ -220,6 +220,22 @@ def test_a_limit_the_largest_fitting_micro_batch_keeps_adds_no_trial():
     assert runs == unlimited
 
 
+@pytest.mark.parametrize("fits_up_to", [0, 2, 3, 8])
+def test_where_only_the_upper_micro_batch_is_worth_a_trial_the_search_runs_one(fits_up_to):
+    # A smaller shard group is planned only where it reaches the whole world's micro-batch (3 of
+    # a share of 8): one window there says it, whatever the limit.
+    runs = []
+
+    def run(n):
+        runs.append(n)
+        return _trial(n, fits=n <= fits_up_to, window=n < 8)
+
+    best, trials, _ = search_with_share(run, budget=100, upper=3, share=8, least=3, limit=0,
+                                        steps_only=True)
+    assert runs == [3] and len(trials) == 1 and trials[0].window
+    assert best == (3 if fits_up_to >= 3 else 0)
+
+
 def test_a_plan_past_its_headroom_at_the_largest_fitting_micro_batch_measures_below_it():
     # tiny_lm, 64 samples in 128 MiB less a 30% headroom: 23 fits the budget and not the
     # headroom. The plan's micro-batch (13, 5 steps) is a measured window within it, and so is

@@ -336,7 +336,7 @@ class _Planner:
                              estimated_for=self.estimated_for)
 
     def try_setting(self, checkpoint, precision: Precision | None = None, layout=(Sharding.DDP, None),
-                    upper: int | None = None, hint: int | None = None) -> SettingTried:
+                    upper: int | None = None, hint: int | None = None, least: int | None = None) -> SettingTried:
         # Ranked by predicted throughput for a GPU: the probe's one-step trials are counted as they
         # run (autotune.timing.recorded), so the ranking need not run them again.
         steps = {} if self.options.optimize == "throughput" and self.target else None
@@ -349,7 +349,7 @@ class _Planner:
                                  world_size=self.world_size, hint=hint, share=self.request.share,
                                  parallel=self.request.parallel,
                                  session_type=recording_session(steps) if steps is not None else None,
-                                 limit=limit)
+                                 limit=limit, least=least)
         if steps:
             self.recorded_steps[recorded_key(setting)] = steps
         return evaluate_setting(setting, usable=self.usable, agree=self.agree,
@@ -357,17 +357,18 @@ class _Planner:
                                                                 self.fingerprint.param_bytes))
 
     def try_layout(self, layout, upper: int | None = None, *, precision_: Precision | None = None,
-                   hints=(), known_first: SettingTried | None = None) -> list[SettingTried]:
+                   hints=(), known_first: SettingTried | None = None, least: int | None = None) -> list[SettingTried]:
         # hints: where each probe's search starts, in the order the settings are tried.
         # known_first: the first setting's answer where it is already known without a probe.
+        # least: only ``upper`` is worth a trial (see search_with_share).
         precision_ = precision_ or self.chosen
         hints = [*hints, None, None]
         request_ = dataclasses.replace(self.request, precision=precision_)
         found = [known_first or self.try_setting(self.first, precision_, layout=layout, upper=upper,
-                                                 hint=hints[0])]
+                                                 hint=hints[0], least=least)]
         if checkpointing_worth_probing(found[0], request_, self.fingerprint, upper=upper):
             found.append(self.try_setting(self.every_block, precision_, layout=layout, upper=upper,
-                                          hint=hints[1]))
+                                          hint=hints[1], least=least))
             # The fewest blocks are proved by local trials on a replica; ranks would have to agree.
             if not self.distributed and not layout[0].sharded:
                 fewest = _fewest_blocks_setting(self.workload, self.backend, request_, found[0], found[1],
@@ -459,8 +460,12 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
             # Each probe starts where the whole world's probe of the same checkpointing predicts.
             hints = [predicted_group_max(s.probe, world_size=groups[-1], group=group, upper=needed)
                      for s in world]
+            # Only ``needed`` is worth a trial: below it the group takes more steps (8B on 8
+            # H100s: groups 2 and 4 cannot reach FSDP 8's micro-batch 3, and their probes
+            # searched micro-batches 1 and 2 on four full builds, about 25 CPU s).
             by_group[group] = try_layout((Sharding.FSDP, group), upper=needed, hints=hints,
-                                         known_first=_no_fit_on_smaller_group(world[0], group))
+                                         known_first=_no_fit_on_smaller_group(world[0], group),
+                                         least=needed)
             return fewest_steps(by_group[group], request) == best
 
         first = first_shard_group(world, groups[:-1], micro_batch=needed, usable=usable,
@@ -668,7 +673,7 @@ def _requested_blocks(value, fingerprint: WorkloadFingerprint) -> CheckpointingR
 def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
                    layout=(Sharding.DDP, None), world_size: int = 1,
                    hint: int | None = None, share: int | None = None, parallel=None,
-                   session_type=None, limit: int | None = None) -> SettingTried:
+                   session_type=None, limit: int | None = None, least: int | None = None) -> SettingTried:
     sharding, group = layout
     parallel = parallel if parallel is not None else Layout()
     # Where the probe finds nothing, the setting is what was asked (its blocks not counted).
@@ -684,6 +689,7 @@ def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
         # share: micro-batches below it accumulate, and are probed as accumulation windows.
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
                        backend=backend, share=share, limit=limit, **layout_args,
+                       **({"least": least} if least is not None else {}),
                        **({"session_type": session_type} if session_type is not None else {}))
     except SetupOutOfMemory as exc:
         return SettingTried(**tried, error=str(exc), state_fits=False)

@@ -48,6 +48,7 @@ def probe(
     parallel=None,
     session_type=None,
     limit: int | None = None,
+    least: int | None = None,
 ) -> ProbeResult:
     """Find the exact largest micro-batch whose full steady-state training step fits.
 
@@ -94,6 +95,8 @@ def probe(
     ``limit`` (bytes; a planner's budget less its headroom): where the largest micro-batch that
     fits the budget holds more, the search goes on below it to the largest within ``limit``
     (``share._down_to_limit``), so that a plan's micro-batch is measured, not predicted.
+    ``least`` (with ``max_micro_batch`` at most it): only ``max_micro_batch`` is tried, the
+    answer it or nothing (see ``search_with_share``).
 
     ``session_type`` (trials on fake tensors only): the ``EstimateSession`` subclass (or a factory
     of one) that runs them; ``autotune.timing.recorded`` counts the steps it runs as it goes.
@@ -146,7 +149,7 @@ def probe(
                     # own) cost tens of seconds at 70B: only the micro-batches that change the
                     # plan's accumulation steps.
                     steps_only=estimating and backend.allocator is not None,
-                    limit=limit,
+                    limit=limit, least=least,
                 )
         except SetupOutOfMemory as exc:
             detail, trials, best = str(exc), [], 0

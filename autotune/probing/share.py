@@ -30,7 +30,7 @@ def window_steps(n: int, share: int | None) -> int:
 def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: int | None,
                       share: int | None, hint: int | None = None, estimate=None,
                       try_share: bool = True, steps_only: bool = False,
-                      limit: int | None = None) -> tuple[int, list[Trial], MemoryModel]:
+                      limit: int | None = None, least: int | None = None) -> tuple[int, list[Trial], MemoryModel]:
     """``search_largest_fitting`` for a probe that plans for ``share`` samples per rank.
 
     Where ``upper`` reaches the share, one step at the share is tried first (unless
@@ -40,7 +40,13 @@ def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: 
     ``steps_only``: below the share, try only the micro-batches that take fewer accumulation
     steps than every smaller one (``search_largest_fitting``'s ``share``): the answer is the
     largest of those that fits, and the plan's split the same as from the exact largest.
-    ``limit`` (what a plan may hold: the budget less the headroom): see ``_down_to_limit``."""
+    ``limit`` (what a plan may hold: the budget less the headroom): see ``_down_to_limit``.
+    ``least`` (at least ``upper``): no micro-batch below ``upper`` is worth a trial (a smaller
+    shard group is planned only where it reaches the whole world's steps): one trial at
+    ``upper``, the answer ``upper`` where it fits, else 0."""
+    if least is not None and upper is not None and least >= upper:
+        trial = run_trial(upper)
+        return (upper if trial.fits else 0), [trial], fit_memory_model([trial])
     best, trials, model = _search(run_trial, budget=budget, upper=upper, share=share, hint=hint,
                                   estimate=estimate, try_share=try_share, steps_only=steps_only)
     return _down_to_limit(run_trial, best, trials, model, share=share, limit=limit)
