@@ -78,6 +78,7 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             return LayoutOutcome(layout, error=f"not planned: {exc}")
         planners[layout] = planner
         try:
+            short = None  # set where a screen at micro-batch 1 ran out: the layout fits nowhere
             if beat_screen and leader and not layout.trivial:
                 # steps >= 1 here: a leader of 1 step ends the search (search_layouts).
                 share = planner.request.share
@@ -85,22 +86,19 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                     layout, share, sharded=Sharding.parse(sharding).sharded, steps=steps))
                 needed = -(-share // steps)
                 short = screen(workload, planner, layout, fingerprint.checkpointable, micro_batch=needed)
-                if short is not None and needed == 1:
-                    # Not even micro-batch 1 fits: the layout fits nowhere, and neither does any
-                    # it dominates (8B at sequence 131072 after CP 8's 8 steps: tp 2 x cp 4's
-                    # planner tried 8 micro-batches that ran out of memory, 47 CPU s).
-                    screening.append(layout)
-                    return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True,
-                                         screened=True)
-                if short is not None:
+                # Where even micro-batch 1 does not fit, the layout fits nowhere, and neither does
+                # any it dominates (below; 8B at sequence 131072 after CP 8's 8 steps: tp 2 x cp
+                # 4's planner tried 8 micro-batches that ran out of memory, 47 CPU s).
+                if short is not None and needed > 1:
                     return LayoutOutcome(layout, beaten=steps + 1, screened=True, error=(
                         f"{why}: its share of {share} samples in {_steps_words(steps)} needs "
                         f"micro-batch {needed}; {short}"))
             elif screening and not layout.trivial:
                 short = screen(workload, planner, layout, fingerprint.checkpointable)
-                if short is not None:
-                    return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True,
-                                         screened=True)
+            if short is not None:
+                screening.append(layout)
+                return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True,
+                                     screened=True)
             planned = planner.run()
         except PlanError as exc:
             screening.append(layout)

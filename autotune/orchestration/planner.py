@@ -688,8 +688,7 @@ def _probe_setting(workload, backend, precision, checkpoint, upper: int, *,
     try:
         # share: micro-batches below it accumulate, and are probed as accumulation windows.
         result = probe(workload, precision=precision, checkpointing=checkpoint, max_micro_batch=upper,
-                       backend=backend, share=share, limit=limit, **layout_args,
-                       **({"least": least} if least is not None else {}),
+                       backend=backend, share=share, limit=limit, least=least, **layout_args,
                        **({"session_type": session_type} if session_type is not None else {}))
     except SetupOutOfMemory as exc:
         return SettingTried(**tried, error=str(exc), state_fits=False)

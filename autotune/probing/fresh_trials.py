@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+from ..distributed.layout import Layout
 from ..distributed.sharding.ranks import sharded_step
 from ..distributed.sharding.settings import resolve_shard_group
 
@@ -83,7 +84,7 @@ class FreshTrialsSession:
         return self._full_session().checkpointed_blocks
 
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None):
-        memo = getattr(self.backend, "trials_memo", None)
+        memo = self.backend.trials_memo
         key = self._memo_key(n, window, micro_batches) if memo is not None else None
         if memo is not None and key in memo:
             # The same step on a fresh build: the same answer, to the byte.
@@ -108,7 +109,7 @@ class FreshTrialsSession:
         if parallel is not None and parallel.trivial:
             layout["parallel"] = parallel = None
         if getattr(sharding, "sharded", False):
-            ranks = layout["world_size"] // (parallel.model_parallel if parallel is not None else 1)
+            ranks = (parallel or Layout()).data_parallel(layout["world_size"])
             layout["shard_group"] = resolve_shard_group(layout.get("shard_group"), ranks)
         # A session type records as it runs (timing.recorded): another's answer records nothing.
         return (self.session_type, tuple(sorted((k, str(v)) for k, v in layout.items())),

@@ -248,7 +248,7 @@ def search_largest_fitting(
 def useful_micro_batches(top: int, share: int) -> list[int]:
     """The micro-batches up to ``top`` that take fewer accumulation steps of ``share`` samples
     than every smaller one, ascending."""
-    return sorted({-(-share // steps) for steps in range(1, share + 1)} & set(range(1, top + 1)))
+    return sorted(n for n in {-(-share // steps) for steps in range(1, share + 1)} if n <= top)
 
 
 def _next_useful(n: int, share: int) -> int | None:
