@@ -93,7 +93,8 @@ def test_nested_and_concurrent_plans_unfreeze_once_the_last_ends(unfrozen):
     assert gc.get_freeze_count() == 0
 
 
-def test_a_layout_search_checks_that_the_model_can_be_estimated_once(examples_dir, monkeypatch):
+@pytest.mark.parametrize("model", ["tiny_lm.py", "real/llama.py"])  # ours, a tiny HF Llama
+def test_a_layout_search_checks_that_the_model_can_be_estimated_once(examples_dir, monkeypatch, model):
     from autotune.gpus import target
 
     checked = []
@@ -102,7 +103,7 @@ def test_a_layout_search_checks_that_the_model_can_be_estimated_once(examples_di
                         lambda self, workload, precision: (checked.append(precision),
                                                            original(self, workload, precision))[1])
     # A pinned micro-batch of 1 leaves 4 steps, so the search plans tp 2 after data parallel.
-    planned = plan(examples_dir / "tiny_lm.py", gpu="h100-80gb", world_size=2, target_batch=8,
+    planned = plan(examples_dir / model, gpu="h100-80gb", world_size=2, target_batch=8,
                    micro_batch=1, tp="auto", eval_batch=False)
     assert "FSDP 1 × TP 2 (8 accumulation steps" in planned.reasons["layout"]
     assert [str(p) for p in checked] == ["bf16"]

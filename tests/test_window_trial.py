@@ -250,6 +250,24 @@ def test_a_plan_past_its_headroom_at_the_largest_fitting_micro_batch_measures_be
     assert probe.trial_at(16) is not None and probe.peak_at(16) > usable
 
 
+@pytest.mark.slow  # about 10 s (a real model's probes and 16 micro-steps): the fast suite is at its 10 minutes
+def test_a_hugging_face_plan_measured_below_its_largest_fitting_micro_batch_trains_at_its_peak():
+    # A tiny Hugging Face Llama, 256 samples in 40 MiB less a 30% headroom: 49 fits the budget
+    # and not the headroom, so the probe measures below it (32 within, 37 past). The built-in
+    # loop trains the plan's window at the peak the plan states.
+    model = str(EXAMPLES / "real" / "llama.py")
+    plan = autotune.plan(model, target_batch=256, memory_limit="40MiB", device="cpu",
+                         precision="fp32", checkpointing="off", headroom=0.3, eval_batch=False)
+    probe = plan.chosen_setting.probe
+    usable = int(probe.budget_bytes * 0.7)
+    assert plan.accumulation_steps >= 2 and probe.peak_at(probe.max_micro_batch) > usable
+    assert probe.peak_at(plan.micro_batch) is not None and probe.peak_at(plan.micro_batch) <= usable
+    result = train(plan, model, steps=2, progress=False)
+    trained = max(m["peak_memory_bytes"] for m in result.metrics)
+    assert abs(trained - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes, (
+        trained, plan.predicted_peak_bytes)
+
+
 def test_the_limit_the_probe_searches_below_is_agreed_across_ranks(monkeypatch):
     # Under torchrun each rank has its own budget; the sharded trials the search runs below the
     # budget are collectives, so every rank must compare with the same limit (the least).
