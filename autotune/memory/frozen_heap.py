@@ -1,4 +1,6 @@
-"""The objects that exist before a plan kept out of the garbage collector's passes while it runs.
+"""The garbage collector kept out of a plan's way: the objects that exist before a plan kept out of
+its passes while it runs (``frozen_heap``), and automatic collection off where its timing would
+change what is measured (``automatic_collection_off``).
 
 A plan builds and drops thousands of fake modules and tensors, and each trial ends with a full
 collection (``oom.free_memory``) so that what a trial freed is not counted in the next: every one
@@ -41,4 +43,17 @@ def frozen_heap():
                 _froze = False
 
 
-__all__ = ["frozen_heap"]
+@contextlib.contextmanager
+def automatic_collection_off():
+    """Python's automatic garbage collection off for the block: what is left in reference cycles
+    waits for an explicit ``gc.collect()`` (or the next collection after it)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+__all__ = ["automatic_collection_off", "frozen_heap"]

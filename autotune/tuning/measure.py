@@ -12,7 +12,6 @@ the batch is not timed (a data loader overlaps it with compute).
 from __future__ import annotations
 
 import contextlib
-import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 from ..workload.activation_checkpointing import disable_checkpointing
 from ..workload.checkpoint_count import Checkpointing
 from ..memory.base import MemoryBackend
+from ..memory.frozen_heap import automatic_collection_off
 from ..memory.oom import free_memory
 from ..planning.types import SplitArithmetic
 from ..precision import Precision, grad_scaler
@@ -136,7 +136,9 @@ def _measure_in(session: TrialSession, config: Configuration, windows: int,
         return Measurement(samples_per_s=None, peak_bytes=peak, out_of_memory=True)
     peak, within = backend.peak_bytes(), backend.within_budget()
     times = []
-    with _untracked(backend), _no_gc_pauses():
+    # As timeit does: a collection that happens to fall into one configuration's windows would
+    # be charged to that configuration alone. What is left to collect waits for the next one.
+    with _untracked(backend), automatic_collection_off():
         while len(times) < windows or (sum(times) < min_seconds and len(times) < MAX_TIMED_WINDOWS):
             seconds = _timed_window(runner, window, batch, session.device, clock)
             if seconds is None:  # possible on CUDA (fragmentation) even after the warm-up fitted
@@ -187,7 +189,7 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
     batch = session.workload.batch(configs[0].share) if configs else None
     times: list = [[] for _ in configs]
     try:
-        with _untracked(session.backend), _no_gc_pauses():
+        with _untracked(session.backend), automatic_collection_off():  # as above
             # Round 0 is the warm-up: each configuration's first window after set-up.
             for round_ in range(MAX_TIMED_WINDOWS + 1):
                 if round_ > COMPARE_MIN_ROUNDS and time.perf_counter() >= deadline:
@@ -244,19 +246,6 @@ def _untracked(backend: MemoryBackend):
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
-
-
-@contextlib.contextmanager
-def _no_gc_pauses():
-    # As timeit does: a collection that happens to fall into one configuration's windows would
-    # be charged to that configuration alone. What is left to collect waits for the next one.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _synchronize(device: torch.device) -> None:
