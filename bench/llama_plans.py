@@ -2,9 +2,11 @@
 
 Two tables (bench/README.md, "llama_plans.py"):
 
-1. ``--check``: one rank's estimated step (fake tensors, CUDA accounting: the foreach AdamW as on
-   the GPU) of bench/llama_like.py from the small builds extended to every block, against the full
-   fake build, with the seconds of each. Each row runs in this process, one after the other.
+1. ``--check``: one rank's estimated step for an H100 (fake tensors, the CUDA caching allocator
+   modelled) of bench/llama_like.py from three small builds' allocator traces synthesized for
+   every block (``SynthesizedTrialsSession``, here at 8B too, where a plan runs the full build:
+   ``SYNTHESIS_MAX_SHARE``), against the full fake build: reserved peaks and the tensors' peak,
+   with the CPU seconds of each. Each row runs in one child process per model, one after another.
 2. ``--plan``: ``autotune plan bench/llama_like.py --gpu h100-80gb --gpus-per-node 8 --tp auto
    --cp auto --pp auto`` (issue 21's cases: 8B on 8 GPUs, 70B on 256, 405B on 512 at sequence
    8192, and 8B at sequence 131072 on 8, which needs context parallelism), each in a fresh
@@ -21,7 +23,6 @@ Two tables (bench/README.md, "llama_plans.py"):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -35,11 +36,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEQ_LEN = 8192
 PLANS = {"8b": (8, 64, SEQ_LEN), "70b": (256, 512, SEQ_LEN), "405b": (512, 1024, SEQ_LEN),
          "8b-128k": (8, 8, 131072)}  # world size, target batch, sequence length
-CHECKS = {  # (world size, micro-batch, precision, checkpointing, shard group)
+CHECKS = {  # (world size, micro-batch, precision, checkpointing, shard group[, window, tp])
     "8b": [(8, 1, "bf16", "on", None), (8, 2, "bf16", "on", None), (8, 1, "bf16", "off", None),
            (64, 2, "bf16", "on", None), (8, 1, "fp32", "16", None), (16, 1, "bf16", "on", 8),
-           (1, 1, "bf16", "on", None)],
-    "70b": [(256, 1, "bf16", "on", None), (64, 2, "bf16", "on", 32)],
+           (1, 1, "bf16", "on", None), (8, 2, "bf16", "on", None, 2), (8, 2, "bf16", "on", None, 2, 2)],
+    "70b": [(256, 1, "bf16", "on", None), (64, 2, "bf16", "on", 32), (256, 1, "bf16", "on", 32, 2),
+            (256, 2, "bf16", "on", None, 2, 2)],
 }
 
 
@@ -56,24 +58,42 @@ def check(shape: str) -> list[dict]:
 
 
 def _check_rows(shape: str) -> list[dict]:
+    from autotune.distributed.layout import parse_layout
     from autotune.memory.fake import EstimateMemoryBackend
-    from autotune.probing.affine_blocks import full_builds
+    from autotune.probing import affine_blocks
+    from autotune.probing.affine_blocks import full_builds, synthesized_traces
     from autotune.probing.api import window_trial
 
+    fell_back = []
+    original = affine_blocks.SynthesizedTrialsSession._full_session
+
+    def full_build(session):
+        fell_back.append(session.unsynthesizable)
+        return original(session)
+
     rows = []
-    for world, n, precision, checkpointing, group in CHECKS[shape]:
-        args = dict(micro_batch=n, window=1, precision=precision, checkpointing=checkpointing,
-                    sharding="fsdp" if world > 1 else "ddp", world_size=world, shard_group=group)
-        found = {}
+    for world, n, precision, checkpointing, group, *more in CHECKS[shape]:
+        window, tp = (*more, 1, 1)[:2]
+        args = dict(micro_batch=n, window=window, precision=precision, checkpointing=checkpointing,
+                    sharding="fsdp" if world > 1 else "ddp", world_size=world, shard_group=group,
+                    parallel=parse_layout(tp=tp) if tp > 1 else None)
+        found, fell_back[:] = {}, []
         for way in ("few", "full"):
-            started = time.perf_counter()
-            with full_builds() if way == "full" else contextlib.nullcontext():
-                trial = window_trial(ROOT / "bench" / "llama_like.py",
-                                     EstimateMemoryBackend(None, for_cuda=True), **args)
-            found[way] = (trial.peak_bytes, trial.activation_peak_bytes, trial.step_peak_bytes,
-                          time.perf_counter() - started)
+            started = time.process_time()
+            # The small builds' traces, synthesized for whatever share of the model they hold
+            # (at 8B they hold more than a planner synthesizes for, SYNTHESIS_MAX_SHARE).
+            affine_blocks.SynthesizedTrialsSession._full_session = full_build
+            try:
+                with full_builds() if way == "full" else synthesized_traces(max_share=None):
+                    trial = window_trial(ROOT / "bench" / "llama_like.py",
+                                         EstimateMemoryBackend(None, for_cuda=True), **args)
+            finally:
+                del affine_blocks.SynthesizedTrialsSession._full_session
+            found[way] = (trial.reserved_peak_bytes, trial.activation_peak_bytes, trial.step_peak_bytes,
+                          trial.allocated_peak_bytes, time.process_time() - started)
         rows.append({"world": world, "group": group, "n": n, "precision": precision,
-                     "checkpointing": checkpointing, **found})
+                     "checkpointing": checkpointing, "window": window, "tp": tp, **found,
+                     "unsynthesized": fell_back[0] if fell_back else None})
     return rows
 
 
@@ -174,18 +194,21 @@ def main() -> int:
     args = parser.parse_args()
     ok = True
     if args.check:
-        print(f"| model | world / group | n | precision | ckpt | few blocks: peak (forward-backward, "
-              f"optimizer) | full build | difference | few s | full s |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print(f"| model | world / group | tp | n × window | precision | ckpt | synthesized: reserved "
+              f"peak (forward-backward, optimizer), tensors | full build | difference | synthesized "
+              f"CPU s | full CPU s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for shape in args.check:
             for row in check(shape):
                 few, full = row["few"], row["full"]
-                same = few[:3] == full[:3]
+                same = few[:4] == full[:4]
                 ok = ok and same
-                print(f"| {shape} | {row['world']} / {row['group'] or row['world']} | {row['n']} | "
-                      f"{row['precision']} | {row['checkpointing']} | {few[0]} ({few[1]}, {few[2]}) | "
-                      f"{full[0]} ({full[1]}, {full[2]}) | {few[0] - full[0]} B | {few[3]:.1f} | "
-                      f"{full[3]:.1f} |", flush=True)
+                synthesized = (f"{few[0]} ({few[1]}, {few[2]}), {few[3]}" if not row["unsynthesized"]
+                               else f"full build: {row['unsynthesized']}")
+                print(f"| {shape} | {row['world']} / {row['group'] or row['world']} | {row['tp']} | "
+                      f"{row['n']} × {row['window']} | {row['precision']} | {row['checkpointing']} | "
+                      f"{synthesized} | {full[0]} ({full[1]}, {full[2]}), "
+                      f"{full[3]} | {few[0] - full[0]} B | {few[4]:.1f} | {full[4]:.1f} |", flush=True)
     if args.plan:
         print("\n| model | world | target | sequence | CPU s | wall s | peak RSS | layout | split | ckpt | "
               "per-rank peak | search | full build: CPU s (speed-up) | same plan |")

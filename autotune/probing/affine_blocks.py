@@ -24,6 +24,11 @@ keeps its own list of layers) is estimated on the full build.
 The small builds are made from the model file as it is: the full model is built on fake tensors
 (no memory, about half a second for 8B), its block container is cut to the first blocks, and
 then it is sharded and stepped as usual.
+
+A CUDA estimate's reserved memory (the modelled caching allocator) is not affine in the blocks;
+the allocator's event sequence is, segment by segment: ``SynthesizedTrialsSession`` runs each
+trial on three fresh small builds and replays their traces synthesized for the whole model
+(``trace_synthesis``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -38,13 +44,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import EstimateUnavailable
 from ..distributed.sharding.ranks import sharded_step
 from ..memory.cpu import tracking_resizes
-from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, uncounted_sharding_propagation
+from ..memory.frozen_heap import automatic_collection_off
+from ..memory.cuda_allocator import cublas_workspaces
+from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, is_hopper, uncounted_sharding_propagation
 from ..units import format_bytes
 from ..workload.activation_checkpointing import (checkpointable_blocks, enable_checkpointing,
                                                  repeated_blocks, spread_evenly)
 from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from .fresh_trials import FreshTrialsSession
 from .result import Trial
+from .trace_synthesis import NotSynthesizable, Synthesis, TraceMarks, normalize, replay_trial
 from .trial import SetupOutOfMemory
 
 EDGE = 2
@@ -52,6 +61,35 @@ EDGE = 2
 smaller build repeats the unit twice that often, the larger once more."""
 
 _enabled = True
+
+TRACE_SYNTHESIS = True
+"""Estimates that model the CUDA caching allocator run on small builds too, their allocator traces
+synthesized into the whole model's and replayed (``SynthesizedTrialsSession``); off: they run the
+full build (the small builds' tensors ruling trials out, ``TensorFloorSession``)."""
+
+SYNTHESIS_MAX_SHARE = 0.25
+"""Synthesize where the three small builds hold at most this share of the model's blocks; above,
+the full build costs about as much or less. Measured with ``bench/llama_plans.py`` (2026-12-03):
+one trial (``--check``, CPU s, synthesized against full build) of 70B (80 blocks; small builds of
+4, 5 and 6: 19%) 4.8-8.8 against 10.8-23.0; of 8B (32 blocks, 47%) 3.5-5.4 against 4.4-6.6, of
+8B with 16 blocks checkpointed (units of two: builds of 8, 10 and 12) 6.4 against 4.8. Whole
+plans (``--plan``): at a share of 0.5 8B at sequence 131072 took 237 CPU s against 183-196 on
+full builds, its screens that fit nowhere dearer (a full build under a budget stops at its first
+out-of-memory op; the small builds run their whole steps before the replay), 8B 58 either way."""
+
+
+@contextlib.contextmanager
+def synthesized_traces(enabled: bool = True, *, max_share: float | None = SYNTHESIS_MAX_SHARE):
+    """Allocator-modelled estimates from small builds' synthesized traces, or not; ``max_share``:
+    where the small builds hold at most this share of the blocks (None: wherever a third small
+    build is smaller than the model; tests compare small models with their full builds)."""
+    global TRACE_SYNTHESIS, SYNTHESIS_MAX_SHARE
+    saved = TRACE_SYNTHESIS, SYNTHESIS_MAX_SHARE
+    TRACE_SYNTHESIS, SYNTHESIS_MAX_SHARE = enabled, max_share
+    try:
+        yield
+    finally:
+        TRACE_SYNTHESIS, SYNTHESIS_MAX_SHARE = saved
 
 PROVEN_SPLITS: frozenset = frozenset({"tp", "cp"})
 """Model-parallel degrees whose few-block estimates tests/test_affine_layouts.py proves to the
@@ -140,10 +178,18 @@ def layout_session(workload, backend, *, session_type, precision, checkpointing,
         yield FewBlocksSession(workload, backend, session_type=session_type, total_blocks=total,
                                layout=layout, **session_args)
         return
-    if total is not None and total >= FLOOR_MIN_BLOCKS and backend.tracker.budget_bytes is not None:
+    floor = total is not None and total >= FLOOR_MIN_BLOCKS and backend.tracker.budget_bytes is not None
+    if total is not None and TRACE_SYNTHESIS and backend.allocator is not None \
+            and getattr(session_type, "plain_type", session_type) is session_type:
         # A modelled CUDA allocator's reserved memory (rounding, cached segments) does not extend
-        # from small builds as tensor bytes do: the small builds' tensors only rule trials out
-        # (under a budget; an estimate without one runs the full build alone).
+        # from small builds as tensor bytes do; their allocator traces do. A session type that
+        # records the steps it runs (timing.recorded) needs the full build's.
+        yield SynthesizedTrialsSession(workload, backend, session_type=session_type, total_blocks=total,
+                                       layout=layout, floor=floor, **session_args)
+        return
+    if floor:
+        # Without synthesis, the small builds' tensors only rule trials out (under a budget; an
+        # estimate without one runs the full build alone).
         yield TensorFloorSession(workload, backend, session_type=session_type, total_blocks=total,
                                  layout=layout, **session_args)
         return
@@ -155,11 +201,30 @@ def layout_session(workload, backend, *, session_type, precision, checkpointing,
         yield session_type(step_workload, backend, parallel=parallel, **session_args)
 
 
+_BLOCK_COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""``identical_block_count`` by model factory: every layout session of a plan asks, and building
+405B's 126 blocks on fake tensors to answer costs about a second."""
+
+
 def identical_block_count(workload) -> int | None:
     """N where the model's repeated blocks are N identical children of one container, with more
-    blocks than the small builds hold; else None. The model is built on fake tensors."""
+    blocks than the small builds hold; else None. The model is built on fake tensors (once per
+    model factory)."""
     if workload.model_is_instance:
         return None
+    try:
+        return _BLOCK_COUNTS[workload.model]
+    except (KeyError, TypeError):  # not asked yet, or a factory that takes no weak reference
+        pass
+    count = _identical_block_count(workload)
+    try:
+        _BLOCK_COUNTS[workload.model] = count
+    except TypeError:
+        pass
+    return count
+
+
+def _identical_block_count(workload) -> int | None:
     try:
         with fake_tensor_limits(workload), FakeTensorMode(allow_non_fake_inputs=True):
             model = workload.new_model()
@@ -271,18 +336,27 @@ class _ResumableBackend(EstimateMemoryBackend):
     """An unbudgeted estimate backend whose fake mode is entered only while its own session
     runs (``resumed``), so several sessions live side by side in one process."""
 
-    def __init__(self, like: EstimateMemoryBackend, *, tensors_only: bool = False):
+    def __init__(self, like: EstimateMemoryBackend, *, tensors_only: bool = False, traced: bool = False):
         super().__init__(None, for_cuda=like.for_cuda, target=like.info(), offload=like.offload)
         if tensors_only:  # CUDA's accounting (foreach, no gloo buffers), tensor bytes only
             self.allocator = self.tracker.allocator = None
         self._mode = self.counting_mode()
+        self._traced = traced
+        """Traced builds count no sharding propagation and collect garbage only where the session
+        does (``uncounted_sharding_propagation``, ``frozen_heap.automatic_collection_off``): their traces do
+        not depend on what ran before them in the process."""
 
     def tracking(self):
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def resumed(self):
-        with tracking_resizes(self.tracker), self._mode, uncounted_sharding_propagation():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(tracking_resizes(self.tracker))
+            stack.enter_context(self._mode)
+            stack.enter_context(uncounted_sharding_propagation())
+            if self._traced:
+                stack.enter_context(automatic_collection_off())
             yield
 
 
@@ -299,9 +373,13 @@ class FewBlocksSession:
 
     def __init__(self, workload, backend: EstimateMemoryBackend, *, session_type, total_blocks: int,
                  layout: dict, precision, checkpointing, sharded: bool, offload: bool,
-                 reduce_every_micro_step: bool, tensors_only: bool = False):
+                 reduce_every_micro_step: bool, tensors_only: bool = False, traced: bool = False):
         """``tensors_only``: the small builds count tensor bytes without ``backend``'s allocator
-        model (``TensorFloorSession``'s floor); the budget is still ``backend``'s."""
+        model (``TensorFloorSession``'s floor); the budget is still ``backend``'s. ``traced``:
+        ``backend`` models the CUDA caching allocator, and the reserved peaks come from three small
+        builds' allocator traces, synthesized for the whole model and replayed
+        (``trace_synthesis``); a pattern or trace that does not extend raises
+        ``NotSynthesizable`` (set-up or trial) and builds nothing whole."""
         self.workload = workload
         self._tensors_only = tensors_only
         self.backend = backend
@@ -322,6 +400,11 @@ class FewBlocksSession:
         self._dropped_ran = False
         """A block cut from a small build ran in its forward: the model holds its blocks elsewhere
         too, and only full builds measure it."""
+        self._traced = traced and backend.allocator is not None and not tensors_only
+        self._marks: dict = {}
+        self._ran = False
+        self.synthesizable = self._traced
+        """Traced: the setting's blocks repeat in three small builds (no trial runs otherwise)."""
 
     @property
     def checkpointing_label(self) -> str:
@@ -337,8 +420,13 @@ class FewBlocksSession:
         return self
 
     def __exit__(self, *exc_info):
-        stack, self._stack = self._stack, None
+        self._close_children()
+        self._stack = None
+
+    def _close_children(self) -> None:
+        stack, self._stack = self._stack, contextlib.ExitStack()
         children, self._children = self._children, {}
+        self._ran = False
         for backend, session in reversed(children.values()):
             with backend.resumed():
                 session.__exit__(None, None, None)
@@ -347,11 +435,22 @@ class FewBlocksSession:
 
     def set_checkpointing(self, checkpointing) -> int:
         request = CheckpointingRequest.parse(checkpointing, allow_auto=False)
+        self._setting = checkpointing
         total = self.total_blocks
         self.checkpointing = (Checkpointing.every_block(total) if request.value == "on"
                               else request.resolve(total, source=self.workload.source))
         self.checkpointed_blocks = self.checkpointing.count or 0
         self._pattern = None if self._dropped_ran else block_pattern(self.checkpointed_blocks, total)
+        if self._traced:
+            self._close_children()  # every trial on builds of its own, set up as this setting says
+            # Synthesis needs a third small build, no prefix, and small builds that cost less than
+            # the model's (SYNTHESIS_MAX_SHARE).
+            self.synthesizable = not (
+                self._pattern is None or self._pattern.prefix
+                or self._pattern.blocks(self._pattern.small[1] + 1) >= total
+                or SYNTHESIS_MAX_SHARE is not None and sum(self._sizes()) > SYNTHESIS_MAX_SHARE * total)
+            if not self.synthesizable:
+                return self.checkpointed_blocks
         sizes = self._sizes()
         for size in sizes:
             self._child(size)
@@ -371,6 +470,13 @@ class FewBlocksSession:
         return session.window_micro_batches(n, window)
 
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> Trial:
+        if self._traced:
+            if not self.synthesizable:
+                raise NotSynthesizable(f"{self.checkpointed_blocks} of {self.total_blocks} blocks "
+                                       "checkpointed do not repeat in three small builds")
+            if self._ran:  # fresh builds: a modelled allocator's cache outlives a trial
+                self.set_checkpointing(self._setting)
+            self._ran = True
         trials, segments = [], []
         for size in self._sizes():
             backend, session = self._children[size]
@@ -381,6 +487,8 @@ class FewBlocksSession:
                     timeline.name_blocks(self._pattern, self._pattern.small[len(trials)])
                 trials.append(session.run(n, window=window, micro_batches=micro_batches))
             segments.append(timeline.peaks if timeline is not None else None)
+        if self._dropped_ran and self._traced:
+            raise NotSynthesizable("the model runs blocks it does not hold in its container")
         if self._dropped_ran and self._pattern is not None:
             # The model runs blocks it does not hold in its container: only its full build is it.
             self._pattern = None
@@ -391,16 +499,37 @@ class FewBlocksSession:
         if self._pattern is None:
             trial = trials[0]
             fields = {name: getattr(trial, name) for name in _EXTENDED}
+        elif self._traced:
+            fields = self._synthesized(trials)
         else:
             fields = {name: self._extended([getattr(t, name) for t in trials]) for name in _EXTENDED}
-            fields["activation_peak_bytes"] = self._extended_segments(*segments)
+            fields["activation_peak_bytes"] = self._extended_segments(*segments[:2])
             fields["peak_bytes"] = max(fields["activation_peak_bytes"], fields["step_peak_bytes"])
         budget = self.backend.tracker.budget_bytes
-        fits = budget is None or fields["peak_bytes"] <= budget
+        fits = fields.pop("fits", True) and (budget is None or fields["peak_bytes"] <= budget)
         if not fits:  # as a budgeted step reports one that ran out of memory
             fields["activation_peak_bytes"] = fields["step_peak_bytes"] = None
         return dataclasses.replace(trials[-1], fits=fits, seconds=sum(t.seconds for t in trials),
                                    **fields)
+
+    def _synthesized(self, trials) -> dict:
+        """The trial's fields where the allocator is modelled: the peaks (reserved bytes) from the
+        small builds' traces synthesized for the whole model and replayed; the others (tensor
+        bytes) extended as without it."""
+        pattern = self._pattern
+        synthesis = Synthesis(tuple(normalize(self._marks[size].events) for size in self._sizes()),
+                              pattern.small[0], len(pattern.unit))
+        replayed = replay_trial(synthesis.trace(pattern.repeats), self.backend.allocator.config,
+                                limit=self.backend.tracker.budget_bytes)
+        fields = {name: self._extended([getattr(t, name) for t in trials]) for name in _EXTENDED}
+        fields.update(activation_peak_bytes=replayed.activation_peak, step_peak_bytes=replayed.step_peak,
+                      peak_bytes=max(replayed.activation_peak, replayed.step_peak),
+                      reserved_peak_bytes=replayed.reserved_peak,
+                      # The tensors' peak: the cuBLAS workspaces are the allocator's, not the tracker's.
+                      allocated_peak_bytes=replayed.requested_peak - sum(
+                          cublas_workspaces(hopper=is_hopper(self.backend.info().name))),
+                      fits=replayed.fits)
+        return fields
 
     def _extended_segments(self, low: dict, high: dict) -> int:
         named = {label for label in low if None not in label}
@@ -412,18 +541,21 @@ class FewBlocksSession:
     def _sizes(self) -> list[int]:
         if self._pattern is None:
             return [self.total_blocks]
-        return [self._pattern.blocks(m) for m in self._pattern.small]
+        small = self._pattern.small
+        if self._traced:
+            small = (*small, small[1] + 1)
+        return [self._pattern.blocks(m) for m in small]
 
     def _extended(self, values: list[int | None]) -> int | None:
         if self._pattern is None:
             return values[0]
-        return extend(tuple(values), self._pattern.small, self._pattern.repeats)
+        return extend(tuple(values[:2]), self._pattern.small, self._pattern.repeats)
 
     def _checkpoint(self, session, size: int) -> None:
         if self._pattern is None:
             session.set_checkpointing(self.checkpointing)
             return
-        repeats = self._pattern.small[self._sizes().index(size)]
+        repeats = self._pattern.small[0] + self._sizes().index(size)
         indices = self._pattern.checkpointed(repeats)
         if len(indices) in (0, size):  # off, or every block (a model's own switch included)
             session.set_checkpointing("on" if indices else "off")
@@ -432,20 +564,39 @@ class FewBlocksSession:
         session.checkpointed_blocks = enable_checkpointing(session.model, source=self.workload.source,
                                                            indices=indices)
 
+    def _checkpoint_from_setup(self, session, size: int) -> None:
+        def set_checkpointing(checkpointing):
+            del session.set_checkpointing  # the class's from now on
+            self._checkpoint(session, size)
+            return session.checkpointed_blocks
+
+        session.set_checkpointing = set_checkpointing
+
     def _child(self, size: int):
         if size in self._children:
             return self._children[size]
-        backend = _ResumableBackend(self.backend, tensors_only=self._tensors_only)
+        backend = _ResumableBackend(self.backend, tensors_only=self._tensors_only, traced=self._traced)
+        marks = None
+        if self._traced:
+            marks = self._marks[size] = TraceMarks()
+            marks.record(backend, hopper=is_hopper(backend.info().name))
         step_workload = self._stack.enter_context(
-            sharded_step(_first_blocks(self.workload, size, self._dropped_block_ran), **self.layout))
+            sharded_step(_first_blocks(self.workload, size, self._dropped_block_ran,
+                                       marks.hook_blocks if marks is not None else None), **self.layout))
         session = self.session_type(step_workload, backend, precision=self.precision,
                                     checkpointing=False, sharded=self.sharded, offload=self.offload,
                                     reduce_every_micro_step=self.reduce_every_micro_step,
                                     parallel=self.layout.get("parallel"))
+        if marks is not None:
+            marks.hook_session(session)
+            if self._pattern is not None:
+                # The warm-up step checkpoints as the full build's does: where the allocator is
+                # modelled, the cache it leaves is part of every later trial's.
+                self._checkpoint_from_setup(session, size)
         with backend.resumed():
             session.__enter__()
         self._children[size] = backend, session
-        if size < self.total_blocks:
+        if size < self.total_blocks and not self._traced:
             self._timelines[size] = _Timeline(backend.tracker, session)
         return backend, session
 
@@ -541,6 +692,124 @@ class TensorFloorSession(FreshTrialsSession):
         return super().run(n, window=window, micro_batches=micro_batches)
 
 
+class SynthesizedTrialsSession(TensorFloorSession):
+    """A CUDA estimate's session (allocator modelled) for a model of identical blocks: where a
+    setting's blocks repeat in three small builds that cost less than the model
+    (``SYNTHESIS_MAX_SHARE``), each trial runs on three fresh small builds, and their allocator
+    traces, synthesized for the whole model and replayed, give its reserved peaks
+    (``FewBlocksSession(traced=True)``, ``trace_synthesis``). Other settings, and one whose traces
+    do not extend (``NotSynthesizable``, its reason kept in ``unsynthesizable``), run as a
+    ``TensorFloorSession`` (``floor``) or a ``FreshTrialsSession``: on the full build, each trial
+    on one of its own.
+
+    tests/test_trace_synthesis.py and ``bench/llama_plans.py --check`` compare it with full
+    builds, to the byte."""
+
+    def __init__(self, workload, backend: EstimateMemoryBackend, *, session_type, total_blocks: int,
+                 layout: dict, precision, checkpointing, sharded: bool, offload: bool,
+                 reduce_every_micro_step: bool, floor: bool):
+        """``floor``: settings that do not synthesize are ruled out on the small builds' tensors
+        first (a ``TensorFloorSession``'s floor, set up only for them)."""
+        settings = dict(session_type=session_type, total_blocks=total_blocks, layout=layout,
+                        precision=precision, checkpointing=checkpointing, sharded=sharded,
+                        offload=offload, reduce_every_micro_step=reduce_every_micro_step)
+        super().__init__(workload, backend, **settings)
+        self._few = FewBlocksSession(workload, backend, traced=True, **settings)
+        self._few_open = self._floor_open = self._floor_made = False
+        self._floors = floor
+        self._failed = False
+        """This setting's traces did not extend: its trials run on the full build."""
+        self.unsynthesizable: str | None = None
+        """Why the latest setting that did not synthesize did not."""
+
+    def __enter__(self) -> "SynthesizedTrialsSession":
+        FreshTrialsSession.__enter__(self)
+        self._stack = contextlib.ExitStack()
+        self._floor_passed = False
+        try:
+            self._few.__enter__()
+            self._few_open = True
+            self._not_synthesized()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        try:
+            super().__exit__(*exc_info)  # the full build's, then the floor's
+        finally:
+            self._floor_open = False
+            if self._few_open:
+                self._few_open = False
+                self._few.__exit__(None, None, None)
+
+    def _synthesizing(self) -> bool:
+        return self._few_open and self._few.synthesizable and not self._failed
+
+    def _not_synthesized(self) -> None:
+        """A setting that does not synthesize: its floor, where it takes one."""
+        if self._synthesizing():
+            return
+        if not self._failed:
+            self.unsynthesizable = (f"{self._few.checkpointed_blocks} of {self._few.total_blocks} "
+                                    "checkpointed blocks do not repeat in three small builds that "
+                                    "cost less than the model")
+        if self._floors:
+            self._open_floor()
+
+    def _open_floor(self) -> None:
+        if not self._floor_open:
+            self._floor._asked = self._asked
+            self._stack.enter_context(self._floor)
+            self._floor_open = self._floor_made = True
+
+    def __getattr__(self, name):
+        # The small builds' (blocks, checkpointing, gradients: the full build's) where they run.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._full is None and self._few.synthesizable and not self._failed and hasattr(self._few, name):
+            return getattr(self._few, name)
+        if self._floor_made:  # read after the session ends too, as a plain session's are
+            return super().__getattr__(name)
+        return FreshTrialsSession.__getattr__(self, name)
+
+    def set_checkpointing(self, checkpointing) -> int:
+        self._asked, self._failed, self._floor_passed = checkpointing, False, False
+        self._close_full()
+        blocks = self._few.set_checkpointing(checkpointing)
+        if self._synthesizing():
+            if self._floor_open:
+                self._floor.set_checkpointing(checkpointing)
+            return blocks
+        opened = not self._floor_open
+        self._not_synthesized()
+        if self._floor_open:
+            return self._floor.checkpointed_blocks if opened else self._floor.set_checkpointing(checkpointing)
+        return self._full_session().checkpointed_blocks
+
+    def tensor_peak(self, n: int) -> int:
+        self._open_floor()
+        return super().tensor_peak(n)
+
+    def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> Trial:
+        if self._synthesizing() and self._floors and not self._floor_passed:
+            # The floor's two builds live as long as the session, where a synthesized trial sets
+            # up three of its own: 405B without checkpointing is ruled out at a third of the cost.
+            self._open_floor()
+        if self._floor_open:
+            return super().run(n, window=window, micro_batches=micro_batches)
+        return FreshTrialsSession.run(self, n, window=window, micro_batches=micro_batches)
+
+    def _fresh_trial(self, n: int, window: int, micro_batches):
+        if self._synthesizing():
+            try:
+                return self._few.run(n, window=window, micro_batches=micro_batches)
+            except NotSynthesizable as why:
+                self._failed, self.unsynthesizable = True, str(why)
+        return super()._fresh_trial(n, window, micro_batches)
+
+
 class _Timeline:
     """The peak of each segment of a small build's forward-backward passes, between the events
     that start a block's forward, end the last one's, and start each block's backward (a hook on
@@ -615,9 +884,10 @@ def _on_gradient(values, label, switch) -> None:
             return
 
 
-def _first_blocks(workload, count: int, dropped_ran):
+def _first_blocks(workload, count: int, dropped_ran, on_blocks=None):
     """The workload with a model factory that keeps the first ``count`` repeated blocks; a dropped
-    block that runs anyway (the model keeps its own list of them) calls ``dropped_ran``."""
+    block that runs anyway (the model keeps its own list of them) calls ``dropped_ran``;
+    ``on_blocks`` is called with the blocks kept."""
 
     def build() -> torch.nn.Module:
         model = workload.new_model()
@@ -630,10 +900,12 @@ def _first_blocks(workload, count: int, dropped_ran):
                 del container._modules[name]
             for index, block in enumerate(keep):
                 container.add_module(str(index), block)
+        if on_blocks is not None:
+            on_blocks(list(container))
         return model
 
     return dataclasses.replace(workload, model=build)
 
 
 __all__ = ["BlockPattern", "FewBlocksSession", "TensorFloorSession", "block_pattern", "extend",
-           "full_builds", "identical_block_count", "layout_session"]
+           "full_builds", "identical_block_count", "layout_session", "synthesized_traces"]

@@ -89,15 +89,19 @@ class FreshTrialsSession:
         if memo is not None and key in memo:
             # The same step on a fresh build: the same answer, to the byte.
             return dataclasses.replace(memo[key])
-        if self._full_ran:
-            self._close_full()
-        session = self._full_session()
-        self._full_ran = True
-        trial = session.run(n, window=window, micro_batches=micro_batches)
+        trial = self._fresh_trial(n, window, micro_batches)
         trial.first_in_session = True
         if memo is not None:
             memo[key] = dataclasses.replace(trial)
         return trial
+
+    def _fresh_trial(self, n: int, window: int, micro_batches):
+        """One trial on a session of its own: the full build's."""
+        if self._full_ran:
+            self._close_full()
+        session = self._full_session()
+        self._full_ran = True
+        return session.run(n, window=window, micro_batches=micro_batches)
 
     def _memo_key(self, n: int, window: int, micro_batches) -> tuple:
         """What a fresh trial's answer depends on besides the workload (the memo is one

@@ -1,0 +1,255 @@
+"""CUDA estimates (modelled caching allocator) from small builds' allocator traces, synthesized for
+the whole model and replayed (autotune/probing/trace_synthesis.py, ``SynthesizedTrialsSession``):
+the same reserved and tensor peaks as the full build, to the byte."""
+
+import pathlib
+
+import pytest
+
+from autotune.distributed.layout import parse_layout
+from autotune.memory.cuda_allocator import CachingAllocatorModel
+from autotune.probing import affine_blocks
+from autotune.memory.fake import EstimateMemoryBackend
+from autotune.probing.affine_blocks import full_builds, synthesized_traces
+from autotune.probing.trace_synthesis import Synthesis, normalize, replay_peak, replay_trial
+
+MODEL = pathlib.Path(__file__).with_name("trace_decoder.py")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MiB = 1 << 20
+
+
+def test_a_normalized_trace_replays_as_the_allocator_ran_it():
+    # FSDP2 frees and refills its gathered parameters by resizing a storage: a new block, then the
+    # old one freed (nothing to free after a resize to 0; nothing to allocate at 0 bytes).
+    model = CachingAllocatorModel(record=True)
+    model.malloc("a", 30 * MiB)
+    model.malloc("b", 3 * MiB)
+    model.resize("a", 0)
+    model.malloc("c", 12 * MiB)
+    model.resize("a", 30 * MiB)
+    model.free("b")
+    model.resize("c", 40 * MiB)
+    events = [("mark", "trial"), *model.events]
+    trace = normalize(events)
+    assert [e[0] for e in trace] == ["mark", "m", "m", "f", "m", "m", "f", "m", "f"]
+    assert replay_peak(trace) == model.peak_reserved
+
+
+def _block_trace(blocks, size):
+    """A toy step: each block's forward keeps an activation, its backward frees it (LIFO)."""
+    events, live = [("malloc", "weights", 64 * MiB)], []
+    events.append(("mark", "trial"))
+    events.append(("mark", "S"))
+    for b in range(blocks):
+        events += [("mark", "F", b), ("malloc", ("act", b), size), ("malloc", ("tmp", b), 3 * MiB),
+                   ("free", ("tmp", b))]
+    events.append(("mark", "H"))
+    for b in reversed(range(blocks)):
+        events += [("mark", "B", b), ("malloc", ("grad", b), size // 2), ("free", ("act", b))]
+    events.append(("mark", "T"))
+    events.append(("mark", "O"))
+    events += [("free", ("grad", b)) for b in range(blocks)]
+    events.append(("mark", "Oend"))
+    return normalize(events)
+
+
+def test_a_toy_step_synthesizes_to_its_full_trace():
+    synthesis = Synthesis(tuple(_block_trace(n, 22 * MiB) for n in (4, 5, 6)), 4)
+    full = _block_trace(40, 22 * MiB)
+    assert synthesis.trace(40) == full
+    assert replay_peak(synthesis.trace(40)) == replay_peak(full)
+
+
+def test_a_free_of_the_block_before_synthesizes_at_any_depth():
+    # A checkpointed block's input is the previous block's output, freed in this block's backward:
+    # between them lie as many blocks of the same size as there are blocks after it, so no rank
+    # among the live blocks of its size names it at every depth; the block it came from does.
+    def trace(blocks):
+        events = [("malloc", "weights", 64 * MiB), ("mark", "trial"), ("mark", "S")]
+        for b in range(blocks):
+            events += [("mark", "F", b), ("malloc", ("out", b), 8 * MiB)]
+        events.append(("mark", "H"))
+        for b in reversed(range(blocks)):
+            events += [("mark", "B", b), ("malloc", ("grad", b), 8 * MiB)]
+            if b:
+                events.append(("free", ("out", b - 1)))
+            events.append(("free", ("grad", b)))
+        events += [("free", ("out", blocks - 1)), ("mark", "T"), ("mark", "O"), ("mark", "Oend")]
+        return normalize(events)
+
+    synthesis = Synthesis(tuple(trace(n) for n in (4, 5, 6)), 4)
+    assert synthesis.trace(30) == trace(30)
+
+
+def test_the_replay_lifts_the_budget_where_the_session_set_up_without_it():
+    # A sharded session builds the whole model before sharding it, outside the budget (and
+    # releases the cache it leaves).
+    trace = normalize([("mark", "unbudgeted"), ("malloc", "full model", 900 * MiB), ("free", "full model"),
+                       ("empty_cache",), ("mark", "budgeted"), ("mark", "trial"), ("malloc", "shard", 90 * MiB),
+                       ("mark", "O"), ("mark", "Oend")])
+    assert replay_trial(trace, limit=100 * MiB).fits
+    assert not replay_trial(trace, limit=80 * MiB).fits
+    assert not replay_trial([e for e in trace if e[1:] not in (("unbudgeted",), ("budgeted",))],
+                            limit=100 * MiB).fits
+
+
+def _estimate(micro_batches, settings, budget=None):
+    """{micro-batch: the trial's peaks} of a CUDA estimate (H100, allocator modelled)."""
+    from autotune.probing.api import window_trial
+
+    settings = dict(settings)
+    window = settings.pop("window", 1)
+    out = {}
+    for n in micro_batches:
+        trial = window_trial(MODEL, EstimateMemoryBackend(budget, for_cuda=True,
+                                                          target=_h100(budget)),
+                             micro_batch=n, window=window, precision="bf16", **settings)
+        out[n] = None if trial is None else (trial.fits, trial.peak_bytes, trial.reserved_peak_bytes,
+                                             trial.allocated_peak_bytes, trial.activation_peak_bytes,
+                                             trial.step_peak_bytes)
+    return out
+
+
+def _h100(budget):
+    from autotune.memory.base import DeviceInfo
+
+    return DeviceInfo(kind="cuda", name="NVIDIA H100 80GB HBM3", budget_bytes=budget or 0)
+
+
+def both(micro_batches, budget=None, **settings):
+    """The estimate from synthesized small-build traces (failing where it would fall back to the
+    full build) and from the full build, and the largest small build each trial ran."""
+    ran = []
+    original = affine_blocks.FewBlocksSession.run
+
+    def run(self, n, **kwargs):
+        trial = original(self, n, **kwargs)
+        ran.append(max(self._sizes()))
+        return trial
+
+    def full_build(self, *args):
+        raise AssertionError(f"a full build where the traces should synthesize: {self.unsynthesizable}")
+
+    affine_blocks.FewBlocksSession.run = run
+    affine_blocks.SynthesizedTrialsSession._full_session = full_build
+    try:
+        with synthesized_traces(max_share=None):
+            few = _estimate(micro_batches, settings, budget)
+    finally:
+        affine_blocks.FewBlocksSession.run = original
+        del affine_blocks.SynthesizedTrialsSession._full_session
+    with full_builds():
+        full = _estimate(micro_batches, settings, budget)
+    return few, full, ran
+
+
+FSDP8 = dict(sharding="fsdp", world_size=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [
+    dict(checkpointing="on", **FSDP8),
+    dict(checkpointing="off", **FSDP8),
+    dict(checkpointing="on", sharding="fsdp", world_size=8, shard_group=4),
+    dict(checkpointing="on", **FSDP8, parallel=parse_layout(tp=2)),
+    dict(checkpointing="on", **FSDP8, parallel=parse_layout(cp=2)),
+    dict(checkpointing="on", **FSDP8, window=3),
+    dict(checkpointing="off", **FSDP8, window=2, reduce_every_micro_step=True),
+], ids=["fsdp8-on", "fsdp8-off", "hsdp-4x2-on", "fsdp4-tp2-on", "fsdp4-cp2-on", "fsdp8-window3",
+        "fsdp8-window2-reduce-every"])
+def test_synthesized_reserved_peaks_are_the_full_builds_to_the_byte(settings):
+    few, full, ran = both([1, 2], **settings)
+    assert ran and max(ran) == 6  # small builds of 4, 5 and 6 blocks, not the 12
+    assert few == full  # {micro-batch: (fits, peak, reserved, tensors, activation, step)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget_mib", [700, 1200, 2000])
+def test_under_a_budget_the_synthesized_trials_fit_where_the_full_builds_fit(budget_mib):
+    # The sharded set-up holds the whole model before sharding it, past the budget: only the
+    # measured steps are held to it, in the replay as in the full build.
+    few, full, ran = both([1, 4, 16], budget=budget_mib * MiB, checkpointing="on", **FSDP8)
+    assert ran and max(ran) == 6
+    assert few == full
+
+
+@pytest.mark.slow
+def test_offloaded_shards_synthesize_under_a_budget():
+    few, full, ran = both([1, 2], budget=1200 * MiB, checkpointing="on", sharding="fsdp-offload",
+                          world_size=8)
+    assert ran and max(ran) == 6
+    assert few == full
+
+
+@pytest.mark.slow
+def test_traces_that_do_not_extend_fall_back_to_the_full_build(monkeypatch):
+    # One GPU, no sharding: the small builds free the cut blocks' parameters where the model is
+    # built, in a chunk the synthesis cannot repeat, so the trial runs on the full build (and says
+    # why), with the full build's answer.
+    reasons = []
+    original = affine_blocks.SynthesizedTrialsSession._fresh_trial
+
+    def fresh(self, *args):
+        trial = original(self, *args)
+        reasons.append(self.unsynthesizable)
+        return trial
+
+    monkeypatch.setattr(affine_blocks.SynthesizedTrialsSession, "_fresh_trial", fresh)
+    settings = dict(checkpointing="on", sharding="ddp", world_size=1)
+    with synthesized_traces(max_share=None):
+        few = _estimate([1, 2], settings)
+    with full_builds():
+        full = _estimate([1, 2], settings)
+    assert few == full
+    assert len(reasons) == 2 and all(reasons)
+
+
+@pytest.mark.slow
+def test_every_other_block_checkpointed_synthesizes_from_units_of_two(monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_TRACE_SHAPE", "16,1024,2816,8,4,32000")
+    few, full, ran = both([2], checkpointing=8, **FSDP8)
+    assert ran and max(ran) == 12  # 4, 5 and 6 units of two blocks
+    assert few == full
+
+
+def test_a_model_whose_small_builds_cost_about_as_much_runs_the_full_build(monkeypatch):
+    # Twelve blocks: small builds of 4, 5 and 6 hold more blocks than the model, past
+    # SYNTHESIS_MAX_SHARE, so each trial runs on a full build of its own.
+    made = []
+    monkeypatch.setattr(affine_blocks.FewBlocksSession, "run",
+                        lambda self, *a, **k: pytest.fail("synthesized"))
+    original = affine_blocks.SynthesizedTrialsSession._fresh_trial
+
+    def fresh(self, *args):
+        made.append(self.unsynthesizable)
+        return original(self, *args)
+
+    monkeypatch.setattr(affine_blocks.SynthesizedTrialsSession, "_fresh_trial", fresh)
+    assert _estimate([1], dict(checkpointing="on", **FSDP8))[1][0]
+    assert made and "do not repeat in three small builds that cost less" in made[0]
+
+
+@pytest.mark.slow
+def test_a_trial_the_tensors_rule_out_synthesizes_nothing(monkeypatch):
+    # Under a budget, a setting's first trial is counted on the tensor floor's two small builds
+    # (which live as long as the session) before three fresh builds are traced: 16 samples without
+    # checkpointing hold 4.2 GiB of tensors, past 3000 MiB; with it 2.0 GiB, and 2.5 GiB reserved.
+    monkeypatch.setattr(affine_blocks, "FLOOR_MIN_BLOCKS", 0)
+    traced = []
+    original = affine_blocks.FewBlocksSession.run
+
+    def run(self, n, **kwargs):
+        if self._traced:
+            traced.append(n)
+        return original(self, n, **kwargs)
+
+    monkeypatch.setattr(affine_blocks.FewBlocksSession, "run", run)
+    with synthesized_traces(max_share=None):
+        off = _estimate([16], dict(checkpointing="off", **FSDP8), budget=3000 * MiB)
+        assert off[16][0] is False and not traced
+        on = _estimate([16], dict(checkpointing="on", **FSDP8), budget=3000 * MiB)
+    assert on[16][0] is True and traced == [16]
+    with full_builds():
+        assert _estimate([16], dict(checkpointing="on", **FSDP8), budget=3000 * MiB) == on
