@@ -253,3 +253,33 @@ def test_a_trial_the_tensors_rule_out_synthesizes_nothing(monkeypatch):
     assert on[16][0] is True and traced == [16]
     with full_builds():
         assert _estimate([16], dict(checkpointing="on", **FSDP8), budget=3000 * MiB) == on
+
+
+@pytest.mark.slow
+def test_a_gpu_plan_from_synthesized_traces_is_the_full_builds_plan(monkeypatch):
+    # The planner's probe, its window trials and the plan's own trial, all synthesized: the same
+    # split and per-rank peak (modelled reserved memory) as on full builds.
+    import autotune
+
+    traced = []
+    original = affine_blocks.FewBlocksSession.run
+
+    def run(self, n, **kwargs):
+        traced.append(self._traced)
+        return original(self, n, **kwargs)
+
+    def full_build(self, *args):
+        raise AssertionError(f"a full build where the traces should synthesize: {self.unsynthesizable}")
+
+    monkeypatch.setattr(affine_blocks.FewBlocksSession, "run", run)
+    settings = dict(target_batch=16384, world_size=8, gpu="h100-80gb", precision="bf16",
+                    sharding="fsdp", checkpointing="on")
+    with synthesized_traces(max_share=None), monkeypatch.context() as patched:
+        patched.setattr(affine_blocks.SynthesizedTrialsSession, "_full_session", full_build)
+        few = autotune.plan(MODEL, **settings)
+    assert traced.count(True) >= 3  # the probe's trials and the plan's own
+    with full_builds():
+        full = autotune.plan(MODEL, **settings)
+    assert (few.micro_batch, few.accumulation_steps, few.predicted_peak_bytes) == (
+        full.micro_batch, full.accumulation_steps, full.predicted_peak_bytes)
+    assert few.predicted_peak_bytes > 60 << 30  # the budget's edge: the probe searched up to it
