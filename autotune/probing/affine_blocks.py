@@ -449,8 +449,18 @@ class FewBlocksSession:
                 self._pattern is None or self._pattern.prefix
                 or self._pattern.blocks(self._pattern.small[1] + 1) >= total
                 or SYNTHESIS_MAX_SHARE is not None and sum(self._sizes()) > SYNTHESIS_MAX_SHARE * total)
-            if not self.synthesizable:
-                return self.checkpointed_blocks
+            # Built when a trial (or what only they know) needs them: a session whose trial the
+            # planner's memo answers, or whose setting changes first, sets up none.
+            return self.checkpointed_blocks
+        self._build_children()
+        return self.checkpointed_blocks
+
+    def ensure_built(self) -> None:
+        """The small builds of the setting, set up (traced builds wait for their trial)."""
+        if not self._children and self.synthesizable:
+            self._build_children()
+
+    def _build_children(self) -> None:
         sizes = self._sizes()
         for size in sizes:
             self._child(size)
@@ -463,9 +473,9 @@ class FewBlocksSession:
             raise SetupOutOfMemory(
                 f"{self.workload.source}: the model's parameters, buffers and optimizer state alone "
                 f"pass the {format_bytes(budget)} budget, before any batch")
-        return self.checkpointed_blocks
 
     def window_micro_batches(self, n: int, window: int) -> list[int]:
+        self.ensure_built()
         backend, session = self._children[self._sizes()[0]]
         return session.window_micro_batches(n, window)
 
@@ -475,7 +485,8 @@ class FewBlocksSession:
                 raise NotSynthesizable(f"{self.checkpointed_blocks} of {self.total_blocks} blocks "
                                        "checkpointed do not repeat in three small builds")
             if self._ran:  # fresh builds: a modelled allocator's cache outlives a trial
-                self.set_checkpointing(self._setting)
+                self._close_children()
+            self.ensure_built()
             self._ran = True
         trials, segments = [], []
         for size in self._sizes():
@@ -769,6 +780,8 @@ class SynthesizedTrialsSession(TensorFloorSession):
         if name.startswith("_"):
             raise AttributeError(name)
         if self._full is None and self._few.synthesizable and not self._failed and hasattr(self._few, name):
+            if name == "gradient_bytes" and self._few_open:
+                self._few.ensure_built()  # what the builds' set-up counts
             return getattr(self._few, name)
         if self._floor_made:  # read after the session ends too, as a plain session's are
             return super().__getattr__(name)
