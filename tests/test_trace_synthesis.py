@@ -169,10 +169,21 @@ def test_synthesized_reserved_peaks_are_the_full_builds_to_the_byte(settings):
 @pytest.mark.parametrize("budget_mib", [700, 1200, 2000])
 def test_under_a_budget_the_synthesized_trials_fit_where_the_full_builds_fit(budget_mib):
     # The sharded set-up holds the whole model before sharding it, past the budget: only the
-    # measured steps are held to it, in the replay as in the full build.
+    # measured steps are held to it, in the replay as in the full build. A trial whose tensors
+    # alone pass the budget stops at the first two builds (the tensor floor, whose bytes it
+    # reports); the others replay to the full build's answer, to the byte.
     few, full, ran = both([1, 4, 16], budget=budget_mib * MiB, checkpointing="on", **FSDP8)
-    assert ran and max(ran) == 6
-    assert few == full
+    assert ran
+    assert {n: found[0] for n, found in few.items()} == {n: found[0] for n, found in full.items()}
+    for n, found in few.items():
+        if found[2] is not None:  # replayed: reserved bytes
+            assert found == full[n]
+        else:  # the floor: the tensors' peak, past the budget and above what the full build held
+            assert found[1] > budget_mib * MiB and found[1] >= full[n][3]
+    if budget_mib == 700:
+        assert all(found[2] is None for found in few.values())
+    if budget_mib == 2000:  # 1 and 4 fit, replayed from three builds
+        assert few[1][0] and few[4][0] and max(ran) == 6
 
 
 @pytest.mark.slow
@@ -232,27 +243,49 @@ def test_a_model_whose_small_builds_cost_about_as_much_runs_the_full_build(monke
 
 
 @pytest.mark.slow
-def test_a_trial_the_tensors_rule_out_synthesizes_nothing(monkeypatch):
-    # Under a budget, a setting's first trial is counted on the tensor floor's two small builds
-    # (which live as long as the session) before three fresh builds are traced: 16 samples without
-    # checkpointing hold 4.2 GiB of tensors, past 3000 MiB; with it 2.0 GiB, and 2.5 GiB reserved.
-    monkeypatch.setattr(affine_blocks, "FLOOR_MIN_BLOCKS", 0)
-    traced = []
-    original = affine_blocks.FewBlocksSession.run
+def test_a_trial_the_tensors_rule_out_sets_up_no_third_build(monkeypatch):
+    # Under a budget, the first two traced builds' tensors, extended (the tensor floor), rule a
+    # trial out before the third is set up: 16 samples without checkpointing hold 4.2 GiB of
+    # tensors, past 3000 MiB; with it 2.0 GiB, and 2.5 GiB reserved.
+    built = []
+    original = affine_blocks.FewBlocksSession._child
 
-    def run(self, n, **kwargs):
-        if self._traced:
-            traced.append(n)
-        return original(self, n, **kwargs)
+    def child(self, size):
+        if self._traced and size not in self._children:
+            built.append(size)
+        return original(self, size)
 
-    monkeypatch.setattr(affine_blocks.FewBlocksSession, "run", run)
+    monkeypatch.setattr(affine_blocks.FewBlocksSession, "_child", child)
     with synthesized_traces(max_share=None):
         off = _estimate([16], dict(checkpointing="off", **FSDP8), budget=3000 * MiB)
-        assert off[16][0] is False and not traced
+        assert off[16][0] is False and sorted(built) == [4, 5]
+        assert off[16][1] > 4 << 30  # the tensors' floor, as the message's "in use" says
+        built.clear()
         on = _estimate([16], dict(checkpointing="on", **FSDP8), budget=3000 * MiB)
-    assert on[16][0] is True and traced == [16]
+    assert on[16][0] is True and sorted(built) == [4, 5, 6]
     with full_builds():
         assert _estimate([16], dict(checkpointing="on", **FSDP8), budget=3000 * MiB) == on
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [
+    dict(checkpointing="on", **FSDP8), dict(checkpointing="off", **FSDP8, window=2),
+    dict(checkpointing="on", **FSDP8, parallel=parse_layout(tp=2)),
+    dict(checkpointing="on", sharding="fsdp-offload", world_size=8),
+], ids=["fsdp8-on", "fsdp8-off-window2", "fsdp4-tp2-on", "offload8-on"])
+def test_the_floor_from_two_traced_builds_is_the_tensor_floors(monkeypatch, settings):
+    # Where it rules a trial out, the peak it reports is what a TensorFloorSession's own small
+    # builds count (tensors only, segment by segment): 500 MiB holds the state (shards, optimizer)
+    # but rules out every trial by its tensors alone (offloaded, the trials fit: then both are
+    # the full build's answer).
+    with synthesized_traces(max_share=None):
+        traced = _estimate([1, 2], settings, budget=500 * MiB)
+    monkeypatch.setattr(affine_blocks, "FLOOR_MIN_BLOCKS", 0)
+    with synthesized_traces(False):
+        floored = _estimate([1, 2], settings, budget=500 * MiB)
+    assert traced == floored
+    if settings["sharding"] == "fsdp":  # offloaded shards leave room: synthesized and full builds
+        assert all(found[0] is False and found[1] > 500 * MiB for found in traced.values())
 
 
 @pytest.mark.slow

@@ -53,7 +53,8 @@ from ..workload.activation_checkpointing import (checkpointable_blocks, enable_c
 from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from .fresh_trials import FreshTrialsSession
 from .result import Trial
-from .trace_synthesis import NotSynthesizable, Synthesis, TraceMarks, normalize, replay_trial
+from .trace_synthesis import (NotSynthesizable, Synthesis, TraceMarks, normalize, replay_trial,
+                              tensor_peaks)
 from .trial import SetupOutOfMemory
 
 EDGE = 2
@@ -461,7 +462,8 @@ class FewBlocksSession:
             self._build_children()
 
     def _build_children(self) -> None:
-        sizes = self._sizes()
+        # Traced: the third build waits for the tensor floor of the first two (``run``).
+        sizes = self._sizes()[:2] if self._traced else self._sizes()
         for size in sizes:
             self._child(size)
         setup = [self._children[size][0].current_bytes() for size in sizes]
@@ -490,7 +492,11 @@ class FewBlocksSession:
             self._ran = True
         trials, segments = [], []
         for size in self._sizes():
-            backend, session = self._children[size]
+            if self._traced and len(trials) == 2:
+                floor = self._tensor_floor(trials)
+                if floor is not None:
+                    return floor
+            backend, session = self._child(size)
             timeline = self._timelines.get(size)
             with backend.resumed():
                 self._checkpoint(session, size)
@@ -521,6 +527,32 @@ class FewBlocksSession:
         if not fits:  # as a budgeted step reports one that ran out of memory
             fields["activation_peak_bytes"] = fields["step_peak_bytes"] = None
         return dataclasses.replace(trials[-1], fits=fits, seconds=sum(t.seconds for t in trials),
+                                   **fields)
+
+    def _tensor_floor(self, trials) -> Trial | None:
+        """Where a budget is set, a trial that the tensors of the first two traced builds,
+        extended, pass it (reserved memory holds every tensor): out of memory, without the third
+        build. Its peak is the same tensor floor a ``TensorFloorSession`` takes from builds of its
+        own (tests/test_trace_synthesis.py)."""
+        budget = self.backend.tracker.budget_bytes
+        if budget is None:
+            return None
+        pattern = self._pattern
+        found = [tensor_peaks(normalize(self._marks[size].events), pattern.small[0] + index, len(pattern.unit))
+                 for index, size in enumerate(self._sizes()[:2])]
+        (low, low_step), (high, high_step) = found
+        if set(low) != set(high):
+            raise NotSynthesizable(f"the small builds' passes differ: {sorted(low, key=str)} and "
+                                   f"{sorted(high, key=str)}")
+        workspaces = sum(cublas_workspaces(hopper=is_hopper(self.backend.info().name)))
+        peak = max(max((self._extended([low[label], high[label]]) for label in low), default=0),
+                   self._extended([low_step, high_step])) - workspaces
+        if peak <= budget:
+            return None
+        fields = {name: self._extended([getattr(t, name) for t in trials]) for name in _EXTENDED}
+        fields.update(peak_bytes=peak, activation_peak_bytes=None, step_peak_bytes=None,
+                      reserved_peak_bytes=None, allocated_peak_bytes=None)
+        return dataclasses.replace(trials[-1], fits=False, seconds=sum(t.seconds for t in trials),
                                    **fields)
 
     def _synthesized(self, trials) -> dict:
@@ -711,7 +743,8 @@ class SynthesizedTrialsSession(TensorFloorSession):
     (``FewBlocksSession(traced=True)``, ``trace_synthesis``). Other settings, and one whose traces
     do not extend (``NotSynthesizable``, its reason kept in ``unsynthesizable``), run as a
     ``TensorFloorSession`` (``floor``) or a ``FreshTrialsSession``: on the full build, each trial
-    on one of its own.
+    on one of its own. A synthesized trial takes the tensor floor from its own first two builds
+    (``FewBlocksSession._tensor_floor``).
 
     tests/test_trace_synthesis.py and ``bench/llama_plans.py --check`` compare it with full
     builds, to the byte."""
@@ -806,11 +839,8 @@ class SynthesizedTrialsSession(TensorFloorSession):
         return super().tensor_peak(n)
 
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> Trial:
-        if self._synthesizing() and self._floors and not self._floor_passed:
-            # The floor's two builds live as long as the session, where a synthesized trial sets
-            # up three of its own: 405B without checkpointing is ruled out at a third of the cost.
-            self._open_floor()
-        if self._floor_open:
+        # A synthesized trial takes its tensor floor from its own first two builds.
+        if self._floor_open and not self._synthesizing():
             return super().run(n, window=window, micro_batches=micro_batches)
         return FreshTrialsSession.run(self, n, window=window, micro_batches=micro_batches)
 

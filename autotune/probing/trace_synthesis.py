@@ -95,7 +95,10 @@ class TraceMarks:
         def marked_forward_backward(batch):
             self._backward = False
             self.mark("S")
-            return forward_backward(batch)
+            try:
+                return forward_backward(batch)
+            finally:
+                self.mark("E")  # the pass's end: what follows is in no segment of it
 
         def marked_optimizer_phase():
             self.mark("O")
@@ -235,6 +238,39 @@ def replay_trial(trace, config: AllocatorConfig | None = None, limit: int | None
                              refused, fits=False)
     return ReplayedTrial(activation, step, max(reserved, model.peak_reserved),
                          max(requested, model.peak_requested))
+
+
+def tensor_peaks(trace, units: int, unit: int = 1) -> tuple[dict, int]:
+    """The tensors' peaks in a small build's last trial (from its "trial" mark on), as the
+    requested bytes of its normalized trace count them (the tracker's bytes and the cuBLAS
+    workspaces): ({segment: peak} of its forward-backward passes, the middle units' left out,
+    named as ``affine_blocks._Timeline`` names them; the optimizer phase's peak). Extended from two
+    builds they are the tensor floor (``TensorFloorSession``)."""
+    tok = tokens(trace)
+    start = max(i for i, t in enumerate(tok) if t[:2] == ("mark", "trial"))
+    requested = sum(t[1] if t[0] == "m" else -t[1] for t in tok[:start] if t[0] in "mf")
+    peaks, label, micro = {}, None, -1
+    for t in tok[start:]:
+        if t[0] == "mark":
+            kind = t[1]
+            if kind == "S":
+                micro += 1
+                label = ("before the blocks", micro)
+            elif len(t) == 3:
+                where = position(t[2], units, unit)
+                label = None if where[1] == "mid" else (
+                    "forward" if kind == "F" else "backward", micro, where)
+            else:
+                label = {"H": ("after the blocks", micro), "T": ("after the blocks' backward", micro),
+                         "O": ("optimizer",)}.get(kind)
+            if label is not None:
+                peaks[label] = max(peaks.get(label, 0), requested)
+            continue
+        if t[0] in "mf":
+            requested += t[1] if t[0] == "m" else -t[1]
+            if label is not None:
+                peaks[label] = max(peaks[label], requested)
+    return peaks, peaks.pop(("optimizer",), 0)
 
 
 def tokens(trace) -> list[tuple]:
@@ -607,5 +643,5 @@ def _ranks(trace):
     return out
 
 
-__all__ = ["NotSynthesizable", "ReplayedTrial", "Synthesis", "TraceMarks", "normalize", "replay_peak",
+__all__ = ["NotSynthesizable", "tensor_peaks", "ReplayedTrial", "Synthesis", "TraceMarks", "normalize", "replay_peak",
            "replay_trial", "segments", "tokens"]
