@@ -53,8 +53,8 @@ from ..workload.activation_checkpointing import (checkpointable_blocks, enable_c
 from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from .fresh_trials import FreshTrialsSession
 from .result import Trial
-from .trace_synthesis import (NotSynthesizable, Synthesis, TraceMarks, normalize, replay_trial,
-                              tensor_peaks)
+from .trace_synthesis import (NotSynthesizable, Synthesis, TraceMarks, normalize, on_gradient,
+                              replay_trial, tensor_peaks)
 from .trial import SetupOutOfMemory
 
 EDGE = 2
@@ -436,7 +436,6 @@ class FewBlocksSession:
 
     def set_checkpointing(self, checkpointing) -> int:
         request = CheckpointingRequest.parse(checkpointing, allow_auto=False)
-        self._setting = checkpointing
         total = self.total_blocks
         self.checkpointing = (Checkpointing.every_block(total) if request.value == "on"
                               else request.resolve(total, source=self.workload.source))
@@ -907,24 +906,15 @@ class _Timeline:
             return
         self._switch(("forward", self._step, self.names[index]))
         if index == 0:
-            _on_gradient(args, ("after the blocks' backward", self._step), self._switch)
+            on_gradient(args, ("after the blocks' backward", self._step), self._switch)
 
     def _block_ends(self, index, module, args, output):
         if not self._forward:
             return
-        _on_gradient(output, ("backward", self._step, self.names[index]), self._switch)
+        on_gradient(output, ("backward", self._step, self.names[index]), self._switch)
         if index == len(self.blocks) - 1:
             self._switch(("after the blocks", self._step))
             self._forward = False
-
-
-def _on_gradient(values, label, switch) -> None:
-    """Switch to ``label`` when the gradient of the first tensor in ``values`` that needs one is
-    computed."""
-    for value in torch.utils._pytree.tree_leaves(values):
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            value.register_hook(lambda grad: switch(label))
-            return
 
 
 def _first_blocks(workload, count: int, dropped_ran, on_blocks=None):

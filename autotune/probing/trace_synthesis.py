@@ -124,29 +124,32 @@ class TraceMarks:
 
             session._outside_budget = marked_outside_budget
 
-    def _on_gradient(self, values, label) -> None:
-        for value in torch.utils._pytree.tree_leaves(values):
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                def hook(grad):
-                    self._backward = True
-                    self.mark(*label)
-
-                value.register_hook(hook)
-                return
+    def _backward_mark(self, label) -> None:
+        self._backward = True
+        self.mark(*label)
 
     def _starts(self, index, module, args):
         if self._backward:
             return  # a checkpointed block's recomputation: in its backward segment
         self.mark("F", index)
         if index == 0:
-            self._on_gradient(args, ("T",))
+            on_gradient(args, ("T",), self._backward_mark)
 
     def _ends(self, index, last, module, args, output):
         if self._backward:
             return
-        self._on_gradient(output, ("B", index))
+        on_gradient(output, ("B", index), self._backward_mark)
         if index == last:
             self.mark("H")
+
+
+def on_gradient(values, label, switch) -> None:
+    """Call ``switch(label)`` when the gradient of the first tensor in ``values`` that needs one
+    is computed (``TraceMarks`` and ``affine_blocks._Timeline`` cut a pass into segments so)."""
+    for value in torch.utils._pytree.tree_leaves(values):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value.register_hook(lambda grad: switch(label))
+            return
 
 
 def normalize(events) -> list[tuple]:
