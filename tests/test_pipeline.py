@@ -101,6 +101,48 @@ def test_the_estimate_is_the_worst_pipeline_rank():
     assert peaks[0] != peaks[1]  # the ranks hold different stages
 
 
+def test_a_pipeline_trial_runs_the_rank_likeliest_to_run_out_first():
+    """A trial one rank does not fit ends there: the last stage first (head and loss), then the
+    first, then the middle; later trials start from the rank that peaked highest or ran out."""
+    from autotune.probing.pipeline_trial import WorstPipelineRankSession
+    from autotune.probing.result import Trial
+
+    peaks = {0: 30, 2: 10, 4: 20, 6: 50}  # fake rank -> the peak of its trial
+    budget = [100]
+    ran, set_up = [], []
+
+    class RankSession:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def __enter__(self):
+            set_up.append(self.rank)
+            return self
+
+        def __exit__(self, *exc_info):
+            pass
+
+        def run(self, n, **kwargs):
+            ran.append(self.rank)
+            peak = peaks[self.rank] * n
+            return Trial(micro_batch=n, fits=peak <= budget[0], peak_bytes=peak, seconds=0.0)
+
+    # rank_session gives a session not entered yet; WorstPipelineRankSession enters it.
+    with WorstPipelineRankSession(lambda rank: contextlib.nullcontext(RankSession(rank)),
+                                  [0, 2, 4, 6]) as session:
+        trial = session.run(3)  # the last stage's 150 passes the budget: no other rank runs
+        assert ran == [6] and not trial.fits and trial.peak_bytes == 150
+        ran.clear()
+        assert session.run(2).fits and ran == [6, 0, 2, 4]  # held and worst, last, first, middle
+        ran.clear()
+        peaks[0] = 60  # the first stage now peaks highest: it runs first from the next trial on
+        assert session.run(1).peak_bytes == 60 and ran == [6, 4, 0, 2]  # worst, held, first, middle
+        ran.clear()
+        budget[0] = 59
+        assert not session.run(1).fits and ran == [0]
+    assert set_up == [6, 0, 2, 4, 6, 4, 0, 2, 0]
+
+
 BIG_HEAD = TESTS / "pp_big_head_model.py"  # its last stage holds more than its first
 
 

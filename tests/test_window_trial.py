@@ -171,6 +171,39 @@ def test_steps_only_proves_a_share_of_4_in_two_trials():
     assert best == 2 and runs == [4, 2]
 
 
+def test_steps_only_tries_a_known_trial_first_and_answers_the_same():
+    # 8B at sequence 131072 under CP 8 (share 8): the layout screen ran micro-batch 1, which fits;
+    # the probe tried 8, then halved to 3 and 2, where 8, the free 1 and 2 prove it.
+    paid_in_all = plain_in_all = 0
+    for share in (2, 4, 7, 8, 16, 32, 64):
+        useful = sorted({-(-share // k) for k in range(1, share + 1)})
+        for largest in range(0, share + 1):
+            for free in useful[:-1]:
+                runs, plain = [], []
+
+                def run(n, into, largest=largest, share=share):
+                    into.append(n)
+                    return _trial(n, fits=n <= largest, window=n < share)
+
+                expected, _, _ = search_with_share(lambda n: run(n, plain), budget=largest, upper=share,
+                                                   share=share, steps_only=True)
+                best, _, _ = search_with_share(lambda n: run(n, runs), budget=largest, upper=share,
+                                               share=share, steps_only=True, known=lambda n: n == free)
+                assert best == expected, (share, largest, free, runs)
+                if largest < share:  # the share failed, and the known trial came next
+                    assert runs[:2] == [share, free], runs
+                paid = [n for n in runs if n != free]
+                # A fit far below the answer guides the search less than halving: one trial more
+                # at worst, fewer over all.
+                assert len(paid) <= len(plain) + 1, (share, largest, free, runs, plain)
+                paid_in_all, plain_in_all = paid_in_all + len(paid), plain_in_all + len(plain)
+    assert paid_in_all < 0.8 * plain_in_all
+    runs = []
+    best, _, _ = search_with_share(lambda n: run(n, runs, largest=1, share=8), budget=1, upper=8, share=8,
+                                   steps_only=True, known=lambda n: n == 1)
+    assert best == 1 and runs == [8, 1, 2]
+
+
 @pytest.mark.parametrize("share", [2, 5, 32, 100])
 @pytest.mark.parametrize("steps_only", [False, True])
 def test_a_limit_below_the_budget_takes_the_largest_measured_micro_batch_within_it(share, steps_only):

@@ -724,6 +724,10 @@ class TensorFloorSession(FreshTrialsSession):
         in force checked): what the reserved peak is at least."""
         return self._floor.run(n).peak_bytes
 
+    def knows(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> bool:
+        # Before the floor has passed, a trial runs the floor's small builds first.
+        return self._floor_passed and super().knows(n, window=window, micro_batches=micro_batches)
+
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> Trial:
         if not self._floor_passed:
             floor = self._floor.run(n, window=window, micro_batches=micro_batches)
@@ -836,6 +840,11 @@ class SynthesizedTrialsSession(TensorFloorSession):
     def tensor_peak(self, n: int) -> int:
         self._open_floor()
         return super().tensor_peak(n)
+
+    def knows(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> bool:
+        if self._floor_open and not self._synthesizing():
+            return super().knows(n, window=window, micro_batches=micro_batches)
+        return FreshTrialsSession.knows(self, n, window=window, micro_batches=micro_batches)
 
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> Trial:
         # A synthesized trial takes its tensor floor from its own first two builds.

@@ -135,6 +135,10 @@ def probe(
         def run_trial(n: int) -> Trial:
             return session.run(n, window=window_steps(n, share))
 
+        def known(n: int) -> bool:  # a fake-tensor session's memo answers it
+            knows = getattr(session, "knows", None)
+            return knows is not None and knows(n, window=window_steps(n, share))
+
         try:
             with limits(), session, progress.bar(f"probe {setting}", unit=" trial") as shown:
                 run = progress.watch_trials(run_trial, shown, fake=estimating)
@@ -149,7 +153,7 @@ def probe(
                     # own) cost tens of seconds at 70B: only the micro-batches that change the
                     # plan's accumulation steps.
                     steps_only=estimating and backend.allocator is not None,
-                    limit=limit, least=least,
+                    limit=limit, least=least, known=known,
                 )
         except SetupOutOfMemory as exc:
             detail, trials, best = str(exc), [], 0

@@ -95,6 +95,11 @@ class FreshTrialsSession:
             memo[key] = dataclasses.replace(trial)
         return trial
 
+    def knows(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> bool:
+        """Whether ``run`` answers this trial from the memo, without running it."""
+        memo = self.backend.trials_memo
+        return memo is not None and self._memo_key(n, window, micro_batches) in memo
+
     def _fresh_trial(self, n: int, window: int, micro_batches):
         """One trial on a session of its own: the full build's."""
         if self._full_ran:

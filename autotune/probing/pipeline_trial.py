@@ -125,9 +125,13 @@ class WorstPipelineRankSession:
     (``worst_trial``): a plan's peak is its worst rank's, and it fits only where every rank fits.
 
     Only one rank's session is alive at a time (the fake process group is the process's one
-    default group, and the backend counts one session's tensors). The last rank a trial ran is
-    kept set up and runs the next trial first, so that each trial sets up the other ranks only
-    (pp − 1 set-ups), and a trial it does not fit stops there.
+    default group, and the backend counts one session's tensors). A trial that one rank does not
+    fit stops there, so the ranks likeliest to run out go first (``_likeliest_first``): the one
+    that did not fit or peaked highest in the session's last trial, then the last stage (the
+    output head and loss: at sequence 131072 its logits pass the budget where the others fit),
+    then the first (the most micro-batches in flight), then the middle ones. Otherwise the last
+    rank a trial ran is kept set up and runs the next trial first, so that each trial sets up the
+    other ranks only (pp − 1 set-ups).
 
     ``rank_session(fake_rank)``: a context manager giving that rank's session, not entered."""
 
@@ -136,6 +140,7 @@ class WorstPipelineRankSession:
         self._ranks = list(ranks)
         self._held = None  # (rank, ExitStack holding its entered session, session)
         self._last = None  # the last session set up: what the probe reads after its trials
+        self._worst = None  # the rank of the last trial's worst_trial
 
     def __getattr__(self, name):
         # checkpointing, total_blocks, compiled, ...: every rank's session sets them up alike.
@@ -167,13 +172,30 @@ class WorstPipelineRankSession:
         return session
 
     def run(self, n: int, **kwargs):
-        held = [self._held[0]] if self._held is not None else []
-        trials = []
-        for rank in held + [rank for rank in self._ranks if rank not in held]:
-            trials.append(self._session(rank).run(n, **kwargs))
-            if not trials[-1].fits:
+        trials = {}
+        for rank in self._likeliest_first():
+            trials[rank] = self._session(rank).run(n, **kwargs)
+            if not trials[rank].fits:
                 break
-        return worst_trial(trials)
+        worst = worst_trial(list(trials.values()))
+        self._worst = next(rank for rank, trial in trials.items() if trial is worst)
+        return worst
+
+    def knows(self, n: int, **kwargs) -> bool:
+        """Never (the ranks' sessions, one set up at a time, are not asked): see ``search_largest_fitting``'s
+        ``known``."""
+        return False
+
+    def _likeliest_first(self) -> list[int]:
+        # A rank's trial costs the same wherever it runs in the order; the held rank first only
+        # saves its set-up, and that is worth less than a trial another rank would end.
+        middle = self._ranks[1:-1]
+        order = [self._ranks[-1], self._ranks[0], *middle]
+        if self._held is not None:
+            order.insert(0, self._held[0])
+        if self._worst is not None:
+            order.insert(0, self._worst)
+        return list(dict.fromkeys(order))
 
 
 def worst_pipeline_trials(make_session, sizes, *, window: int, parallel, world_size: int) -> dict:

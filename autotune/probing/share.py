@@ -30,7 +30,8 @@ def window_steps(n: int, share: int | None) -> int:
 def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: int | None,
                       share: int | None, hint: int | None = None, estimate=None,
                       try_share: bool = True, steps_only: bool = False,
-                      limit: int | None = None, least: int | None = None) -> tuple[int, list[Trial], MemoryModel]:
+                      limit: int | None = None, least: int | None = None,
+                      known=None) -> tuple[int, list[Trial], MemoryModel]:
     """``search_largest_fitting`` for a probe that plans for ``share`` samples per rank.
 
     Where ``upper`` reaches the share, one step at the share is tried first (unless
@@ -43,16 +44,18 @@ def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: 
     ``limit`` (what a plan may hold: the budget less the headroom): see ``_down_to_limit``.
     ``least`` (at least ``upper``): no micro-batch below ``upper`` is worth a trial (a smaller
     shard group is planned only where it reaches the whole world's steps): one trial at
-    ``upper``, the answer ``upper`` where it fits, else 0."""
+    ``upper``, the answer ``upper`` where it fits, else 0. ``known(n)``: whether the trial at n
+    costs nothing (see ``search_largest_fitting``)."""
     if least is not None and upper is not None and least >= upper:
         trial = run_trial(upper)
         return (upper if trial.fits else 0), [trial], fit_memory_model([trial])
     best, trials, model = _search(run_trial, budget=budget, upper=upper, share=share, hint=hint,
-                                  estimate=estimate, try_share=try_share, steps_only=steps_only)
+                                  estimate=estimate, try_share=try_share, steps_only=steps_only,
+                                  known=known)
     return _down_to_limit(run_trial, best, trials, model, share=share, limit=limit)
 
 
-def _search(run_trial, *, budget, upper, share, hint, estimate, try_share, steps_only):
+def _search(run_trial, *, budget, upper, share, hint, estimate, try_share, steps_only, known):
     first: list[Trial] = []
     if share is not None and upper is not None and upper >= share:
         if try_share:
@@ -66,7 +69,7 @@ def _search(run_trial, *, budget, upper, share, hint, estimate, try_share, steps
         if hint is not None:
             hint = min(hint, upper)
     best, trials, model = search_largest_fitting(run_trial, budget=budget, upper=upper, hint=hint,
-                                                 estimate=estimate,
+                                                 estimate=estimate, known=known,
                                                  share=share if steps_only and share is not None and upper is not None and upper < share
                                                  else None)
     return best, first + trials, model
