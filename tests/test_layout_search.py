@@ -1,5 +1,6 @@
 """The layout search (--tp/--cp/--pp auto): candidates, order and stops, the choice and its reason,
-the communication volume and the pipeline bubble. Pure: outcomes are hand-made."""
+the communication volume and the pipeline bubble. Pure: outcomes are hand-made (the planner of a
+screened layout is a bundled example's, its probes stood in for)."""
 
 import pytest
 import torch
@@ -330,6 +331,109 @@ def test_a_layout_that_cannot_reach_the_fewest_steps_is_screened_not_planned():
     unscreened = search(precision="auto")
     assert (unscreened.accumulation_steps, unscreened.parallel) == (4, Layout(tp=2))
     assert Layout(pp=2) in planned_layouts and (Layout(pp=2), 4) not in screened
+
+
+def test_a_screened_layouts_planner_probes_every_block_checkpointed_first():
+    from types import SimpleNamespace
+
+    from autotune.orchestration.layout_search import search_layout
+    from autotune.orchestration.request import PlanOptions
+
+    _StubPlanner.allowed = {Layout(): 2, Layout(tp=2): 4, Layout(tp=4): "unavailable", Layout(pp=2): None,
+                            Layout(tp=2, pp=2): 8, Layout(pp=4): None, Layout(tp=4, pp=2): 8,
+                            Layout(tp=2, pp=4): 8, Layout(tp=4, pp=4): 8, Layout(pp=8): None}
+    shape = ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)
+    first = {}
+
+    class Planner(_StubPlanner):
+        def run(self):
+            first[self.options.parallel] = self.every_block_first
+            return super().run()
+
+    def screen(workload, planner, layout, checkpointable, micro_batch=1):
+        allowed = _StubPlanner.allowed[layout]
+        return None if isinstance(allowed, int) and micro_batch <= allowed else "screened"
+
+    def search(**options):
+        first.clear()
+        search_layout(SimpleNamespace(seq_len=None), PlanOptions(
+            target_batch=64, world_size=8, sharding="fsdp", eval_batch=False, precision="bf16",
+            **options), dict(tp="auto", pp="auto"), make_planner=Planner, screen=screen,
+            inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True), shape))
+        return first
+
+    # Data parallel is planned unscreened, as asked; tp 2's screen fitted with every block
+    # checkpointed, so its planner starts there.
+    assert search() == {Layout(): False, Layout(tp=2): True}
+
+
+def test_data_parallel_offloads_only_where_no_layout_fits_on_the_device():
+    from types import SimpleNamespace
+
+    from autotune.orchestration.layout_search import search_layout
+    from autotune.orchestration.request import PlanOptions
+
+    shape = ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)
+    runs = []
+
+    class Planner(_StubPlanner):
+        def run(self):
+            trivial = self.options.parallel == Layout()
+            if trivial:
+                runs.append(self.offload_last_resort)
+            if trivial and self.offload_last_resort:  # fsdp-offload fits
+                self.allowed = {**self.allowed, Layout(): 1}
+            return super().run()
+
+    def search():
+        runs.clear()
+        return search_layout(SimpleNamespace(seq_len=None), PlanOptions(
+            target_batch=8, world_size=4, sharding="auto", eval_batch=False, precision="bf16"),
+            dict(tp="auto", pp=1), make_planner=Planner, screen=lambda *args, **kwargs: None,
+            inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True), shape))
+
+    # tp 4 fits on the device: data parallel was planned without host offload, once.
+    _StubPlanner.allowed = {Layout(): None, Layout(tp=2): None, Layout(tp=4): 1}
+    assert search().parallel == Layout(tp=4) and runs == [False]
+    # No layout fits on the device: data parallel again, offload allowed.
+    _StubPlanner.allowed = {Layout(): None, Layout(tp=2): None, Layout(tp=4): None}
+    planned = search()
+    assert planned.parallel == Layout() and runs == [False, True]
+    assert planned.reasons["layout"].startswith("auto: FSDP 4: 2 accumulation steps")
+
+
+def test_every_block_first_probes_none_at_its_micro_batch_only(examples_dir):
+    from autotune.distributed.sharding.settings import Sharding
+    from autotune.orchestration.planner import _Planner
+    from autotune.orchestration.request import PlanOptions
+    from autotune.planning.types import SettingTried
+    from autotune.workload.contract import load_workload
+
+    planner = _Planner(load_workload(examples_dir / "tiny_lm.py"), PlanOptions(
+        target_batch=8, world_size=2, sharding="fsdp", eval_batch=False, precision="fp32",
+        device="cpu", memory_limit="1GiB", parallel=Layout(tp=2)))
+    calls, allowed = [], {}
+
+    def try_setting(checkpoint, precision=None, layout=None, upper=None, hint=None, least=None):
+        calls.append((checkpoint.label, upper, least))
+        return SettingTried(precision="fp32", checkpointing=checkpoint,
+                            allowed_micro_batch=allowed[checkpoint.label])
+
+    planner.try_setting = try_setting
+    off, on = planner.first.label, planner.every_block.label
+    allowed.update({on: 3, off: 0})
+    assert [s.allowed_micro_batch for s in planner.try_layout((Sharding.FSDP, 1))] == [0, 3]
+    assert calls == [(off, None, None), (on, None, None)]  # unscreened: none first, as ever
+    calls.clear()
+    planner.every_block_first = True
+    found = planner.try_layout((Sharding.FSDP, 1))
+    # None checkpointed holds no less: it can only tie every block's micro-batch, tried alone.
+    assert calls == [(on, None, None), (off, 3, 3)]
+    assert [s.checkpointing.label for s in found] == [off, on]
+    calls.clear()
+    allowed[on] = 0  # fits nowhere with every block checkpointed: nor without
+    assert [s.checkpointing.label for s in planner.try_layout((Sharding.FSDP, 1))] == [on]
+    assert calls == [(on, None, None)]
 
 
 def test_a_layout_that_could_only_tie_at_micro_batch_1_and_runs_out_there_fits_nowhere():

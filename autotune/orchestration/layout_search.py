@@ -39,6 +39,10 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                           f"predicted step time) or plan with {given('optimize', 'memory')}")
     fingerprint, shape = inspected
     first = make_planner(workload, dataclasses.replace(options, eval_batch=False), inspected=inspected)
+    # Host offload is data parallel's last resort where no layout fits on the device (below): a
+    # model-parallel layout that does avoids the host traffic and CPU optimizer step, and the
+    # offload's probes cost 405B's plan 19 CPU s.
+    first.offload_last_resort = False
     gpus_per_node = options.gpus_per_node or (first.target.profile.gpus_per_node if first.target else None)
     world = first.world_size
     candidates, notes = layout_candidates(world, shape=shape, gpus_per_node=gpus_per_node,
@@ -79,6 +83,7 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         planners[layout] = planner
         try:
             short = None  # set where a screen at micro-batch 1 ran out: the layout fits nowhere
+            screened = False
             if beat_screen and leader and not layout.trivial:
                 # steps >= 1 here: a leader of 1 step ends the search (search_layouts).
                 share = planner.request.share
@@ -86,6 +91,7 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                     layout, share, sharded=Sharding.parse(sharding).sharded, steps=steps))
                 needed = -(-share // steps)
                 short = screen(workload, planner, layout, fingerprint.checkpointable, micro_batch=needed)
+                screened = True
                 # Where even micro-batch 1 does not fit, the layout fits nowhere, and neither does
                 # any it dominates (below; 8B at sequence 131072 after CP 8's 8 steps: tp 2 x cp
                 # 4's planner tried 8 micro-batches that ran out of memory, 47 CPU s).
@@ -95,10 +101,14 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                         f"micro-batch {needed}; {short}"))
             elif screening and not layout.trivial:
                 short = screen(workload, planner, layout, fingerprint.checkpointable)
+                screened = True
             if short is not None:
                 screening.append(layout)
                 return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True,
                                      screened=True)
+            # A screen that fitted ran every block checkpointed: the planner starts there (not
+            # where throughput ranks: fewer blocks checkpointed at smaller micro-batches may win).
+            planner.every_block_first = screened and not rank_by_time
             planned = planner.run()
         except PlanError as exc:
             screening.append(layout)
@@ -121,6 +131,11 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         return outcome
 
     outcomes = search_layouts(candidates, evaluate, cost=cost, rank_by_time=rank_by_time)
+    if not any(o.steps is not None for o in outcomes):
+        # Nothing fits on the device: data parallel again, host offload allowed (the planner's
+        # memo answers the trials it ran before).
+        first.offload_last_resort = True
+        outcomes = [evaluate(o.layout) if o.layout == Layout() else o for o in outcomes]
     winner, reason = choose_layout(outcomes, rank_by_time=rank_by_time)
     planned: Plan = winner.plan
     planned.reasons["layout"] = reason + "".join(f"; {note}" for note in notes)

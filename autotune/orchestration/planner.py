@@ -301,6 +301,12 @@ class _Planner:
         self.every_block = Checkpointing.every_block(total)
         self.created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.sync_estimates: dict = {}
+        self.offload_last_resort = True
+        """Under sharding auto, where nothing fits on the device, probe fsdp-offload. A layout
+        search defers it for data parallel until no layout fits on the device."""
+        self.every_block_first = False
+        """Probe every block checkpointed before none (``try_layout``): set by the layout search
+        where a screen found the layout fits with every block checkpointed, the least it holds."""
         self.recorded_steps: dict = {}
         """Steps the probes counted as they ran, by ``recorded_key`` (``--optimize throughput --gpu``)."""
 
@@ -364,6 +370,9 @@ class _Planner:
         precision_ = precision_ or self.chosen
         hints = [*hints, None, None]
         request_ = dataclasses.replace(self.request, precision=precision_)
+        if (self.every_block_first and known_first is None and self.checkpointing.auto
+                and self.fingerprint.checkpointable):
+            return self._every_block_first(layout, upper, precision_, hint=hints[1], least=least)
         found = [known_first or self.try_setting(self.first, precision_, layout=layout, upper=upper,
                                                  hint=hints[0], least=least)]
         if checkpointing_worth_probing(found[0], request_, self.fingerprint, upper=upper):
@@ -377,11 +386,26 @@ class _Planner:
                     found.append(fewest)
         return found
 
+    def _every_block_first(self, layout, upper, precision_, *, hint, least) -> list[SettingTried]:
+        """Every block checkpointed, probed first; then none, at its micro-batch only. A rank holds
+        at least as much without checkpointing as with every block checkpointed (each block's
+        activations instead of its input), so none can only tie that micro-batch's steps (and
+        takes it then: no recomputation): the first probe's search below it is not run. 8B at
+        sequence 131072 under CP 8 searched micro-batches 8, 3, 2 and 1 without checkpointing (18
+        CPU s), all out of memory; 70B under TP 2 searched 4, 2 and 1 (16 CPU s)."""
+        on = self.try_setting(self.every_block, precision_, layout=layout, upper=upper, hint=hint,
+                              least=least)
+        micro_batch = on.allowed_micro_batch
+        if micro_batch < 1:
+            return [on]  # fits nowhere: nor does it without checkpointing
+        off = self.try_setting(self.first, precision_, layout=layout, upper=micro_batch, least=micro_batch)
+        return [off, on]
+
     def settings_in(self, precision_: Precision) -> list[SettingTried]:
         return _probe_layouts(functools.partial(self.try_layout, precision_=precision_),
                               dataclasses.replace(self.request, precision=precision_),
                               self.options.sharding, self.options.shard_group, self.request.data_parallel,
-                              self.usable)
+                              self.usable, offload=self.offload_last_resort)
 
     def build(self, precision_: Precision, settings: list[SettingTried], reason: str | None = None,
               **recorded) -> Plan:
@@ -431,10 +455,11 @@ def _cpu_auto_precision(settings_in, build, *, bf16: bool) -> Plan:
 
 
 def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group, world_size: int,
-                   usable: int):
+                   usable: int, *, offload: bool = True):
     """Every setting probed, ddp first, then fsdp on growing shard groups, then fsdp-offload where
-    nothing else fits (the planner's order of preference among plans with equally few
-    accumulation steps). ``world_size``: the data-parallel ranks the shard groups divide."""
+    nothing else fits and ``offload`` allows (the planner's order of preference among plans with
+    equally few accumulation steps). ``world_size``: the data-parallel ranks the shard groups
+    divide."""
     if sharding == "auto" and not request.parallel.trivial:
         sharding = "fsdp"  # model-parallel layouts hold the data-parallel copies with FSDP2 only
     if sharding != "auto":
@@ -473,7 +498,7 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
         _smallest_passing(groups[:-1], reaches, first=first)
     sharded = [s for group in sorted(by_group) for s in by_group[group]]
     offloaded = []
-    if fewest_steps(settings + sharded, request) is None:
+    if offload and fewest_steps(settings + sharded, request) is None:
         # The last resort: shards, gradients and optimizer state in host memory, over the whole
         # world. Only where nothing fits on the device: where something does, fewer
         # accumulation steps rarely pay for the host traffic and a CPU optimizer step (and
