@@ -430,6 +430,7 @@ def test_every_block_first_probes_none_at_its_micro_batch_only(examples_dir):
     # None checkpointed holds no less: it can only tie every block's micro-batch, tried alone.
     assert calls == [(on, None, None), (off, 3, 3)]
     assert [s.checkpointing.label for s in found] == [off, on]
+    assert found[0].only_micro_batch == 3 and found[1].only_micro_batch is None
     calls.clear()
     allowed[on] = 0  # fits nowhere with every block checkpointed: nor without
     assert [s.checkpointing.label for s in planner.try_layout((Sharding.FSDP, 1))] == [on]
@@ -659,3 +660,24 @@ def test_a_measured_throughput_search_does_not_search_layouts():
                                           "tp='auto'.*add gpu \\(ranked"):
         search_layout(SimpleNamespace(seq_len=None), options, dict(tp="auto", cp=1, pp="auto"),
                       make_planner=_StubPlanner, inspected=(None, LLAMA_8B))
+
+
+def test_the_reason_names_the_one_micro_batch_none_checkpointed_was_tried_at():
+    from autotune.planning.policy import PlanRequest, build_plan
+    from plan_helpers import device, fingerprint, linear_probe, setting
+
+    request = PlanRequest(target_batch=8, world_size=1, checkpointing="auto", headroom=0.0)
+    on = setting(linear_probe(4, checkpointing=True), checkpointing=True, headroom=0.0)
+    off = setting(None, error="ran out of memory", headroom=0.0)
+
+    def reason(only):
+        off.only_micro_batch = only
+        planned = build_plan(request, workload=fingerprint(repeated_blocks=4), settings=[off, on],
+                             device=device(), created_at="2026-12-01T00:00:00+00:00")
+        assert planned.micro_batches == [4, 4]
+        return planned.reasons["checkpointing"]
+
+    # Tried at checkpointing's micro-batch alone, it is no proof that micro-batch 1 does not fit.
+    assert "without it micro-batch 4 within the budget minus the headroom (the one checkpointing " \
+           "reaches; smaller ones take more accumulation steps and were not tried) does not fit" in reason(4)
+    assert "without it even micro-batch 1 within the budget minus the headroom does not fit" in reason(None)

@@ -399,6 +399,7 @@ class _Planner:
         if micro_batch < 1:
             return [on]  # fits nowhere: nor does it without checkpointing
         off = self.try_setting(self.first, precision_, layout=layout, upper=micro_batch, least=micro_batch)
+        off.only_micro_batch = micro_batch
         return [off, on]
 
     def settings_in(self, precision_: Precision) -> list[SettingTried]:

@@ -468,7 +468,11 @@ def _choose_checkpointing(settings: list[SettingTried], request: PlanRequest,
         return off[0], off[1], (f"auto: off; checkpointing was probed but keeps {len(split)} "
                                 f"accumulation steps either way, and it costs ~20-35% more step time")
     if off[1] is None:
+        only = off[0].only_micro_batch
         need = (f"the pinned micro-batch {request.micro_batch}" if request.micro_batch
+                else f"micro-batch {only} within the budget minus the headroom (the one checkpointing "
+                     f"reaches; smaller ones take more accumulation steps and were not tried)"
+                if only is not None and only > 1
                 else "even micro-batch 1 within the budget minus the headroom")
         without = f"without it {need} does not fit"
         why = f"auto: {best.checkpointing_label}, because {without}"

@@ -125,6 +125,9 @@ class SettingTried:
     state_fits: bool = True
     """False when parameters, buffers and optimizer state alone passed the budget, which no
     checkpointing helps (a hint while planning; not written to plan files)."""
+    only_micro_batch: int | None = None
+    """Probed at this micro-batch alone (the one a checkpointed setting reached, which this one
+    could at best tie), not below it (a hint while planning; not written to plan files)."""
 
     def __post_init__(self):
         self.precision = Precision.parse(self.precision, option="precision")
