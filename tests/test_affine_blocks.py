@@ -194,16 +194,66 @@ def build_model():
 """
 
 
-def test_a_model_running_blocks_it_keeps_elsewhere_falls_back_to_the_full_build(tmp_path, small_builds):
+@pytest.mark.parametrize("settings", [
+    dict(checkpointing="on"),
+    # Sharded, the set-up's warm-up step runs the model: a dropped block, cut before its tensors
+    # were made (left on the meta device), runs there first.
+    pytest.param(dict(sharding="fsdp", world_size=2, checkpointing="on", precision="bf16"),
+                 marks=pytest.mark.slow)])
+def test_a_model_running_blocks_it_keeps_elsewhere_falls_back_to_the_full_build(tmp_path, small_builds, settings):
     # The forward iterates a plain list of the blocks: cutting the container changes no step,
     # and extending it would count blocks that are not cut as if they were.
     path = tmp_path / "own_list.py"
     path.write_text(OWN_LIST.format(model=str(MODEL)))
-    few = estimate_peaks(path, [2], checkpointing="on")
+    few = estimate_peaks(path, [2], **settings)
     with full_builds():
-        full = estimate_peaks(path, [2], checkpointing="on")
+        full = estimate_peaks(path, [2], **settings)
     assert few == full
     assert max(small_builds) == 12  # the small builds' steps ran the cut blocks: the full build ran
+
+
+def test_small_builds_make_only_the_blocks_they_keep(monkeypatch, small_builds):
+    # Cut on the meta device before the fake tensors are made: a small build never makes the
+    # twelve blocks' tensors only to drop most of them.
+    from autotune.memory import fake_build
+
+    made = []
+    to_fake = fake_build._fake_from_meta
+    monkeypatch.setattr(fake_build, "_fake_from_meta",
+                        lambda model: made.append(len(model.blocks)) or to_fake(model))
+    few = estimate_peaks(MODEL, [1, 3], checkpointing="off")
+    assert small_builds and max(small_builds) == 5
+    assert sorted(set(made)) == [4, 5]
+    with full_builds():
+        assert estimate_peaks(MODEL, [1, 3], checkpointing="off") == few
+
+
+LISTED_TENSOR = """
+import runpy
+import torch
+
+_M = runpy.run_path({model!r})
+make_batch, loss_fn = _M["make_batch"], _M["loss_fn"]
+
+
+def build_model():
+    model = _M["build_model"]()
+    # A tensor in a list: no module table holds it, so a meta build would leave it on meta.
+    model.head.scales = [torch.ones(model.head.out_features)]
+    forward = model.head.forward
+    model.head.forward = lambda x: forward(x) * model.head.scales[0]
+    return model
+"""
+
+
+def test_a_model_holding_a_tensor_no_cut_build_finds_is_cut_after_its_fake_build(tmp_path, small_builds):
+    path = tmp_path / "listed_tensor.py"
+    path.write_text(LISTED_TENSOR.format(model=str(MODEL)))
+    few = estimate_peaks(path, [2], checkpointing="off")
+    with full_builds():
+        full = estimate_peaks(path, [2], checkpointing="off")
+    assert few == full
+    assert small_builds and max(small_builds) == 5
 
 
 def test_block_patterns():

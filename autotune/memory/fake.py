@@ -446,8 +446,8 @@ def on_fake_tensors(workload, *, foreach: bool = False):
     if foreach:
         workload = dataclasses.replace(workload, build_optimizer=_foreach_optimizer(workload))
 
-    def fake_model() -> torch.nn.Module:
-        model = build_fake_model(original)
+    def fake_model(cut=None) -> torch.nn.Module:
+        model = build_fake_model(original, cut)
         # build_model()'s torch.compile: the eager module it wraps (see autotune/compiled.py).
         model = eager_module(model)
         # Module.to() swaps fake parameters for new ones, and torch refuses the swap because the
@@ -458,6 +458,8 @@ def on_fake_tensors(workload, *, foreach: bool = False):
         model_ref = weakref.ref(model)
         model.to = lambda *args, **kwargs: model_ref()
         return model
+
+    fake_model.takes_cut = True  # see build_fake_model
 
     return dataclasses.replace(workload, model=fake_model, compile=None)
 

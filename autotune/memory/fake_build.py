@@ -37,24 +37,43 @@ _FAKE, _META, _REAL, _NONE = "fake", "meta", "real", "none"
 # How each model factory was last built, and why not on fake tensors (weak keys: a factory that
 # goes away takes its entry).
 _WAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Factories whose meta build, or its cut, failed: their cut builds are made on fake tensors.
+_NO_META_CUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Why a factory's estimate is unverified (quantized layers run as stand-ins).
 _CAVEATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def build_fake_model(workload) -> torch.nn.Module:
+def build_fake_model(workload, cut=None) -> torch.nn.Module:
     """``workload``'s model on fake CPU tensors; called inside a ``FakeTensorMode``.
 
     An instance is copied (the user's module and its real tensors stay untouched); a factory is
     built as the module docstring says.
+
+    ``cut(model)``, where given, edits the built model in place (a few-block build drops blocks)
+    and is applied to the model returned. A factory that builds on fake tensors is then built on
+    the meta device, cut there, and only what is left made fake: a 70B model's 80 blocks cost
+    their fake tensors' making (a third of a second each build), of which a few-block build
+    keeps three. Where the meta build or the cut fails there, the model is built as without
+    ``cut`` and cut afterwards.
     """
     if workload.model_is_instance:
-        return fake_copy(workload.model, workload.source)
+        model = fake_copy(workload.model, workload.source)
+        if cut is not None:
+            cut(model)
+        return model
+    if cut is not None:
+        model = _cut_on_meta(workload, cut)
+        if model is not None:
+            return model
+        model = build_fake_model(workload)
+        cut(model)
+        return model
     way, why = _way(workload.model)
     if way == _FAKE:
         try:
             return _remember(workload.model, _FAKE, workload.new_model())
         except Exception as exc:  # noqa: BLE001 - a real build below re-raises a genuine bug
-            if not _may_build_elsewhere(exc):
+            if not may_build_elsewhere(exc):
                 raise
             why = _reason(exc)
         # The failed build's fake tensors, counted by the tracker, sit in reference cycles (the
@@ -64,7 +83,7 @@ def build_fake_model(workload) -> torch.nn.Module:
         try:
             model = _remember(workload.model, _META, _fake_from_meta(_meta_build(workload)))
         except Exception as exc:  # noqa: BLE001 - as above
-            if not _may_build_elsewhere(exc):
+            if not may_build_elsewhere(exc):
                 raise
         else:
             if way == _FAKE:
@@ -136,7 +155,7 @@ def _plain_tensors_made_fake(model: torch.nn.Module) -> dict:
     return memo
 
 
-def _may_build_elsewhere(exc: Exception) -> bool:
+def may_build_elsewhere(exc: Exception) -> bool:
     """Whether a failed build may succeed another way: not out of memory (the trial's answer) nor
     autotune's own refusal; an error of the model file's code (``UserCodeError``) may be one that
     fake or meta tensors caused, and a real build raises it again where it is not."""
@@ -186,6 +205,39 @@ def _library_frame(exc: BaseException) -> str:
             shown = os.sep.join(parts[site + 1:]) if site is not None else path
             return f"{shown}:{frame.lineno}"
     return ""
+
+
+def _cut_on_meta(workload, cut) -> torch.nn.Module | None:
+    """The model built on the meta device, ``cut``, and made fake; None where it builds another
+    way or the meta build or cut fails (not an error of the build itself: the caller's build
+    raises that again)."""
+    if _way(workload.model)[0] != _FAKE or _remembered(_NO_META_CUT, workload.model):
+        return None
+    try:
+        model = _meta_build(workload)
+        with fake_tensor.unset_fake_temporarily():
+            cut(model)
+    except Exception as exc:  # noqa: BLE001 - the build that follows re-raises a genuine bug
+        if not may_build_elsewhere(exc):
+            raise
+        _remember_in(_NO_META_CUT, workload.model)
+        gc.collect()
+        return None
+    return _fake_from_meta(model)
+
+
+def _remembered(table, factory) -> bool:
+    try:
+        return factory in table
+    except TypeError:
+        return True
+
+
+def _remember_in(table, factory) -> None:
+    try:
+        table[factory] = True
+    except TypeError:
+        pass
 
 
 def _meta_build(workload) -> torch.nn.Module:
@@ -260,4 +312,4 @@ def _fake_from_meta(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-__all__ = ["build_fake_model", "estimate_caveat", "fake_copy"]
+__all__ = ["build_fake_model", "estimate_caveat", "fake_copy", "may_build_elsewhere"]

@@ -41,11 +41,12 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..errors import EstimateUnavailable
+from ..errors import EstimateUnavailable, StepError
 from ..distributed.sharding.ranks import sharded_step
 from ..memory.cpu import tracking_resizes
 from ..memory.frozen_heap import automatic_collection_off
 from ..memory.cuda_allocator import cublas_workspaces
+from ..memory.fake_build import may_build_elsewhere
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, is_hopper, uncounted_sharding_propagation
 from ..units import format_bytes
 from ..workload.activation_checkpointing import (checkpointable_blocks, enable_checkpointing,
@@ -398,6 +399,8 @@ class FewBlocksSession:
         self._children: dict[int, tuple[_ResumableBackend, object]] = {}
         self._stack: contextlib.ExitStack | None = None
         self._timelines: dict[int, _Timeline] = {}
+        self._early = True
+        """Small builds are cut before their tensors are made (``_first_blocks``)."""
         self._dropped_ran = False
         """A block cut from a small build ran in its forward: the model holds its blocks elsewhere
         too, and only full builds measure it."""
@@ -501,7 +504,15 @@ class FewBlocksSession:
                 self._checkpoint(session, size)
                 if timeline is not None and self._pattern is not None:
                     timeline.name_blocks(self._pattern, self._pattern.small[len(trials)])
-                trials.append(session.run(n, window=window, micro_batches=micro_batches))
+                try:
+                    trials.append(session.run(n, window=window, micro_batches=micro_batches))
+                except Exception as exc:
+                    if self._dropped_ran:
+                        break  # a dropped block ran (on the meta device): answered below
+                    if not self._built_late_instead(exc):
+                        raise
+                    self._close_children()
+                    return self.run(n, window=window, micro_batches=micro_batches)
             segments.append(timeline.peaks if timeline is not None else None)
         if self._dropped_ran and self._traced:
             raise NotSynthesizable("the model runs blocks it does not hold in its container")
@@ -617,30 +628,53 @@ class FewBlocksSession:
     def _child(self, size: int):
         if size in self._children:
             return self._children[size]
+        try:
+            backend, session = self._new_child(size, early=self._early)
+        except Exception as exc:
+            if not self._built_late_instead(exc):
+                raise
+            backend, session = self._new_child(size, early=False)
+        self._children[size] = backend, session
+        if size < self.total_blocks and not self._traced:
+            self._timelines[size] = _Timeline(backend.tracker, session)
+        return backend, session
+
+    def _new_child(self, size: int, *, early: bool):
         backend = _ResumableBackend(self.backend, tensors_only=self._tensors_only, traced=self._traced)
         marks = None
         if self._traced:
             marks = self._marks[size] = TraceMarks()
             marks.record(backend, hopper=is_hopper(backend.info().name))
-        step_workload = self._stack.enter_context(
-            sharded_step(_first_blocks(self.workload, size, self._dropped_block_ran,
-                                       marks.hook_blocks if marks is not None else None), **self.layout))
-        session = self.session_type(step_workload, backend, precision=self.precision,
-                                    checkpointing=False, sharded=self.sharded, offload=self.offload,
-                                    reduce_every_micro_step=self.reduce_every_micro_step,
-                                    parallel=self.layout.get("parallel"))
-        if marks is not None:
-            marks.hook_session(session)
-            if self._pattern is not None:
-                # The warm-up step checkpoints as the full build's does: where the allocator is
-                # modelled, the cache it leaves is part of every later trial's.
-                self._checkpoint_from_setup(session, size)
-        with backend.resumed():
-            session.__enter__()
-        self._children[size] = backend, session
-        if size < self.total_blocks and not self._traced:
-            self._timelines[size] = _Timeline(backend.tracker, session)
+        with contextlib.ExitStack() as stack:
+            step_workload = stack.enter_context(
+                sharded_step(_first_blocks(self.workload, size, self._dropped_block_ran,
+                                           marks.hook_blocks if marks is not None else None,
+                                           early=early and size < self.total_blocks), **self.layout))
+            session = self.session_type(step_workload, backend, precision=self.precision,
+                                        checkpointing=False, sharded=self.sharded, offload=self.offload,
+                                        reduce_every_micro_step=self.reduce_every_micro_step,
+                                        parallel=self.layout.get("parallel"))
+            if marks is not None:
+                marks.hook_session(session)
+                if self._pattern is not None:
+                    # The warm-up step checkpoints as the full build's does: where the allocator
+                    # is modelled, the cache it leaves is part of every later trial's.
+                    self._checkpoint_from_setup(session, size)
+            with backend.resumed():
+                session.__enter__()
+            self._stack.enter_context(stack.pop_all())
         return backend, session
+
+    def _built_late_instead(self, exc: Exception) -> bool:
+        """Whether a small build cut before its tensors were made failed where one cut after
+        them may not: a dropped block ran (left on the meta device), or the model holds a meta
+        tensor ``build_fake_model`` could not find (in a list, say). From then on, this session's
+        builds are cut after; a genuine error comes back from them."""
+        cause = exc.__cause__ if isinstance(exc, StepError) and exc.__cause__ is not None else exc
+        if not self._early or not (self._dropped_ran or may_build_elsewhere(cause)):
+            return False
+        self._early = False
+        return True
 
     def _dropped_block_ran(self, module, args) -> None:
         self._dropped_ran = True
@@ -926,27 +960,56 @@ class _Timeline:
             self._forward = False
 
 
-def _first_blocks(workload, count: int, dropped_ran, on_blocks=None):
+def _first_blocks(workload, count: int, dropped_ran, on_blocks=None, *, early: bool = True):
     """The workload with a model factory that keeps the first ``count`` repeated blocks; a dropped
     block that runs anyway (the model keeps its own list of them) calls ``dropped_ran``;
-    ``on_blocks`` is called with the blocks kept."""
+    ``on_blocks`` is called with the blocks kept.
 
-    def build() -> torch.nn.Module:
-        model = workload.new_model()
+    ``early``: where the factory builds on fake tensors (``on_fake_tensors``), the blocks are cut
+    before their tensors are made (``build_fake_model``'s ``cut``); a dropped block is then left
+    on the meta device, so the hook raises ``DroppedBlockRan`` after ``dropped_ran`` rather than
+    let it run there (the session builds again with ``early=False``, where it runs on fake
+    tensors and only ``dropped_ran`` tells)."""
+
+    kept: list = []
+
+    def keep_first(model: torch.nn.Module, *, raises: bool) -> None:
         container = _block_container(model)
+        kept[:] = list(container)[:count]
         if count < len(container):
+            hook = _raising(dropped_ran) if raises else dropped_ran
             for block in list(container)[count:]:
-                block.register_forward_pre_hook(dropped_ran)
+                block.register_forward_pre_hook(hook)
             keep = list(container)[:count]
             for name in list(container._modules):
                 del container._modules[name]
             for index, block in enumerate(keep):
                 container.add_module(str(index), block)
+
+    def build() -> torch.nn.Module:
+        if early and getattr(workload.model, "takes_cut", False):
+            model = workload.model(cut=functools.partial(keep_first, raises=True))
+        else:
+            model = workload.new_model()
+            keep_first(model, raises=False)
         if on_blocks is not None:
-            on_blocks(list(container))
+            on_blocks(list(kept))
         return model
 
     return dataclasses.replace(workload, model=build)
+
+
+class DroppedBlockRan(RuntimeError):
+    """A block cut from a small build before its tensors were made ran: the model holds its blocks
+    elsewhere too (caught by ``FewBlocksSession``, which builds again)."""
+
+
+def _raising(dropped_ran):
+    def hook(module, args):
+        dropped_ran(module, args)
+        raise DroppedBlockRan("a block cut from a small build ran")
+
+    return hook
 
 
 __all__ = ["BlockPattern", "FewBlocksSession", "TensorFloorSession", "block_pattern", "extend",
