@@ -136,6 +136,25 @@ def test_a_model_of_few_blocks_takes_no_tensor_floor(monkeypatch):
     assert trial is not None and not trial.fits and not floors
 
 
+@pytest.mark.parametrize("budget", [8 << 20, 64 << 20])
+def test_a_tensor_floor_asked_again_is_answered_from_the_memo(small_builds, full_builds_made, budget):
+    # A layout search plans its chosen layout again (its deferred shard groups): the --gpu
+    # planner's memo answers the floor's trials as it answers the full build's, no build made.
+    backend = EstimateMemoryBackend(budget, for_cuda=True)
+    backend.trials_memo = {}
+
+    def trial():
+        return window_trial(MODEL, backend, micro_batch=1, window=2, precision="bf16",
+                            checkpointing="off", sharding="fsdp", world_size=4)
+
+    first = trial()
+    ran, made = len(small_builds), len(full_builds_made)
+    assert ran and first.fits == (budget > 8 << 20) and made == (budget > 8 << 20)
+    again = trial()
+    assert (len(small_builds), len(full_builds_made)) == (ran, made)
+    assert (again.fits, again.peak_bytes) == (first.fits, first.peak_bytes)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget, checkpointing", [(8 << 20, "off"), (24 << 20, "on"), (64 << 20, "off"),
                                                    (64 << 20, "on")])

@@ -2,10 +2,12 @@
 the communication volume and the pipeline bubble. Pure: outcomes are hand-made (the planner of a
 screened layout is a bundled example's, its probes stood in for)."""
 
+import pathlib
+
 import pytest
 import torch
 
-from autotune import ConfigError, Layout
+from autotune import ConfigError, Layout, plan
 from autotune.distributed.layout import parse_layout
 from autotune.planning.layouts import (LayoutOutcome, choose_layout, communication_bytes, dominates,
                                        layout_candidates, search_layouts)
@@ -207,6 +209,8 @@ class _StubPlanner:
     micro-batch each allows (None: fits nowhere; "unavailable": the split is not in this build)."""
 
     allowed = {}
+    memoized = False
+    runs = []  # (layout, search_details) of every run
 
     def __init__(self, workload, options, *, inspected):
         from autotune.planning.policy import PlanRequest
@@ -224,6 +228,7 @@ class _StubPlanner:
         from plan_helpers import device, fingerprint, linear_probe, setting
 
         allowed = self.allowed[self.options.parallel]
+        self.runs.append((self.options.parallel, getattr(self, "search_details", None)))
         if allowed == "unavailable":
             raise ConfigError("tp 2: tensor parallelism is not available in this build of autotune")
         if allowed is None:
@@ -233,6 +238,69 @@ class _StubPlanner:
                                     parallel=self.options.parallel)
         return build_plan(self.request, workload=fingerprint(param_bytes=8 * 2**20), settings=[tried],
                           device=device(), created_at="2026-12-01T00:00:00+00:00")
+
+
+@pytest.mark.parametrize("memoized, throughput", [(True, False), (False, False), (True, True)])
+def test_the_chosen_layout_alone_is_planned_in_detail_where_the_memo_answers_again(memoized, throughput):
+    # Smaller shard groups and the sync-on-last window change neither steps nor bytes
+    # communicated: with a memo (--gpu), each candidate is planned without them and the winner
+    # again with them; without one (every trial would run twice), or where throughput ranks
+    # (a shard group changes the predicted time), every candidate is planned in detail at once.
+    from types import SimpleNamespace
+
+    from autotune.orchestration.layout_search import search_layout
+    from autotune.orchestration.request import PlanOptions
+
+    class Planner(_StubPlanner):
+        runs = []
+
+    Planner.memoized = memoized
+    _StubPlanner.allowed = {Layout(): 2, Layout(tp=2): 4, Layout(tp=4): "unavailable", Layout(pp=2): None,
+                            Layout(tp=2, pp=2): 8, Layout(pp=4): None, Layout(tp=4, pp=2): 8,
+                            Layout(tp=2, pp=4): 8, Layout(tp=4, pp=4): 8, Layout(pp=8): None}
+    options = PlanOptions(target_batch=64, world_size=8, sharding="fsdp", eval_batch=False,
+                          **(dict(optimize="throughput", gpu="h100-80gb") if throughput else {}))
+    planned = search_layout(SimpleNamespace(seq_len=None), options, dict(tp="auto", pp="auto"),
+                            make_planner=Planner,
+                            inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True),
+                                       ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)),
+                            screen=lambda *args, **kwargs: None)
+    assert planned.parallel == Layout(tp=2)
+    details = [d for _, d in Planner.runs]
+    if memoized and not throughput:
+        assert not any(details[:-1]) and len(details) > 2
+        assert Planner.runs[-1] == (Layout(tp=2), True)
+        assert [layout for layout, _ in Planner.runs].count(Layout(tp=2)) == 2
+    else:
+        assert all(details)
+        assert [layout for layout, _ in Planner.runs].count(Layout(tp=2)) == 1
+
+
+@pytest.mark.slow
+def test_a_deferred_shard_group_search_plans_what_the_eager_one_plans(monkeypatch):
+    # Wide blocks on 8 H100s at 128 samples per rank: FSDP 8 with shard group 2 at 32 × 2,
+    # after the search planned FSDP over all 8 alone; its plan is the one every candidate's
+    # eager shard-group search and sync-on-last estimate give.
+    from autotune.orchestration import planner as planner_module
+
+    def planned():
+        made = plan(pathlib.Path(__file__).with_name("wide_mlp_model.py"), target_batch=512,
+                    world_size=8, gpu="h100-80gb", tp="auto", pp="auto", eval_batch=False)
+        found = made.to_dict()
+        for setting in found["settings"]:  # the seconds each trial took aside
+            probe = setting.get("probe") or {}
+            probe.pop("seconds", None)
+            for trial in probe.get("trials", []):
+                trial.pop("seconds", None)
+        return made, {k: v for k, v in found.items() if k not in ("created_at", "reasons")}
+
+    deferred, deferred_fields = planned()
+    monkeypatch.setattr(planner_module._Planner, "memoized", property(lambda self: False))
+    eager, eager_fields = planned()
+    assert (deferred.shard_group, deferred.micro_batch, deferred.accumulation_steps) == (2, 32, 2)
+    assert deferred_fields == eager_fields
+    assert deferred.reasons["layout"].startswith("auto: FSDP 8 (shard group 2): 2 accumulation steps")
+    assert "loses to FSDP 8's 2 accumulation steps" in deferred.reasons["layout"]
 
 
 def test_search_layout_plans_each_candidate_and_records_why(tmp_path):

@@ -43,6 +43,12 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
     # model-parallel layout that does avoids the host traffic and CPU optimizer step, and the
     # offload's probes cost 405B's plan 19 CPU s.
     first.offload_last_resort = False
+    # The chosen layout's details (smaller shard groups, the sync-on-last window) wait for the
+    # choice where the planner's memo answers the trials it ran (a --gpu estimate's) and the
+    # ranking does not read them (it does where throughput ranks: a shard group's time).
+    deferred = first.memoized and not (
+        options.optimize == "throughput" and options.gpu is not None)
+    first.search_details = not deferred
     gpus_per_node = options.gpus_per_node or (first.target.profile.gpus_per_node if first.target else None)
     world = first.world_size
     candidates, notes = layout_candidates(world, shape=shape, gpus_per_node=gpus_per_node,
@@ -81,6 +87,7 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         except (ConfigError, PlanError) as exc:  # the layout's own limits (shard group, target)
             return LayoutOutcome(layout, error=f"not planned: {exc}")
         planners[layout] = planner
+        planner.search_details = not deferred
         try:
             short = None  # set where a screen at micro-batch 1 ran out: the layout fits nowhere
             screened = False
@@ -117,18 +124,21 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             lacking = re.match(r"(tp|cp|pp) \d+: \w+ parallelism is not available", str(exc))
             return LayoutOutcome(layout, error=f"not estimated: {_first_sentence(exc)}",
                                  unavailable=lacking.group(1) if lacking else None)
+        outcome = planned_outcome(layout, planned)
+        leader[:] = [min(leader + [outcome], key=choice_key)]  # the earlier one on a tie
+        return outcome
+
+    def planned_outcome(layout: Layout, planned: Plan) -> LayoutOutcome:
         label = planned.parallel.describe(world, str(planned.sharding).upper())
         if planned.shard_group and planned.shard_group != layout.data_parallel(world):
             label += f" (shard group {planned.shard_group})"
         # The planner's prediction holds the layout's collectives and bubble, per GPU.
         timed = planned.step_time.samples_per_s if rank_by_time and planned.step_time is not None else None
-        outcome = LayoutOutcome(layout, steps=planned.accumulation_steps, label=label, plan=planned,
-                                communication=volume(layout, sum(planned.micro_batches),
-                                                     sharded=planned.sharding.sharded,
-                                                     steps=planned.accumulation_steps),
-                                peak_bytes=planned.predicted_peak_bytes, samples_per_s=timed)
-        leader[:] = [min(leader + [outcome], key=choice_key)]  # the earlier one on a tie
-        return outcome
+        return LayoutOutcome(layout, steps=planned.accumulation_steps, label=label, plan=planned,
+                             communication=volume(layout, sum(planned.micro_batches),
+                                                  sharded=planned.sharding.sharded,
+                                                  steps=planned.accumulation_steps),
+                             peak_bytes=planned.predicted_peak_bytes, samples_per_s=timed)
 
     outcomes = search_layouts(candidates, evaluate, cost=cost, rank_by_time=rank_by_time)
     if not any(o.steps is not None for o in outcomes):
@@ -137,6 +147,14 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         first.offload_last_resort = True
         outcomes = [evaluate(o.layout) if o.layout == Layout() else o for o in outcomes]
     winner, reason = choose_layout(outcomes, rank_by_time=rank_by_time)
+    if deferred and winner.plan is not None:
+        # The same planner again, its memo answering every trial it ran: what it adds is the
+        # deferred search. The steps and bytes communicated it ranked by stay as they were.
+        planner = planners[winner.layout]
+        planner.search_details = True
+        detailed = planned_outcome(winner.layout, planner.run())
+        outcomes = [detailed if o is winner else o for o in outcomes]
+        winner, reason = choose_layout(outcomes, rank_by_time=rank_by_time)
     planned: Plan = winner.plan
     planned.reasons["layout"] = reason + "".join(f"; {note}" for note in notes)
     if options.eval_batch:

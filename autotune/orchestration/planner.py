@@ -307,8 +307,19 @@ class _Planner:
         self.every_block_first = False
         """Probe every block checkpointed before none (``try_layout``): set by the layout search
         where a screen found the layout fits with every block checkpointed, the least it holds."""
+        self.search_details = True
+        """Search the smaller shard groups that reach as few steps and estimate the sync-on-last
+        window. A layout search defers both to the layout it chooses: neither changes what it
+        ranks by (steps, bubble, bytes communicated)."""
+        self._settings_tried: dict = {}
         self.recorded_steps: dict = {}
         """Steps the probes counted as they ran, by ``recorded_key`` (``--optimize throughput --gpu``)."""
+
+    @property
+    def memoized(self) -> bool:
+        """Whether a trial asked again is answered from the memo (a --gpu estimate's fresh
+        trials), so that running this planner again repeats no trial."""
+        return getattr(self.backend, "trials_memo", None) is not None  # only fake tensors keep one
 
     @property
     def estimated_for(self) -> str | None:
@@ -343,6 +354,12 @@ class _Planner:
 
     def try_setting(self, checkpoint, precision: Precision | None = None, layout=(Sharding.DDP, None),
                     upper: int | None = None, hint: int | None = None, least: int | None = None) -> SettingTried:
+        # Asked again (a layout search plans its chosen layout again, in detail): where the memo
+        # would answer every trial, the setting it gave, itself (a probe asked again could
+        # take another path to the same answer, and record other trials).
+        key = (repr(checkpoint), repr(precision), repr(layout), upper, hint, least)
+        if key in self._settings_tried:
+            return self._settings_tried[key]
         # Ranked by predicted throughput for a GPU: the probe's one-step trials are counted as they
         # run (autotune.timing.recorded), so the ranking need not run them again.
         steps = {} if self.options.optimize == "throughput" and self.target else None
@@ -358,9 +375,12 @@ class _Planner:
                                  limit=limit, least=least)
         if steps:
             self.recorded_steps[recorded_key(setting)] = steps
-        return evaluate_setting(setting, usable=self.usable, agree=self.agree,
-                                extra_bytes=setting_extra_bytes(setting, self.world_size,
-                                                                self.fingerprint.param_bytes))
+        tried = evaluate_setting(setting, usable=self.usable, agree=self.agree,
+                                 extra_bytes=setting_extra_bytes(setting, self.world_size,
+                                                                 self.fingerprint.param_bytes))
+        if self.memoized:
+            self._settings_tried[key] = tried
+        return tried
 
     def try_layout(self, layout, upper: int | None = None, *, precision_: Precision | None = None,
                    hints=(), known_first: SettingTried | None = None, least: int | None = None) -> list[SettingTried]:
@@ -406,7 +426,8 @@ class _Planner:
         return _probe_layouts(functools.partial(self.try_layout, precision_=precision_),
                               dataclasses.replace(self.request, precision=precision_),
                               self.options.sharding, self.options.shard_group, self.request.data_parallel,
-                              self.usable, offload=self.offload_last_resort)
+                              self.usable, offload=self.offload_last_resort,
+                              smaller_groups=self.search_details)
 
     def build(self, precision_: Precision, settings: list[SettingTried], reason: str | None = None,
               **recorded) -> Plan:
@@ -423,7 +444,7 @@ class _Planner:
         if not self.distributed:
             planned = _measure_planned(planned, made, self.workload, self.backend, self.world_size,
                                        self.usable, self.fingerprint.param_bytes)
-        if not planned.sharding.sharded or planned.accumulation_steps < 2:
+        if not planned.sharding.sharded or planned.accumulation_steps < 2 or not self.search_details:
             return planned
         # The probe's sharded windows reduce-scattered every micro-step; the other option, holding
         # the unsharded gradients until the last micro-step, is estimated for the chosen split.
@@ -456,11 +477,12 @@ def _cpu_auto_precision(settings_in, build, *, bf16: bool) -> Plan:
 
 
 def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group, world_size: int,
-                   usable: int, *, offload: bool = True):
+                   usable: int, *, offload: bool = True, smaller_groups: bool = True):
     """Every setting probed, ddp first, then fsdp on growing shard groups, then fsdp-offload where
     nothing else fits and ``offload`` allows (the planner's order of preference among plans with
     equally few accumulation steps). ``world_size``: the data-parallel ranks the shard groups
-    divide."""
+    divide. ``smaller_groups`` False: fsdp over the whole world only (the fewest steps any group
+    reaches)."""
     if sharding == "auto" and not request.parallel.trivial:
         sharding = "fsdp"  # model-parallel layouts hold the data-parallel copies with FSDP2 only
     if sharding != "auto":
@@ -477,7 +499,7 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
     world = try_layout((Sharding.FSDP, groups[-1]))
     by_group = {groups[-1]: world}
     best = fewest_steps(world, request)
-    if best is not None and best < (fewest_steps(settings, request) or math.inf):
+    if smaller_groups and best is not None and best < (fewest_steps(settings, request) or math.inf):
         # A smaller group is only worth it at the micro-batch that reaches as few steps: the
         # probe need not look further.
         needed = min(request.wanted_micro_batch, math.ceil(request.share / best))

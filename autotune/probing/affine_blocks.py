@@ -759,17 +759,39 @@ class TensorFloorSession(FreshTrialsSession):
         return self._floor.run(n).peak_bytes
 
     def knows(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> bool:
-        # Before the floor has passed, a trial runs the floor's small builds first.
-        return self._floor_passed and super().knows(n, window=window, micro_batches=micro_batches)
+        # Before the floor has passed, a trial runs the floor's small builds first, unless the
+        # memo holds its answer.
+        if not self._floor_passed:
+            floor = self._remembered_floor(n, window, micro_batches)
+            if floor is None:
+                return False
+            if not floor.fits:
+                return True
+        return super().knows(n, window=window, micro_batches=micro_batches)
 
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> Trial:
         if not self._floor_passed:
-            floor = self._floor.run(n, window=window, micro_batches=micro_batches)
+            floor = self._remembered_floor(n, window, micro_batches)
+            if floor is None:
+                floor = self._floor.run(n, window=window, micro_batches=micro_batches)
+                if self.backend.trials_memo is not None:
+                    self.backend.trials_memo[self._floor_key(n, window, micro_batches)] = \
+                        dataclasses.replace(floor)
             if not floor.fits:
                 self.floored_trials += 1
                 return floor
             self._floor_passed = True
         return super().run(n, window=window, micro_batches=micro_batches)
+
+    def _floor_key(self, n: int, window: int, micro_batches) -> tuple:
+        return ("tensor floor", self._memo_key(n, window, micro_batches))
+
+    def _remembered_floor(self, n: int, window: int, micro_batches) -> Trial | None:
+        """The floor's answer to this trial where the memo holds it (a planner run again, as a
+        layout search runs its chosen layout's: the same small builds give the same bytes)."""
+        memo = self.backend.trials_memo
+        found = memo.get(self._floor_key(n, window, micro_batches)) if memo is not None else None
+        return dataclasses.replace(found) if found is not None else None
 
 
 class SynthesizedTrialsSession(TensorFloorSession):
