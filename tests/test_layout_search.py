@@ -503,6 +503,41 @@ def test_every_block_first_probes_none_at_its_micro_batch_only(examples_dir):
     allowed[on] = 0  # fits nowhere with every block checkpointed: nor without
     assert [s.checkpointing.label for s in planner.try_layout((Sharding.FSDP, 1))] == [on]
     assert calls == [(on, None, None)]
+    # Data parallel's planner in a layout search: its sharded settings alike; a replica's keep
+    # none first (the fewest-blocks search starts from it).
+    planner.every_block_first, planner.sharded_every_block_first = False, True
+    allowed[on] = 3
+    calls.clear()
+    planner.try_layout((Sharding.FSDP, 1))
+    assert calls == [(on, None, None), (off, 3, 3)]
+    calls.clear()
+    planner.try_layout((Sharding.DDP, None))
+    assert calls[:2] == [(off, None, None), (on, None, None)]
+
+
+def test_a_layout_search_probes_data_parallels_sharded_settings_every_block_first():
+    from types import SimpleNamespace
+
+    from autotune.orchestration.layout_search import search_layout
+    from autotune.orchestration.request import PlanOptions
+
+    made = []
+
+    class Planner(_StubPlanner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    _StubPlanner.allowed = {Layout(): 8, Layout(tp=2): 8}
+    for optimize, expected in (("memory", True), ("throughput", False)):
+        made.clear()
+        search_layout(SimpleNamespace(seq_len=None), PlanOptions(
+            target_batch=8, world_size=2, sharding="auto", eval_batch=False, precision="bf16",
+            optimize=optimize, gpu="h100-80gb"), dict(tp="auto"), make_planner=Planner,
+            screen=lambda *args, **kwargs: None,
+            inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True),
+                       ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)))
+        assert made[0].sharded_every_block_first is expected
 
 
 def test_a_layout_that_could_only_tie_at_micro_batch_1_and_runs_out_there_fits_nowhere():

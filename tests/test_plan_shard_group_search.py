@@ -1,6 +1,7 @@
 """The planner's search for the smallest shard group: the answer an exhaustive search over the
 groups gives, in fewer probes and fake steps."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -130,6 +131,10 @@ def test_a_setting_that_fits_nowhere_on_the_whole_world_is_not_probed_on_smaller
     known = _no_fit_on_smaller_group(failed, 4)
     assert known.probe is None and known.shard_group == 4 and known.sharding is Sharding.FSDP
     assert "fitted nowhere on shard group 8" in known.error and not known.checkpointing
+    # Tried at one micro-batch only (every block checkpointed first, which fitted at 3): that one.
+    tried_once = dataclasses.replace(failed, only_micro_batch=3)
+    assert _no_fit_on_smaller_group(tried_once, 4).error.startswith(
+        "does not fit at micro-batch 3: it did not fit at micro-batch 3 on shard group 8")
     fitted = SettingTried(precision="fp32", checkpointing=False, probe=linear_probe(3),
                           sharding=Sharding.FSDP, shard_group=8)
     assert _no_fit_on_smaller_group(fitted, 4) is None  # it must be probed: it may fit less

@@ -55,6 +55,9 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                                           seq_len=workload.seq_len, **degrees)
     activation_bytes = 4 if Precision.parse(first.chosen) is Precision.FP32 else 2
     rank_by_time = options.optimize == "throughput" and options.gpu is not None
+    # Data parallel's FSDP settings too (where its planner may take them; not where throughput
+    # ranks, as for screened layouts).
+    first.sharded_every_block_first = not rank_by_time
     planners = {Layout(): first}
 
     def volume(layout: Layout, share: int, *, sharded: bool, steps: int = 1) -> float:

@@ -307,6 +307,10 @@ class _Planner:
         self.every_block_first = False
         """Probe every block checkpointed before none (``try_layout``): set by the layout search
         where a screen found the layout fits with every block checkpointed, the least it holds."""
+        self.sharded_every_block_first = False
+        """Probe every block checkpointed first for sharded settings (``try_layout``): set by the
+        layout search for data parallel, whose FSDP settings have no fewest-blocks search to
+        lose (a replica's does) and 405B's fits nowhere, which every block shows first."""
         self.search_details = True
         """Search the smaller shard groups that reach as few steps and estimate the sync-on-last
         window. A layout search defers both to the layout it chooses: neither changes what it
@@ -390,7 +394,8 @@ class _Planner:
         precision_ = precision_ or self.chosen
         hints = [*hints, None, None]
         request_ = dataclasses.replace(self.request, precision=precision_)
-        if (self.every_block_first and known_first is None and self.checkpointing.auto
+        if ((self.every_block_first or self.sharded_every_block_first and layout[0].sharded)
+                and known_first is None and self.checkpointing.auto
                 and self.fingerprint.checkpointable):
             return self._every_block_first(layout, upper, precision_, hint=hints[1], least=least)
         found = [known_first or self.try_setting(self.first, precision_, layout=layout, upper=upper,
@@ -536,9 +541,12 @@ def _no_fit_on_smaller_group(on_world: SettingTried, group: int) -> SettingTried
     and activations), so it cannot fit either. None where the whole world's setting fitted."""
     if on_world.probe is not None:
         return None
+    # Tried at one micro-batch only (every block checkpointed first): at that one.
+    at = on_world.only_micro_batch or 1
+    where = "fitted nowhere" if at == 1 else f"did not fit at micro-batch {at}"
     return dataclasses.replace(
         on_world, shard_group=group,
-        error=(f"does not fit at micro-batch 1: it fitted nowhere on shard group "
+        error=(f"does not fit at micro-batch {at}: it {where} on shard group "
                f"{on_world.shard_group}, and a rank of a smaller group holds more (not estimated)"))
 
 
