@@ -46,15 +46,14 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
     # The chosen layout's details (smaller shard groups, the sync-on-last window) wait for the
     # choice where the planner's memo answers the trials it ran (a --gpu estimate's) and the
     # ranking does not read them (it does where throughput ranks: a shard group's time).
-    deferred = first.memoized and not (
-        options.optimize == "throughput" and options.gpu is not None)
+    rank_by_time = options.optimize == "throughput" and options.gpu is not None
+    deferred = first.memoized and not rank_by_time
     first.search_details = not deferred
     gpus_per_node = options.gpus_per_node or (first.target.profile.gpus_per_node if first.target else None)
     world = first.world_size
     candidates, notes = layout_candidates(world, shape=shape, gpus_per_node=gpus_per_node,
                                           seq_len=workload.seq_len, **degrees)
     activation_bytes = 4 if Precision.parse(first.chosen) is Precision.FP32 else 2
-    rank_by_time = options.optimize == "throughput" and options.gpu is not None
     # Data parallel's FSDP settings too (where its planner may take them; not where throughput
     # ranks, as for screened layouts).
     first.sharded_every_block_first = not rank_by_time

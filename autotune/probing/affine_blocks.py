@@ -1002,10 +1002,9 @@ def _first_blocks(workload, count: int, dropped_ran, on_blocks=None, *, early: b
             hook = _raising(dropped_ran) if raises else dropped_ran
             for block in list(container)[count:]:
                 block.register_forward_pre_hook(hook)
-            keep = list(container)[:count]
             for name in list(container._modules):
                 del container._modules[name]
-            for index, block in enumerate(keep):
+            for index, block in enumerate(kept):
                 container.add_module(str(index), block)
 
     def build() -> torch.nn.Module:
