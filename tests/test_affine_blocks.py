@@ -247,6 +247,22 @@ def test_small_builds_make_only_the_blocks_they_keep(monkeypatch, small_builds):
         assert estimate_peaks(MODEL, [1, 3], checkpointing="off") == few
 
 
+def test_a_hugging_face_llamas_small_builds_are_cut_before_their_tensors_are_made(monkeypatch, small_builds):
+    # transformers' LlamaForCausalLM (twelve layers, tiny config) builds on the meta device too:
+    # only the 4 and 5 layers kept become fake tensors, and the estimate is the full build's.
+    from autotune.memory import fake_build
+
+    llama = pathlib.Path(__file__).with_name("twelve_block_llama.py")
+    made = []
+    to_fake = fake_build._fake_from_meta
+    monkeypatch.setattr(fake_build, "_fake_from_meta",
+                        lambda model: made.append(len(model.model.layers)) or to_fake(model))
+    few = estimate_peaks(llama, [1, 2], checkpointing="on")
+    assert sorted(made) == [4, 5] and max(small_builds) == 5
+    with full_builds():
+        assert estimate_peaks(llama, [1, 2], checkpointing="on") == few
+
+
 LISTED_TENSOR = """
 import runpy
 import torch
