@@ -151,16 +151,27 @@ def test_then_cheapest_communication_first_with_patience():
 def test_a_layout_that_fits_nowhere_rules_out_the_ones_it_dominates():
     evaluate, calls = _table({(1, 1, 1): "nowhere", (4, 1, 2): 3, (2, 1, 1): "nowhere",
                               (1, 1, 2): "nowhere", (4, 1, 1): 3, (2, 1, 2): "nowhere"})
-    outcomes = search_layouts(CANDIDATES, evaluate, cost=_cost, patience=5)
-    # After data parallel fit nowhere, the most split (tp 4 × pp 2) went next.
-    assert calls[:2] == [(1, 1, 1), (4, 1, 2)]
+    outcomes = search_layouts(CANDIDATES, evaluate, cost=_cost, patience=1)
+    # After data parallel fit nowhere, every candidate left fits in the screening cap: the most
+    # split go first (tp 4 × pp 2, then tp 4 and tp 2 × pp 2, the cheaper first), and tp 2 × pp 2
+    # fitting nowhere rules out tp 2 and pp 2 without an estimate. Patience (1 here) stopped
+    # nothing after tp 4 fitted without fewer steps.
+    assert calls == [(1, 1, 1), (4, 1, 2), (4, 1, 1), (2, 1, 2)]
     by = {(o.layout.tp, o.layout.pp): o for o in outcomes}
-    assert by[(2, 1)].estimated and by[(2, 2)].estimated
-    # pp 2 is dominated by tp 2 × pp 2 only if that ran first; here tp 2 × pp 2 costs more, so pp 2
-    # ran. Everything else got an answer.
-    assert {(o.layout.tp, o.layout.pp) for o in outcomes} == {(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (4, 2)}
+    assert not by[(2, 1)].estimated and not by[(1, 2)].estimated
+    assert by[(2, 1)].fits_nowhere and "tp 2 × pp 2 (1f1b)" in by[(1, 2)].error
+    # The outcomes in the candidates' order (least split, then cheapest, first), as considered or not.
+    assert [(o.layout.tp, o.layout.pp) for o in outcomes] == [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (4, 2)]
     winner, _ = choose_layout(outcomes)
-    assert winner.steps == 3
+    # tp 4 and tp 4 × pp 2 tie at 3 steps: tp 4 communicates less in _table.
+    assert winner.steps == 3 and winner.layout == Layout(tp=4)
+    # Where more candidates are left than the screening cap takes, data parallel fitting nowhere
+    # sends the most split one next only; it fits, and the order is the candidates' again (a
+    # layout that fits nowhere after one fitted changes it no more).
+    evaluate, calls = _table({(1, 1, 1): "nowhere", (4, 1, 2): 3, (2, 1, 1): "nowhere",
+                              (1, 1, 2): "nowhere", (4, 1, 1): 3, (2, 1, 2): "nowhere"})
+    search_layouts(CANDIDATES, evaluate, cost=_cost, patience=5, max_screened=4)
+    assert calls == [(1, 1, 1), (4, 1, 2), (2, 1, 1), (1, 1, 2), (4, 1, 1), (2, 1, 2)]
     assert dominates(Layout(tp=2, pp=2), Layout(pp=2)) and not dominates(Layout(tp=2), Layout(pp=2))
     # A dominated candidate is answered without an estimate.
     evaluate, calls = _table({(4, 1, 2): "nowhere", (1, 1, 1): "nowhere"})
@@ -190,7 +201,10 @@ def test_the_search_estimates_at_most_max_estimated():
     assert sum("screens at most 2 layouts" in (o.error or "") for o in outcomes) == 2
     evaluate, calls = _table(answers)
     outcomes = search_layouts(CANDIDATES, evaluate, cost=_cost, max_estimated=3)
-    assert calls == [(1, 1, 1), (4, 1, 2), (2, 1, 1), (1, 1, 2), (4, 1, 1), (2, 1, 2)]
+    # Under the default screening cap, the most split first: tp 4 fitting nowhere rules out
+    # tp 2, and pp 2 comes after the third planned layout (the estimating cap still holds).
+    assert calls == [(1, 1, 1), (4, 1, 2), (4, 1, 1), (2, 1, 2)]
+    assert "at most 3 layouts" in next(o for o in outcomes if o.layout == Layout(pp=2)).error
     assert choose_layout(outcomes)[0].layout == Layout(tp=2, pp=2)
 
 
@@ -335,8 +349,10 @@ def test_search_layout_plans_each_candidate_and_records_why(tmp_path):
                              "fit; the least communication of the 3 with 4 accumulation steps (36.06 MiB "
                              "per rank and step against FSDP 8's 84.00 MiB). ")
     # Each plan's peak beside its communication, named so neither reads as the other.
+    # Listed in the candidates' order (least split, then cheapest, first), not as considered.
     assert ("FSDP 8 (4 accumulation steps, peak 120.00 MiB, 84.00 MiB communicated per rank and step); pp 2 (1f1b) (nothing fits: every setting runs out "
-            "of memory at micro-batch 1); pp 8 (1f1b) (nothing fits: screened); ") in reason
+            "of memory at micro-batch 1); FSDP 4 × TP 2 (4 accumulation steps") in reason
+    assert "bubble 20%); pp 8 (1f1b) (nothing fits: screened); " in reason
     assert ("FSDP 2 × TP 2 × PP 2 (1f1b) (4 accumulation steps, peak 180.00 MiB, 12.07 MiB communicated per "
             "rank and step, bubble 20%)") in reason
     assert ("pp 4 (1f1b) (fits nowhere, not estimated: a rank holds no less than under pp 8 (1f1b), "

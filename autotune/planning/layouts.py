@@ -18,7 +18,10 @@ optimizer state divide over tp × pp, FSDP's over the data-parallel ranks too; a
 tp × cp with sequence parallel; a 1F1B stage holds at most pp micro-batches of 1/pp of the
 blocks, no more than one micro-batch of all of them). After the first candidate that fits
 nowhere, the most split candidate is estimated next, so one estimate can rule out everything it
-dominates, and the planner screens each later candidate with one estimate of its least memory
+dominates (or, where none has fitted yet and every candidate left can be screened within
+``MAX_SCREENED``, the most split go first from then on, each ruling out what it dominates, and
+patience stops nothing), and
+the planner screens each later candidate with one estimate of its least memory
 (micro-batch 1, every block checkpointed) before searching it. Once a candidate has planned N
 accumulation steps, ranked by steps, the planner screens each later one at the micro-batch that
 N steps of its share need (N - 1 where with N steps it would lose the tie: a larger bubble or
@@ -205,13 +208,16 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
                    cost: Callable[[Layout], float], rank_by_time: bool = False,
                    max_estimated: int = MAX_ESTIMATED, patience: int = PATIENCE,
                    max_screened: int = MAX_SCREENED) -> list[LayoutOutcome]:
-    """Every candidate's outcome, in the order they were considered (see the module's
-    docstring): ``evaluate`` plans one; ``cost`` orders them (communication at one step)."""
+    """Every candidate's outcome, least split first, then cheapest (see the module's docstring;
+    the order they were considered in may differ): ``evaluate`` plans one; ``cost`` orders them
+    (communication at one step)."""
     pending = sorted(candidates, key=lambda lay: (lay.model_parallel, cost(lay)))
+    rank = {lay: i for i, lay in enumerate(pending)}
     done: list[LayoutOutcome] = []
     stop: str | None = None
     best_steps, since_better, estimated, screened = None, 0, 0, 0
     jumped: Layout | None = None
+    most_split_first = False
     while pending:
         layout = pending.pop(0)
         blocker = next((o for o in done if o.fits_nowhere and dominates(o.layout, layout)), None)
@@ -230,7 +236,7 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
             if not rank_by_time and best_steps == 1:
                 stop = ("one accumulation step was reached: nothing has fewer, and the layouts "
                         "left add per-block communication or a bubble")
-            elif best_steps is not None and since_better >= patience:
+            elif best_steps is not None and since_better >= patience and not most_split_first:
                 stop = (f"{patience} layout(s) in a row fitted without fewer accumulation steps "
                         f"(later ones communicate more)")
             elif estimated >= max_estimated:
@@ -253,13 +259,26 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
             best_steps = outcome.steps if improved else best_steps
             # The most split candidate ran out of order: it says nothing about the ones next.
             since_better = 0 if improved else since_better + (layout is not jumped)
-        elif outcome.fits_nowhere and jumped is None and pending:
-            # The first that fits nowhere: the most split candidate next (the cheapest of those
-            # no other dominates), so that one estimate can rule out all it dominates.
-            jumped = max((c for c in pending if not any(dominates(o, c) and o != c for o in pending)),
-                         key=lambda c: (c.model_parallel, -cost(c)))
-            pending = [jumped] + [c for c in pending if c is not jumped]
-    return done
+        elif outcome.fits_nowhere and not most_split_first and pending:
+            if best_steps is None and len(pending) <= max_screened - screened:
+                # Nothing has fitted yet, and every candidate left gets an answer within the
+                # screening cap, whatever the order: the most split first, so that each one that
+                # fits nowhere rules out all it dominates before they are screened (8B at
+                # sequence 131072 on 8 GPUs screened cp 2, tp 2, cp 4, tp 2 × cp 2 and tp 4 one
+                # by one before tp 2 × cp 4 and tp 4 × cp 2, which rule them all out). Patience
+                # no longer stops the search: the candidates after a fitting one communicate
+                # less, and may need fewer steps.
+                most_split_first = True
+                pending.sort(key=lambda c: (-c.model_parallel, cost(c)))
+            elif jumped is None:
+                # The first that fits nowhere: the most split candidate next (the cheapest of
+                # those no other dominates), so that one estimate can rule out all it dominates.
+                jumped = max((c for c in pending if not any(dominates(o, c) and o != c for o in pending)),
+                             key=lambda c: (c.model_parallel, -cost(c)))
+                pending = [jumped] + [c for c in pending if c is not jumped]
+    # In the order of the candidates (least split, then cheapest, first), whatever the order they
+    # were considered in: the choice's last tie-break and the reason's list read it.
+    return sorted(done, key=lambda o: rank[o.layout])
 
 
 def choice_key(outcome: LayoutOutcome) -> tuple:
