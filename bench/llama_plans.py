@@ -4,8 +4,8 @@ Two tables (bench/README.md, "llama_plans.py"):
 
 1. ``--check``: one rank's estimated step for an H100 (fake tensors, the CUDA caching allocator
    modelled) of bench/llama_like.py from three small builds' allocator traces synthesized for
-   every block (``SynthesizedTrialsSession``, here at 8B too, where a plan runs the full build:
-   ``SYNTHESIS_MAX_SHARE``), against the full fake build: reserved peaks and the tensors' peak,
+   every block (``SynthesizedTrialsSession``, here for every setting, where a plan runs the full
+   build of one whose small builds hold more than ``SYNTHESIS_MAX_SHARE`` of the blocks), against the full fake build: reserved peaks and the tensors' peak,
    with the CPU seconds of each. Each row runs in one child process per model, one after another.
 2. ``--plan``: ``autotune plan bench/llama_like.py --gpu h100-80gb --gpus-per-node 8 --tp auto
    --cp auto --pp auto`` (issue 21's cases: 8B on 8 GPUs, 70B on 256, 405B on 512 at sequence
@@ -81,7 +81,7 @@ def _check_rows(shape: str) -> list[dict]:
         for way in ("few", "full"):
             started = time.process_time()
             # The small builds' traces, synthesized for whatever share of the model they hold
-            # (at 8B they hold more than a planner synthesizes for, SYNTHESIS_MAX_SHARE).
+            # (a planner synthesizes up to SYNTHESIS_MAX_SHARE of the blocks).
             affine_blocks.SynthesizedTrialsSession._full_session = full_build
             try:
                 with full_builds() if way == "full" else synthesized_traces(max_share=None):

@@ -69,15 +69,20 @@ TRACE_SYNTHESIS = True
 synthesized into the whole model's and replayed (``SynthesizedTrialsSession``); off: they run the
 full build (the small builds' tensors ruling trials out, ``TensorFloorSession``)."""
 
-SYNTHESIS_MAX_SHARE = 0.25
+SYNTHESIS_MAX_SHARE = 0.5
 """Synthesize where the three small builds hold at most this share of the model's blocks; above,
 the full build costs about as much or less. Measured with ``bench/llama_plans.py`` (2026-12-03):
 one trial (``--check``, CPU s, synthesized against full build) of 70B (80 blocks; small builds of
 4, 5 and 6: 19%) 4.8-8.8 against 10.8-23.0; of 8B (32 blocks, 47%) 3.5-5.4 against 4.4-6.6, of
-8B with 16 blocks checkpointed (units of two: builds of 8, 10 and 12) 6.4 against 4.8. Whole
-plans (``--plan``): at a share of 0.5 8B at sequence 131072 took 237 CPU s against 183-196 on
-full builds, its screens that fit nowhere dearer (a full build under a budget stops at its first
-out-of-memory op; the small builds run their whole steps before the replay), 8B 58 either way."""
+8B with 16 blocks checkpointed (units of two: builds of 8, 10 and 12, 94%) 6.4 against 4.8.
+Whole plans: a quarter until 2026-12-04, when at 0.5 8B at sequence 131072 took 237 CPU s against
+183-196 on full builds, its screens that fit nowhere dearer (a full build under a budget stops at
+its first out-of-memory op; the small builds ran their whole steps before the replay). Since a
+synthesized trial takes its tensor floor from its first two builds, before the third (and small
+builds are cut before their tensors are made), the same plans, the same bytes, two at once
+(``--tp auto --cp auto --pp auto``, CPU s, 2026-12-04): 8B at sequence 131072 103 and 102 at 0.5
+against 126 and 136 at a quarter (CP 8's screen 9 against 25, its sync-on-last window 14 against
+34), 8B at sequence 8192 38 against 50."""
 
 
 @contextlib.contextmanager
