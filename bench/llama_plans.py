@@ -5,8 +5,8 @@ Two tables (bench/README.md, "llama_plans.py"):
 1. ``--check``: one rank's estimated step for an H100 (fake tensors, the CUDA caching allocator
    modelled) of bench/llama_like.py from three small builds' allocator traces synthesized for
    every block (``SynthesizedTrialsSession``, here for every setting, where a plan runs the full
-   build of one whose small builds hold more than ``SYNTHESIS_MAX_SHARE`` of the blocks), against the full fake build: reserved peaks and the tensors' peak,
-   with the CPU seconds of each. Each row runs in one child process per model, one after another.
+   build of one whose small builds hold more than ``SYNTHESIS_MAX_SHARE`` of the blocks), against
+   the full fake build: reserved peaks and the tensors' peak, with the CPU seconds of each. Each row runs in one child process per model, one after another.
 2. ``--plan``: ``autotune plan bench/llama_like.py --gpu h100-80gb --gpus-per-node 8 --tp auto
    --cp auto --pp auto`` (issue 21's cases: 8B on 8 GPUs, 70B on 256, 405B on 512 at sequence
    8192, and 8B at sequence 131072 on 8, which needs context parallelism), each in a fresh

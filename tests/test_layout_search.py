@@ -163,7 +163,7 @@ def test_a_layout_that_fits_nowhere_rules_out_the_ones_it_dominates():
     # The outcomes in the candidates' order (least split, then cheapest, first), as considered or not.
     assert [(o.layout.tp, o.layout.pp) for o in outcomes] == [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (4, 2)]
     winner, _ = choose_layout(outcomes)
-    # tp 4 and tp 4 × pp 2 tie at 3 steps: tp 4 communicates less in _table.
+    # tp 4 and tp 4 × pp 2 take 3 steps: tp 4 idles in no pipeline bubble.
     assert winner.steps == 3 and winner.layout == Layout(tp=4)
     # Where more candidates are left than the screening cap takes, data parallel fitting nowhere
     # sends the most split one next only; it fits, and the order is the candidates' again (a
@@ -182,6 +182,24 @@ def test_a_layout_that_fits_nowhere_rules_out_the_ones_it_dominates():
     assert not skipped.estimated and skipped.fits_nowhere and "tp 4 × pp 2 (1f1b)" in skipped.error
     with pytest.raises(ConfigError, match="no layout fits: data parallel \\(does not fit\\)"):
         choose_layout(outcomes)
+
+
+def test_an_exact_tie_goes_to_the_earlier_candidate_not_the_earlier_considered():
+    # Data parallel fits nowhere: tp 2 × cp 2 is considered before cp 2 (the most split first),
+    # and both plan 3 steps with as much communication; cp 2 comes first among the candidates.
+    candidates = [Layout(), Layout(cp=2), Layout(tp=2, cp=2)]
+    calls = []
+
+    def evaluate(layout):
+        calls.append(layout)
+        if layout.trivial:
+            return LayoutOutcome(layout, error="does not fit", fits_nowhere=True)
+        return LayoutOutcome(layout, steps=3, communication=5.0)
+
+    outcomes = search_layouts(candidates, evaluate, cost=lambda lay: lay.model_parallel)
+    assert calls == [Layout(), Layout(tp=2, cp=2), Layout(cp=2)]
+    assert [o.layout for o in outcomes] == candidates
+    assert choose_layout(outcomes)[0].layout == Layout(cp=2)
 
 
 def test_the_search_estimates_at_most_max_estimated():

@@ -20,9 +20,8 @@ blocks, no more than one micro-batch of all of them). After the first candidate 
 nowhere, the most split candidate is estimated next, so one estimate can rule out everything it
 dominates (or, where none has fitted yet and every candidate left can be screened within
 ``MAX_SCREENED``, the most split go first from then on, each ruling out what it dominates, and
-patience stops nothing), and
-the planner screens each later candidate with one estimate of its least memory
-(micro-batch 1, every block checkpointed) before searching it. Once a candidate has planned N
+patience stops nothing), and the planner screens each later candidate with one estimate of its
+least memory (micro-batch 1, every block checkpointed) before searching it. Once a candidate has planned N
 accumulation steps, ranked by steps, the planner screens each later one at the micro-batch that
 N steps of its share need (N - 1 where with N steps it would lose the tie: a larger bubble or
 more communication, ``steps_to_win``): one that does not fit there cannot win (``beaten``), and
