@@ -316,3 +316,23 @@ def test_a_gpu_plan_from_synthesized_traces_is_the_full_builds_plan(monkeypatch)
     assert (few.micro_batch, few.accumulation_steps, few.predicted_peak_bytes) == (
         full.micro_batch, full.accumulation_steps, full.predicted_peak_bytes)
     assert few.predicted_peak_bytes > 60 << 30  # the budget's edge: the probe searched up to it
+
+
+def test_small_builds_synthesize_up_to_half_the_models_blocks():
+    # 8B's 32 blocks, every one checkpointed: builds of 4, 5 and 6 (15, under half) synthesize;
+    # 16 of them checkpointed in units of two take builds of 8, 10 and 12 (30) and twelve blocks
+    # take 15: the full build runs those.
+    from types import SimpleNamespace
+
+    def synthesizable(total, checkpointing):
+        session = affine_blocks.FewBlocksSession(
+            SimpleNamespace(source="model.py"), SimpleNamespace(allocator=object()), session_type=None,
+            total_blocks=total, layout={}, precision=None, checkpointing=checkpointing, sharded=True,
+            offload=False, reduce_every_micro_step=False, traced=True)
+        session.set_checkpointing(checkpointing)
+        return session.synthesizable
+
+    assert synthesizable(32, "on")
+    assert not synthesizable(32, 16)
+    assert not synthesizable(12, "on")
+    assert synthesizable(80, "on") and synthesizable(126, "on")  # 70B, 405B
