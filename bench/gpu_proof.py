@@ -123,6 +123,10 @@ class CudaDevice:
         reset_peak_memory_stats), so a run's OOMs are the difference across it."""
         return int(torch.cuda.memory_stats(0).get("num_ooms", 0))
 
+    def synchronize(self) -> None:
+        """Wait for the queued kernels: a step's wall time is only known after it."""
+        torch.cuda.synchronize()
+
 
 # --- what runs: cases, checks, the context -------------------------------------------------------
 
@@ -156,6 +160,21 @@ class VerifyCase:
     target_batch: int
 
 
+@dataclasses.dataclass(frozen=True)
+class TimeCase:
+    """One workload and precision timed and measured at a few micro-batches, checkpointing off
+    and on: ``sizes``, or the largest micro-batch ``cell``'s probe found and its half and quarter."""
+
+    workload: str
+    precision: str
+    sizes: tuple = ()
+    cell: Cell | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload} {self.precision}"
+
+
 @dataclasses.dataclass
 class Config:
     cards: list[int]
@@ -173,11 +192,47 @@ class Config:
     budget_seconds: float = 420.0
     pytest_args: tuple = ("-m", "gpu", "tests")
     full: bool = False
+    reserved_cases: list = dataclasses.field(default_factory=list)
+    """TimeCases whose real steps' max_memory_reserved the allocator model is compared against
+    (besides the estimate cells' probe trials)."""
+    time_cases: list = dataclasses.field(default_factory=list)
+    reserved_tolerance: float = 0.05
+    time_tolerance: float = 0.25
+    """Issue 22: predicted step time within 25% of measured, and the ranking's Spearman >= 0.9."""
+    rank_floor: float = 0.9
+    time_profile: str | None = None
+    """The GPU profile predictions are made for; None: the bundled one named like this device."""
+    time_warmup: int = 2
+    time_repeats: int = 5
+
+
+LLAMA_ENV = {"llama_1b": {"AUTOTUNE_LLAMA": "1b", "AUTOTUNE_LLAMA_SEQ": "2048"}}
+"""bench/llama_like.py at a size one GPU trains: 16 blocks, dim 2048, vocab 128256 (1.5 B
+parameters), sequence 2048. Large enough that its step is the GPU's work, not kernel launches."""
+
+PROFILE_BY_NAME = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", None), ("L4", "l4"),
+                   ("T4", "t4"), ("A10G", "a10g"), ("V100", None), ("4090", "rtx-4090"),
+                   ("3090", "rtx-3090"))
+"""The bundled profile for a device name (A100 and V100 by their memory: 40/80 and 16/32 GB)."""
+
+
+def profile_for(describe: dict) -> str | None:
+    name, total = describe.get("name") or "", describe.get("total_bytes") or 0
+    for key, profile in PROFILE_BY_NAME:
+        if key in name:
+            if key == "A100":
+                return "a100-80gb" if total > 48 * GiB else "a100-40gb"
+            if key == "V100":
+                return "v100-32gb" if total > 20 * GiB else "v100-16gb"
+            return profile
+    return None
 
 
 def workload_path(name: str) -> Path:
     if name == "gpt2":
         return HF_MODEL
+    if name in LLAMA_ENV:
+        return ROOT / "bench" / "llama_like.py"
     path = EXAMPLES / f"{name}.py"
     if not path.is_file():
         raise autotune.ConfigError(f"unknown workload {name!r}: not an examples/*.py file nor gpt2")
@@ -214,7 +269,13 @@ def default_config(cards: list[int], *, full: bool = False) -> Config:
         verifies = [VerifyCase(w, PROFILE_FOR_CARD[card], card, t)
                     for (w, card, t) in (("gpt2", small, 1 << 18), ("tiny_lm", large, 1 << 16))
                     if card in PROFILE_FOR_CARD]
+    # The Llama shape first: its step is GPU-bound, the examples' steps partly launch-bound.
+    llama = TimeCase("llama_1b", "bf16", sizes=(1, 2, 4))
+    by_workload = {c.workload: c for c in cells}
+    timed = [TimeCase(w, by_workload[w].precision, cell=by_workload[w])
+             for w in ("tiny_lm", "gpt2", "cnn_bn", "gpt_varlen", "mlp") if w in by_workload]
     return Config(
+        reserved_cases=[llama], time_cases=[llama, *timed],
         cards=cards, probe_cells=cells, estimate_cells=list(cells), train_cases=trains,
         verify_cases=verifies,
         overhead={"workload": "tiny_lm", "precision": "bf16", "micro_batch": 256, "accumulation": 4,
@@ -263,6 +324,7 @@ class Context:
         self.rows: list[dict] = []
         self._probes: dict[Cell, Any] = {}
         self._workloads: dict[str, Any] = {}
+        self._measured: dict[tuple, dict] = {}
 
     # time
     def left(self) -> float:
@@ -274,8 +336,28 @@ class Context:
     # shared work, done once whichever check asks first
     def workload(self, name: str):
         if name not in self._workloads:
+            os.environ.update(LLAMA_ENV.get(name, {}))  # llama_like.py reads its shape at import
             self._workloads[name] = autotune.load_workload(str(workload_path(name)))
         return self._workloads[name]
+
+    def measure(self, name: str, precision: str, checkpointing: bool, sizes) -> dict[int, dict]:
+        """Real reference steps at each size, uncapped (cached: the reserved and step-time
+        checks share them): median step seconds, allocated and reserved peaks, or an OOM."""
+        key = (name, precision, checkpointing)
+        todo = [n for n in sizes if (*key, n) not in self._measured]
+        if todo:
+            self.device.release()
+            step = ReferenceStep(self.workload(name), self.device.torch_device, precision,
+                                 checkpointing)
+            try:
+                for n in todo:
+                    self._measured[(*key, n)] = _timed_steps(step, self.device, n,
+                                                             self.config.time_warmup,
+                                                             self.config.time_repeats)
+            finally:
+                step = None
+                self.device.release()
+        return {n: self._measured[(*key, n)] for n in sizes}
 
     def probe(self, cell: Cell):
         """autotune's probe for ``cell`` (cached: the estimate and train checks reuse the matrix's)."""
@@ -382,7 +464,10 @@ class ReferenceStep:
 
     def __init__(self, workload, device_type: str, precision: str, checkpointing: bool):
         self.workload, self.device_type, self.precision = workload, device_type, precision
-        self.model = workload.new_model().to(device_type)
+        # Built on the device: a 1.5 B-parameter model's initialisation on the host would cost
+        # more than its timed steps.
+        with torch.device(device_type):
+            self.model = workload.new_model().to(device_type)
         self.model.train()
         if checkpointing:
             _checkpoint_blocks(self.model)
@@ -502,24 +587,40 @@ def check_probe_exact(ctx: Context) -> Outcome:
 
 # --- 2. the fake-tensor estimate against measured peaks ------------------------------------------
 
+def _cells_in_time(ctx: Context, cells, cut: list[str]):
+    """The cells to run: those reached after the deadline go to ``cut``, and those whose precision
+    this device lacks are left out."""
+    for cell in cells:
+        if ctx.out_of_time():
+            cut.append(cell.label)
+        elif ctx.device.supports(cell.precision):
+            yield cell
+
+
+def _fitting_trials(ctx: Context, cell: Cell) -> list:
+    """The probe's real trials at ``cell`` that fitted (ProbeError where none did)."""
+    fitting = [t for t in ctx.probe(cell).trials if t.fits]
+    if not fitting:
+        raise autotune.ProbeError(f"{cell.label}: no real step fitted, nothing to compare")
+    return fitting
+
+
+def _failed(ctx: Context, rows: list[dict], label: str, exc: Exception) -> None:
+    """A case that raised: a skip where no estimate is possible for it, else an error row."""
+    status = "skip" if isinstance(exc, autotune.EstimateUnavailable) else "error"
+    ctx.add_row(row := {"case": label, "status": status, "why": _error_text(exc)})
+    rows.append(row)
+
+
 def check_estimate(ctx: Context) -> Outcome:
     """At every micro-batch where the probe ran a real step that fitted: the estimate against that
     step's max_memory_allocated (within the tolerance) and max_memory_reserved (within what the
     plan's default headroom leaves for the allocator's cache: estimate / 0.9)."""
     rows, cut = [], []
     tol = ctx.config.tolerance
-    for cell in ctx.config.estimate_cells:
-        if ctx.out_of_time():
-            cut.append(cell.label)
-            continue
-        if not ctx.device.supports(cell.precision):
-            continue
+    for cell in _cells_in_time(ctx, ctx.config.estimate_cells, cut):
         try:
-            result = ctx.probe(cell)
-            fitting = [t for t in result.trials if t.fits]
-            if not fitting:
-                raise autotune.ProbeError(f"{cell.label}: no real step fitted, nothing to compare")
-            for trial in fitting:
+            for trial in _fitting_trials(ctx, cell):
                 start = time.perf_counter()
                 estimate = autotune.estimate_peak(ctx.workload(cell.workload), trial.micro_batch,
                                                   precision=cell.precision,
@@ -538,14 +639,186 @@ def check_estimate(ctx: Context) -> Outcome:
                        "status": "pass" if ok else "fail"}
                 ctx.add_row(row)
                 rows.append(row)
-        except autotune.EstimateUnavailable as exc:
-            ctx.add_row(row := {"case": cell.label, "status": "skip", "why": _error_text(exc)})
-            rows.append(row)
-        except Exception as exc:  # noqa: BLE001
-            ctx.add_row(row := {"case": cell.label, "status": "error", "why": _error_text(exc)})
-            rows.append(row)
+        except Exception as exc:  # noqa: BLE001 - a case's failure is its row
+            _failed(ctx, rows, cell.label, exc)
     return _tally(rows, cut, f"|estimate/allocated - 1| <= {tol:.0%}, reserved <= estimate / "
                              f"{1 - HEADROOM:g}")
+
+
+# --- 2b. the caching-allocator model against max_memory_reserved (issue 22) ---------------------
+
+def _timed_steps(step: "ReferenceStep", device, n: int, warmup: int, repeats: int) -> dict:
+    """``warmup`` steps, then ``repeats`` timed ones (each synchronised): their median seconds,
+    and the allocated and reserved peaks of them all from a released cache."""
+    device.release()
+    device.reset_peaks()
+    failed, times = False, []
+    try:
+        for _ in range(warmup):
+            step(n)
+        device.synchronize()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step(n)
+            device.synchronize()
+            times.append(time.perf_counter() - start)
+    except Exception as exc:  # noqa: BLE001 - an OOM is a row; anything else is raised
+        if not autotune.is_oom_error(exc):
+            raise
+        failed = True
+    if failed:
+        step.recover()
+        device.release()
+        return {"oom": True}
+    allocated, reserved = device.peaks()
+    return {"oom": False, "seconds": statistics.median(times), "allocated": allocated,
+            "reserved": reserved}
+
+
+def _case_sizes(ctx: "Context", case: TimeCase) -> list[int]:
+    if case.sizes:
+        return list(case.sizes)
+    largest = ctx.probe(case.cell).max_micro_batch
+    return sorted({max(1, largest // 4), max(1, largest // 2), largest})
+
+
+def _device_name(ctx: "Context") -> str:
+    return ctx.device.describe().get("name") or ""
+
+
+def check_reserved(ctx: Context) -> Outcome:
+    """``autotune.estimate_cuda_peaks`` (the fake step with torch's caching allocator modelled
+    for this GPU) against the real steps' max_memory_reserved: the estimate cells' probe trials
+    (under their card's cap) and the reserved cases' reference steps (uncapped), each within
+    ``reserved_tolerance``."""
+    rows, cut = [], []
+    tol = ctx.config.reserved_tolerance
+    gpu_name = _device_name(ctx)
+
+    def compare(label, checkpointing, measured: dict, modelled: dict, capped: int | None):
+        for n, (allocated, reserved) in measured.items():
+            if not reserved:  # a device adapter without a reserved counter (the CPU fake's)
+                row = {"case": label, "ckpt": checkpointing, "micro_batch": n, "status": "skip",
+                       "why": "no reserved peak measured on this device"}
+                ctx.add_row(row)
+                rows.append(row)
+                continue
+            tensors, model = modelled[n]
+            error = model / reserved - 1
+            row = {"case": label, "ckpt": checkpointing, "micro_batch": n,
+                   "modelled": gib(model), "reserved": gib(reserved), "error": f"{error:+.3%}",
+                   "tensors": gib(tensors), "allocated": gib(allocated),
+                   "cap": gib(capped) if capped else None, "status": "pass" if abs(error) <= tol else "fail"}
+            ctx.add_row(row)
+            rows.append(row)
+
+    for cell in _cells_in_time(ctx, ctx.config.estimate_cells, cut):
+        try:
+            fitting = _fitting_trials(ctx, cell)
+            checkpointing = cell.checkpointing == "on"
+            modelled = autotune.estimate_cuda_peaks(
+                ctx.workload(cell.workload), [t.micro_batch for t in fitting], gpu_name=gpu_name,
+                precision=cell.precision, checkpointing=checkpointing)
+            compare(cell.label, cell.checkpointing,
+                    {t.micro_batch: (t.peak_bytes, t.reserved_peak_bytes or 0) for t in fitting},
+                    modelled, cell.card)
+        except Exception as exc:  # noqa: BLE001 - a case's failure is its row
+            _failed(ctx, rows, cell.label, exc)
+    for case in ctx.config.reserved_cases:
+        for checkpointing in ("off", "on"):
+            label = f"{case.label} ckpt {checkpointing}"
+            if ctx.out_of_time():
+                cut.append(label)
+                continue
+            try:
+                sizes = _case_sizes(ctx, case)
+                measured = ctx.measure(case.workload, case.precision, checkpointing == "on", sizes)
+                fitted = {n: (m["allocated"], m["reserved"]) for n, m in measured.items() if not m["oom"]}
+                modelled = autotune.estimate_cuda_peaks(
+                    ctx.workload(case.workload), sorted(fitted), gpu_name=gpu_name,
+                    precision=case.precision, checkpointing=checkpointing == "on") if fitted else {}
+                compare(case.label, checkpointing, fitted, modelled, None)
+            except Exception as exc:  # noqa: BLE001 - a case's failure is its row
+                _failed(ctx, rows, label, exc)
+    return _tally(rows, cut, f"|modelled reserved / max_memory_reserved - 1| <= {tol:.0%}")
+
+
+# --- 2c. predicted step time against measured (issue 22) ------------------------------------------
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties take their average rank)."""
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        result = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                result[order[k]] = (i + j) / 2
+            i = j + 1
+        return result
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    spread = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / spread if spread else float("nan")
+
+
+def check_step_time(ctx: Context) -> Outcome:
+    """``autotune.predict_step_time`` for this GPU's bundled profile (datasheet peaks, the cited
+    achievable fractions) against the reference step's median wall time, checkpointing off and
+    on at three micro-batches per case: each within ``time_tolerance``, and the ranking of all
+    the settings by predicted time matching the measured one (Spearman >= ``rank_floor``)."""
+    profile = ctx.config.time_profile or profile_for(ctx.device.describe())
+    if profile is None:
+        return Outcome("skip", f"no bundled GPU profile for {_device_name(ctx)!r}")
+    rows, cut, pairs = [], [], []
+    tol = ctx.config.time_tolerance
+    for case in ctx.config.time_cases:
+        for checkpointing in ("off", "on"):
+            label = f"{case.label} ckpt {checkpointing}"
+            if ctx.out_of_time():
+                cut.append(label)
+                continue
+            if not ctx.device.supports(case.precision):
+                continue
+            try:
+                sizes = _case_sizes(ctx, case)
+                measured = ctx.measure(case.workload, case.precision, checkpointing == "on", sizes)
+                fitted = sorted(n for n, m in measured.items() if not m["oom"])
+                predicted = autotune.predict_step_time(
+                    ctx.workload(case.workload), fitted, precision=case.precision,
+                    checkpointing=checkpointing == "on", gpu=profile) if fitted else {}
+                for n in sizes:
+                    if measured[n]["oom"]:
+                        row = {"case": label, "micro_batch": n, "status": "skip",
+                               "why": "out of memory on the whole device"}
+                    else:
+                        seconds, guess = measured[n]["seconds"], predicted[n]
+                        error = guess.seconds / seconds - 1
+                        parts = {k: round(1e3 * v, 2) for k, v in guess.breakdown.items() if v}
+                        row = {"case": label, "micro_batch": n,
+                               "predicted_ms": round(1e3 * guess.seconds, 3),
+                               "measured_ms": round(1e3 * seconds, 3), "error": f"{error:+.1%}",
+                               "breakdown_ms": parts,
+                               "status": "pass" if abs(error) <= tol else "fail"}
+                        pairs.append((guess.seconds, seconds))
+                    ctx.add_row(row)
+                    rows.append(row)
+            except Exception as exc:  # noqa: BLE001 - a case's failure is its row
+                _failed(ctx, rows, label, exc)
+    outcome = _tally(rows, cut, f"|predicted / measured - 1| <= {tol:.0%} on {profile}")
+    if len(pairs) >= 3:
+        rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
+        rows.append({"spearman": round(rho, 4), "settings": len(pairs)})
+        outcome.rows = rows
+        outcome.summary += f"; Spearman {rho:.3f} over {len(pairs)} settings (need >= {ctx.config.rank_floor:g})"
+        if outcome.status == "pass" and not rho >= ctx.config.rank_floor:
+            outcome.status = "fail"
+    return outcome
 
 
 # --- 3. 200 optimizer steps of each plan ---------------------------------------------------------
@@ -808,6 +1081,10 @@ CHECKS = [
           check_probe_exact),
     Check("estimate", "the fake-tensor estimate against measured allocated and reserved peaks", 0.04,
           check_estimate),
+    Check("reserved", "the caching-allocator model against measured max_memory_reserved", 0.06,
+          check_reserved),
+    Check("step_time", "predicted step time for this GPU's profile against measured, and the "
+          "ranking", 0.14, check_step_time),
     Check("train_200", "200 optimizer steps of each plan under its card's cap: 0 OOMs, peaks vs "
           "the plan's prediction", 0.20, check_train),
     Check("loop_overhead", "the built-in loop's step time against a hand-written loop (ratio)", 0.06,
@@ -1045,6 +1322,11 @@ def listing(config: Config) -> str:
     lines += [f"  probe_exact/estimate: {c.label}" for c in config.probe_cells]
     lines += [f"  train_200: {t.cell.label}, target {t.factor:g} x the probe's answer"
               for t in config.train_cases]
+    lines += [f"  reserved: {c.label} ckpt off/on at {', '.join(map(str, c.sizes)) or 'the probe'}"
+              for c in config.reserved_cases]
+    lines += [f"  step_time: {c.label} ckpt off/on at "
+              f"{', '.join(map(str, c.sizes)) if c.sizes else 'the ' + c.cell.label + ' probe answer, /2, /4'}"
+              for c in config.time_cases]
     o = config.overhead
     lines += [f"  loop_overhead: {o['workload']} {o['precision']} {o['micro_batch']} x "
               f"{o['accumulation']}, {o['rounds']} rounds of {o['steps']} steps"]

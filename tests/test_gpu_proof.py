@@ -117,6 +117,9 @@ class CPUDevice:
     def oom_count(self):
         return self.ooms
 
+    def synchronize(self):
+        pass
+
 
 def _tiny_config(**changes):
     g = gpu_proof
@@ -129,7 +132,10 @@ def _tiny_config(**changes):
                   "steps": 4, "rounds": 1, "warmup": 1},
         multi={"workload": "gpt_varlen", "precision": "fp32", "target_batch": 8, "card": 8 * MiB,
                "steps": 2, "shardings": ("ddp",)},
-        train_steps=3, budget_seconds=300, pytest_args=("-m", "gpu", "tests/test_gpu.py"))
+        train_steps=3, budget_seconds=300, pytest_args=("-m", "gpu", "tests/test_gpu.py"),
+        reserved_cases=[g.TimeCase("tiny_lm", "bf16", sizes=(2, 4))],
+        time_cases=[g.TimeCase("tiny_lm", "bf16", sizes=(2, 4)), g.TimeCase("gpt_varlen", "fp32", cell=cell)],
+        time_profile="h100-80gb", time_warmup=1, time_repeats=2)
     for key, value in changes.items():
         setattr(config, key, value)
     return config
@@ -221,6 +227,13 @@ def test_every_check_runs_on_the_cpu_with_cuda_faked(tmp_path, monkeypatch, caps
     assert train_row["steps"] == 3 and train_row["split"].endswith("x 2") and train_row["ooms"] == 0
     assert device.capped_with.count(2 * MiB) >= 2  # the bisection and the training run, capped
     assert checks["loop_overhead"]["rows"][-1]["ratio"] > 0
+    # Both kinds of allocator-model row ran (the fake's "reserved" is its saved-tensor meter, so
+    # no verdict): the probe trials' and the reference steps' at both checkpointing settings.
+    reserved_rows = checks["reserved"]["rows"]
+    assert any(r["case"].startswith("gpt_varlen") for r in reserved_rows)
+    assert {r["ckpt"] for r in reserved_rows if r["case"] == "tiny_lm bf16"} == {"off", "on"}
+    timed = [r for r in checks["step_time"]["rows"] if "measured_ms" in r]
+    assert len(timed) >= 4 and all(r["predicted_ms"] > 0 and r["measured_ms"] > 0 for r in timed)
     assert checks["verify_profile"]["status"] == "pass", checks["verify_profile"]
     assert checks["multi_gpu"]["status"] == "pass", checks["multi_gpu"]
     assert checks["pytest_gpu"]["status"] == "pass" and checks["pytest_gpu"]["rows"][0]["passed"] == 6
@@ -291,3 +304,38 @@ def test_a_spent_budget_cuts_the_remaining_checks(tmp_path, monkeypatch):
                           device=CPUDevice(), config=_tiny_config(budget_seconds=1e-9))
     report = json.loads((tmp_path / "report.json").read_text())
     assert code == 1 and {c["status"] for c in report["checks"]} == {"cut"}
+
+
+def test_spearman_and_the_profile_named_like_the_device():
+    assert gpu_proof.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
+    assert gpu_proof.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)
+    # Ties take their average rank: ranks (0, 1.5, 1.5, 3) against (0, 1, 2, 3).
+    assert gpu_proof.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / 22.5 ** 0.5)
+    profile = gpu_proof.profile_for
+    assert profile({"name": "NVIDIA H200", "total_bytes": 140 << 30}) == "h200-141gb"
+    assert profile({"name": "NVIDIA H100 80GB HBM3", "total_bytes": 79 << 30}) == "h100-80gb"
+    assert profile({"name": "NVIDIA A100-SXM4-80GB", "total_bytes": 79 << 30}) == "a100-80gb"
+    assert profile({"name": "NVIDIA A100-PCIE-40GB", "total_bytes": 39 << 30}) == "a100-40gb"
+    assert profile({"name": "Tesla T4", "total_bytes": 15 << 30}) == "t4"
+    assert profile({"name": "CPU fake", "total_bytes": 1 << 30}) is None
+    for name in {p for _, p in gpu_proof.PROFILE_BY_NAME if p} | {"a100-80gb", "a100-40gb",
+                                                                   "v100-32gb", "v100-16gb"}:
+        assert (ROOT / "profiles" / f"{name}.toml").is_file(), name
+
+
+def test_step_time_rows_and_the_ranking_on_the_cpu_fake(tmp_path, one_thread):
+    config = _tiny_config(time_cases=[gpu_proof.TimeCase("tiny_lm", "bf16", sizes=(1, 4))])
+    report = gpu_proof.Report(tmp_path, {})
+    report.current = "step_time"
+    ctx = gpu_proof.Context(CPUDevice(), config, report, log=lambda *a, **k: None)
+    outcome = gpu_proof.check_step_time(ctx)
+    timed = [r for r in outcome.rows if "measured_ms" in r]
+    assert [(r["case"], r["micro_batch"]) for r in timed] == [
+        ("tiny_lm bf16 ckpt off", 1), ("tiny_lm bf16 ckpt off", 4),
+        ("tiny_lm bf16 ckpt on", 1), ("tiny_lm bf16 ckpt on", 4)]
+    assert outcome.rows[-1]["settings"] == 4 and "Spearman" in outcome.summary
+    # The measurements are cached: the reserved check's reference steps are not run again.
+    assert set(ctx._measured) == {("tiny_lm", "bf16", c, n) for c in (False, True) for n in (1, 4)}
+    unknown = gpu_proof.check_step_time(gpu_proof.Context(
+        CPUDevice(), _tiny_config(time_profile=None), gpu_proof.Report(tmp_path, {})))
+    assert unknown.status == "skip" and "no bundled GPU profile" in unknown.summary
