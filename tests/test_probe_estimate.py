@@ -101,3 +101,35 @@ def test_search_hint_of_zero_proves_nothing_fits_in_one_trial():
     run, calls = _device(answer=0)
     assert search_largest_fitting(run, budget=900, upper=None, hint=0)[0] == 0
     assert calls == [1]
+
+
+def test_a_flat_estimated_curve_sends_no_real_step_past_twice_the_hint():
+    # The H200 run of 2026-12-04: a seed curve flat at the budget put micro-batch 1 alone within
+    # it; micro-batch 1 fitted with room for thousands, and the rescaled curve sent the next real
+    # step to 16777216 samples (mlp's batch of that size exhausts the host's memory).
+    run, calls = _device(answer=58)
+    budget = 1000 + 10 * 58
+    best, _, _ = search_largest_fitting(run, budget=budget, upper=None, hint=60,
+                                        estimate=lambda n: budget - 1)
+    assert best == 58 and max(calls) <= 120 and calls[0] == 1
+
+
+def test_the_seed_curve_grows_where_neighbouring_cuda_trials_round_alike():
+    # Under the CUDA allocator model the search's last fitting trials (n and n + 1) share a 2 MiB
+    # segment: the seed's curve is fitted to points spread apart, not to those neighbours.
+    import types
+
+    from autotune.precision import Precision
+    from autotune.probing.api import CheckpointingRequest
+    from autotune.probing.seed import estimate_seed
+    from autotune import load_workload
+
+    budget = 1 << 30
+    backend = types.SimpleNamespace(info=lambda: types.SimpleNamespace(budget_bytes=budget),
+                                    device=torch.device("cuda"))
+    seed = estimate_seed(load_workload(str(EXAMPLES / "mlp.py")), backend,
+                         precision=Precision.parse("fp32"),
+                         checkpointing=CheckpointingRequest.parse("off", option="checkpointing",
+                                                                  allow_auto=False), upper=None)
+    assert seed.answer > 1000 and seed.model.activation[1] > 0
+    assert seed.estimate(1) < budget / 4 and seed.estimate(seed.answer) <= budget

@@ -310,7 +310,10 @@ def _estimate_trials(hint: int, estimate: Callable[[int], float], budget: float,
     if predicted <= 0:
         return
     scale = trial.peak_bytes / predicted
-    answer = _largest_below(lambda m: scale * estimate(m), budget, top, start=n)
+    # No further than twice the estimate's answer: a curve that far off (a flat one sent a
+    # real step of 16777216 samples, whose batch alone can exhaust the host) is no guide, and
+    # the ordinary search takes over from the bracket.
+    answer = _largest_below(lambda m: scale * estimate(m), budget, min(top, 2 * h), start=n)
     if answer > n:
         yield answer
         if not trials[-1].fits:

@@ -18,7 +18,15 @@ from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_ten
 from ..precision import Precision
 from .. import progress
 from .result import UNESTIMATED, MemoryModel, Trial, setting_label
+from .search import fit_memory_model
 from .share import search_with_share, window_steps
+
+SPREAD = 0.05
+"""For a CUDA device, the points the seed's curve is fitted to lie at least this fraction of n
+apart. The search's last trials are neighbours (n and n + 1), and under the CUDA allocator model
+their peaks round to the same 2 MiB segment: a secant through them is flat, and a flat curve put
+mlp's every micro-batch at the budget, so the real search tried micro-batch 1, then 16777216
+(H200, 2026-12-04)."""
 from .trial import SetupOutOfMemory, TrialSession
 
 
@@ -101,8 +109,21 @@ def estimate_seed(workload, backend: MemoryBackend, *, precision: Precision, che
     except EstimateUnavailable as exc:
         return EstimateSeed(unavailable=str(exc))
     share_trial = next((t for t in trials if share is not None and t.micro_batch == share), None)
+    if model is not None and for_cuda:  # exact bytes elsewhere: there neighbours fit best
+        model = fit_memory_model(_spread_out(trials))
     return EstimateSeed(answer=best, steps=len(trials), seconds=time.perf_counter() - started,
                         model=model, share_fits=share_trial.fits if share_trial else None)
+
+
+def _spread_out(trials: list[Trial]) -> list[Trial]:
+    """The failing trials, and fitting ones from the largest down, each at most ``1 - SPREAD``
+    times the last kept (where neighbours share a rounded peak, see ``SPREAD``)."""
+    kept, last = [], None
+    for trial in sorted((t for t in trials if t.fits), key=lambda t: -t.micro_batch):
+        if last is None or trial.micro_batch <= (1 - SPREAD) * last:
+            kept.append(trial)
+            last = trial.micro_batch
+    return [t for t in trials if not t.fits or t in kept]
 
 
 def _scaled(model: MemoryModel, factor: float) -> MemoryModel:
