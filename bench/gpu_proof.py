@@ -325,6 +325,7 @@ class Context:
         self._probes: dict[Cell, Any] = {}
         self._workloads: dict[str, Any] = {}
         self._measured: dict[tuple, dict] = {}
+        self._cuda_peaks: dict[tuple, tuple[int, int]] = {}
 
     # time
     def left(self) -> float:
@@ -339,6 +340,18 @@ class Context:
             os.environ.update(LLAMA_ENV.get(name, {}))  # llama_like.py reads its shape at import
             self._workloads[name] = autotune.load_workload(str(workload_path(name)))
         return self._workloads[name]
+
+    def cuda_peaks(self, name: str, precision: str, checkpointing: bool, sizes) -> dict:
+        """``autotune.estimate_cuda_peaks`` for this device (cached: the estimate and reserved
+        checks share them): {n: (tensor bytes, modelled reserved bytes)}."""
+        key = (name, precision, checkpointing)
+        todo = sorted({n for n in sizes if (*key, n) not in self._cuda_peaks})
+        if todo:
+            peaks = autotune.estimate_cuda_peaks(
+                self.workload(name), todo, gpu_name=self.device.describe().get("name") or "",
+                precision=precision, checkpointing=checkpointing)
+            self._cuda_peaks.update({(*key, n): peak for n, peak in peaks.items()})
+        return {n: self._cuda_peaks[(*key, n)] for n in sizes}
 
     def measure(self, name: str, precision: str, checkpointing: bool, sizes) -> dict[int, dict]:
         """Real reference steps at each size, uncapped (cached: the reserved and step-time
@@ -612,6 +625,17 @@ def _failed(ctx: Context, rows: list[dict], label: str, exc: Exception) -> None:
     rows.append(row)
 
 
+def _tensor_estimates(ctx: Context, cell: Cell, sizes: list[int]) -> dict[int, int]:
+    """The estimate's tensor bytes at each size: on CUDA ``estimate_cuda_peaks``'s (the foreach
+    optimizer path and the cuBLAS workspaces a CUDA step allocates), elsewhere ``estimate_peak``."""
+    workload, checkpointing = ctx.workload(cell.workload), cell.checkpointing == "on"
+    if ctx.device.torch_device == "cuda":
+        peaks = ctx.cuda_peaks(cell.workload, cell.precision, checkpointing, sizes)
+        return {n: tensors for n, (tensors, _) in peaks.items()}
+    return {n: autotune.estimate_peak(workload, n, precision=cell.precision,
+                                      checkpointing=checkpointing) for n in sizes}
+
+
 def check_estimate(ctx: Context) -> Outcome:
     """At every micro-batch where the probe ran a real step that fitted: the estimate against that
     step's max_memory_allocated (within the tolerance) and max_memory_reserved (within what the
@@ -620,11 +644,12 @@ def check_estimate(ctx: Context) -> Outcome:
     tol = ctx.config.tolerance
     for cell in _cells_in_time(ctx, ctx.config.estimate_cells, cut):
         try:
-            for trial in _fitting_trials(ctx, cell):
-                start = time.perf_counter()
-                estimate = autotune.estimate_peak(ctx.workload(cell.workload), trial.micro_batch,
-                                                  precision=cell.precision,
-                                                  checkpointing=cell.checkpointing == "on")
+            fitting = _fitting_trials(ctx, cell)
+            start = time.perf_counter()
+            estimates = _tensor_estimates(ctx, cell, [t.micro_batch for t in fitting])
+            seconds = (time.perf_counter() - start) / len(fitting)
+            for trial in fitting:
+                estimate = estimates[trial.micro_batch]
                 allocated = trial.peak_bytes
                 reserved = trial.reserved_peak_bytes
                 error = estimate / allocated - 1
@@ -635,7 +660,7 @@ def check_estimate(ctx: Context) -> Outcome:
                        "allocated": gib(allocated), "error": f"{error:+.3%}",
                        "reserved": gib(reserved) if reserved is not None else None,
                        "reserved/estimate": round(reserved / estimate, 4) if reserved else None,
-                       "estimate_seconds": round(time.perf_counter() - start, 2),
+                       "estimate_seconds": round(seconds, 2),
                        "status": "pass" if ok else "fail"}
                 ctx.add_row(row)
                 rows.append(row)
@@ -693,7 +718,6 @@ def check_reserved(ctx: Context) -> Outcome:
     ``reserved_tolerance``."""
     rows, cut = [], []
     tol = ctx.config.reserved_tolerance
-    gpu_name = _device_name(ctx)
 
     def compare(label, checkpointing, measured: dict, modelled: dict, capped: int | None):
         for n, (allocated, reserved) in measured.items():
@@ -715,10 +739,8 @@ def check_reserved(ctx: Context) -> Outcome:
     for cell in _cells_in_time(ctx, ctx.config.estimate_cells, cut):
         try:
             fitting = _fitting_trials(ctx, cell)
-            checkpointing = cell.checkpointing == "on"
-            modelled = autotune.estimate_cuda_peaks(
-                ctx.workload(cell.workload), [t.micro_batch for t in fitting], gpu_name=gpu_name,
-                precision=cell.precision, checkpointing=checkpointing)
+            modelled = ctx.cuda_peaks(cell.workload, cell.precision, cell.checkpointing == "on",
+                                      [t.micro_batch for t in fitting])
             compare(cell.label, cell.checkpointing,
                     {t.micro_batch: (t.peak_bytes, t.reserved_peak_bytes or 0) for t in fitting},
                     modelled, cell.card)
@@ -734,9 +756,8 @@ def check_reserved(ctx: Context) -> Outcome:
                 sizes = _case_sizes(ctx, case)
                 measured = ctx.measure(case.workload, case.precision, checkpointing == "on", sizes)
                 fitted = {n: (m["allocated"], m["reserved"]) for n, m in measured.items() if not m["oom"]}
-                modelled = autotune.estimate_cuda_peaks(
-                    ctx.workload(case.workload), sorted(fitted), gpu_name=gpu_name,
-                    precision=case.precision, checkpointing=checkpointing == "on") if fitted else {}
+                modelled = ctx.cuda_peaks(case.workload, case.precision, checkpointing == "on",
+                                          sorted(fitted))
                 compare(case.label, checkpointing, fitted, modelled, None)
             except Exception as exc:  # noqa: BLE001 - a case's failure is its row
                 _failed(ctx, rows, label, exc)
