@@ -215,8 +215,9 @@ def test_cuda_estimate_peak_is_reserved_and_holds_the_cublas_workspaces():
     peaks = autotune.estimate_cuda_peaks(TINY_LM, [1, 16], gpu_name="NVIDIA H100", precision="bf16")
     cpu = autotune.probing.estimate.estimate_peaks(TINY_LM, [16], precision="bf16")
     for tensors, reserved in peaks.values():
-        # 32 MiB cuBLAS + 1 MiB cuBLASLt workspace on Hopper, in reserved and not in tensors.
-        assert reserved >= tensors + 33 * MiB and reserved % (2 * MiB) == 0
+        # 32 MiB cuBLAS + 1 MiB cuBLASLt workspace on Hopper for each of the forward's and the
+        # backward's handles, in reserved and not in tensors.
+        assert reserved >= tensors + 66 * MiB and reserved % (2 * MiB) == 0
     assert peaks[16][0] >= cpu[16]  # the foreach optimizer path as on CUDA
 
 
@@ -271,10 +272,10 @@ def test_a_model_of_identical_blocks_is_estimated_whole_for_cuda(tmp_path):
 
 
 def test_workspaces_and_hopper():
-    assert cublas_workspaces(True, {}) == [32 * MiB, MiB]
-    assert cublas_workspaces(False, {}) == [8 * MiB + 128 * KiB, MiB]
-    assert cublas_workspaces(False, {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == [128 * KiB, 128 * KiB]
-    assert cublas_workspaces(True, {"CUBLASLT_WORKSPACE_SIZE": "4096"}) == [32 * MiB, 4 * MiB]
+    assert cublas_workspaces(True, {}) == [32 * MiB, MiB] * 2
+    assert cublas_workspaces(False, {}) == [8 * MiB + 128 * KiB, MiB] * 2
+    assert cublas_workspaces(False, {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == [128 * KiB, 128 * KiB] * 2
+    assert cublas_workspaces(True, {"CUBLASLT_WORKSPACE_SIZE": "4096"}) == [32 * MiB, 4 * MiB] * 2
     assert is_hopper("NVIDIA H100 80GB HBM3") and is_hopper("NVIDIA GH200 480GB")
     assert not is_hopper("NVIDIA A100-SXM4-80GB") and not is_hopper("")
 

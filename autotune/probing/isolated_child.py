@@ -40,7 +40,8 @@ def _child(result_path: str) -> int:
                                  share=request["share"])
         answer = {"seed": {"answer": seed.answer, "steps": seed.steps, "seconds": seed.seconds,
                            "model": seed.model.to_dict() if seed.model is not None else None,
-                           "unavailable": seed.unavailable, "share_fits": seed.share_fits}}
+                           "unavailable": seed.unavailable, "share_fits": seed.share_fits,
+                           "curve": seed.curve}}
     except errors.AutotuneError as exc:
         answer = {"error": {"type": type(exc).__name__, "message": str(exc)}}
     Path(result_path).write_text(json.dumps(answer))

@@ -18,15 +18,7 @@ from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_ten
 from ..precision import Precision
 from .. import progress
 from .result import UNESTIMATED, MemoryModel, Trial, setting_label
-from .search import fit_memory_model
 from .share import search_with_share, window_steps
-
-SPREAD = 0.05
-"""For a CUDA device, the points the seed's curve is fitted to lie at least this fraction of n
-apart. The search's last trials are neighbours (n and n + 1), and under the CUDA allocator model
-their peaks round to the same 2 MiB segment: a secant through them is flat, and a flat curve put
-mlp's every micro-batch at the budget, so the real search tried micro-batch 1, then 16777216
-(H200, 2026-12-04)."""
 from .trial import SetupOutOfMemory, TrialSession
 
 
@@ -45,6 +37,12 @@ class EstimateSeed:
     """Why the model cannot be estimated (the EstimateUnavailable message)."""
     share_fits: bool | None = None
     """Whether one step at the probe's share fitted on fake tensors (None: not tried)."""
+    curve: bool = True
+    """Whether ``model`` is in the real trials' units, so that the real search may rescale it.
+    Not for a CUDA device: the estimate's peaks are the modelled allocator's reserved bytes,
+    which stop growing near the budget (the allocator frees its cache and retries), where a real
+    trial's peak is the tensors' max_memory_allocated. A flat curve rescaled to a real step at
+    micro-batch 1 sent mlp's next real step to 16777216 samples (H200, 2026-12-04)."""
 
     @property
     def hint(self) -> int | None:
@@ -54,7 +52,7 @@ class EstimateSeed:
     def estimate(self):
         """The estimated peak at n (the memory model fitted to the fake trials), for the real
         search to rescale once a real step has fitted; None without one."""
-        if self.model is None or self.model.points < 2:
+        if self.model is None or self.model.points < 2 or not self.curve:
             return None
         return self.model.predict
 
@@ -77,7 +75,7 @@ class EstimateSeed:
         with n. The estimate's curve, scaled to agree with the real peak there, keeps its shape.
         """
         fitting = {t.micro_batch: t.peak_bytes for t in trials if t.fits}
-        if self.model is None or self.model.points < 2 or len(fitting) != 1:
+        if self.model is None or self.model.points < 2 or len(fitting) != 1 or not self.curve:
             return measured
         (n, real), = fitting.items()
         estimated = self.model.predict(n)
@@ -109,21 +107,9 @@ def estimate_seed(workload, backend: MemoryBackend, *, precision: Precision, che
     except EstimateUnavailable as exc:
         return EstimateSeed(unavailable=str(exc))
     share_trial = next((t for t in trials if share is not None and t.micro_batch == share), None)
-    if model is not None and for_cuda:  # exact bytes elsewhere: there neighbours fit best
-        model = fit_memory_model(_spread_out(trials))
     return EstimateSeed(answer=best, steps=len(trials), seconds=time.perf_counter() - started,
-                        model=model, share_fits=share_trial.fits if share_trial else None)
-
-
-def _spread_out(trials: list[Trial]) -> list[Trial]:
-    """The failing trials, and fitting ones from the largest down, each at most ``1 - SPREAD``
-    times the last kept (where neighbours share a rounded peak, see ``SPREAD``)."""
-    kept, last = [], None
-    for trial in sorted((t for t in trials if t.fits), key=lambda t: -t.micro_batch):
-        if last is None or trial.micro_batch <= (1 - SPREAD) * last:
-            kept.append(trial)
-            last = trial.micro_batch
-    return [t for t in trials if not t.fits or t in kept]
+                        model=model, share_fits=share_trial.fits if share_trial else None,
+                        curve=not for_cuda)
 
 
 def _scaled(model: MemoryModel, factor: float) -> MemoryModel:
