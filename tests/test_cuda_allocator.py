@@ -583,3 +583,21 @@ def test_a_fresh_trial_asked_again_is_answered_from_the_planners_memo(examples_d
     window_trial(model, target.backend, **{**args, "checkpointing": "off"})
     window_trial(model, target.backend, **{**args, "reduce_every_micro_step": False})
     assert len(built) == 7
+
+
+def test_a_cuda_trial_starts_from_reset_peaks(monkeypatch):
+    # Without CUDA: begin_trial must reset torch's peak stats, or the trial's first reset_peak
+    # folds the trial before's max_memory_reserved into this one's (seen on an H200).
+    import torch
+
+    from autotune.memory.cuda import CUDAMemoryBackend
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 3})
+    backend = object.__new__(CUDAMemoryBackend)
+    backend.device, backend.index, backend._reserved_peak = torch.device("cuda", 0), 0, 123
+    backend.begin_trial()
+    assert calls == ["sync", "reset"] and backend._reserved_peak == 0
+    assert backend._retries_at_start == 3

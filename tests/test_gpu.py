@@ -100,6 +100,15 @@ def test_each_cuda_trial_carries_the_memory_picture():
     assert first["reserved_peak_bytes"] >= first["allocated_peak_bytes"] > 0
 
 
+def test_a_trial_reserved_peak_is_its_own_not_the_trial_before():
+    backend = CUDAMemoryBackend(0, memory_limit="2GiB")
+    with TrialSession(WORKLOAD, backend, precision=Precision.FP32, checkpointing=False) as session:
+        large = session.run(4096)
+        small = session.run(1)
+    # Before the fix the second trial reported the first one's reserved peak.
+    assert small.reserved_peak_bytes < large.reserved_peak_bytes
+
+
 def test_training_reports_the_allocated_peak_and_reserved(tmp_path):
     from autotune import train
     from train_helpers import make_plan
