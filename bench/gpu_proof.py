@@ -577,7 +577,11 @@ def check_probe_exact(ctx: Context) -> Outcome:
                 result = ctx.probe(cell)
                 row.update(found=result.max_micro_batch, probe_steps=len(result.trials),
                            probe_ooms=result.oom_count,
-                           probe_seconds=round(ctx.probe_seconds(cell), 2))
+                           probe_seconds=round(ctx.probe_seconds(cell), 2),
+                           estimated=result.estimated_max_micro_batch,
+                           # The real steps in order ("-" a failure): how the search got there.
+                           probe_trials=" ".join(f"{t.micro_batch}{'' if t.fits else '-'}"
+                                                 for t in result.trials))
             except autotune.ProbeError as exc:  # nothing fits: right where the search agrees
                 row.update(found=0, probe_says=_error_text(exc))
             reference = ReferenceStep(ctx.workload(cell.workload), ctx.device.torch_device,
@@ -889,6 +893,9 @@ def check_train(ctx: Context) -> Outcome:
             ok = (result.steps == steps and ooms == 0 and result.oom_recoveries == 0
                   and reserved <= cell.card and allocated <= predicted * (1 + tol))
             row["status"] = "pass" if ok else "fail"
+            if result.interrupted and not ok:
+                # The loop stops gracefully on SIGTERM (an outer timeout's, say): cut, not failed.
+                row.update(status="cut", why=f"interrupted by a signal after step {result.steps}")
             accumulating += plan.accumulation_steps >= 2
         except Exception as exc:  # noqa: BLE001
             row.update(status="error", why=_error_text(exc))
@@ -1095,26 +1102,27 @@ def check_pytest_gpu(ctx: Context) -> Outcome:
     return Outcome("pass" if ok else "fail", summary, [row])
 
 
-# Shares sized from CPU timings of the same work and the examples' per-sample memory (no GPU
-# run yet): the probe matrix's exhaustive bisections are the longest part.
+# Shares first sized from CPU timings; on the H200 (2026-12-04) the probe matrix took 280 s of a
+# 330 s budget for two cells and left the later checks nothing, so it gets less, and the checks
+# no other run measures (step time, the gpu-marked tests) more.
 CHECKS = [
-    Check("probe_exact", "the probe against an exhaustive bisection over real steps", 0.34,
+    Check("probe_exact", "the probe against an exhaustive bisection over real steps", 0.22,
           check_probe_exact),
     Check("estimate", "the fake-tensor estimate against measured allocated and reserved peaks", 0.04,
           check_estimate),
     Check("reserved", "the caching-allocator model against measured max_memory_reserved", 0.06,
           check_reserved),
     Check("step_time", "predicted step time for this GPU's profile against measured, and the "
-          "ranking", 0.14, check_step_time),
+          "ranking", 0.16, check_step_time),
     Check("train_200", "200 optimizer steps of each plan under its card's cap: 0 OOMs, peaks vs "
-          "the plan's prediction", 0.20, check_train),
-    Check("loop_overhead", "the built-in loop's step time against a hand-written loop (ratio)", 0.06,
+          "the plan's prediction", 0.14, check_train),
+    Check("loop_overhead", "the built-in loop's step time against a hand-written loop (ratio)", 0.05,
           check_overhead),
     Check("verify_profile", "`autotune verify` on a plan made with --gpu for the card's profile",
-          0.14, check_verify),
-    Check("multi_gpu", "2-rank NCCL DDP and FSDP2 runs against the plan (skip on one GPU)", 0.10,
+          0.12, check_verify),
+    Check("multi_gpu", "2-rank NCCL DDP and FSDP2 runs against the plan (skip on one GPU)", 0.08,
           check_multi_gpu, applies=lambda ctx: ctx.device.count() >= 2),
-    Check("pytest_gpu", "the tests marked gpu (`pytest -m gpu`), in a subprocess", 0.12,
+    Check("pytest_gpu", "the tests marked gpu (`pytest -m gpu`), in a subprocess", 0.13,
           check_pytest_gpu),
 ]
 
