@@ -42,10 +42,12 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
 import autotune  # noqa: E402
+from rank_correlation import spearman  # noqa: E402  (bench/, beside this file)
 
 GiB = 1 << 30
 EXAMPLES = ROOT / "examples"
@@ -348,7 +350,7 @@ class Context:
         todo = sorted({n for n in sizes if (*key, n) not in self._cuda_peaks})
         if todo:
             peaks = autotune.estimate_cuda_peaks(
-                self.workload(name), todo, gpu_name=self.device.describe().get("name") or "",
+                self.workload(name), todo, gpu_name=_device_name(self),
                 precision=precision, checkpointing=checkpointing)
             self._cuda_peaks.update({(*key, n): peak for n, peak in peaks.items()})
         return {n: self._cuda_peaks[(*key, n)] for n in sizes}
@@ -704,6 +706,18 @@ def _timed_steps(step: "ReferenceStep", device, n: int, warmup: int, repeats: in
             "reserved": reserved}
 
 
+def _settings_in_time(ctx: "Context", cases, cut: list[str]):
+    """(case, checkpointing, label) for each case with checkpointing off and on: those reached
+    after the deadline go to ``cut``."""
+    for case in cases:
+        for checkpointing in ("off", "on"):
+            label = f"{case.label} ckpt {checkpointing}"
+            if ctx.out_of_time():
+                cut.append(label)
+            else:
+                yield case, checkpointing, label
+
+
 def _case_sizes(ctx: "Context", case: TimeCase) -> list[int]:
     if case.sizes:
         return list(case.sizes)
@@ -750,47 +764,20 @@ def check_reserved(ctx: Context) -> Outcome:
                     modelled, cell.card)
         except Exception as exc:  # noqa: BLE001 - a case's failure is its row
             _failed(ctx, rows, cell.label, exc)
-    for case in ctx.config.reserved_cases:
-        for checkpointing in ("off", "on"):
-            label = f"{case.label} ckpt {checkpointing}"
-            if ctx.out_of_time():
-                cut.append(label)
-                continue
-            try:
-                sizes = _case_sizes(ctx, case)
-                measured = ctx.measure(case.workload, case.precision, checkpointing == "on", sizes)
-                fitted = {n: (m["allocated"], m["reserved"]) for n, m in measured.items() if not m["oom"]}
-                modelled = ctx.cuda_peaks(case.workload, case.precision, checkpointing == "on",
-                                          sorted(fitted))
-                compare(case.label, checkpointing, fitted, modelled, None)
-            except Exception as exc:  # noqa: BLE001 - a case's failure is its row
-                _failed(ctx, rows, label, exc)
+    for case, checkpointing, label in _settings_in_time(ctx, ctx.config.reserved_cases, cut):
+        try:
+            sizes = _case_sizes(ctx, case)
+            measured = ctx.measure(case.workload, case.precision, checkpointing == "on", sizes)
+            fitted = {n: (m["allocated"], m["reserved"]) for n, m in measured.items() if not m["oom"]}
+            modelled = ctx.cuda_peaks(case.workload, case.precision, checkpointing == "on",
+                                      sorted(fitted))
+            compare(case.label, checkpointing, fitted, modelled, None)
+        except Exception as exc:  # noqa: BLE001 - a case's failure is its row
+            _failed(ctx, rows, label, exc)
     return _tally(rows, cut, f"|modelled reserved / max_memory_reserved - 1| <= {tol:.0%}")
 
 
 # --- 2c. predicted step time against measured (issue 22) ------------------------------------------
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation (ties take their average rank)."""
-    def ranks(values):
-        order = sorted(range(len(values)), key=values.__getitem__)
-        result = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                result[order[k]] = (i + j) / 2
-            i = j + 1
-        return result
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    spread = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / spread if spread else float("nan")
-
 
 def check_step_time(ctx: Context) -> Outcome:
     """``autotune.predict_step_time`` for this GPU's bundled profile (datasheet peaks, the cited
@@ -802,39 +789,34 @@ def check_step_time(ctx: Context) -> Outcome:
         return Outcome("skip", f"no bundled GPU profile for {_device_name(ctx)!r}")
     rows, cut, pairs = [], [], []
     tol = ctx.config.time_tolerance
-    for case in ctx.config.time_cases:
-        for checkpointing in ("off", "on"):
-            label = f"{case.label} ckpt {checkpointing}"
-            if ctx.out_of_time():
-                cut.append(label)
-                continue
-            if not ctx.device.supports(case.precision):
-                continue
-            try:
-                sizes = _case_sizes(ctx, case)
-                measured = ctx.measure(case.workload, case.precision, checkpointing == "on", sizes)
-                fitted = sorted(n for n, m in measured.items() if not m["oom"])
-                predicted = autotune.predict_step_time(
-                    ctx.workload(case.workload), fitted, precision=case.precision,
-                    checkpointing=checkpointing == "on", gpu=profile) if fitted else {}
-                for n in sizes:
-                    if measured[n]["oom"]:
-                        row = {"case": label, "micro_batch": n, "status": "skip",
-                               "why": "out of memory on the whole device"}
-                    else:
-                        seconds, guess = measured[n]["seconds"], predicted[n]
-                        error = guess.seconds / seconds - 1
-                        parts = {k: round(1e3 * v, 2) for k, v in guess.breakdown.items() if v}
-                        row = {"case": label, "micro_batch": n,
-                               "predicted_ms": round(1e3 * guess.seconds, 3),
-                               "measured_ms": round(1e3 * seconds, 3), "error": f"{error:+.1%}",
-                               "breakdown_ms": parts,
-                               "status": "pass" if abs(error) <= tol else "fail"}
-                        pairs.append((guess.seconds, seconds))
-                    ctx.add_row(row)
-                    rows.append(row)
-            except Exception as exc:  # noqa: BLE001 - a case's failure is its row
-                _failed(ctx, rows, label, exc)
+    for case, checkpointing, label in _settings_in_time(ctx, ctx.config.time_cases, cut):
+        if not ctx.device.supports(case.precision):
+            continue
+        try:
+            sizes = _case_sizes(ctx, case)
+            measured = ctx.measure(case.workload, case.precision, checkpointing == "on", sizes)
+            fitted = sorted(n for n, m in measured.items() if not m["oom"])
+            predicted = autotune.predict_step_time(
+                ctx.workload(case.workload), fitted, precision=case.precision,
+                checkpointing=checkpointing == "on", gpu=profile) if fitted else {}
+            for n in sizes:
+                if measured[n]["oom"]:
+                    row = {"case": label, "micro_batch": n, "status": "skip",
+                           "why": "out of memory on the whole device"}
+                else:
+                    seconds, guess = measured[n]["seconds"], predicted[n]
+                    error = guess.seconds / seconds - 1
+                    parts = {k: round(1e3 * v, 2) for k, v in guess.breakdown.items() if v}
+                    row = {"case": label, "micro_batch": n,
+                           "predicted_ms": round(1e3 * guess.seconds, 3),
+                           "measured_ms": round(1e3 * seconds, 3), "error": f"{error:+.1%}",
+                           "breakdown_ms": parts,
+                           "status": "pass" if abs(error) <= tol else "fail"}
+                    pairs.append((guess.seconds, seconds))
+                ctx.add_row(row)
+                rows.append(row)
+        except Exception as exc:  # noqa: BLE001 - a case's failure is its row
+            _failed(ctx, rows, label, exc)
     outcome = _tally(rows, cut, f"|predicted / measured - 1| <= {tol:.0%} on {profile}")
     if len(pairs) >= 3:
         rho = spearman([p for p, _ in pairs], [m for _, m in pairs])

@@ -41,6 +41,7 @@ from autotune.timing.roofline import window_time  # noqa: E402
 from autotune.tuning.loop_cost import with_loop_costs  # noqa: E402
 from autotune.tuning.measure import Configuration, measure_configuration  # noqa: E402
 from autotune.workload import load_workload  # noqa: E402
+from rank_correlation import spearman  # noqa: E402  (spearman: step_time_distributed imports it here)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = {
@@ -49,19 +50,6 @@ EXAMPLES = {
     "examples/gpt_varlen.py": (4, 16, 64),
     "examples/cnn_bn.py": (8, 32, 128),
 }
-
-
-def spearman(xs, ys) -> float:
-    def ranks(values):
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0.0] * len(values)
-        for rank, i in enumerate(order):
-            out[i] = float(rank)
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
 def measured_step(workload, n: int, checkpointing: str, windows: int) -> tuple[float, float]:

@@ -75,7 +75,7 @@ class EstimateSeed:
         with n. The estimate's curve, scaled to agree with the real peak there, keeps its shape.
         """
         fitting = {t.micro_batch: t.peak_bytes for t in trials if t.fits}
-        if self.model is None or self.model.points < 2 or len(fitting) != 1 or not self.curve:
+        if self.estimate is None or len(fitting) != 1:
             return measured
         (n, real), = fitting.items()
         estimated = self.model.predict(n)
