@@ -5,7 +5,7 @@
 Every rank runs the probe's pipelined window (the schedule over ACCUM micro-batches of N, then
 the optimizer) PP_REPEATS times (default 3) with the CPU memory backend, the model split by the
 same ``sharded_step`` the estimate uses (PP_TP=T: tensor parallel over groups of T inside
-each stage); rank 0 writes {"peaks": {N: [[rank 0's peaks], ...]}}
+each stage; PP_CP=C: each sequence sharded over C context-parallel ranks); rank 0 writes {"peaks": {N: [[rank 0's peaks], ...]}}
 to OUT.json.
 """
 
@@ -29,7 +29,8 @@ REPEATS = int(os.environ.get("PP_REPEATS", "3"))
 model_file, out, pp, schedule, sharding, accumulation, *sizes = sys.argv[1:]
 dist.init_process_group("gloo")
 world = dist.get_world_size()
-parallel = parse_layout(pp=int(pp), pp_schedule=schedule, tp=int(os.environ.get("PP_TP", "1")))
+parallel = parse_layout(pp=int(pp), pp_schedule=schedule, tp=int(os.environ.get("PP_TP", "1")),
+                        cp=int(os.environ.get("PP_CP", "1")))
 peaks = {}
 with sharded_step(load_workload(model_file), sharding=sharding, world_size=world,
                   parallel=parallel) as workload:

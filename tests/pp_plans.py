@@ -16,10 +16,11 @@ from train_helpers import make_plan
 MICRO_BATCHES = [2, 2, 2, 2]  # one window: 4 micro-batches of 2 through the pipeline
 
 
-def pipeline_plan(pp: int, schedule: str, sharding: str, *, world_size: int, tp: int = 1, clip=None):
+def pipeline_plan(pp: int, schedule: str, sharding: str, *, world_size: int, tp: int = 1, cp: int = 1,
+                  clip=None):
     """The plan trained under torchrun: windows of ``MICRO_BATCHES`` per data-parallel rank."""
-    parallel = parse_layout(pp=pp, pp_schedule=schedule, tp=tp)
-    data_parallel = world_size // (pp * tp)
+    parallel = parse_layout(pp=pp, pp_schedule=schedule, tp=tp, cp=cp)
+    data_parallel = world_size // (pp * tp * cp)
     plan = make_plan(MICRO_BATCHES, world_size=world_size, lr=1e-2, clip=clip)
     return dataclasses.replace(plan, target_batch=sum(MICRO_BATCHES) * data_parallel,
                                sharding=sharding, parallel=parallel)
@@ -53,13 +54,13 @@ TESTS = Path(__file__).resolve().parent
 
 
 def estimated_rank_peaks(model_file, n, *, pp=2, schedule="1f1b", window=4, world_size=None,
-                         sharding="ddp", tp=1) -> list[int]:
+                         sharding="ddp", tp=1, cp=1) -> list[int]:
     """The estimate's peak of each pipeline rank (first data-parallel rank of each)."""
     from autotune.probing.estimate import estimate_session
     from autotune.probing.pipeline_trial import pipeline_rank_trials
 
-    parallel = parse_layout(pp=pp, pp_schedule=schedule, tp=tp)
-    world_size = world_size or pp * tp
+    parallel = parse_layout(pp=pp, pp_schedule=schedule, tp=tp, cp=cp)
+    world_size = world_size or pp * tp * cp
 
     def make_session(fake_rank):
         return estimate_session(model_file, precision="fp32", checkpointing=False, sharding=sharding,
@@ -72,11 +73,11 @@ def estimated_rank_peaks(model_file, n, *, pp=2, schedule="1f1b", window=4, worl
 
 
 def real_pipeline_peaks(model_file, out: Path, *, pp, schedule, sharding, world, window, sizes,
-                        repeats=3, tp=1) -> dict[int, list[list[int]]]:
+                        repeats=3, tp=1, cp=1) -> dict[int, list[list[int]]]:
     """{n: per-rank lists of peaks} of real pipelined windows on ``world`` gloo ranks (tensor
-    parallel over groups of ``tp`` inside each stage)."""
-    path = Path(out) / f"peaks-{Path(model_file).stem}-{schedule}-{world}-tp{tp}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PP_REPEATS=str(repeats), PP_TP=str(tp),
+    parallel over groups of ``tp`` inside each stage, each sequence over ``cp`` ranks)."""
+    path = Path(out) / f"peaks-{Path(model_file).stem}-{schedule}-{world}-tp{tp}-cp{cp}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PP_REPEATS=str(repeats), PP_TP=str(tp), PP_CP=str(cp),
                PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--standalone",
                str(TESTS / "pp_peak_script.py"), str(model_file), str(path), str(pp), schedule, sharding,

@@ -6,7 +6,8 @@ Trains ``plan(PP, SCHEDULE, SHARDING)`` for STEPS steps and writes each rank's o
 (the stage prefix stripped, DTensors gathered) and its losses to OUT/rank-R.pt. With
 CHECKPOINT_DIR it checkpoints every step (DCP); ``resume`` resumes from it. PP_SLOW=1 sleeps a
 second per step and touches OUT/started once training is under way (for SIGTERM tests). PP_TP=T
-adds tensor parallel over groups of T inside each stage; PP_CLIP=C clips the gradient norm to C.
+adds tensor parallel over groups of T inside each stage; PP_CP=C shards each sequence over C
+context-parallel ranks; PP_CLIP=C clips the gradient norm to C.
 """
 
 import os
@@ -38,7 +39,7 @@ if os.environ.get("PP_SLOW"):
     import dataclasses
     workload = dataclasses.replace(workload, loss_fn=lambda model, batch: slow_loss(model, batch))
 plan = pipeline_plan(int(pp), schedule, sharding, world_size=dist.get_world_size(),
-                     tp=int(os.environ.get("PP_TP", "1")),
+                     tp=int(os.environ.get("PP_TP", "1")), cp=int(os.environ.get("PP_CP", "1")),
                      clip=float(os.environ["PP_CLIP"]) if os.environ.get("PP_CLIP") else None)
 result = train(plan, workload, steps=int(steps), seed=0, checkpoint_dir=rest[0] if rest else None,
                checkpoint_every=1 if rest else None, resume=len(rest) > 1, progress=False)

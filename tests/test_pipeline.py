@@ -4,6 +4,7 @@ process ends, and SIGTERM then --resume.
 """
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from autotune.cli.main import cli
+from autotune.distributed.context_parallel import cpu_ring_available
 from autotune.distributed.layout import parse_layout
 from autotune.distributed.pipeline import (block_container, fake_pipeline_supported, parameter_phases,
                                            rank_stage_ids, stage_bounds)
@@ -29,6 +31,9 @@ from pp_plans import estimated_rank_peaks, real_pipeline_peaks
 needs_fake_pipeline = pytest.mark.skipif(not fake_pipeline_supported(), reason=(
     f"torch {torch.__version__}'s pipeline schedules read a tensor's value in their first step "
     f"(torch 2.14's take split micro-batches and run on fake tensors)"))
+
+needs_cpu_ring = pytest.mark.skipif(not cpu_ring_available(), reason=(
+    f"torch {torch.__version__} has no hooks to ring the CPU's attention kernel (torch 2.14 has)"))
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS.parent / "examples"
@@ -399,6 +404,34 @@ def test_tensor_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as
     assert all(r["grad_norm"] > 0.05 for r in metrics)  # every step clipped
 
 
+@needs_cpu_ring
+@pytest.mark.slow
+@pytest.mark.parametrize("model_file, schedule, clip", [
+    (EXAMPLES / "real" / "llama.py", "1f1b", 0.05), (TESTS / "cp_causal_lm_model.py", "1f1b", None),
+    (TESTS / "pp_hf_llama4_model.py", "interleaved-1f1b", None)], ids=["llama", "causal_lm", "llama4-interleaved"])
+def test_context_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as_one_process(
+        tmp_path, model_file, schedule, clip):
+    """CP 2 × PP 2 on 4 gloo ranks: each stage's loss shards every micro-batch's sequence over
+    its cp ranks and rings attention, the stages send their cp rank's share, and FSDP2 reduces
+    the gradients over the cp ranks. Each pipeline rank's estimate within 3% of the peak most
+    repeats reach (a gloo worker thread lets go of a ring's buffers late in some), and training
+    (items weighed across micro-batches and cp ranks; HF Llama clipped every step) within 1e-5 of
+    one process on whole sequences."""
+    from fsdp_helpers import typical_peak
+
+    estimated = estimated_rank_peaks(model_file, 2, schedule=schedule, cp=2, world_size=4, sharding="fsdp")
+    real = real_pipeline_peaks(model_file, tmp_path, pp=2, cp=2, schedule=schedule, sharding="fsdp",
+                               world=4, window=4, sizes=[2])[2]
+    for pp_rank, estimate in enumerate(estimated):
+        typical = typical_peak(real[2 * pp_rank:2 * pp_rank + 2])
+        assert abs(estimate - typical) <= 0.03 * typical, (pp_rank, estimate, real)
+    out = tmp_path / "train"
+    out.mkdir()
+    metrics = _trains_as_one_process(out, 4, model_file, schedule, 1, clip=clip, PP_CP="2")
+    if clip is not None:
+        assert all(r["grad_norm"] > clip for r in metrics)
+
+
 @pytest.mark.slow
 def test_a_loss_that_counts_its_items_trains_every_stage_as_one_process(tmp_path):
     """A (loss_sum, item_count) loss: only the last stage counts items, and every stage's
@@ -408,20 +441,25 @@ def test_a_loss_that_counts_its_items_trains_every_stage_as_one_process(tmp_path
 
 
 @pytest.mark.slow
-def test_autotune_train_runs_a_sequence_parallel_pipeline_plan_within_its_peak(tmp_path):
-    """TP 2 (sequence parallel) × PP 2 on 4 gloo ranks, 8 accumulation steps, through the CLI as
-    a user runs it: the first step within 3% of the plan's peak (plus one gathered activation
-    gloo may hold late), the later ones below it. The first step peaks
-    highest (the window that builds the stages): 13% above the plan before the probe counted that
-    window too, inside the budget's 10% headroom, so no warning said so."""
+@pytest.mark.parametrize("model, degree, budget, target", [("sp_decoder_model", "--tp", "200KiB", "8"),
+                                                           ("cp_causal_lm_model", "--cp", "600KiB", "16")])
+def test_autotune_train_runs_a_sequence_split_pipeline_plan_within_its_peak(tmp_path, model, degree, budget,
+                                                                            target):
+    """TP 2 (sequence parallel) × PP 2 and CP 2 × PP 2 on 4 gloo ranks, through the CLI as a
+    user runs it: the first step within 3% of the plan's peak (plus one activation gloo may hold
+    late), the later ones below it. The first step peaks highest (the window that builds the
+    stages): 13% above the plan before the probe counted that window too, inside the budget's
+    10% headroom, so no warning said so."""
+    if degree == "--cp" and not cpu_ring_available():
+        pytest.skip(f"torch {torch.__version__} has no hooks to ring the CPU's attention kernel")
     plan_file = tmp_path / "plan.json"
-    model_file = TESTS / "sp_decoder_model.py"
-    result = CliRunner().invoke(cli, ["plan", str(model_file), "--target-batch", "8", "--world-size", "4",
-                                      "--tp", "2", "--pp", "2", "--sharding", "fsdp", "--memory-limit", "200KiB",
+    model_file = TESTS / f"{model}.py"
+    result = CliRunner().invoke(cli, ["plan", str(model_file), "--target-batch", target, "--world-size", "4",
+                                      degree, "2", "--pp", "2", "--sharding", "fsdp", "--memory-limit", budget,
                                       "--precision", "fp32", "--checkpointing", "off", "--output", str(plan_file)])
     assert result.exit_code == 0, result.output
     plan = json.loads(plan_file.read_text())
-    assert len(plan["micro_batches"]) >= 2 and plan["parallel"]["tp"] == plan["parallel"]["pp"] == 2
+    assert len(plan["micro_batches"]) >= 2 and plan["parallel"][degree[2:]] == plan["parallel"]["pp"] == 2
     done = subprocess.run(_torchrun(4, "-m", "autotune.cli.main", "train", model_file, "--plan", plan_file,
                                     "--steps", "3"),
                           env=_env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
@@ -435,26 +473,29 @@ def test_autotune_train_runs_a_sequence_parallel_pipeline_plan_within_its_peak(t
     # One full-sequence activation (micro-batch × sequence × dim, fp32): CI once measured the
     # first step 2 KiB higher than the 140.16 KiB this machine measures every time (+3.3%), one
     # gathered activation that gloo's worker thread held past the next collective.
-    from sp_decoder_model import DIM, SEQ_LEN
-    gathered = plan["micro_batches"][0] * SEQ_LEN * DIM * 4
+    constants = importlib.import_module("sp_decoder_model" if degree == "--tp" else "cp_models")
+    gathered = plan["micro_batches"][0] * constants.SEQ_LEN * constants.DIM * 4
     assert predicted * 0.97 <= peaks[0] <= predicted * 1.03 + gathered, (peaks, predicted)
     assert max(peaks) == peaks[0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_sigterm_then_resume_continues_exactly(tmp_path, tp):
-    """PP 2 (2 ranks) and TP 2 × PP 2 (4)."""
+@pytest.mark.parametrize("tp, cp", [(1, 1), (2, 1), (1, 2)])
+def test_sigterm_then_resume_continues_exactly(tmp_path, tp, cp):
+    """PP 2 (2 ranks), TP 2 × PP 2 and CP 2 × PP 2 (4)."""
+    if cp > 1 and not cpu_ring_available():
+        pytest.skip(f"torch {torch.__version__} has no hooks to ring the CPU's attention kernel")
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     full.mkdir()
     stopped.mkdir()
-    model_file = EXAMPLES / "tiny_lm.py"
-    world = 2 * tp
-    _train(world, full, model_file, 2, "1f1b", "fsdp", 6, full / "checkpoints", PP_TP=str(tp))
+    model_file = EXAMPLES / "tiny_lm.py" if cp == 1 else TESTS / "cp_causal_lm_model.py"
+    world = 2 * tp * cp
+    degrees = dict(PP_TP=str(tp), PP_CP=str(cp))
+    _train(world, full, model_file, 2, "1f1b", "fsdp", 6, full / "checkpoints", **degrees)
     with open(stopped / "log-sigterm.txt", "w") as log:
         child = subprocess.Popen(_torchrun(world, TESTS / "pp_train_script.py", stopped, model_file, 2, "1f1b",
                                            "fsdp", 6, stopped / "checkpoints"),
-                                 env=_env(PP_SLOW="1", PP_TP=str(tp)), stdout=log, stderr=subprocess.STDOUT)
+                                 env=_env(PP_SLOW="1", **degrees), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + TIMEOUT
         while not (stopped / "pid-1").exists():
             assert child.poll() is None and time.monotonic() < deadline
@@ -464,7 +505,7 @@ def test_sigterm_then_resume_continues_exactly(tmp_path, tp):
         assert child.wait(timeout=TIMEOUT) == 0
     first = torch.load(stopped / "rank-0.pt")
     assert first["interrupted"] and first["steps"] < 6
-    _train(world, stopped, model_file, 2, "1f1b", "fsdp", 6, stopped / "checkpoints", "resume", PP_TP=str(tp))
+    _train(world, stopped, model_file, 2, "1f1b", "fsdp", 6, stopped / "checkpoints", "resume", **degrees)
     resumed = torch.load(stopped / "rank-0.pt")
     assert resumed["steps"] == 6 and not resumed["interrupted"]
     assert _relative_error(_merged(stopped, world), _merged(full, world)) == 0.0
@@ -488,8 +529,24 @@ def test_a_sequence_parallel_stage_sends_its_share_and_refuses_a_sequence_tp_doe
 
     from autotune.distributed.pipeline import PipelinedModel
 
-    split = SimpleNamespace(split_sequence=2)
+    split = SimpleNamespace(split_sequence=(1, 2))
     assert PipelinedModel._share(split, (3, 8, 16), torch.float32) == ((3, 4, 16), torch.float32)
-    assert PipelinedModel._share(SimpleNamespace(split_sequence=1), (3, 7, 16), None) == ((3, 7, 16), None)
+    assert PipelinedModel._share(SimpleNamespace(split_sequence=(1, 1)), (3, 7, 16), None) == ((3, 7, 16), None)
     with pytest.raises(ConfigError, match=r"shape \[3, 7, 16\] cannot be split by sequence .* over tp 2"):
         PipelinedModel._share(split, (3, 7, 16), torch.float32)
+
+
+def test_a_context_parallel_stage_sends_its_share_of_both_splits_and_names_the_length_they_need():
+    from types import SimpleNamespace
+
+    from autotune.distributed.pipeline import PipelinedModel
+
+    cp = SimpleNamespace(split_sequence=(2, 1))
+    assert PipelinedModel._share(cp, (3, 8, 16), torch.float32) == ((3, 4, 16), torch.float32)
+    both = SimpleNamespace(split_sequence=(2, 2))
+    assert PipelinedModel._share(both, (3, 16, 16), torch.float32) == ((3, 4, 16), torch.float32)
+    # 6 splits into cp 2's halves but not into its 2 × cp = 4 load-balanced chunks.
+    with pytest.raises(ConfigError, match=r"over cp 2 ranks: this pipeline needs a sequence length divisible by 4"):
+        PipelinedModel._share(cp, (3, 6, 16), torch.float32)
+    with pytest.raises(ConfigError, match=r"over cp 2 × tp 4 ranks: .* divisible by 8"):
+        PipelinedModel._share(SimpleNamespace(split_sequence=(2, 4)), (3, 12, 16), torch.float32)

@@ -37,15 +37,19 @@ def apply_layout(model: torch.nn.Module, *, mesh, parallel: Layout, sharding, pr
     if sharding.sharded:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        # Context-parallel ranks hold different tokens of the same samples: FSDP2 shards over them
-        # too, so their gradients are reduced with the data-parallel ones (torchtitan's dp_shard_cp).
-        fsdp_mesh = data_parallel_mesh(mesh) if parallel.cp == 1 else context_parallel.fsdp_mesh(mesh)
         # fully_shard joins a tensor-parallel parameter's dp and tp meshes into a new DeviceMesh,
         # whose set-up runs a data-dependent op on the (real) mesh tensor, which a fake-tensor
         # mode refuses. Outside the mode, FSDP2's ops on fake parameters still run in their mode.
         with unset_fake_temporarily():
-            shard_model(model, mesh=fsdp_mesh, sharding=sharding, precision=precision)
+            shard_model(model, mesh=fsdp_mesh(mesh, parallel), sharding=sharding, precision=precision)
     return model
 
 
-__all__ = ["apply_layout"]
+def fsdp_mesh(mesh, parallel: Layout):
+    """The part of ``mesh`` FSDP2 shards over: the data-parallel dims, and under context
+    parallelism the cp dim with them: its ranks hold different tokens of the same samples, so
+    their gradients are reduced with the data-parallel ones (torchtitan's dp_shard_cp)."""
+    return data_parallel_mesh(mesh) if parallel.cp == 1 else context_parallel.fsdp_mesh(mesh)
+
+
+__all__ = ["apply_layout", "fsdp_mesh"]

@@ -222,6 +222,8 @@ class _Rings:
         self.entered: list[_Attention] = []
         self.active: _Attention | None = None
         self.depth = 0
+        self.paused = 0
+        """Inside ``whole_sequence_loss``: batches whole, SDPA as it is."""
 
 
 _RINGS = _Rings()
@@ -230,6 +232,8 @@ _RINGS = _Rings()
 def _ring_sdpa(original):
     def sdpa(*args, **kwargs):
         ring = _RINGS.active
+        if _RINGS.paused:
+            return original(*args, **kwargs)
         args, kwargs = ring.checked_input(None, args, kwargs, ring.mesh)
         return ring.output_fn(None, (args, kwargs), original(*args, **kwargs), ring.mesh)
 
@@ -379,6 +383,9 @@ class ContextParallelLoss:
     def __call__(self, model, batch):
         from ..compiled import eager_module
 
+        if _RINGS.paused:  # whole_sequence_loss
+            loss, count = self.workload.loss(model, batch)
+            return loss if count is None else (loss, count)
         source, cp = self.workload.source, self.mesh.size()
         causal_lm = is_causal_lm_batch(eager_module(model), batch)
         if causal_lm:
@@ -405,6 +412,21 @@ class ContextParallelLoss:
         return loss, count
 
 
+def whole_sequence_loss(workload):
+    """``loss(model, batch)`` of ``workload`` as it is without context parallelism: the batch
+    whole, attention not ringed, even inside a session (``ring_attention``). A pipeline reads
+    which parameters its stages run and the activations' shapes from it, on fake tensors with no
+    collective; the stages then send their rank's share of the sequence."""
+    def loss(model, batch):
+        _RINGS.paused += 1
+        try:
+            return workload.loss(model, batch)
+        finally:
+            _RINGS.paused -= 1
+
+    return loss
+
+
 @contextlib.contextmanager
 def context_parallel_step(workload, mesh):
     """``workload`` with every batch sharded over ``mesh`` (the cp ranks) and its attention as
@@ -426,5 +448,5 @@ def fsdp_mesh(mesh):
 
 
 __all__ = ["ContextParallelLoss", "SEQ_DIM", "check_seq_len", "context_parallel_step", "fsdp_mesh",
-           "is_causal_lm_batch", "ring_attention", "sequence_length", "shard_batch"]
+           "is_causal_lm_batch", "ring_attention", "sequence_length", "shard_batch", "whole_sequence_loss"]
 

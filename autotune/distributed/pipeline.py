@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -172,6 +173,8 @@ class StageModule(torch.nn.Module):
         self._source = source
         self.batches: list = []
         self.weigh = None
+        self.step_loss = None
+        """The loss this window's step runs, where not the one built with (``PipelinedModel.run``)."""
         self._received = None
         self.sequence_mesh = None
         """The tensor-parallel mesh under sequence parallel: the stream between blocks is a DTensor
@@ -200,7 +203,7 @@ class StageModule(torch.nn.Module):
     def forward(self, *received, micro_batch: int):
         self._received = None if self.first else received[0]
         try:
-            loss, count = self._loss(self.model, self.batches[micro_batch])
+            loss, count = (self.step_loss or self._loss)(self.model, self.batches[micro_batch])
         except _Boundary as boundary:
             output = boundary.output
             if not isinstance(output, torch.Tensor):
@@ -253,9 +256,10 @@ class PipelinedModel(torch.nn.Module):
 
     def __init__(self, stages: dict[int, StageModule], *, num_stages: int, schedule: PipelineSchedule,
                  group, device, shape_model: _ShapeModel, bounds: list[tuple[int, int]], autocast=None,
-                 split_sequence: int = 1):
+                 split_sequence: tuple[int, int] = (1, 1)):
         super().__init__()
         self.split_sequence = split_sequence
+        """(cp, tp): the ranks a stage's output is split over by sequence (``build_pipeline``)."""
         for stage_id, module in stages.items():
             self.add_module(f"stage_{stage_id}", module)
         self.stage_ids = list(stages)
@@ -330,24 +334,31 @@ class PipelinedModel(torch.nn.Module):
         return schedule
 
     def _share(self, shape: tuple, dtype) -> tuple:
-        """A stage output's (shape, dtype) as one rank sends it: under sequence parallel, its
-        share of the sequence (dim 1)."""
-        if self.split_sequence == 1:
+        """A stage output's (shape, dtype) as one rank sends it: under context parallelism and
+        sequence parallel, its share of the sequence (dim 1)."""
+        cp, tp = self.split_sequence
+        if cp * tp == 1:
             return shape, dtype
-        if len(shape) < 2 or shape[1] % self.split_sequence:
+        # Context parallel cuts each sequence into 2 × cp load-balanced chunks, sequence parallel
+        # a cp rank's share into tp.
+        need = math.lcm(2 * cp, cp * tp) if cp > 1 else tp
+        if len(shape) < 2 or shape[1] % need:
+            split = " × ".join(f"{name} {n}" for name, n in (("cp", cp), ("tp", tp)) if n > 1)
             raise ConfigError(f"a pipeline stage's output of shape {list(shape)} cannot be split by "
-                              f"sequence (dim 1) over tp {self.split_sequence} ranks: sequence parallel "
-                              f"inside a pipeline needs a sequence length divisible by tp; use "
-                              f"another --seq-len or --tp")
-        return (shape[0], shape[1] // self.split_sequence, *shape[2:]), dtype
+                              f"sequence (dim 1) over {split} ranks: this pipeline needs a sequence "
+                              f"length divisible by {need}; use another --seq-len, or other degrees")
+        return (shape[0], shape[1] // (cp * tp), *shape[2:]), dtype
 
-    def run(self, batches: list, weigh) -> None:
+    def run(self, batches: list, weigh, loss=None) -> None:
         """Forward and backward of ``batches`` (this window's micro-batches, the same on every
         rank of the pipeline). ``weigh(loss, count, index)`` turns the last stage's loss of
-        micro-batch ``index`` into the tensor to backpropagate."""
+        micro-batch ``index`` into the tensor to backpropagate. ``loss``: the workload's loss as
+        this step runs it, where it is not the one the stages were built with (the training loop
+        builds the model first and enters context parallelism's step, which shards each batch's
+        sequence, around its run)."""
         schedule = self._schedule_for(batches)
         for module in self.stages:
-            module.batches, module.weigh = batches, weigh
+            module.batches, module.weigh, module.step_loss = batches, weigh, loss
         count = len(batches)
         try:
             with self.autocast():
@@ -356,7 +367,7 @@ class PipelinedModel(torch.nn.Module):
                                      target_mbs=[None] * count, return_outputs=False)
         finally:
             for module in self.stages:
-                module.batches, module.weigh = [], None
+                module.batches, module.weigh, module.step_loss = [], None, None
             for stage in schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]:
                 _drop_chunks(stage)
 
@@ -427,15 +438,19 @@ def _batch_signature(batch) -> tuple:
 
 
 def build_pipeline(model: torch.nn.Module, *, pp: int, pp_rank: int, stages_per_rank: int = 1,
-                   schedule="1f1b", loss, example_batch, group=None, device=None,
-                   shard=None, autocast=None, source: str = "model", split_sequence: int = 1) -> PipelinedModel:
+                   schedule="1f1b", loss, example_batch, group=None, device=None, whole_loss=None,
+                   shard=None, autocast=None, source: str = "model",
+                   split_sequence: tuple[int, int] = (1, 1)) -> PipelinedModel:
     """This rank's stages of ``model`` (which it consumes), ready to ``run``.
 
-    ``loss(model, batch) -> (loss, count)`` is the workload's loss; ``example_batch`` a
-    micro-batch the forward can read (which parameters run before the first block and after the
-    last is seen on it, on fake tensors). ``shard(stage_module)`` (FSDP2 over the data-parallel
-    ranks) is applied to each stage. ``split_sequence``: the ranks a stage's output is split over
-    by sequence (tp under sequence parallel), each sending and receiving its share.
+    ``loss(model, batch) -> (loss, count)`` is the workload's loss, which the stages run;
+    ``whole_loss`` the same on whole sequences where ``loss`` shards them (context parallel;
+    default ``loss``), on which which parameters run before the first block and after the last,
+    and the activations' shapes, are read, on fake tensors from ``example_batch`` (a micro-batch
+    the forward can read). ``shard(stage_module)`` (FSDP2 over the data-parallel ranks) is
+    applied to each stage. ``split_sequence``: (cp, tp) ranks a stage's output is split over by
+    sequence (context parallel, then tp under sequence parallel; (1, 1): whole), each rank
+    sending and receiving its share.
     """
     layout = Layout(pp=pp, pp_schedule=schedule, stages_per_rank=stages_per_rank)
     schedule = layout.pp_schedule
@@ -445,9 +460,10 @@ def build_pipeline(model: torch.nn.Module, *, pp: int, pp_rank: int, stages_per_
     layout.check_model(blocks=len(container))
     num_stages = pp * stages_per_rank
     bounds = stage_bounds(len(container), num_stages)
-    phases = parameter_phases(model, container, loss, example_batch, source=source)
+    whole_loss = whole_loss or loss
+    phases = parameter_phases(model, container, whole_loss, example_batch, source=source)
     path = next(name for name, module in model.named_modules() if module is container)
-    shapes = _ShapeModel(model, path, [end for _, end in bounds], loss)
+    shapes = _ShapeModel(model, path, [end for _, end in bounds], whole_loss)
     ids = rank_stage_ids(pp_rank, pp, stages_per_rank)
     stages = {}
     for k, stage_id in enumerate(ids):
@@ -500,12 +516,10 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
     the rank's place along it picks the stages), each split as ``split_stage`` says
     (tensor parallel, then FSDP2 over the data-parallel dims)."""
     from ..precision import Precision, autocast
+    from .apply_layout import fsdp_mesh
+    from .context_parallel import whole_sequence_loss
     from .sharding.settings import Sharding
-    from .sharding.wrap import data_parallel_mesh
 
-    if parallel.cp > 1:
-        raise ConfigError(f"{parallel.describe_degrees()}: a pipeline composes with FSDP2 and tensor "
-                          f"parallelism here, not yet with context parallelism; use --cp 1 with --pp")
     if workload is None or workload.model_is_instance:
         raise ConfigError("pipeline parallelism needs a model file's build_model(): it cuts the model")
     sharding, precision = Sharding.parse(sharding), Precision.parse(precision)
@@ -515,7 +529,7 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
         raise ConfigError(f"{given('precision', 'fp16')} with {option('pp')} {parallel.pp}: fp16's "
                           f"GradScaler skips steps rank by rank, and a pipeline's stages must skip "
                           f"together; use bf16 or fp32")
-    dp_mesh = data_parallel_mesh(mesh)
+    dp_mesh = fsdp_mesh(mesh, parallel)
     device = torch.device(mesh.device_type)
 
     tp_plan = None
@@ -528,11 +542,16 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
         return split_stage(module, mesh=mesh, parallel=parallel, sharding=sharding, precision=precision,
                            dp_mesh=dp_mesh, tp_plan=tp_plan)
 
+    # Under context parallelism a stage's loss shards each micro-batch's sequence over the cp
+    # ranks (``context_parallel_step`` made it so); its shapes and parameters' phases are read
+    # from the whole sequence, each rank then sending its share: of the cp ranks', and of the
+    # tp ranks' under sequence parallel.
+    sequence_parallel = tp_plan is not None and bool(tp_plan.norms)
     return build_pipeline(model, pp=parallel.pp, pp_rank=mesh.get_local_rank("pp"),
                           stages_per_rank=parallel.stages_per_rank, schedule=parallel.pp_schedule.value,
-                          loss=workload.loss, example_batch=workload.batch(1),
-                          group=mesh["pp"].get_group(), device=device,
-                          shard=shard, split_sequence=parallel.tp if tp_plan is not None and tp_plan.norms else 1,
+                          loss=workload.loss, whole_loss=whole_sequence_loss(workload),
+                          example_batch=workload.batch(1), group=mesh["pp"].get_group(), device=device,
+                          shard=shard, split_sequence=(parallel.cp, parallel.tp if sequence_parallel else 1),
                           autocast=lambda: autocast(precision, device), source=workload.source)
 
 

@@ -62,11 +62,11 @@ class PipelineSessionMixin:
             # A new schedule's first window builds what every later one reuses (receive buffers,
             # FSDP2's lazy set-up), and peaks higher while it does: a run's first step is that
             # window, so the trial's peak is the larger of it and a steady-state window.
-            self.model.run(batches, weigh)
+            self.model.run(batches, weigh, self.workload.loss)
             first_peak = self.backend.peak_bytes()
             self.optimizer.zero_grad(set_to_none=True)
             self.backend.reset_peak()
-        self.model.run(batches, weigh)
+        self.model.run(batches, weigh, self.workload.loss)
         activation_peak = max(first_peak, self.backend.peak_bytes())
         self.backend.reset_peak()
         step_peak = self._optimizer_phase()  # the window's batches are still alive, as in training

@@ -269,7 +269,7 @@ class StepRunner:
             return self.scaler.scale(loss_sum * scale)
 
         try:
-            self.model.run(parts, weigh)
+            self.model.run(parts, weigh, self.workload.loss)
         except Exception as exc:  # noqa: BLE001 - anything but out-of-memory is re-raised untouched
             if not is_oom_error(exc):
                 raise
