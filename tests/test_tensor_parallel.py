@@ -105,8 +105,9 @@ def test_a_decoders_loss_takes_the_logits_split_by_vocabulary_where_the_file_ask
     assert plan.describe().endswith("sequence parallel over 5 norms, loss parallel")
     default = _layout_plan(SP_DECODER)
     assert not default.loss_parallel and default.styles["head"] == "colwise_gather_output"
-    # A pipeline's schedule takes its last stage's output as a plain tensor.
-    assert not _layout_plan(SP_DECODER_LP, pp=2).loss_parallel
+    # Inside a pipeline too: the last stage's loss runs on the split logits and hands the
+    # schedule a plain scalar (tests/test_pipeline.py trains it as one process).
+    assert _layout_plan(SP_DECODER_LP, pp=2).loss_parallel
     with pytest.raises(ConfigError, match="LOSS_PARALLEL = 'no'; set it to True"):
         _layout_plan(SP_DECODER, {"LOSS_PARALLEL": "no"})
     with pytest.raises(ConfigError, match="runs without sequence parallel.*remove LOSS_PARALLEL"):

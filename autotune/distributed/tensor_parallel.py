@@ -314,8 +314,8 @@ def layout_plan(model: nn.Module, *, workload, parallel, sharding) -> TensorPara
     """The plan its model file (``workload``) or its architecture gives ``model``
     (``resolve_plan``), checked against ``parallel.tp``, with sequence parallel where it applies
     (``with_sequence_parallel``), and loss parallel with it where the model file sets
-    ``LOSS_PARALLEL = True`` and no pipeline's last stage computes the loss (its schedule takes
-    the stage's output as a plain tensor). Opt-in: on gloo the real peak of a loss-parallel step
+    ``LOSS_PARALLEL = True`` (inside a pipeline too: its last stage's loss runs on the split
+    logits and hands the schedule a plain scalar, ``_LossParallelLoss``). Opt-in: on gloo the real peak of a loss-parallel step
     is bimodal (a logits-sized share freed early in some runs), and the estimate is exact to the
     upper mode only (docs/parallel-layouts.md)."""
     from .sharding.settings import Sharding
@@ -340,13 +340,13 @@ def layout_plan(model: nn.Module, *, workload, parallel, sharding) -> TensorPara
 
 
 def _loss_parallel_asked(workload, parallel) -> bool:
-    """The model file sets ``LOSS_PARALLEL = True`` and no pipeline computes the loss."""
+    """The model file sets ``LOSS_PARALLEL = True``."""
     wanted = (getattr(workload, "namespace", None) or {}).get("LOSS_PARALLEL", False)
     if not isinstance(wanted, bool):
         raise ConfigError(f"{getattr(workload, 'source', 'the model')}: LOSS_PARALLEL = {wanted!r}; set it "
                           f"to True (the loss takes the logits split by vocabulary over the tp ranks) "
                           f"or False (gathered whole)")
-    return wanted and parallel.tp > 1 and parallel.pp == 1
+    return wanted and parallel.tp > 1
 
 
 def held_part(plan: TensorParallelPlan, model: nn.Module) -> TensorParallelPlan:
