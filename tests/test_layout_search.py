@@ -818,3 +818,23 @@ def test_the_reason_names_the_one_micro_batch_none_checkpointed_was_tried_at():
     assert "without it micro-batch 4 within the budget minus the headroom (the one checkpointing " \
            "reaches; smaller ones take more accumulation steps and were not tried) does not fit" in reason(4)
     assert "without it even micro-batch 1 within the budget minus the headroom does not fit" in reason(None)
+
+
+def test_the_out_of_order_estimate_never_takes_a_pipeline_deeper_than_jump_max_pp():
+    """405B on 512 GPUs: after data parallel fit nowhere the most split candidate was cp 8 × pp 64,
+    whose estimate (64 micro-batches on each pipeline rank) took 30-64 CPU s per rank. The jump
+    takes the most split of those no deeper than JUMP_MAX_PP instead."""
+    from autotune.planning.layouts import JUMP_MAX_PP
+
+    deep = Layout(cp=8, pp=8 * JUMP_MAX_PP)
+    candidates = [Layout(), Layout(tp=2), Layout(cp=8, pp=JUMP_MAX_PP), deep]
+    calls = []
+
+    def evaluate(layout):
+        calls.append(layout)
+        return LayoutOutcome(layout, error="does not fit", fits_nowhere=True)
+
+    search_layouts(candidates, evaluate, cost=lambda lay: lay.model_parallel, max_screened=1)
+    assert calls[:2] == [Layout(), Layout(cp=8, pp=JUMP_MAX_PP)]
+    # The deep pipeline still gets its answer, dominated by nothing that was estimated.
+    assert calls[2:] == [Layout(tp=2), deep]
