@@ -13,10 +13,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from . import context_parallel
 from .layout import Layout
 from .sharding.settings import Sharding
-from .sharding.wrap import data_parallel_mesh, shard_model
+from .sharding.wrap import layout_fsdp_mesh, shard_model
 
 
 def apply_layout(model: torch.nn.Module, *, mesh, parallel: Layout, sharding, precision="fp32",
@@ -41,15 +40,8 @@ def apply_layout(model: torch.nn.Module, *, mesh, parallel: Layout, sharding, pr
         # whose set-up runs a data-dependent op on the (real) mesh tensor, which a fake-tensor
         # mode refuses. Outside the mode, FSDP2's ops on fake parameters still run in their mode.
         with unset_fake_temporarily():
-            shard_model(model, mesh=fsdp_mesh(mesh, parallel), sharding=sharding, precision=precision)
+            shard_model(model, mesh=layout_fsdp_mesh(mesh, parallel), sharding=sharding, precision=precision)
     return model
 
 
-def fsdp_mesh(mesh, parallel: Layout):
-    """The part of ``mesh`` FSDP2 shards over: the data-parallel dims, and under context
-    parallelism the cp dim with them: its ranks hold different tokens of the same samples, so
-    their gradients are reduced with the data-parallel ones (torchtitan's dp_shard_cp)."""
-    return data_parallel_mesh(mesh) if parallel.cp == 1 else context_parallel.fsdp_mesh(mesh)
-
-
-__all__ = ["apply_layout", "fsdp_mesh"]
+__all__ = ["apply_layout"]

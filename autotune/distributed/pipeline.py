@@ -516,9 +516,9 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
     the rank's place along it picks the stages), each split as ``split_stage`` says
     (tensor parallel, then FSDP2 over the data-parallel dims)."""
     from ..precision import Precision, autocast
-    from .apply_layout import fsdp_mesh
     from .context_parallel import whole_sequence_loss
     from .sharding.settings import Sharding
+    from .sharding.wrap import layout_fsdp_mesh
 
     if workload is None or workload.model_is_instance:
         raise ConfigError("pipeline parallelism needs a model file's build_model(): it cuts the model")
@@ -529,7 +529,7 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
         raise ConfigError(f"{given('precision', 'fp16')} with {option('pp')} {parallel.pp}: fp16's "
                           f"GradScaler skips steps rank by rank, and a pipeline's stages must skip "
                           f"together; use bf16 or fp32")
-    dp_mesh = fsdp_mesh(mesh, parallel)
+    dp_mesh = layout_fsdp_mesh(mesh, parallel)
     device = torch.device(mesh.device_type)
 
     tp_plan = None

@@ -46,6 +46,18 @@ def data_parallel_mesh(mesh):
     return mesh[dp] if len(dp) > 1 else mesh[dp[0]]
 
 
+def layout_fsdp_mesh(mesh, parallel):
+    """The part of a layout's ``mesh`` FSDP2 shards over: the data-parallel dims, and under
+    context parallelism (``parallel.cp`` > 1) the cp dim with them: its ranks hold different
+    tokens of the same samples, so their gradients are reduced with the data-parallel ones
+    (torchtitan's dp_shard_cp, ``context_parallel.fsdp_mesh``)."""
+    if parallel is None or parallel.cp == 1:
+        return data_parallel_mesh(mesh)
+    from ..context_parallel import fsdp_mesh
+
+    return fsdp_mesh(mesh)
+
+
 def fsdp_policies(sharding: Sharding, precision: Precision) -> dict:
     """Keyword arguments for ``fully_shard``: bf16 plans compute in bf16 and reduce in fp32."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -196,5 +208,5 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-__all__ = ["build_mesh", "data_parallel_mesh", "drop_unsharded_grads", "fsdp_policies", "full_state_dict", "is_sharded",
+__all__ = ["build_mesh", "data_parallel_mesh", "layout_fsdp_mesh", "drop_unsharded_grads", "fsdp_policies", "full_state_dict", "is_sharded",
            "local_unsharded_grads", "set_gradient_sync", "shard_model"]
