@@ -276,12 +276,12 @@ ACCURACY = [("tiny_lm", "1f1b", "ddp", 2, 0.03), ("mlp", "1f1b", "ddp", 2, 0.03)
 OWN_PROCESS = {"pp_hf_llama4_model"}
 
 
-def _estimated_in_a_process(model_file, n, *, schedule, world_size, sharding) -> list[int]:
+def _estimated_in_a_process(model_file, n, *, schedule, world_size, sharding, tp=1) -> list[int]:
     code = ("import json, sys; from pp_plans import estimated_rank_peaks; "
             "print(json.dumps(estimated_rank_peaks(sys.argv[1], int(sys.argv[2]), schedule=sys.argv[3], "
-            "world_size=int(sys.argv[4]), sharding=sys.argv[5])))")
+            "world_size=int(sys.argv[4]), sharding=sys.argv[5], tp=int(sys.argv[6]))))")
     done = subprocess.run([sys.executable, "-c", code, str(model_file), str(n), schedule, str(world_size),
-                           sharding], env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+                           sharding, str(tp)], env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -371,18 +371,15 @@ def test_pipelined_training_ends_where_one_process_ends(tmp_path, example, sched
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_file, world", [(EXAMPLES / "tiny_lm.py", 4), (EXAMPLES / "tiny_lm.py", 8),
-                                               (TESTS / "cp_hf_llama_model.py", 4),
-                                               (TESTS / "hf_llama_lp_model.py", 4)],
-                         ids=["tiny_lm-4", "tiny_lm-8", "hf_llama-4", "hf_llama_loss_parallel-4"])
+                                               (TESTS / "cp_hf_llama_model.py", 4)],
+                         ids=["tiny_lm-4", "tiny_lm-8", "hf_llama-4"])
 def test_tensor_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as_one_process(
         tmp_path, monkeypatch, model_file, world):
     """TP 2 × PP 2 (4 ranks) and FSDP 2 × TP 2 × PP 2 (8): each pipeline rank's estimate
     against gloo's real peaks, and training against one process, the gradient norm clipped (a
     norm over every stage and both tensor-parallel shards: clipped by the same factor). HF
     Llama brings its own tp_plan, whose embedding and head each stage but one has cut out, and
-    runs with sequence parallel: stages send and receive their share of the sequence; with
-    ``LOSS_PARALLEL = True`` (examples/real/llama.py) its last stage's loss takes the logits split
-    by vocabulary. As in
+    runs with sequence parallel: stages send and receive their share of the sequence. As in
     test_tensor_parallel: the estimate holds each all-gather's buffers until the next
     collective, as a late gloo worker thread does in some repeats (sequence parallel gathers
     at every norm), so it is at least what most repeats reach; without that it is at most 3%
@@ -405,6 +402,29 @@ def test_tensor_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as
     out.mkdir()
     metrics = _trains_as_one_process(out, world, model_file, "1f1b", world // 4, clip=0.05, PP_TP="2")
     assert all(r["grad_norm"] > 0.05 for r in metrics)  # every step clipped
+
+
+@pytest.mark.slow
+def test_loss_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as_one_process(tmp_path):
+    """TP 2 × PP 2 on 4 gloo ranks with LOSS_PARALLEL = True (examples/real/llama.py): the last
+    stage's loss takes the logits split by vocabulary and hands the schedule a plain scalar. Its
+    real peaks are bimodal as outside pipelines (docs/parallel-layouts.md): the estimate is the
+    upper mode, at least what most repeats reach less 3% and at most 3% above the largest. The
+    estimate runs in a process of its own (see ACCURACY: a Hugging Face model's estimate late in
+    the slow suite's process died in glibc's malloc)."""
+    from fsdp_helpers import typical_peak, worst_peak
+
+    model_file = TESTS / "hf_llama_lp_model.py"
+    estimated = _estimated_in_a_process(model_file, 2, schedule="1f1b", world_size=4, sharding="fsdp", tp=2)
+    real = real_pipeline_peaks(model_file, tmp_path, pp=2, tp=2, schedule="1f1b", sharding="fsdp",
+                               world=4, window=4, sizes=[2])[2]
+    for pp_rank, estimate in enumerate(estimated):
+        ranks = real[2 * pp_rank:2 * pp_rank + 2]
+        assert typical_peak(ranks) / 1.03 <= estimate <= worst_peak(ranks) * 1.03, (pp_rank, estimate, ranks)
+    out = tmp_path / "train"
+    out.mkdir()
+    metrics = _trains_as_one_process(out, 4, model_file, "1f1b", 1, clip=0.05, PP_TP="2")
+    assert all(r["grad_norm"] > 0.05 for r in metrics)
 
 
 @needs_cpu_ring
@@ -553,3 +573,25 @@ def test_a_context_parallel_stage_sends_its_share_of_both_splits_and_names_the_l
         PipelinedModel._share(cp, (3, 6, 16), torch.float32)
     with pytest.raises(ConfigError, match=r"over cp 2 × tp 4 ranks: .* divisible by 8"):
         PipelinedModel._share(SimpleNamespace(split_sequence=(2, 4)), (3, 12, 16), torch.float32)
+
+
+@needs_fake_pipeline
+@pytest.mark.slow  # a plan and a real window of each pipeline rank: about 20 s
+@pytest.mark.parametrize("model_file, layout, budget, world", [
+    (EXAMPLES / "tiny_lm.py", dict(pp=2), "40MiB", 2),
+    (TESTS / "cp_causal_lm_model.py", dict(pp=2, cp=2), "600KiB", 4)], ids=["pp2", "cp2-pp2"])
+def test_verify_runs_a_pipeline_plans_window_on_every_pipeline_rank_and_measures_its_peak(
+        model_file, layout, budget, world):
+    """autotune verify ran a pipeline plan's model as one module (PipelinedModel has no forward),
+    and the plan stated a sync-on-last window of 3 of its 4 micro-batches (266 KiB below its own
+    window on tiny_lm): a pipeline's schedule reduces its gradients on the last backward whatever
+    the plan says, so its peak is the probe's window trial, which verify measures on every
+    pipeline rank (real tensors, a fake process group), to the bytes."""
+    import autotune
+
+    plan = autotune.plan(model_file, target_batch=16, world_size=world, sharding="fsdp", precision="fp32",
+                         checkpointing="off", memory_limit=budget, **layout)
+    assert plan.micro_batches == [4, 4, 4, 4] and plan.parallel.pp == 2
+    result = autotune.verify_plan(plan, workload=model_file, steps=1)
+    assert result.confirmed
+    assert abs(result.measured_peak_bytes - plan.predicted_peak_bytes) <= 64, (result.measured_peak_bytes, plan)

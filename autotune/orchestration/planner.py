@@ -449,10 +449,14 @@ class _Planner:
         if not self.distributed:
             planned = _measure_planned(planned, made, self.workload, self.backend, self.world_size,
                                        self.usable, self.fingerprint.param_bytes)
-        if not planned.sharding.sharded or planned.accumulation_steps < 2 or not self.search_details:
+        if (not planned.sharding.sharded or planned.accumulation_steps < 2 or not self.search_details
+                or planned.parallel.pp > 1):
             return planned
         # The probe's sharded windows reduce-scattered every micro-step; the other option, holding
-        # the unsharded gradients until the last micro-step, is estimated for the chosen split.
+        # the unsharded gradients until the last micro-step, is estimated for the chosen split. Not
+        # for a pipeline: its schedule reduce-scatters a stage's gradients on its last backward
+        # whatever the plan says, and a [first, second, last] window of it ran 3 of its
+        # micro-batches, not all, so the plan stated a peak below its own window's.
         key = (planned.label(), str(planned.sharding), planned.shard_group)
         if key not in self.sync_estimates:
             self.sync_estimates[key] = _sync_on_last(self.workload, self.backend, planned, self.world_size)

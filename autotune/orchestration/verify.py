@@ -11,6 +11,7 @@ plan's and this device's: a plan made for a smaller GPU is checked against what 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from ..errors import PlanError
@@ -89,21 +90,10 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
     info = backend.info()
     budget = min(info.budget_bytes, plan.budget_bytes or info.budget_bytes)
     usable = usable_bytes(budget, plan.headroom)
-    # A sharded plan runs as one of its ranks: with a fake process group of the plan's world size
-    # outside torchrun, whose collectives move no data but whose buffers are as real as the rest.
-    with sharded_step(workload, sharding=plan.sharding, world_size=plan.world_size,
-                      shard_group=plan.shard_group, precision=plan.precision,
-                      device_type=backend.device.type, parallel=plan.parallel) as step_workload:
-        try:
-            with TrialSession(step_workload, backend, precision=Precision.parse(plan.precision),
-                              checkpointing=plan.checkpointing,
-                              sharded=plan.sharding.sharded,
-                              reduce_every_micro_step=plan.reduce_every_micro_step,
-                              parallel=plan.parallel) as session:
-                window = plan_window(plan)
-                trials = [session.run(plan.micro_batch, micro_batches=window) for _ in range(steps)]
-        except SetupOutOfMemory:
-            trials = []  # parameters and optimizer state alone pass the budget: nothing fits
+    try:
+        trials = _measured_windows(plan, workload, backend, steps)
+    except SetupOutOfMemory:
+        trials = []  # parameters and optimizer state alone pass the budget: nothing fits
     fits = bool(trials) and all(t.fits for t in trials)
     planned_tensors = _planned_tensor_bytes(plan)
     reserved = planned_tensors is not None and all(t.reserved_peak_bytes is not None for t in trials)
@@ -120,6 +110,48 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
         except PlanError as exc:  # nothing fits here: still an answer for the report
             result.replan_error = str(exc)
     return result
+
+
+def _measured_windows(plan: Plan, workload, backend, steps: int) -> list:
+    """``steps`` trials of the plan's window. A sharded plan runs as one of its ranks: with a fake
+    process group of the plan's world size outside torchrun, whose collectives move no data but
+    whose buffers are as real as the rest. A pipelined plan runs its schedule over the window's
+    micro-batches on every pipeline rank in turn (outside torchrun), each trial the worst rank's,
+    as the plan's peak is."""
+    import torch.distributed as dist
+
+    def session(fake_rank=None):
+        return _window_session(plan, workload, backend, fake_rank=fake_rank)
+
+    if plan.parallel.pp > 1:
+        # The pipeline's window: every micro-batch of the plan (one shape), at least pp of them.
+        run = dict(window=plan.accumulation_steps)
+        if not dist.is_initialized():
+            from ..probing.pipeline_trial import WorstPipelineRankSession, pipeline_fake_ranks
+
+            ranks = pipeline_fake_ranks(plan.parallel, plan.world_size)
+            with WorstPipelineRankSession(session, ranks) as worst:
+                return [worst.run(plan.micro_batch, **run) for _ in range(steps)]
+    else:
+        run = dict(micro_batches=plan_window(plan))
+    with session() as one, one:
+        return [one.run(plan.micro_batch, **run) for _ in range(steps)]
+
+
+@contextlib.contextmanager
+def _window_session(plan: Plan, workload, backend, *, fake_rank=None):
+    """A ``TrialSession``, not entered yet, (pipelined for a pipeline plan) on the plan's layout,
+    as rank ``fake_rank`` of a fake process group where one is made."""
+    from ..probing.pipeline_trial import pipelined_session_type
+
+    session_type = pipelined_session_type(TrialSession) if plan.parallel.pp > 1 else TrialSession
+    with sharded_step(workload, sharding=plan.sharding, world_size=plan.world_size,
+                      shard_group=plan.shard_group, precision=plan.precision,
+                      device_type=backend.device.type, parallel=plan.parallel,
+                      fake_rank=fake_rank or 0) as step_workload:
+        yield session_type(step_workload, backend, precision=Precision.parse(plan.precision),
+                           checkpointing=plan.checkpointing, sharded=plan.sharding.sharded,
+                           reduce_every_micro_step=plan.reduce_every_micro_step, parallel=plan.parallel)
 
 
 def _planned_tensor_bytes(plan: Plan) -> int | None:

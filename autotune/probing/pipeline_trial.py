@@ -38,7 +38,10 @@ class PipelineSessionMixin:
         return [n] * max(window, self.parallel.pp if self.parallel is not None else 1)
 
     def _window_fields(self, sizes: list[int]) -> dict:
-        return {}
+        # Every trial is a window (the schedule's micro-batches, gradients accumulating): the
+        # plan's peak at a micro-batch below the share is this trial's, not the memory model's.
+        # What the window holds between micro-batches is the schedule's, measured in its peak.
+        return {"micro_steps": self.window_micro_batches(max(sizes), len(sizes)), "held_gradient_bytes": None}
 
     def _warm_up(self):
         pass  # a new schedule's first window is run before measuring (see _window)
@@ -50,6 +53,7 @@ class PipelineSessionMixin:
         # A plan's window as another check names it ([first, second, last]) runs as the
         # pipeline runs it: every micro-batch of one shape, at least pp of them.
         sizes = self.window_micro_batches(max(sizes), len(sizes))
+        self._window_base = self.backend.current_bytes()  # before the window: the search's rays start here
         batches = [move_batch(self.workload.batch(n), self.device) for n in sizes]
 
         def weigh(loss, count, index):
