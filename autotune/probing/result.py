@@ -253,7 +253,10 @@ class ProbeResult:
 
     def windowed(self, micro_batch: int) -> bool:
         """Whether a plan whose largest micro-batch is ``micro_batch`` accumulates (micro-batches
-        below the share), so that its peak is a window's."""
+        below the share), so that its peak is a window's. A pipeline's probe ran windows only
+        (its schedule's micro-batches, at least pp): every plan of it is one."""
+        if self.trials and all(t.window for t in self.trials):
+            return True
         return self.share is not None and micro_batch < self.share
 
     def peak_at(self, micro_batch: int) -> int | None:
