@@ -11,7 +11,6 @@ plan's and this device's: a plan made for a smaller GPU is checked against what 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 from ..errors import PlanError
@@ -23,7 +22,7 @@ from ..planning.planfile import load_plan, load_planned_workload, model_file_not
 from ..planning.policy import usable_bytes
 from ..precision import Precision
 from ..probing.trial import SetupOutOfMemory, TrialSession
-from ..distributed.sharding.ranks import sharded_step
+from ..probing.affine_blocks import layout_session
 
 DEFAULT_STEPS = 3
 
@@ -113,45 +112,20 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
 
 
 def _measured_windows(plan: Plan, workload, backend, steps: int) -> list:
-    """``steps`` trials of the plan's window. A sharded plan runs as one of its ranks: with a fake
+    """``steps`` trials of the plan's window, in the probe's session for its layout
+    (``layout_session``, on full builds): a sharded plan runs as one of its ranks, with a fake
     process group of the plan's world size outside torchrun, whose collectives move no data but
-    whose buffers are as real as the rest. A pipelined plan runs its schedule over the window's
-    micro-batches on every pipeline rank in turn (outside torchrun), each trial the worst rank's,
-    as the plan's peak is."""
-    import torch.distributed as dist
-
-    def session(fake_rank=None):
-        return _window_session(plan, workload, backend, fake_rank=fake_rank)
-
-    if plan.parallel.pp > 1:
-        # The pipeline's window: every micro-batch of the plan (one shape), at least pp of them.
-        run = dict(window=plan.accumulation_steps)
-        if not dist.is_initialized():
-            from ..probing.pipeline_trial import WorstPipelineRankSession, pipeline_fake_ranks
-
-            ranks = pipeline_fake_ranks(plan.parallel, plan.world_size)
-            with WorstPipelineRankSession(session, ranks) as worst:
-                return [worst.run(plan.micro_batch, **run) for _ in range(steps)]
-    else:
-        run = dict(micro_batches=plan_window(plan))
-    with session() as one, one:
-        return [one.run(plan.micro_batch, **run) for _ in range(steps)]
-
-
-@contextlib.contextmanager
-def _window_session(plan: Plan, workload, backend, *, fake_rank=None):
-    """A ``TrialSession``, not entered yet, (pipelined for a pipeline plan) on the plan's layout,
-    as rank ``fake_rank`` of a fake process group where one is made."""
-    from ..probing.pipeline_trial import pipelined_session_type
-
-    session_type = pipelined_session_type(TrialSession) if plan.parallel.pp > 1 else TrialSession
-    with sharded_step(workload, sharding=plan.sharding, world_size=plan.world_size,
-                      shard_group=plan.shard_group, precision=plan.precision,
-                      device_type=backend.device.type, parallel=plan.parallel,
-                      fake_rank=fake_rank or 0) as step_workload:
-        yield session_type(step_workload, backend, precision=Precision.parse(plan.precision),
-                           checkpointing=plan.checkpointing, sharded=plan.sharding.sharded,
-                           reduce_every_micro_step=plan.reduce_every_micro_step, parallel=plan.parallel)
+    whose buffers are as real as the rest; fsdp-offload keeps the shards and optimizer state in
+    host memory as it trains; a pipelined plan runs its schedule over all its micro-batches on
+    every pipeline rank in turn (outside torchrun), each trial the worst rank's, as its peak is."""
+    # A pipeline's window is every micro-batch of the plan (one shape, at least pp of them).
+    run = (dict(window=plan.accumulation_steps) if plan.parallel.pp > 1
+           else dict(micro_batches=plan_window(plan)))
+    with layout_session(workload, backend, session_type=TrialSession, precision=Precision.parse(plan.precision),
+                        checkpointing=plan.checkpointing, sharding=plan.sharding, world_size=plan.world_size,
+                        shard_group=plan.shard_group, reduce_every_micro_step=plan.reduce_every_micro_step,
+                        few_blocks=False, parallel=plan.parallel) as session, session:
+        return [session.run(plan.micro_batch, **run) for _ in range(steps)]
 
 
 def _planned_tensor_bytes(plan: Plan) -> int | None:
