@@ -61,19 +61,13 @@ def main() -> int:
         for example in args.examples:
             model_file = ROOT / "examples" / f"{example}.py"
             for label, schedule, sharding, world in LAYOUTS:
-                real = real_pipeline_peaks(model_file, pathlib.Path(out), pp=2, schedule=schedule,
-                                           sharding=sharding, world=world, window=args.window,
-                                           sizes=args.micro_batches, repeats=args.repeats)
-                dp = world // 2
-                for n in args.micro_batches:
-                    estimated = estimated_rank_peaks(model_file, n, schedule=schedule, window=args.window,
-                                                     world_size=world, sharding=sharding)
-                    for rank, estimate in enumerate(estimated):
-                        peak = max(max(real[n][rank * dp + d]) for d in range(dp))
-                        error = (estimate - peak) / peak
-                        worst = max(worst, abs(error))
-                        print(f"| {example} | {label} | {n} | {rank} | {format_bytes(estimate)} | "
-                              f"{format_bytes(peak)} | {error:+.2%} |", flush=True)
+                for n, rank, estimate, ranks in _pipeline_ranks(model_file, args, out, schedule=schedule,
+                                                                 sharding=sharding, world=world):
+                    peak = max(max(peaks) for peaks in ranks)
+                    error = (estimate - peak) / peak
+                    worst = max(worst, abs(error))
+                    print(f"| {example} | {label} | {n} | {rank} | {format_bytes(estimate)} | "
+                          f"{format_bytes(peak)} | {error:+.2%} |", flush=True)
     print(f"\nlargest error: {worst:.2%} (tolerance {args.tolerance:.0%})")
     return 1 if worst > args.tolerance else 0
 
@@ -86,23 +80,30 @@ def _context_parallel(args) -> int:
     worst = 0.0
     with tempfile.TemporaryDirectory() as out:
         for model_file, label, schedule, world, tp in CP_CASES:
-            real = real_pipeline_peaks(model_file, pathlib.Path(out), pp=2, cp=2, tp=tp, schedule=schedule,
-                                       sharding="fsdp", world=world, window=args.window,
-                                       sizes=args.micro_batches, repeats=args.repeats)
-            per_stage = world // 2
             name = f"{model_file.parent.name}/{model_file.stem}"
-            for n in args.micro_batches:
-                estimated = estimated_rank_peaks(model_file, n, schedule=schedule, window=args.window,
-                                                 world_size=world, sharding="fsdp", cp=2, tp=tp)
-                for rank, estimate in enumerate(estimated):
-                    ranks = real[n][rank * per_stage:(rank + 1) * per_stage]
-                    typical, largest = typical_peak(ranks), worst_peak(ranks)
-                    error = (estimate - typical) / typical
-                    worst = max(worst, abs(error))
-                    print(f"| {name} | {label} | {n} | {rank} | {estimate:,} B | {typical:,} B | {error:+.2%} | "
-                          f"{largest:,} B | {(estimate - largest) / largest:+.2%} |", flush=True)
+            for n, rank, estimate, ranks in _pipeline_ranks(model_file, args, out, schedule=schedule,
+                                                             sharding="fsdp", world=world, cp=2, tp=tp):
+                typical, largest = typical_peak(ranks), worst_peak(ranks)
+                error = (estimate - typical) / typical
+                worst = max(worst, abs(error))
+                print(f"| {name} | {label} | {n} | {rank} | {estimate:,} B | {typical:,} B | {error:+.2%} | "
+                      f"{largest:,} B | {(estimate - largest) / largest:+.2%} |", flush=True)
     print(f"\nlargest error against the median: {worst:.2%} (tolerance {args.tolerance:.0%})")
     return 1 if worst > args.tolerance else 0
+
+
+def _pipeline_ranks(model_file, args, out, *, schedule, sharding, world, cp=1, tp=1):
+    """(n, pipeline rank, its estimate, the real peaks of its ranks: a list of repeats per rank)
+    for every micro-batch of ``args``: one gloo run of pp 2 on ``world`` ranks, estimates per n."""
+    real = real_pipeline_peaks(model_file, pathlib.Path(out), pp=2, cp=cp, tp=tp, schedule=schedule,
+                               sharding=sharding, world=world, window=args.window,
+                               sizes=args.micro_batches, repeats=args.repeats)
+    per_stage = world // 2
+    for n in args.micro_batches:
+        estimated = estimated_rank_peaks(model_file, n, schedule=schedule, window=args.window,
+                                         world_size=world, sharding=sharding, cp=cp, tp=tp)
+        for rank, estimate in enumerate(estimated):
+            yield n, rank, estimate, real[n][rank * per_stage:(rank + 1) * per_stage]
 
 
 if __name__ == "__main__":
