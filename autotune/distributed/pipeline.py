@@ -159,22 +159,21 @@ def _replace_with_placeholder(model: torch.nn.Module, name: str) -> None:
 class StageModule(torch.nn.Module):
     """One pipeline stage: the model with the other stages' blocks and parameters left out.
 
-    ``forward(*received, micro_batch=i)`` runs the loss on the window's micro-batch ``i``
-    (``batches``), with ``received`` (the previous stage's activation) in place of the first
+    ``forward(*received, micro_batch=i)`` runs the window's loss (``loss``) on its micro-batch
+    ``i`` (``batches``), with ``received`` (the previous stage's activation) in place of the first
     block's input; it returns the last block's output, or on the last stage ``weigh(loss,
     count, i)``: the loss to backpropagate (see ``PipelinedModel.run``).
     """
 
-    def __init__(self, model, *, start: int, end: int, first: bool, last: bool, loss, source: str):
+    def __init__(self, model, *, start: int, end: int, first: bool, last: bool, source: str):
         super().__init__()
         self.model = model
         self.start, self.end, self.first, self.last = start, end, first, last
-        self._loss = loss
         self._source = source
         self.batches: list = []
         self.weigh = None
-        self.step_loss = None
-        """The loss this window's step runs, where not the one built with (``PipelinedModel.run``)."""
+        self.loss = None
+        """The workload's loss as this window's step runs it (``PipelinedModel.run``)."""
         self._received = None
         self.sequence_mesh = None
         """The tensor-parallel mesh under sequence parallel: the stream between blocks is a DTensor
@@ -203,7 +202,7 @@ class StageModule(torch.nn.Module):
     def forward(self, *received, micro_batch: int):
         self._received = None if self.first else received[0]
         try:
-            loss, count = (self.step_loss or self._loss)(self.model, self.batches[micro_batch])
+            loss, count = self.loss(self.model, self.batches[micro_batch])
         except _Boundary as boundary:
             output = boundary.output
             if not isinstance(output, torch.Tensor):
@@ -349,16 +348,15 @@ class PipelinedModel(torch.nn.Module):
                               f"length divisible by {need}; use another --seq-len, or other degrees")
         return (shape[0], shape[1] // (cp * tp), *shape[2:]), dtype
 
-    def run(self, batches: list, weigh, loss=None) -> None:
+    def run(self, batches: list, weigh, loss) -> None:
         """Forward and backward of ``batches`` (this window's micro-batches, the same on every
-        rank of the pipeline). ``weigh(loss, count, index)`` turns the last stage's loss of
-        micro-batch ``index`` into the tensor to backpropagate. ``loss``: the workload's loss as
-        this step runs it, where it is not the one the stages were built with (the training loop
-        builds the model first and enters context parallelism's step, which shards each batch's
-        sequence, around its run)."""
+        rank of the pipeline). ``loss(model, batch) -> (loss, count)``: the workload's loss as this
+        step runs it (the training loop builds the model first, then enters context parallelism's
+        step, which shards each batch's sequence, around its runs). ``weigh(loss, count, index)``
+        turns the last stage's loss of micro-batch ``index`` into the tensor to backpropagate."""
         schedule = self._schedule_for(batches)
         for module in self.stages:
-            module.batches, module.weigh, module.step_loss = batches, weigh, loss
+            module.batches, module.weigh, module.loss = batches, weigh, loss
         count = len(batches)
         try:
             with self.autocast():
@@ -367,7 +365,7 @@ class PipelinedModel(torch.nn.Module):
                                      target_mbs=[None] * count, return_outputs=False)
         finally:
             for module in self.stages:
-                module.batches, module.weigh, module.step_loss = [], None, None
+                module.batches, module.weigh, module.loss = [], None, None
             for stage in schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]:
                 _drop_chunks(stage)
 
@@ -438,16 +436,14 @@ def _batch_signature(batch) -> tuple:
 
 
 def build_pipeline(model: torch.nn.Module, *, pp: int, pp_rank: int, stages_per_rank: int = 1,
-                   schedule="1f1b", loss, example_batch, group=None, device=None, whole_loss=None,
-                   shard=None, autocast=None, source: str = "model",
+                   schedule="1f1b", loss, example_batch, group=None, device=None, shard=None, autocast=None, source: str = "model",
                    split_sequence: tuple[int, int] = (1, 1)) -> PipelinedModel:
     """This rank's stages of ``model`` (which it consumes), ready to ``run``.
 
-    ``loss(model, batch) -> (loss, count)`` is the workload's loss, which the stages run;
-    ``whole_loss`` the same on whole sequences where ``loss`` shards them (context parallel;
-    default ``loss``), on which which parameters run before the first block and after the last,
-    and the activations' shapes, are read, on fake tensors from ``example_batch`` (a micro-batch
-    the forward can read). ``shard(stage_module)`` (FSDP2 over the data-parallel ranks) is
+    ``loss(model, batch) -> (loss, count)``: the workload's loss on whole sequences, on which
+    which parameters run before the first block and after the last, and the activations' shapes,
+    are read, on fake tensors from ``example_batch`` (a micro-batch the forward can read); each
+    ``run`` hands the stages the loss its step runs. ``shard(stage_module)`` (FSDP2 over the data-parallel ranks) is
     applied to each stage. ``split_sequence``: (cp, tp) ranks a stage's output is split over by
     sequence (context parallel, then tp under sequence parallel; (1, 1): whole), each rank
     sending and receiving its share.
@@ -460,10 +456,9 @@ def build_pipeline(model: torch.nn.Module, *, pp: int, pp_rank: int, stages_per_
     layout.check_model(blocks=len(container))
     num_stages = pp * stages_per_rank
     bounds = stage_bounds(len(container), num_stages)
-    whole_loss = whole_loss or loss
-    phases = parameter_phases(model, container, whole_loss, example_batch, source=source)
+    phases = parameter_phases(model, container, loss, example_batch, source=source)
     path = next(name for name, module in model.named_modules() if module is container)
-    shapes = _ShapeModel(model, path, [end for _, end in bounds], whole_loss)
+    shapes = _ShapeModel(model, path, [end for _, end in bounds], loss)
     ids = rank_stage_ids(pp_rank, pp, stages_per_rank)
     stages = {}
     for k, stage_id in enumerate(ids):
@@ -471,7 +466,7 @@ def build_pipeline(model: torch.nn.Module, *, pp: int, pp_rank: int, stages_per_
         start, end = bounds[stage_id]
         first, last = stage_id == 0, stage_id == num_stages - 1
         _cut(copy_, path, start, end, phases, first=first, last=last)
-        module = StageModule(copy_, start=start, end=end, first=first, last=last, loss=loss, source=source)
+        module = StageModule(copy_, start=start, end=end, first=first, last=last, source=source)
         stages[stage_id] = shard(module) if shard is not None else module
     device = device or torch.device("cpu")
     return PipelinedModel(stages, num_stages=num_stages, schedule=schedule, group=group, device=device,
@@ -549,7 +544,7 @@ def pipeline_model(model: torch.nn.Module, *, mesh, parallel, sharding, precisio
     sequence_parallel = tp_plan is not None and bool(tp_plan.norms)
     return build_pipeline(model, pp=parallel.pp, pp_rank=mesh.get_local_rank("pp"),
                           stages_per_rank=parallel.stages_per_rank, schedule=parallel.pp_schedule.value,
-                          loss=workload.loss, whole_loss=whole_sequence_loss(workload),
+                          loss=whole_sequence_loss(workload),
                           example_batch=workload.batch(1), group=mesh["pp"].get_group(), device=device,
                           shard=shard, split_sequence=(parallel.cp, parallel.tp if sequence_parallel else 1),
                           autocast=lambda: autocast(precision, device), source=workload.source)
