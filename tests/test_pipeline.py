@@ -465,12 +465,13 @@ def test_a_loss_that_counts_its_items_trains_every_stage_as_one_process(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, degree, budget, target", [("sp_decoder_model", "--tp", "200KiB", "8"),
+                                                           ("sp_decoder_lp_model", "--tp", "200KiB", "8"),
                                                            ("cp_causal_lm_model", "--cp", "600KiB", "16")])
 def test_autotune_train_runs_a_sequence_split_pipeline_plan_within_its_peak(tmp_path, model, degree, budget,
                                                                             target):
-    """TP 2 (sequence parallel) × PP 2 and CP 2 × PP 2 on 4 gloo ranks, through the CLI as a
-    user runs it: the first step within 3% of the plan's peak (plus one activation gloo may hold
-    late), the later ones below it. The first step peaks highest (the window that builds the
+    """TP 2 (sequence parallel, with and without loss parallel) × PP 2 and CP 2 × PP 2 on 4 gloo
+    ranks, through the CLI as a user runs it: the first step within 3% of the plan's peak (plus
+    one activation gloo may hold late), the later ones below it. The first step peaks highest (the window that builds the
     stages): 13% above the plan before the probe counted that window too, inside the budget's
     10% headroom, so no warning said so."""
     if degree == "--cp" and not cpu_ring_available():
