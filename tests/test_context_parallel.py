@@ -5,6 +5,7 @@ gloo runs (gradients, peaks, training) are slow.
 """
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,30 @@ def test_a_torch_without_the_cpu_ring_hooks_refuses_cpu_context_parallelism_clea
     with pytest.raises(ConfigError, match="m.py: context parallelism on CPU tensors.*torch 2.14 or later"):
         with context_parallel.ring_attention(mesh, source="m.py"):
             pass
+
+
+@needs_cpu_ring
+def test_the_rings_composite_ops_count_the_same_bytes_as_the_fake_modes_own_path(one_thread, monkeypatch):
+    # Ring attention runs below autograd, so chunk, flatten and reshape reach the counting mode
+    # undecomposed; it calls their decomposition directly (memory.fake._decomposes_plainly),
+    # which must count, and replay through a modelled CUDA allocator, what the fake mode's own
+    # path does, to the byte.
+    from autotune.memory import fake
+    from autotune.memory.base import DeviceInfo
+    from autotune.memory.fake import EstimateMemoryBackend
+    from autotune.probing.api import window_trial
+
+    assert fake._decomposes_plainly(torch.ops.aten.chunk.default)
+    assert not fake._decomposes_plainly(torch.ops.aten.view.default)  # a meta kernel of its own
+    workload = _workload(cp_models.build_causal_lm, lambda n: cp_models.make_causal_lm_batch(n, 64))
+    h100 = DeviceInfo(kind="cuda", name="NVIDIA H100 80GB HBM3", budget_bytes=80 << 30)
+
+    def measured():
+        cuda = window_trial(workload, EstimateMemoryBackend(80 << 30, for_cuda=True, target=h100),
+                            micro_batch=2, window=2, precision="bf16", checkpointing="on",
+                            sharding="fsdp", world_size=4, parallel=Layout(cp=2))
+        return _estimate(workload, [2, 4], world_size=2, cp=2), dataclasses.replace(cuda, seconds=0.0)
+
+    fast = measured()
+    monkeypatch.setattr(fake, "_decomposes_plainly", lambda func: False)
+    assert measured() == fast
