@@ -80,7 +80,7 @@ def watch_trials(run_trial, progress: tqdm, *, fake: bool):
         if lines_shown():
             write(f"{progress.desc}: trying micro-batch {n} ({where})")
         trial = run_trial(n)
-        verdict = "fits" if trial.fits else "out of memory"
+        verdict = trial.verdict
         progress.set_postfix_str(f"micro-batch {n}: {verdict}, peak {format_bytes(trial.peak_bytes)} "
                                  f"({where})", refresh=False)
         progress.update(1)

@@ -617,7 +617,7 @@ def test_a_screen_that_runs_out_of_memory_says_what_it_needs_or_held(examples_di
     assert why.startswith("micro-batch 1024 runs out of memory (needs at least ")
     # A modelled CUDA allocator fails an allocation with less than the budget reserved (a 31 GiB
     # logits tensor failed at 49.56 GiB of 78.71): that is what was in use, no peak.
-    failed = SimpleNamespace(fits=False, peak_bytes=30_000_000, reserved_peak_bytes=30_000_000)
+    failed = SimpleNamespace(fits=False, peak_bytes=30_000_000, reserved_peak_bytes=30_000_000, past_limit=None)
     monkeypatch.setattr(layout_search, "window_trial", lambda *args, **kwargs: failed)
     assert _screen(examples_dir / "mlp.py", planner, Layout(), True, micro_batch=1024) == (
         f"micro-batch 1024, every block checkpointed runs out of memory (with {format_bytes(30_000_000)} "
@@ -627,6 +627,12 @@ def test_a_screen_that_runs_out_of_memory_says_what_it_needs_or_held(examples_di
     assert _screen(examples_dir / "mlp.py", planner, Layout(), True, micro_batch=1024) == (
         f"micro-batch 1024, every block checkpointed runs out of memory (needs at least "
         f"{format_bytes(54_743_240)})")
+    # Ruled out by its tensors alone past the limit the screen plans within (the budget less the
+    # headroom), below the budget: what the tensors held, a lower bound.
+    failed.peak_bytes, failed.past_limit = 35_000_000, 32_000_000
+    assert _screen(examples_dir / "mlp.py", planner, Layout(), True, micro_batch=1024) == (
+        f"at least {format_bytes(35_000_000)} at micro-batch 1024, every block checkpointed, past "
+        f"the {format_bytes(40_000_000)} the headroom leaves")
     monkeypatch.undo()
     planner.backend, planner.usable = EstimateMemoryBackend(None), 50_000_000
     assert _screen(examples_dir / "mlp.py", planner, Layout(), False, micro_batch=1024) == (
@@ -642,13 +648,14 @@ def test_a_screen_runs_the_window_the_probe_runs_at_its_micro_batch(monkeypatch)
 
     asked = []
     monkeypatch.setattr(layout_search, "window_trial", lambda *a, **kw: asked.append(kw) or SimpleNamespace(
-        fits=True, peak_bytes=1, reserved_peak_bytes=1))
+        fits=True, peak_bytes=1, reserved_peak_bytes=1, past_limit=None))
     planner = SimpleNamespace(backend=None, options=SimpleNamespace(sharding="auto"), chosen="bf16",
                               world_size=8, usable=10, request=SimpleNamespace(share=8))
     for layout, n in ((Layout(tp=2), 2), (Layout(tp=2), 8), (Layout(cp=2), 3), (Layout(pp=2), 1)):
         assert layout_search._screen(None, planner, layout, True, micro_batch=n) is None
     assert [(kw["micro_batch"], kw["window"]) for kw in asked] == [(2, 4), (8, 1), (3, 3), (1, 2)]
     assert all(kw["reduce_every_micro_step"] and kw["sharding"] == "fsdp" for kw in asked)
+    assert all(kw["limit"] == planner.usable for kw in asked)  # what a plan of it may hold
 
 
 def test_steps_to_win_counts_the_tie_only_where_the_tie_breaks_could_pick_the_layout():

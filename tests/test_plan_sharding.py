@@ -254,3 +254,29 @@ def test_under_torchrun_every_rank_measures_real_fsdp2(examples_dir, tmp_path):
     chosen = planned.chosen_setting
     assert not any("fake tensors" in note for note in chosen.probe.notes)  # measured, not estimated
     assert "one rank of 2 under fsdp" in chosen.probe.notes[0]
+
+
+def test_a_sync_on_last_window_ruled_out_by_its_tensors_says_what_they_held():
+    # The planner estimates holding the unsharded gradients until the last micro-step within the
+    # budget less the headroom; where the estimate stopped at its tensors (a lower bound), the
+    # plan reduce-scatters every micro-step and says the window holds at least that much.
+    from autotune.planning.policy import SyncOnLast
+
+    request = PlanRequest(target_batch=64, world_size=4, checkpointing="off", headroom=0.0,
+                          sharding="fsdp")
+    sharded = _sharded(8, 4)
+
+    def planned(on_last):
+        return build_plan(request, workload=fingerprint(), settings=[sharded], device=device(),
+                          versions={"autotune": "0.1.0", "torch": "2.x", "cuda": None},
+                          sync_on_last=on_last)
+
+    ruled_out = planned(SyncOnLast(micro_batch=8, steps=2, peak_bytes=None, at_least_bytes=1200 * MiB,
+                                   held_gradient_bytes=300 * MiB))
+    assert ruled_out.reduce_every_micro_step is True and ruled_out.micro_batches == [8, 8]
+    assert ruled_out.reasons["gradient_sync"].startswith(
+        "every micro-step: holding this rank's unsharded gradients until the last micro-step "
+        "(300.00 MiB of unsharded gradients) holds at least 1.17 GiB of tensors, past the "
+        "1000.00 MiB the headroom leaves; reduce-scattering every micro-step")
+    fits = planned(SyncOnLast(micro_batch=8, steps=2, peak_bytes=500 * MiB, held_gradient_bytes=300 * MiB))
+    assert fits.reduce_every_micro_step is False and fits.predicted_peak_bytes == 500 * MiB

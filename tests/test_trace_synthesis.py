@@ -2,6 +2,7 @@
 the whole model and replayed (autotune/probing/trace_synthesis.py, ``SynthesizedTrialsSession``):
 the same reserved and tensor peaks as the full build, to the byte."""
 
+import dataclasses
 import pathlib
 
 import pytest
@@ -242,20 +243,26 @@ def test_a_model_whose_small_builds_cost_about_as_much_runs_the_full_build(monke
     assert made and "do not repeat in three small builds that cost less" in made[0]
 
 
-@pytest.mark.slow
-def test_a_trial_the_tensors_rule_out_sets_up_no_third_build(monkeypatch):
-    # Under a budget, the first two traced builds' tensors, extended (the tensor floor), rule a
-    # trial out before the third is set up: 16 samples without checkpointing hold 4.2 GiB of
-    # tensors, past 3000 MiB; with it 2.0 GiB, and 2.5 GiB reserved.
-    built = []
+@pytest.fixture
+def built(monkeypatch):
+    """The sizes of the traced small builds set up, in order."""
+    sizes = []
     original = affine_blocks.FewBlocksSession._child
 
     def child(self, size):
         if self._traced and size not in self._children:
-            built.append(size)
+            sizes.append(size)
         return original(self, size)
 
     monkeypatch.setattr(affine_blocks.FewBlocksSession, "_child", child)
+    return sizes
+
+
+@pytest.mark.slow
+def test_a_trial_the_tensors_rule_out_sets_up_no_third_build(built):
+    # Under a budget, the first two traced builds' tensors, extended (the tensor floor), rule a
+    # trial out before the third is set up: 16 samples without checkpointing hold 4.2 GiB of
+    # tensors, past 3000 MiB; with it 2.0 GiB, and 2.5 GiB reserved.
     with synthesized_traces(max_share=None):
         off = _estimate([16], dict(checkpointing="off", **FSDP8), budget=3000 * MiB)
         assert off[16][0] is False and sorted(built) == [4, 5]
@@ -336,3 +343,68 @@ def test_small_builds_synthesize_up_to_half_the_models_blocks():
     assert not synthesizable(32, 16)
     assert not synthesizable(12, "on")
     assert synthesizable(80, "on") and synthesizable(126, "on")  # 70B, 405B
+
+
+@pytest.mark.slow
+def test_a_trial_past_the_planners_limit_stops_at_its_tensor_floor(built):
+    # Micro-batch 16, every block checkpointed, FSDP 8 under 3000 MiB: about 2.0 GiB of tensors
+    # and 2.5 GiB reserved, so it fits the budget. Where the caller plans within a limit below
+    # its tensors (a budget less the headroom), the first two builds' floor rules it out: no
+    # third build, the floor as its peak, marked past that limit. A limit between the tensors
+    # and the reserved peak rules nothing out (only the replay knows the reserved bytes).
+    from autotune.probing.api import window_trial
+
+
+    def trial(limit, backend=None):
+        built.clear()
+        backend = backend or EstimateMemoryBackend(3000 * MiB, for_cuda=True, target=_h100(3000 * MiB))
+        return window_trial(MODEL, backend, micro_batch=16, window=1, precision="bf16",
+                            checkpointing="on", limit=limit, **FSDP8)
+
+    with synthesized_traces(max_share=None):
+        whole = trial(None)
+        assert whole.fits and whole.past_limit is None and sorted(built) == [4, 5, 6]
+        tensors, reserved = whole.allocated_peak_bytes, whole.peak_bytes
+        assert tensors < reserved <= 3000 * MiB
+        below = trial(tensors - MiB)
+        assert sorted(built) == [4, 5]
+        assert not below.fits and below.past_limit == tensors - MiB
+        assert tensors - MiB < below.peak_bytes <= tensors  # the floor, less the cuBLAS workspaces
+        between = trial((tensors + reserved) // 2)
+        assert sorted(built) == [4, 5, 6] and between == dataclasses.replace(whole, seconds=between.seconds)
+
+        # A planner's memo answers a trial ruled out past a limit only within that limit or less.
+        planner = EstimateMemoryBackend(3000 * MiB, for_cuda=True, target=_h100(3000 * MiB))
+        planner.trials_memo = {}
+        ruled_out = trial(tensors - MiB, planner)
+        assert (ruled_out.fits, ruled_out.peak_bytes, ruled_out.past_limit) == (False, below.peak_bytes, tensors - MiB)
+        assert trial(tensors - 2 * MiB, planner).past_limit == tensors - MiB and built == []
+        assert trial(None, planner).fits and sorted(built) == [4, 5, 6]
+        assert trial(tensors - MiB, planner).fits and built == []  # the whole answer, remembered
+
+
+
+@pytest.mark.slow
+def test_the_probe_plans_within_its_limit_above_micro_batch_1(built):
+    # A planner's probe passes its limit (the budget less the headroom): a trial above
+    # micro-batch 1 whose tensors pass it stops at the floor, as good as out of memory to the
+    # search, whose answer is then the largest within the limit; at micro-batch 1 the trial runs
+    # to its answer, so that a model that fits nowhere is told by what it needs.
+    from autotune.probing.api import probe
+
+    def probed(limit, checkpointing="on"):
+        built.clear()
+        backend = EstimateMemoryBackend(3000 * MiB, for_cuda=True, target=_h100(3000 * MiB))
+        with synthesized_traces(max_share=None):
+            return probe(MODEL, backend=backend, precision="bf16", checkpointing=checkpointing,
+                         max_micro_batch=16, share=16, limit=limit, explain=False, **FSDP8)
+
+    free = probed(None)
+    assert free.max_micro_batch == 16 and free.trials[0].fits  # one step of the whole share
+    tensors = free.trials[0].allocated_peak_bytes
+    held = probed(tensors - MiB)
+    first = held.trials[0]
+    assert (first.micro_batch, first.fits, first.past_limit) == (16, False, tensors - MiB)
+    assert all(t.fits and t.peak_bytes <= tensors - MiB for t in held.trials if t.micro_batch == held.max_micro_batch)
+    assert all(t.past_limit is None for t in held.trials if t.micro_batch == 1)
+    assert 1 <= held.max_micro_batch < 16

@@ -50,7 +50,8 @@ def format_cuda_estimate(source, device: str, peaks: dict, *, outside: int | Non
 
 def format_probe(result, source: str = "") -> str:
     info = result.device
-    rows = [[i + 1, t.micro_batch, "yes" if t.fits else "OOM", format_bytes(t.peak_bytes),
+    rows = [[i + 1, t.micro_batch, "yes" if t.fits else "OOM" if t.past_limit is None else "past limit",
+             format_bytes(t.peak_bytes),
              f"{t.seconds:.2f}"] for i, t in enumerate(result.trials)]
     headers = ["trial", "micro-batch", "fits", "peak", "seconds"]
     if any(t.allocated_peak_bytes is not None for t in result.trials):

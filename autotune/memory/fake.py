@@ -97,10 +97,23 @@ class EstimateMemoryBackend(CPUMemoryBackend):
                 # Taken at the first matmul and kept: they are in every step's reserved memory.
                 self.allocator.malloc(("cublas workspace", index), nbytes)
         self._trial_reserved = self._trial_tensors = 0
+        self.limit_bytes: int | None = None
+        """Where set (``limited``), what the caller plans within (a budget less its headroom):
+        a trial whose tensors alone pass it may stop before its last small build, answered as not
+        fitting (``Trial.past_limit``)."""
         self.trials_memo: dict | None = None
         """Where set (a dict: a --gpu planner's backend, one workload), the CUDA estimates' fresh
         trials (``probing.fresh_trials``) run on this backend's copies keep their answers here by
         setting, and one asked again is not run again."""
+
+    @contextlib.contextmanager
+    def limited(self, limit: int | None):
+        """Inside, trials may stop once their tensors pass ``limit`` (see ``limit_bytes``)."""
+        saved, self.limit_bytes = self.limit_bytes, limit
+        try:
+            yield self
+        finally:
+            self.limit_bytes = saved
 
     def fresh(self) -> "EstimateMemoryBackend":
         """A backend like this one (its target, the budget in force, offload, the allocator's

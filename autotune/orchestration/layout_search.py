@@ -184,12 +184,16 @@ def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch
     trial = window_trial(workload, planner.backend, micro_batch=micro_batch, window=window,
                          precision=planner.chosen, checkpointing="on" if checkpointable else "off",
                          sharding="fsdp" if sharding == "auto" else sharding,
-                         world_size=planner.world_size, parallel=layout, reduce_every_micro_step=True)
+                         world_size=planner.world_size, parallel=layout, reduce_every_micro_step=True,
+                         limit=planner.usable)
     least = f"micro-batch {micro_batch}" + (", every block checkpointed" if checkpointable else "")
     if trial is None:
         return f"parameters and optimizer state alone pass the budget ({least} screened)"
     # A --gpu estimate's budget holds the modelled reserved memory, not only the tensors.
     peak = getattr(trial, "reserved_peak_bytes", None) or trial.peak_bytes
+    if trial.past_limit is not None:  # its tensors alone: reserved memory holds more
+        return (f"at least {format_bytes(peak)} at {least}, past the "
+                f"{format_bytes(planner.usable)} the headroom leaves")
     if not trial.fits:
         # An out-of-memory step stops where an allocation fails, holding less than the budget;
         # a tensor floor's (affine_blocks) counts the whole step's tensors, more than the budget.

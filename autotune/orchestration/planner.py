@@ -459,7 +459,8 @@ class _Planner:
         # micro-batches, not all, so the plan stated a peak below its own window's.
         key = (planned.label(), str(planned.sharding), planned.shard_group)
         if key not in self.sync_estimates:
-            self.sync_estimates[key] = _sync_on_last(self.workload, self.backend, planned, self.world_size)
+            self.sync_estimates[key] = _sync_on_last(self.workload, self.backend, planned, self.world_size,
+                                                     limit=self.usable)
         return made(self.sync_estimates[key])
 
 
@@ -693,13 +694,15 @@ def _modelled_allocator(backend) -> bool:
 
 
 
-def _sync_on_last(workload, backend, planned: Plan, world_size: int) -> SyncOnLast | None:
+def _sync_on_last(workload, backend, planned: Plan, world_size: int, *, limit: int) -> SyncOnLast | None:
     """The plan's window with gradient sync on its last micro-step only (None: no estimate).
 
     A first micro-step at 1 (it leaves the same unsharded gradients), the largest micro-batch
     with sync off (no smaller than any micro-step before the last, and with every gradient alive
     at least what the real first one holds) and, with three or more, the last as it is planned
-    (sync on, reduce-scattering while the unsharded gradients are held)."""
+    (sync on, reduce-scattering while the unsharded gradients are held). ``limit``: what the plan
+    holds at most (a sharded plan's budget less the headroom: no DDP buckets); a window whose
+    tensors alone pass it stops there (``SyncOnLast.at_least_bytes``)."""
     split = planned.micro_batches
     sizes = [1, max(split)] + ([split[-1]] if len(split) >= 3 else [])
     try:
@@ -708,11 +711,12 @@ def _sync_on_last(workload, backend, planned: Plan, world_size: int) -> SyncOnLa
                              checkpointing=planned.checkpointing, sharding=planned.sharding,
                              world_size=world_size, shard_group=planned.shard_group,
                              reduce_every_micro_step=False, micro_batches=sizes,
-                             parallel=planned.parallel)
+                             parallel=planned.parallel, limit=limit)
     except EstimateUnavailable:
         return None
     return SyncOnLast(micro_batch=planned.micro_batch, steps=planned.accumulation_steps,
                       peak_bytes=trial.peak_bytes if trial is not None and trial.fits else None,
+                      at_least_bytes=trial.peak_bytes if trial is not None and trial.past_limit else None,
                       held_gradient_bytes=trial.held_gradient_bytes if trial is not None else None,
                       allocated_peak_bytes=trial.allocated_peak_bytes if trial is not None else None)
 

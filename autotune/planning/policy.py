@@ -512,9 +512,11 @@ def _fewest_blocks_reason(setting: SettingTried, split: list[int],
         return None
     blocks, total = setting.blocks, probe.total_blocks
     steps = "one step" if len(split) == 1 else f"{len(split)} steps"
-    found = ("ran out of memory" if not fewer.fits else
-             f"peaked at {format_bytes(fewer.peak_bytes)}, past the "
-             f"{format_bytes(usable_bytes(probe.budget_bytes, request.headroom))} the headroom leaves")
+    usable = format_bytes(usable_bytes(probe.budget_bytes, request.headroom))
+    found = (f"held at least {format_bytes(fewer.peak_bytes)} of tensors, past the {usable} the "
+             f"headroom leaves" if fewer.past_limit is not None else
+             "ran out of memory" if not fewer.fits else
+             f"peaked at {format_bytes(fewer.peak_bytes)}, past the {usable} the headroom leaves")
     reach = f"checkpointing {blocks} of {total} blocks reaches micro-batch {max(split)} in {steps}"
     needed = f"all {total} were not needed" if blocks < total else f"all {total} are needed"
     return reach, f"{needed}: a trial with {blocks - 1} {found}"
@@ -645,7 +647,10 @@ class SyncOnLast:
     steps: int
     """The accumulation steps it was estimated for."""
     peak_bytes: int | None
-    """The window's peak (None: it ran out of memory)."""
+    """The window's peak (None: it ran out of memory, or passed ``at_least_bytes``)."""
+    at_least_bytes: int | None = None
+    """Where its tensors alone passed the budget less the headroom, what they held (the estimate
+    stopped there: ``Trial.past_limit``)."""
     held_gradient_bytes: int | None = None
     """The unsharded gradients held between micro-steps."""
     allocated_peak_bytes: int | None = None
@@ -792,7 +797,9 @@ def _gradient_sync(setting: SettingTried, split: list[int], peak: int, on_last: 
                              f"the window{held} peaks at {format_bytes(last)}, within the "
                              f"{format_bytes(usable)} the headroom leaves, with one reduce-scatter "
                              f"per optimizer step instead of {steps}; {every}")
-    past = ("runs out of memory" if on_last.peak_bytes is None else
+    past = (f"holds at least {format_bytes(on_last.at_least_bytes + extra)} of tensors, past the "
+            f"{format_bytes(usable)} the headroom leaves" if on_last.at_least_bytes is not None else
+            "runs out of memory" if on_last.peak_bytes is None else
             f"peaks at {format_bytes(on_last.peak_bytes + extra)}, past the {format_bytes(usable)} "
             f"the headroom leaves")
     return True, peak, (f"every micro-step: holding this rank's unsharded gradients until the last "

@@ -133,11 +133,15 @@ def probe(
                         reduce_every_micro_step=reduce_every_micro_step, parallel=parallel) as session:
 
         def run_trial(n: int) -> Trial:
-            return session.run(n, window=window_steps(n, share))
+            # Past the limit, a micro-batch above 1 is as good as out of memory to the search
+            # (the largest within the limit is its answer); at 1 the probe reports what fits.
+            with _planning_within(backend, limit if n > 1 else None):
+                return session.run(n, window=window_steps(n, share))
 
         def known(n: int) -> bool:  # a fake-tensor session's memo answers it
             knows = getattr(session, "knows", None)
-            return knows is not None and knows(n, window=window_steps(n, share))
+            with _planning_within(backend, limit if n > 1 else None):
+                return knows is not None and knows(n, window=window_steps(n, share))
 
         try:
             with limits(), session, progress.bar(f"probe {setting}", unit=" trial") as shown:
@@ -232,17 +236,27 @@ def _layout_backend(backend: MemoryBackend, sharding: Sharding, parallel=None) -
     return backend
 
 
+def _planning_within(backend, limit: int | None):
+    """An estimate's trials inside may stop once their tensors pass ``limit``
+    (``EstimateMemoryBackend.limit_bytes``); real trials run to their answer."""
+    limited = getattr(backend, "limited", None)
+    return limited(limit) if limited is not None else contextlib.nullcontext()
+
+
 def window_trial(workload, backend: MemoryBackend, *, micro_batch: int, window: int, precision,
                  checkpointing, sharding="ddp", world_size: int = 1, shard_group: int | None = None,
                  reduce_every_micro_step: bool = False,
-                 micro_batches: list[int] | None = None, parallel=None) -> Trial | None:
+                 micro_batches: list[int] | None = None, parallel=None,
+                 limit: int | None = None) -> Trial | None:
     """One trial of a plan's optimizer step: a window of ``window`` accumulation steps at most
     ``micro_batch`` each (see ``TrialSession.window_micro_batches``), in the layout the probe
     would run it in; None when parameters and optimizer state alone do not fit.
 
     The planner runs it for a sharded plan with accumulation, whose probe reduce-scattered
     every micro-step, to estimate holding the unsharded gradients until the last instead.
-    ``micro_batches``: run exactly these micro-steps (``TrialSession.run``)."""
+    ``micro_batches``: run exactly these micro-steps (``TrialSession.run``). ``limit``: what the
+    caller plans within (a budget less its headroom): an estimate past it may stop early
+    (``Trial.past_limit``)."""
     workload = load_workload(workload)
     precision = Precision.parse(precision)
     sharding = Sharding.parse(sharding)
@@ -256,7 +270,7 @@ def window_trial(workload, backend: MemoryBackend, *, micro_batch: int, window: 
                         sharding=sharding, world_size=world_size, shard_group=shard_group,
                         reduce_every_micro_step=reduce_every_micro_step, parallel=parallel) as session:
         try:
-            with limits, session:
+            with limits, session, _planning_within(backend, limit):
                 return session.run(micro_batch, window=window, micro_batches=micro_batches)
         except SetupOutOfMemory:
             return None

@@ -86,7 +86,7 @@ class FreshTrialsSession:
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None):
         memo = self.backend.trials_memo
         key = self._memo_key(n, window, micro_batches) if memo is not None else None
-        if memo is not None and key in memo:
+        if memo is not None and self._answers(memo.get(key)):
             # The same step on a fresh build: the same answer, to the byte.
             return dataclasses.replace(memo[key])
         trial = self._fresh_trial(n, window, micro_batches)
@@ -98,7 +98,15 @@ class FreshTrialsSession:
     def knows(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None) -> bool:
         """Whether ``run`` answers this trial from the memo, without running it."""
         memo = self.backend.trials_memo
-        return memo is not None and self._memo_key(n, window, micro_batches) in memo
+        return memo is not None and self._answers(memo.get(self._memo_key(n, window, micro_batches)))
+
+    def _answers(self, trial) -> bool:
+        """Whether a remembered trial answers now: one ruled out past a limit (``Trial.past_limit``)
+        only while the backend plans within that limit or less."""
+        if trial is None:
+            return False
+        limit = getattr(self.backend, "limit_bytes", None)
+        return trial.past_limit is None or (limit is not None and limit <= trial.past_limit)
 
     def _fresh_trial(self, n: int, window: int, micro_batches):
         """One trial on a session of its own: the full build's."""

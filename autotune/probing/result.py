@@ -62,10 +62,20 @@ class Trial:
     """A window trial: the gradient bytes the first micro-step left alive for the others (this
     rank's local gradients; FSDP2's unsharded ones with sync off, sharded ones when it
     reduce-scatters every micro-step)."""
+    past_limit: int | None = None
+    """An estimate's trial ruled out by its tensors alone passing this limit (the caller's: a
+    plan's budget less its headroom) before its last small build, where the budget itself may
+    hold it: ``fits`` is False and ``peak_bytes`` the tensors' peak, a lower bound of the
+    reserved peak (``FewBlocksSession._tensor_floor``). None: the trial ran to its answer."""
     first_in_session: bool | None = None
     """A CUDA estimate's trial that ran on a build and modelled allocator of its own, as a run's
     first step does (``TensorFloorSession``); None: its session's history is its place in the
     probe's trials."""
+
+    @property
+    def verdict(self) -> str:
+        """"fits", "out of memory", or "past the limit" (``past_limit``)."""
+        return "fits" if self.fits else "out of memory" if self.past_limit is None else "past the limit"
 
     @property
     def window(self) -> bool:

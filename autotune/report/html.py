@@ -144,7 +144,7 @@ def plan_html(plan) -> str:
 
 
 def probe_html(probe) -> str:
-    rows = [[t.micro_batch, "yes" if t.fits else "out of memory", format_bytes(t.peak_bytes),
+    rows = [[t.micro_batch, "yes" if t.fits else t.verdict, format_bytes(t.peak_bytes),
              f"{t.seconds:.2f}"] for t in probe.trials]
     facts = [("largest micro-batch that fits", f"{probe.max_micro_batch}"
               + (" (the upper bound asked for)" if probe.capped else "")),
