@@ -343,9 +343,10 @@ def format_metrics(runs: dict[str, list[dict]]) -> str:
     return table(["metrics", "steps", "first loss", "last loss", "last peak"], rows, align="lrrrr")
 
 
-def format_step_times(predictions: dict, *, as_json: bool = False) -> str:
+def format_step_times(predictions: dict, *, as_json: bool = False, layout: str | None = None) -> str:
     """``predict_step_time``'s answer: per micro-batch the step's compute time, its parts, FLOPs
-    and bytes moved (``as_json``: the same numbers as JSON)."""
+    and bytes moved (``as_json``: the same numbers as JSON); ``layout``: the model-parallel layout
+    (its description) whose rank was counted."""
     import json
 
     if as_json:
@@ -358,6 +359,8 @@ def format_step_times(predictions: dict, *, as_json: bool = False) -> str:
              f"{p.costs.total_flops / 1e9:.3f}", format_bytes(int(p.costs.total_bytes)),
              str(p.costs.op_count)] for n, p in predictions.items()]
     device = next(iter(predictions.values())).device if predictions else ""
-    return (f"predicted compute time of one training step on {device} (no communication):\n"
+    rank = (f"one rank of {layout}; no communication, no pipeline bubble" if layout
+            else "no communication")
+    return (f"predicted compute time of one training step on {device} ({rank}):\n"
             + table(["micro-batch", "step ms", *(f"{k} ms" for k in parts), "GFLOP", "moved", "ops"],
                     rows))

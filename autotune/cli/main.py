@@ -617,9 +617,6 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
     from .format import format_cuda_estimate
 
     parallel = parse_layout(**parallel)
-    if not parallel.trivial and step_time:
-        raise click.UsageError(f"--time predicts data-parallel layouts only; drop --time or "
-                               f"{parallel.describe_degrees()}")
 
     if cuda_name is not None:
         if gpu is not None:
@@ -645,8 +642,9 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
             predictions = predict_step_time(model_file, list(micro_batches), precision=precision.lower(),
                                             checkpointing=checkpointing, sharding=sharding,
                                             world_size=world_size, shard_group=shard_group, gpu=gpu,
-                                            speed=speed)
-        click.echo(format_step_times(predictions, as_json=as_json))
+                                            speed=speed, parallel=None if parallel.trivial else parallel)
+        layout = None if parallel.trivial else parallel.describe(world_size, sharding.upper())
+        click.echo(format_step_times(predictions, as_json=as_json, layout=layout))
         return
 
     if cuda_name is not None or gpu is not None:

@@ -23,7 +23,8 @@ class StepTimePrediction:
 
 def predict_step_time(workload, micro_batches, *, precision="fp32", checkpointing=False,
                       sharding="ddp", world_size: int = 1, shard_group: int | None = None,
-                      gpu=None, speed: DeviceSpeed | None = None) -> dict[int, StepTimePrediction]:
+                      gpu=None, speed: DeviceSpeed | None = None,
+                      parallel=None) -> dict[int, StepTimePrediction]:
     """Predicted compute time of one steady-state training step at each micro-batch (an int or
     several), counted on fake tensors (as ``estimate_peak``, same arguments) and timed by a
     roofline: on ``gpu`` (a profile name, path or ``GPUProfile``), on ``speed``, or else on this
@@ -31,7 +32,9 @@ def predict_step_time(workload, micro_batches, *, precision="fp32", checkpointin
     (``roofline.window_time``): with ``speed``'s loop costs where it has them ("loop" in the
     breakdown; ``tuning.loop_cost.cpu_speed_with_loop()`` measures this CPU's, as ``autotune
     estimate --time`` does). On a GPU the step is counted as that device runs it (optimizers left
-    to choose on their foreach path). Communication is not included."""
+    to choose on their foreach path). Communication is not included. ``parallel``: one rank's
+    step under that model-parallel ``Layout`` (its DTensor ops on the rank's local shards; under
+    a pipeline, the stage with the most work, per micro-batch, its bubble not included)."""
     if isinstance(micro_batches, int):
         micro_batches = [micro_batches]
     if speed is None:
@@ -44,7 +47,7 @@ def predict_step_time(workload, micro_batches, *, precision="fp32", checkpointin
     costs = count_steps_costs(workload, micro_batches, precision=precision,
                               checkpointing=checkpointing, sharding=sharding,
                               world_size=world_size, shard_group=shard_group,
-                              for_gpu=speed.name if speed.cuda else None)
+                              for_gpu=speed.name if speed.cuda else None, parallel=parallel)
     predictions = {}
     for n, cost in costs.items():
         parts = window_time(cost, speed, 1, precision)
