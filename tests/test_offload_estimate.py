@@ -38,20 +38,20 @@ def test_offload_leaves_the_resident_state_in_host_memory(examples_dir, one_thre
 def test_offload_device_estimate_counts_the_uploaded_shards(examples_dir, one_thread):
     # FSDP2 copies each host shard to the device before the all-gather: on fake CPU tensors that
     # copy is a no-op, and the estimate adds it where it lives (beside the all-gather output).
-    from autotune.memory.fake import _HostDeviceTracker
+    from autotune.memory.cpu import HostDeviceTracker
 
     counted = []
-    real = _HostDeviceTracker.count_transient
+    real = HostDeviceTracker.count_transient
 
     def spy(self, nbytes):
         counted.append(nbytes)
         return real(self, nbytes)
 
-    _HostDeviceTracker.count_transient = spy
+    HostDeviceTracker.count_transient = spy
     try:
         estimate_peaks(examples_dir / "mlp.py", [1], sharding="fsdp-offload", world_size=4)
     finally:
-        _HostDeviceTracker.count_transient = real
+        HostDeviceTracker.count_transient = real
     # One upload per block all-gather (forward and backward), each a quarter of a layer or so.
     assert counted and max(counted) <= (1024 * 1024 + 1024) * 4 / 4 + 64
 

@@ -99,3 +99,19 @@ def test_cli_nothing_fits_here_still_reports(plan_file):
     result = run("verify", plan_file, "--device", "cpu", "--memory-limit", "20MiB", "--steps", 1)
     assert result.exit_code == 1
     assert "out of memory" in result.output and "re-plan failed" in result.output
+
+
+def test_an_offloaded_plan_is_measured_on_the_cpu_as_it_was_planned():
+    # fsdp-offload keeps the shards, their gradients and the optimizer state and step in host
+    # memory, which on the CPU is the same memory as the "device": verify leaves it out of the
+    # device's peak as the plan's estimate and the training loop's meter do. It measured all of
+    # it before (27.0 MB against the plan's 21.4 on tiny_lm, world 2).
+    lm = EXAMPLES / "tiny_lm.py"
+    plan = autotune.plan(lm, target_batch=8, world_size=2, sharding="fsdp-offload", memory_limit="40MiB",
+                         device="cpu", precision="fp32", checkpointing="off")
+    result = verify_plan(plan, device="cpu", steps=1, replan=False)
+    assert result.confirmed and result.error_bytes == 0
+    # The same window without offload holds the shards on the device: more.
+    fsdp = autotune.plan(lm, target_batch=8, world_size=2, sharding="fsdp", memory_limit="40MiB",
+                         device="cpu", precision="fp32", checkpointing="off", micro_batch=plan.micro_batch)
+    assert verify_plan(fsdp, device="cpu", steps=1, replan=False).measured_peak_bytes > result.measured_peak_bytes

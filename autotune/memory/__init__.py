@@ -30,11 +30,13 @@ def resolve_device(device=None) -> torch.device:
     return resolved
 
 
-def backend_for(device=None, memory_limit=None) -> MemoryBackend:
+def backend_for(device=None, memory_limit=None, *, offload: bool = False) -> MemoryBackend:
+    """The memory backend of ``device``; ``offload`` (fsdp-offload): on the CPU, the host memory
+    FSDP2 keeps is counted apart from the "device's", as on CUDA it is not the device's."""
     resolved = resolve_device(device)
     if resolved.type == "cuda":
         return CUDAMemoryBackend(resolved.index, memory_limit=memory_limit)
-    return CPUMemoryBackend(memory_limit=memory_limit)
+    return CPUMemoryBackend(memory_limit=memory_limit, offload=offload)
 
 
 __all__ = [

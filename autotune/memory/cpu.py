@@ -257,10 +257,76 @@ def counting(tracker: StorageTracker):
         yield
 
 
+class HostDeviceTracker(StorageTracker):
+    """A tracker for fsdp-offload's device: ``current``, ``peak`` and the budget are the device's;
+    storages moved to the host (``move_to_host``) or made inside ``on_host()`` are counted apart,
+    in ``host_current`` and ``host_peak``.
+
+    On fake CPU tensors, and on real ones where the device is the CPU, FSDP2's copies between
+    host and device are no-ops (the same tensor comes back), so where the data lives is told from
+    what FSDP2 does with it (see
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` and ``_fsdp_collectives.py``): the
+    sharded parameters and their gradients are host tensors, the optimizer steps on the host,
+    and everything else of the step (gathered parameters, collective buffers, activations,
+    unsharded gradients, the batch, module buffers) is on the device.
+    """
+
+    def __init__(self, budget_bytes: int | None = None):
+        super().__init__(budget_bytes)
+        self._host: dict[int, int] = {}
+        self._making_host = False
+        self.host_current = 0
+        self.host_peak = 0
+
+    @contextlib.contextmanager
+    def on_host(self):
+        saved, self._making_host = self._making_host, True
+        try:
+            yield
+        finally:
+            self._making_host = saved
+
+    def add_storage(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._host or (self._making_host and key not in self._live):
+            self._count_on_host(storage)
+        else:
+            super().add_storage(storage)
+
+    def move_to_host(self, tensor: torch.Tensor) -> None:
+        """The tensor's storage leaves the device for the host (FSDP2's device-to-host copy of a
+        sharded gradient, the offloaded shards): freed on the device, held on the host."""
+        if hasattr(tensor, "to_local"):  # a DTensor: its local shard holds the storage
+            tensor = tensor.to_local()
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._host:
+            return
+        self.current -= self._live.pop(key, 0)
+        if self.allocator is not None:
+            self.allocator.free(key)
+        self._count_on_host(storage)
+
+    def _count_on_host(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key not in self._watch:
+            self._watch[key] = weakref.ref(storage, functools.partial(self._forget, key))
+        self.host_current += nbytes - self._host.get(key, 0)
+        self._host[key] = nbytes
+        self.host_peak = max(self.host_peak, self.host_current)
+
+    def _forget(self, key: int, _ref=None) -> None:
+        if key in self._host:
+            self._watch.pop(key, None)
+            self.host_current -= self._host.pop(key)
+        else:
+            super()._forget(key, _ref)
+
+
 class CPUMemoryBackend(MemoryBackend):
     kind = "cpu"
 
-    def __init__(self, memory_limit=None):
+    def __init__(self, memory_limit=None, *, offload: bool = False):
         self.device = torch.device("cpu")
         vm = psutil.virtual_memory()
         if memory_limit is not None:
@@ -282,10 +348,36 @@ class CPUMemoryBackend(MemoryBackend):
             budget_bytes=budget,
             budget_source=source,
         )
-        self.tracker = StorageTracker(budget)
+        self.offload = offload
+        """fsdp-offload: what FSDP2 keeps in host memory (the shards, their gradients, the
+        optimizer state and step), on the CPU the same memory, is counted apart, as the plan's
+        estimate and the training loop's meter count it (``HostDeviceTracker``)."""
+        self.tracker = HostDeviceTracker(budget) if offload else StorageTracker(budget)
 
     def info(self) -> DeviceInfo:
         return self._info
+
+    def offloading(self) -> "CPUMemoryBackend":
+        """This backend (its budget and what it says of the device) counting fsdp-offload's host
+        memory apart."""
+        backend = CPUMemoryBackend(self._info.budget_bytes, offload=True)
+        backend._info = self._info
+        return backend
+
+    def on_host(self):
+        return self.tracker.on_host() if self.offload else contextlib.nullcontext()
+
+    def offloaded(self, tensors) -> None:
+        if self.offload:
+            for tensor in tensors:
+                self.tracker.move_to_host(tensor)
+
+    def begin_trial(self) -> None:
+        if self.offload:
+            self.tracker.host_peak = self.tracker.host_current
+
+    def memory_picture(self) -> dict:
+        return {"host_peak_bytes": self.tracker.host_peak} if self.offload else {}
 
     @contextlib.contextmanager
     def tracking(self):

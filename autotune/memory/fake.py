@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from ..errors import ConfigError, EstimateUnavailable
 from .base import DeviceInfo
 from ..compiled import eager_module
-from .cpu import CPUMemoryBackend, StorageTracker, tracking_resizes
+from .cpu import CPUMemoryBackend, HostDeviceTracker, StorageTracker, tracking_resizes
 from .cuda_allocator import AllocatorConfig, CachingAllocatorModel, cublas_workspaces
 from .fake_build import build_fake_model
 
@@ -76,7 +76,7 @@ class EstimateMemoryBackend(CPUMemoryBackend):
         self.offload = offload
         """fsdp-offload: peaks and budget are the device's; what lives in host memory (shards,
         sharded gradients, optimizer state and step) is counted apart (``host_peak_bytes``)."""
-        self.tracker = _HostDeviceTracker(budget_bytes) if offload else StorageTracker(budget_bytes)
+        self.tracker = HostDeviceTracker(budget_bytes) if offload else StorageTracker(budget_bytes)
         self.for_cuda = for_cuda
         """Estimating for a CUDA device: optimizers take their foreach path, as they do there.
         Otherwise the collectives of a sharded step (fake process group) hold memory as gloo's do
@@ -166,17 +166,8 @@ class EstimateMemoryBackend(CPUMemoryBackend):
             self.allocator.reset_peak()
         self.tracker.reset_peak()
 
-    def on_host(self):
-        return self.tracker.on_host() if self.offload else contextlib.nullcontext()
-
-    def offloaded(self, tensors) -> None:
-        if self.offload:
-            for tensor in tensors:
-                self.tracker.move_to_host(tensor)
-
     def begin_trial(self) -> None:
-        if self.offload:
-            self.tracker.host_peak = self.tracker.host_current
+        super().begin_trial()
         if self.allocator is not None:
             # The trial's peaks start here, not with what setup and warm-up reached before.
             self._trial_reserved = self._trial_tensors = 0
@@ -184,7 +175,7 @@ class EstimateMemoryBackend(CPUMemoryBackend):
             self.tracker.reset_peak()
 
     def memory_picture(self) -> dict:
-        picture = {"host_peak_bytes": self.tracker.host_peak} if self.offload else {}
+        picture = super().memory_picture()
         if self.allocator is not None:
             picture["reserved_peak_bytes"] = max(self._trial_reserved, self.allocator.peak_reserved)
             picture["allocated_peak_bytes"] = max(self._trial_tensors, self.tracker.peak)
@@ -195,71 +186,6 @@ def is_hopper(name: str) -> bool:
     """Whether a device (or GPU profile) name is a Hopper GPU (sm90), whose cuBLAS workspace
     torch makes larger."""
     return re.search(r"\b(G?H(100|200|800)|H20)\b", name or "") is not None
-
-
-class _HostDeviceTracker(StorageTracker):
-    """A tracker for fsdp-offload's device: ``current``, ``peak`` and the budget are the device's;
-    storages moved to the host (``move_to_host``) or made inside ``on_host()`` are counted apart,
-    in ``host_current`` and ``host_peak``.
-
-    On fake CPU tensors FSDP2's copies between host and device are no-ops (the same tensor comes
-    back), so where the data lives is told from what FSDP2 does with it (see
-    ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` and ``_fsdp_collectives.py``): the
-    sharded parameters and their gradients are host tensors, the optimizer steps on the host,
-    and everything else of the step (gathered parameters, collective buffers, activations,
-    unsharded gradients, the batch, module buffers) is on the device.
-    """
-
-    def __init__(self, budget_bytes: int | None = None):
-        super().__init__(budget_bytes)
-        self._host: dict[int, int] = {}
-        self._making_host = False
-        self.host_current = 0
-        self.host_peak = 0
-
-    @contextlib.contextmanager
-    def on_host(self):
-        saved, self._making_host = self._making_host, True
-        try:
-            yield
-        finally:
-            self._making_host = saved
-
-    def add_storage(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
-        if key in self._host or (self._making_host and key not in self._live):
-            self._count_on_host(storage)
-        else:
-            super().add_storage(storage)
-
-    def move_to_host(self, tensor: torch.Tensor) -> None:
-        """The tensor's storage leaves the device for the host (FSDP2's device-to-host copy of a
-        sharded gradient, the offloaded shards): freed on the device, held on the host."""
-        if hasattr(tensor, "to_local"):  # a DTensor: its local shard holds the storage
-            tensor = tensor.to_local()
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self._host:
-            return
-        self.current -= self._live.pop(key, 0)
-        if self.allocator is not None:
-            self.allocator.free(key)
-        self._count_on_host(storage)
-
-    def _count_on_host(self, storage: torch.UntypedStorage) -> None:
-        key, nbytes = storage._cdata, storage.nbytes()
-        if key not in self._watch:
-            self._watch[key] = weakref.ref(storage, functools.partial(self._forget, key))
-        self.host_current += nbytes - self._host.get(key, 0)
-        self._host[key] = nbytes
-        self.host_peak = max(self.host_peak, self.host_current)
-
-    def _forget(self, key: int, _ref=None) -> None:
-        if key in self._host:
-            self._watch.pop(key, None)
-            self.host_current -= self._host.pop(key)
-        else:
-            super()._forget(key, _ref)
 
 
 _DEVICE_QUERY = torch.ops.prim.device.default

@@ -85,7 +85,7 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
         if workload is None and not plan.workload.source.startswith("<"):
             raise model_file_not_found(plan, plan_path)
     workload = load_planned_workload(plan, workload if workload is not None else plan.workload.source)
-    backend = backend_for(device, memory_limit)
+    backend = backend_for(device, memory_limit, offload=plan.sharding.offload)
     info = backend.info()
     budget = min(info.budget_bytes, plan.budget_bytes or info.budget_bytes)
     usable = usable_bytes(budget, plan.headroom)

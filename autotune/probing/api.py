@@ -9,7 +9,7 @@ import torch
 
 from ..compiled import compiled_note, with_compile
 from ..errors import ConfigError, ProbeError, option
-from ..memory import MemoryBackend, backend_for
+from ..memory import CPUMemoryBackend, MemoryBackend, backend_for
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from .. import progress
@@ -233,6 +233,9 @@ def _layout_backend(backend: MemoryBackend, sharding: Sharding, parallel=None) -
     if sharding.offload and isinstance(backend, EstimateMemoryBackend) and not backend.offload:
         return EstimateMemoryBackend(info.budget_bytes, for_cuda=backend.for_cuda, target=info,
                                      offload=True)
+    if sharding.offload and type(backend) is CPUMemoryBackend and not backend.offload:
+        # Real ranks on the CPU (torchrun): host memory is the same memory, counted apart.
+        return backend.offloading()
     return backend
 
 

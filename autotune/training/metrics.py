@@ -90,7 +90,7 @@ class _StepTracker(StorageTracker):
     fsdp-offload keeps the shards, their gradients and the optimizer state and step in host
     memory, which on the CPU is the same memory as the "device": what FSDP2 puts on the host
     (``to_host``) or makes inside ``on_host()`` is left out, as the plan's estimate leaves it out
-    of the device's peak (``memory.fake._HostDeviceTracker``)."""
+    of the device's peak (``memory.cpu.HostDeviceTracker``)."""
 
     def __init__(self, budget_bytes: int | None = None, *, ignored=()):
         super().__init__(budget_bytes)
