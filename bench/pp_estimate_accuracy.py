@@ -15,6 +15,7 @@ attention rings (SDPA, causal, a summed loss): examples/real/llama.py and tests'
 the largest is printed beside it.
 
     python bench/pp_estimate_accuracy.py [--micro-batches 2 4] [--window 4] [--repeats 3] [--cp]
+        [--examples tiny_lm mlp real/llama] [--layouts pp interleaved fsdp-pp]
 
 Exit status 1 when an error passes --tolerance (3%).
 """
@@ -32,8 +33,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's autotune, and
 from autotune.units import format_bytes  # noqa: E402
 from pp_plans import estimated_rank_peaks, real_pipeline_peaks  # noqa: E402
 
-LAYOUTS = [("PP 2, 1f1b", "1f1b", "ddp", 2), ("PP 2, interleaved-1f1b ×2", "interleaved-1f1b", "ddp", 2),
-           ("FSDP 2 × PP 2, 1f1b", "1f1b", "fsdp", 4)]
+LAYOUTS = {"pp": ("PP 2, 1f1b", "1f1b", "ddp", 2),
+           "interleaved": ("PP 2, interleaved-1f1b ×2", "interleaved-1f1b", "ddp", 2),
+           "fsdp-pp": ("FSDP 2 × PP 2, 1f1b", "1f1b", "fsdp", 4)}
 CP_CASES = [  # (model file, layout label, schedule, world, tp)
     (ROOT / "examples" / "real" / "llama.py", "CP 2 × PP 2, 1f1b", "1f1b", 4, 1),
     (ROOT / "tests" / "cp_causal_lm_model.py", "CP 2 × PP 2, 1f1b", "1f1b", 4, 1),
@@ -48,7 +50,10 @@ def main() -> int:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--window", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--examples", nargs="+", default=["tiny_lm", "mlp"])
+    parser.add_argument("--examples", nargs="+", default=["tiny_lm", "mlp"],
+                        help="model files under examples/, without .py (real/llama: a Hugging Face Llama)")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+                        help="interleaved needs 4 blocks (the real/ models have 2)")
     parser.add_argument("--tolerance", type=float, default=0.03)
     parser.add_argument("--cp", action="store_true", help="pipelines with context parallelism (CP_CASES)")
     args = parser.parse_args()
@@ -60,7 +65,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as out:
         for example in args.examples:
             model_file = ROOT / "examples" / f"{example}.py"
-            for label, schedule, sharding, world in LAYOUTS:
+            for label, schedule, sharding, world in (LAYOUTS[name] for name in args.layouts):
                 for n, rank, estimate, ranks in _pipeline_ranks(model_file, args, out, schedule=schedule,
                                                                  sharding=sharding, world=world):
                     peak = max(max(peaks) for peaks in ranks)
