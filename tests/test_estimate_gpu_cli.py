@@ -70,13 +70,17 @@ def test_time_counts_one_rank_of_a_model_parallel_layout():
     # --time under --tp / --pp: the compute of one rank's step (its local shards; a pipeline's
     # busiest stage per micro-batch), communication and bubble not included, as the header says.
     from autotune.distributed.layout import Layout
+    from autotune.distributed.pipeline import fake_pipeline_supported
     from autotune.timing.predict import predict_step_time
 
     lm = str(ROOT / "examples" / "tiny_lm.py")
     base = ["estimate", lm, "--micro-batch", "4", "--gpu", "h100-80gb", "--time", "--world-size", "2",
             "--sharding", "fsdp"]
     whole = json.loads(CliRunner().invoke(cli, base + ["--json"]).stdout)["4"]
-    for degrees, layout in ((["--tp", "2"], Layout(tp=2)), (["--pp", "2"], Layout(pp=2))):
+    layouts = [(["--tp", "2"], Layout(tp=2))]
+    if fake_pipeline_supported():  # torch 2.13's schedules read a tensor's value: no fake pipeline
+        layouts.append((["--pp", "2"], Layout(pp=2)))
+    for degrees, layout in layouts:
         result = CliRunner().invoke(cli, base + degrees + ["--json"])
         assert result.exit_code == 0, result.output
         answer = json.loads(result.stdout)["4"]
