@@ -7,8 +7,8 @@ import pytest
 
 from autotune.errors import ConfigError
 from autotune.gpus.catalog import load_profile
-from autotune.timing.comm import (Link, Network, collective_time, exposed_communication,
-                                  network_from_profile)
+from autotune.timing.comm import (Link, Network, call_time, collective_time, exposed_communication,
+                                  network_from_profile, ring_exposure)
 from autotune.timing.costs import CollectiveCall
 
 ALPHA, BW = 5e-6, 100e9
@@ -128,3 +128,27 @@ def test_profile_link_fields_are_checked(tmp_path):
             load_profile(write(tmp_path, GOOD + line + "\n", "bad.toml"))
     with pytest.raises(ConfigError, match="gpu_link_gb_per_s"):
         network_from_profile(load_profile(write(tmp_path, GOOD)))
+
+
+def test_ring_attention_hides_each_collective_under_one_ring_step_but_a_backward_rings_last():
+    # torch's ring (cp 4, its default all-gather rotation): per block a key/value all-gather in
+    # forward (waited after the first step's kernel), in backward another, then one gradient
+    # all-to-all per step, each waited after the next step's kernel, the last after the ring.
+    def ring(kind, phase, nbytes):
+        return CollectiveCall(kind=kind, bytes=nbytes, group_size=4, phase=phase, ring=True)
+
+    gather, grads = 400e6, 100e6
+    calls = [ring("all_gather", "forward", gather), ring("all_gather", "recompute", gather),
+             ring("all_gather", "backward", gather), *[ring("all_to_all", "backward", grads)] * 4,
+             ring("all_gather", "recompute", gather), ring("all_gather", "backward", gather),
+             *[ring("all_to_all", "backward", grads)] * 4]
+    t_gather, t_a2a = (call_time(calls[0], NET), call_time(calls[3], NET))
+    cover = {"forward": 0.5 * t_gather, "recompute": 2 * t_gather, "backward": 0.5 * t_a2a}
+    split = ring_exposure(calls, cover, NET)
+    assert split.total["forward"] == pytest.approx(t_gather)
+    assert split.exposed["forward"] == pytest.approx(0.5 * t_gather)
+    assert split.exposed["recompute"] == 0.0 and split.total["recompute"] == pytest.approx(2 * t_gather)
+    # Backward: 2 gathers and 6 all-to-alls half hidden, the 2 rings' last all-to-alls whole.
+    assert split.exposed["backward"] == pytest.approx(2 * (t_gather - 0.5 * t_a2a) + 6 * 0.5 * t_a2a + 2 * t_a2a)
+    with pytest.raises(ValueError, match="ring_exposure"):
+        exposed_communication(calls, {"forward": 1.0, "backward": 1.0}, NET)

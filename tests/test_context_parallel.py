@@ -276,3 +276,37 @@ def test_the_rings_composite_ops_count_the_same_bytes_as_the_fake_modes_own_path
     fast = measured()
     monkeypatch.setattr(fake, "_decomposes_plainly", lambda func: False)
     assert measured() == fast
+
+
+@needs_cpu_ring
+def test_the_rings_collectives_are_counted_and_timed_under_its_steps(one_thread):
+    # Per attention (2 layers, cp 2, torch's all-gather rotation): the forward all-gathers this
+    # rank's keys and values from the cp ranks, the backward again (and the recompute, where
+    # checkpointed), then passes the gradients on with one all-to-all per ring step. The window
+    # times them, each under one ring step's attention kernel, a backward ring's last whole.
+    from autotune.gpus.catalog import load_profile
+    from autotune.timing.comm import call_time, network_from_profile
+    from autotune.timing.count import count_steps_costs
+    from autotune.timing.roofline import speed_for_profile
+    from autotune.timing.window import StepModel, predict_window
+
+    workload = _workload(cp_models.build_causal_lm, lambda n: cp_models.make_causal_lm_batch(n, 64))
+    costs = count_steps_costs(workload, [2], sharding="fsdp", world_size=4, parallel=Layout(cp=2),
+                              checkpointing=True)
+    ring = [c for c in costs[2].collectives if c.ring]
+    kv = 2 * 2 * 32 * cp_models.DIM * 4  # keys and values of 2 samples' 32 local tokens, fp32
+    assert [(c.phase, c.kind, c.bytes, c.group_size) for c in ring] == [
+        ("forward", "all_gather", 2 * kv, 2)] * 2 + [
+        ("recompute", "all_gather", 2 * kv, 2), ("backward", "all_gather", 2 * kv, 2),
+        ("backward", "all_to_all", kv, 2), ("backward", "all_to_all", kv, 2)] * 2
+    profile = load_profile("h100-80gb")
+    network = network_from_profile(profile)
+    model = StepModel(costs, speed_for_profile(profile), "fp32")
+    window = predict_window(model, [2], network=network, world_size=4, sharding="fsdp")
+    without = predict_window(StepModel({2: dataclasses.replace(costs[2], collectives=tuple(
+        c for c in costs[2].collectives if not c.ring))}, speed_for_profile(profile), "fp32"), [2],
+        network=network, world_size=4, sharding="fsdp")
+    ring_s = sum(call_time(c, network, world_size=4) for c in ring)
+    assert window.comm_s == pytest.approx(without.comm_s + ring_s)
+    last = call_time(ring[-1], network, world_size=4)  # each backward ring's last: exposed whole
+    assert window.exposed_comm_s >= without.exposed_comm_s + 2 * last - 1e-15

@@ -95,7 +95,11 @@ def _ring_handler(op_call, args, kwargs):
     if sharding is None or sharding.needs_redistribute:
         raise RuntimeError(f"context parallel: {op_call} got inputs not sharded on the sequence")
     ring = _ring_forward if op_call == _cpu_kernels()[0] else _ring_backward
-    local = ring(info.compute_mesh, *info.local_args, **info.local_kwargs)
+    _RINGS.running += 1
+    try:
+        local = ring(info.compute_mesh, *info.local_args, **info.local_kwargs)
+    finally:
+        _RINGS.running -= 1
     return dispatcher.wrap(local, sharding.output_spec)
 
 
@@ -224,9 +228,17 @@ class _Rings:
         self.depth = 0
         self.paused = 0
         """Inside ``whole_sequence_loss``: batches whole, SDPA as it is."""
+        self.running = 0
+        """Inside a ring's own ops (``_ring_handler``): its collectives are the ring's."""
 
 
 _RINGS = _Rings()
+
+
+def inside_ring() -> bool:
+    """Whether the op being run is ring attention's own (its key/value all-gather and gradient
+    all-to-alls, as ``timing`` tells them from a layout's other collectives)."""
+    return _RINGS.running > 0
 
 
 def _ring_sdpa(original):

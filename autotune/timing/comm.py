@@ -130,6 +130,8 @@ def exposed_communication(calls, compute_s: dict, network: Network, *, world_siz
     exposed, given the compute seconds of each phase (forward, backward, recompute, optimizer)."""
     by_phase: dict[str, list[tuple[str, float]]] = {}
     for call in calls:
+        if getattr(call, "ring", False):
+            raise ValueError("ring attention's collectives overlap its own steps: ring_exposure")
         seconds = call_time(call, network, world_size=world_size, hybrid=hybrid)
         # FSDP2 gathers a checkpointed block before its recompute: one backward for the overlap.
         phase = "backward" if call.phase == "recompute" else call.phase
@@ -146,6 +148,27 @@ def exposed_communication(calls, compute_s: dict, network: Network, *, world_siz
             exposed[phase] = _under_backward(timed, backward)
         else:
             exposed[phase] = sum(s for _, s in timed)
+    return CommSplit(total=total, exposed=exposed)
+
+
+def ring_exposure(calls, cover: dict, network: Network, *, world_size: int | None = None) -> CommSplit:
+    """Context parallelism's ring collectives (``CollectiveCall.ring``, in the order the step
+    issued them) as torch's ring attention overlaps them (``_templated_ring_attention`` and its
+    backward, torch/distributed/tensor/experimental/_context_parallel/_attention.py): each is
+    waited for after one ring step's attention kernel, which hides it (``cover``: one attention
+    kernel's seconds, by phase): the key/value all-gather under the first step's, each gradient
+    all-to-all under the next step's. The last all-to-all of a backward ring is waited for after
+    the ring's last step, with nothing left to hide it: exposed whole."""
+    total: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+    for i, call in enumerate(calls):
+        seconds = call_time(call, network, world_size=world_size)
+        following = calls[i + 1] if i + 1 < len(calls) else None
+        ends_ring = (call.phase == "backward" and call.kind == "all_to_all"
+                     and (following is None or following.kind != "all_to_all" or following.phase != "backward"))
+        hidden = 0.0 if ends_ring else cover.get(call.phase, 0.0)
+        total[call.phase] = total.get(call.phase, 0.0) + seconds
+        exposed[call.phase] = exposed.get(call.phase, 0.0) + max(0.0, seconds - hidden)
     return CommSplit(total=total, exposed=exposed)
 
 

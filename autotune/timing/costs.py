@@ -58,6 +58,9 @@ class CollectiveCall:
     bytes: int
     group_size: int
     phase: str
+    ring: bool = False
+    """Context parallelism's ring attention issued it (its key/value all-gather, its gradients'
+    all-to-alls): each waits for the next ring step's attention, which hides it."""
 
     def __post_init__(self):
         _check_choice("collective kind", self.kind, COLLECTIVE_KINDS)

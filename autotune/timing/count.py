@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..compiled import eager_module
+from ..distributed.context_parallel import inside_ring
 from ..distributed.sharding.wrap import is_sharded
 from ..memory.fake import checked_micro_batch
 from ..probing.estimate import EstimateSession, _on_local_shards, estimate_session
@@ -364,9 +365,9 @@ class _OpRecorder(TorchDispatchMode):
             # shapes. Declined, it goes to DTensor, whose ops on this rank's local shards (and
             # the collectives of its redistributions) come back through here to be counted.
             # Those collectives are functional ones (FSDP2, DDP and pipelines issue c10d's) and
-            # are recorded in the optimizer phase only (a sharded gradient norm's all-reduce):
-            # forward and backward's are the tensor-parallel ones ``timing.layout`` times per
-            # block, and context parallel's, which nothing times yet.
+            # are recorded in the optimizer phase (a sharded gradient norm's all-reduce) and in
+            # context parallel's ring attention; forward and backward's others are the
+            # tensor-parallel ones ``timing.layout`` times per block.
             self._count_dtensor_op(self._phase(), args, kwargs, ())
             return NotImplemented
         out = func(*args, **kwargs)
@@ -379,8 +380,9 @@ class _OpRecorder(TorchDispatchMode):
         name = func._schema.name
         collective = _COLLECTIVES.get(name)
         if collective is not None:
-            if not (func.namespace == "_c10d_functional" and phase != "optimizer"):
-                self.collectives.append(_collective_call(collective, args, kwargs, out, phase))
+            ring = func.namespace == "_c10d_functional" and inside_ring()
+            if ring or not (func.namespace == "_c10d_functional" and phase != "optimizer"):
+                self.collectives.append(_collective_call(collective, args, kwargs, out, phase, ring=ring))
             return out
         if func.namespace == "_c10d_functional":  # waits: no work of their own
             return out
@@ -504,12 +506,12 @@ def _tensor_bytes(t: torch.Tensor) -> int:
         return own
 
 
-def _collective_call(collective, args, kwargs, out, phase: str) -> CollectiveCall:
+def _collective_call(collective, args, kwargs, out, phase: str, *, ring: bool = False) -> CollectiveCall:
     kind, where = collective
     buffer = out if where == "out" else args[where]
     size = sum(_tensor_bytes(t) for t in tree_leaves(buffer) if isinstance(t, torch.Tensor))
     return CollectiveCall(kind=kind, bytes=int(size), group_size=_group_size(args, kwargs),
-                          phase=phase)
+                          phase=phase, ring=ring)
 
 
 def _group_size(args, kwargs) -> int:

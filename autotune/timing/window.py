@@ -22,10 +22,10 @@ from torch.utils._pytree import tree_leaves
 
 from ..memory.fake import fake_tensor_limits
 from ..precision import Precision
-from .comm import Network, exposed_communication
+from .comm import Network, exposed_communication, ring_exposure
 from .costs import CollectiveCall, StepCosts
 from .count import count_steps_costs
-from .roofline import loop_time, phase_time
+from .roofline import loop_time, op_seconds, phase_time
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's ``bucket_cap_mb`` default (torch.nn.parallel.DistributedDataParallel)."""
@@ -114,6 +114,8 @@ class MicroStep:
     model_flops: float
     tokens: float | None
     collectives: tuple
+    attention_kernel_s: dict = dataclasses.field(default_factory=dict)
+    """One attention kernel's seconds (the mean), by phase: what hides a ring collective."""
 
 
 class StepModel:
@@ -128,7 +130,9 @@ class StepModel:
         self.counted = {n: MicroStep(
             seconds=phase_seconds(c, speed, self.precision),
             model_flops=sum(op.flops for op in c.ops if op.phase in ("forward", "backward")),
-            tokens=c.tokens, collectives=tuple(c.collectives)) for n, c in costs.items()}
+            tokens=c.tokens, collectives=tuple(c.collectives),
+            attention_kernel_s=_attention_kernel_seconds(c, speed, self.precision))
+            for n, c in costs.items()}
 
     @property
     def peak_flops(self) -> float | None:
@@ -148,11 +152,24 @@ class StepModel:
             return max(0.0, x + t * (y - x))
 
         phases = set(a.seconds) | set(b.seconds)
+        kernels = set(a.attention_kernel_s) | set(b.attention_kernel_s)
         return MicroStep(
             seconds={p: line(a.seconds.get(p, 0.0), b.seconds.get(p, 0.0)) for p in phases},
             model_flops=line(a.model_flops, b.model_flops),
             tokens=None if a.tokens is None or b.tokens is None else line(a.tokens, b.tokens),
-            collectives=(a if abs(n - lo) <= abs(n - hi) else b).collectives)
+            collectives=(a if abs(n - lo) <= abs(n - hi) else b).collectives,
+            attention_kernel_s={p: line(a.attention_kernel_s.get(p, 0.0), b.attention_kernel_s.get(p, 0.0))
+                                for p in kernels})
+
+
+def _attention_kernel_seconds(costs: StepCosts, speed, precision) -> dict:
+    """The mean attention kernel's seconds in each phase that runs any (see ``MicroStep``)."""
+    seconds, count = {}, {}
+    for op in costs.ops:
+        if op.op_class == "attention":
+            seconds[op.phase] = seconds.get(op.phase, 0.0) + op_seconds(op, speed, precision)
+            count[op.phase] = count.get(op.phase, 0) + op.count
+    return {phase: seconds[phase] / count[phase] for phase in seconds}
 
 
 def _bracket(sizes: list[int], n: int) -> tuple[int, int]:
@@ -197,10 +214,12 @@ def predict_window(model: StepModel, micro_batches, *, network: Network | None =
         if calls and world_size > 1:
             if network is None:
                 raise ValueError(f"{world_size} ranks communicate: give the network")
-            timed = exposed_communication(calls, step.seconds, network, world_size=world_size,
-                                          hybrid=hybrid)
-            exposed += timed.exposed_s
-            comm += timed.total_s
+            ring = [c for c in calls if c.ring]
+            timed = exposed_communication([c for c in calls if not c.ring], step.seconds, network,
+                                          world_size=world_size, hybrid=hybrid)
+            ringed = ring_exposure(ring, step.attention_kernel_s, network, world_size=world_size)
+            exposed += timed.exposed_s + ringed.exposed_s
+            comm += timed.total_s + ringed.total_s
     compute = micro + optimizer_s
     # Each of the p - 1 stages' fill and drain idles one micro-step: (p - 1) / m of the busy time,
     # the bubble_fraction of the whole.
