@@ -348,10 +348,14 @@ class CPUMemoryBackend(MemoryBackend):
             budget_bytes=budget,
             budget_source=source,
         )
+        self._count(budget, offload=offload)
+
+    def _count(self, budget: int | None, *, offload: bool) -> None:
+        """The tracker, against ``budget``; ``offload`` (fsdp-offload): what FSDP2 keeps in host
+        memory (the shards, their gradients, the optimizer state and step) is counted apart
+        (``HostDeviceTracker``), as the plan's estimate and the training loop's meter count it;
+        on the CPU it is the same memory."""
         self.offload = offload
-        """fsdp-offload: what FSDP2 keeps in host memory (the shards, their gradients, the
-        optimizer state and step), on the CPU the same memory, is counted apart, as the plan's
-        estimate and the training loop's meter count it (``HostDeviceTracker``)."""
         self.tracker = HostDeviceTracker(budget) if offload else StorageTracker(budget)
 
     def info(self) -> DeviceInfo:

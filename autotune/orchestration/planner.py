@@ -716,7 +716,8 @@ def _sync_on_last(workload, backend, planned: Plan, world_size: int, *, limit: i
         return None
     return SyncOnLast(micro_batch=planned.micro_batch, steps=planned.accumulation_steps,
                       peak_bytes=trial.peak_bytes if trial is not None and trial.fits else None,
-                      at_least_bytes=trial.peak_bytes if trial is not None and trial.past_limit else None,
+                      at_least_bytes=(trial.peak_bytes if trial is not None and trial.past_limit is not None
+                                      else None),
                       held_gradient_bytes=trial.held_gradient_bytes if trial is not None else None,
                       allocated_peak_bytes=trial.allocated_peak_bytes if trial is not None else None)
 

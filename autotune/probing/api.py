@@ -132,15 +132,18 @@ def probe(
                         world_size=world_size, shard_group=shard_group,
                         reduce_every_micro_step=reduce_every_micro_step, parallel=parallel) as session:
 
-        def run_trial(n: int) -> Trial:
+        def within_limit(n: int):
             # Past the limit, a micro-batch above 1 is as good as out of memory to the search
             # (the largest within the limit is its answer); at 1 the probe reports what fits.
-            with _planning_within(backend, limit if n > 1 else None):
+            return _planning_within(backend, limit if n > 1 else None)
+
+        def run_trial(n: int) -> Trial:
+            with within_limit(n):
                 return session.run(n, window=window_steps(n, share))
 
         def known(n: int) -> bool:  # a fake-tensor session's memo answers it
             knows = getattr(session, "knows", None)
-            with _planning_within(backend, limit if n > 1 else None):
+            with within_limit(n):
                 return knows is not None and knows(n, window=window_steps(n, share))
 
         try:

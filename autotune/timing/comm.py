@@ -130,7 +130,7 @@ def exposed_communication(calls, compute_s: dict, network: Network, *, world_siz
     exposed, given the compute seconds of each phase (forward, backward, recompute, optimizer)."""
     by_phase: dict[str, list[tuple[str, float]]] = {}
     for call in calls:
-        if getattr(call, "ring", False):
+        if call.ring:
             raise ValueError("ring attention's collectives overlap its own steps: ring_exposure")
         seconds = call_time(call, network, world_size=world_size, hybrid=hybrid)
         # FSDP2 gathers a checkpointed block before its recompute: one backward for the overlap.
