@@ -73,3 +73,111 @@ def test_a_ranked_plan_runs_no_second_fake_step_where_its_probe_ran_the_step(mon
     # The same settings probed, every trial's bytes the same: ranking changes no memory number.
     assert [_trials(s.probe) for s in ranked.settings] == [_trials(s.probe) for s in memory.settings]
     assert ranked.predicted_peak_bytes == memory.predicted_peak_bytes
+
+
+LLAMA12 = str(ROOT / "tests" / "twelve_block_llama.py")
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("sharding, world, layout", [
+    ("fsdp", 2, {}), ("fsdp-offload", 2, {}), ("fsdp", 4, dict(tp=2)), ("fsdp", 4, dict(cp=2)),
+])
+def test_a_step_counted_without_a_warm_up_step_counts_what_one_after_it_counts(
+        monkeypatch, sharding, world, layout):
+    # The first step's one-time work (FSDP2's lazy set-up and first all-gather outputs, DTensor's
+    # first sharding propagation) is passed uncounted: no warm-up step is needed before counting.
+    from autotune.distributed.layout import parse_layout
+    from autotune.timing import count
+
+    def counted(warm: bool):
+        monkeypatch.setattr(count._RecordsSteps, "warm_up_step", warm)
+        return count_steps_costs(LLAMA12, [2], precision="bf16", checkpointing="on", sharding=sharding,
+                                 world_size=world, for_gpu=profile_target(GPU).profile.name,
+                                 parallel=parse_layout(**layout))
+
+    cold, warm = counted(False), counted(True)
+    assert cold == warm
+    assert cold[2].sharded_units > 0 and {c.kind for c in cold[2].collectives} >= {"all_gather"}
+    if layout:
+        assert cold[2].dtensor_ops.get("forward", 0) > 0  # tensor/context parallel DTensor ops
+
+
+def test_without_shadowing_the_first_steps_one_time_work_the_cold_count_differs(monkeypatch, one_thread):
+    # What the test above holds equal is not equal by chance: FSDP2's first all-gather makes its
+    # unsharded parameters once, as views the steady state does not make again.
+    import contextlib
+
+    from autotune.timing import count
+
+    monkeypatch.setattr(count._RecordsSteps, "warm_up_step", False)
+    shadowed = count_steps_costs(LLAMA12, [2], precision="bf16", sharding="fsdp", world_size=2)
+    monkeypatch.setattr(count, "_shadow_one_time_ops", lambda recorder: contextlib.nullcontext())
+    unshadowed = count_steps_costs(LLAMA12, [2], precision="bf16", sharding="fsdp", world_size=2)
+    assert unshadowed[2].op_count > shadowed[2].op_count
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("sharding, world, layout, checkpointing", [
+    ("fsdp", 2, {}, "on"), ("fsdp", 2, {}, "off"),
+    # Context parallel (and on this tiny model, neither ddp nor tensor parallel synthesizes its
+    # allocator trace: those run the full build; tests/test_extend_costs.py extends their counts).
+    pytest.param("fsdp", 4, dict(cp=2), "on", marks=pytest.mark.slow),
+])
+def test_a_synthesized_probe_records_the_whole_models_step_from_its_small_builds(
+        monkeypatch, sharding, world, layout, checkpointing):
+    # A CUDA estimate of a model of identical blocks runs each trial on three small builds
+    # (affine_blocks.SynthesizedTrialsSession); recording, each build's step is recorded and the
+    # three extended to the whole model's (timing.extend): the full build's step counted, op by op.
+    from autotune.distributed.layout import parse_layout
+    from autotune.probing.affine_blocks import synthesized_traces
+    from autotune.timing import recorded
+    from autotune.timing.extend import normal_form
+
+    extended = []
+    original = recorded.extend_step_costs
+
+    def spy(steps, **kwargs):
+        extended.append([sum(op.count for op in s.ops) for s in steps])
+        return original(steps, **kwargs)
+
+    monkeypatch.setattr(recorded, "extend_step_costs", spy)
+    kwargs = dict(precision="bf16", max_micro_batch=4, share=4, sharding=sharding, world_size=world,
+                  checkpointing=checkpointing, parallel=parse_layout(**layout), explain=False)
+    store = {}
+    with synthesized_traces(True, max_share=None):  # twelve blocks: small builds of 4, 5 and 6
+        ranked = probe(LLAMA12, backend=profile_target(GPU, world_size=world).backend,
+                       session_type=recording_session(store), **kwargs)
+        plain = probe(LLAMA12, backend=profile_target(GPU, world_size=world).backend, **kwargs)
+    assert _trials(ranked) == _trials(plain)
+    assert set(store) == {4} and len(extended) == 1, extended
+    low, high, third = extended[0]
+    assert low < high < third  # three builds of growing size, each counted
+    again = count_steps_costs(LLAMA12, [4], precision="bf16", checkpointing=checkpointing,
+                              sharding=sharding, world_size=world, for_gpu=profile_target(GPU).profile.name,
+                              parallel=parse_layout(**layout))
+    assert normal_form(store[4]) == normal_form(again[4])
+    assert store[4].op_count > third
+
+
+def test_a_ranked_plan_counts_the_full_build_where_its_small_builds_do_not_extend(monkeypatch, one_thread):
+    from autotune.probing.affine_blocks import synthesized_traces
+    from autotune.timing import recorded
+
+    counted = []
+    original = predicted.count_steps_costs
+
+    def count(*args, **kwargs):
+        counted.append(args[1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(predicted, "count_steps_costs", count)
+    with synthesized_traces(True, max_share=None):
+        extended = autotune.plan(LLAMA12, target_batch=16, world_size=4, gpu=GPU, micro_batch=4,
+                                 sharding="fsdp", optimize="throughput")
+        assert counted == []
+        monkeypatch.setattr(recorded, "extend_step_costs", lambda steps, **kwargs: None)
+        full = autotune.plan(LLAMA12, target_batch=16, world_size=4, gpu=GPU, micro_batch=4,
+                             sharding="fsdp", optimize="throughput")
+    assert counted == [[4]]
+    assert full.step_time.step_s == pytest.approx(extended.step_time.step_s, rel=1e-12)
+    assert full.predicted_peak_bytes == extended.predicted_peak_bytes

@@ -187,10 +187,11 @@ def layout_session(workload, backend, *, session_type, precision, checkpointing,
         return
     floor = total is not None and total >= FLOOR_MIN_BLOCKS and backend.tracker.budget_bytes is not None
     if total is not None and TRACE_SYNTHESIS and backend.allocator is not None \
-            and getattr(session_type, "plain_type", session_type) is session_type:
+            and (getattr(session_type, "plain_type", session_type) is session_type
+                 or hasattr(session_type, "for_small_build")):
         # A modelled CUDA allocator's reserved memory (rounding, cached segments) does not extend
         # from small builds as tensor bytes do; their allocator traces do. A session type that
-        # records the steps it runs (timing.recorded) needs the full build's.
+        # records the steps it runs (timing.recorded) records each small build's, extended.
         yield SynthesizedTrialsSession(workload, backend, session_type=session_type, total_blocks=total,
                                        layout=layout, floor=floor, **session_args)
         return
@@ -206,6 +207,55 @@ def layout_session(workload, backend, *, session_type, precision, checkpointing,
         return
     with sharded_step(workload, **layout) as step_workload:
         yield session_type(step_workload, backend, parallel=parallel, **session_args)
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallBuild:
+    """One small build a step count extends from: the first ``blocks`` of the model's repeated
+    blocks, ``checkpointed`` the indices among them that are checkpointed."""
+
+    blocks: int
+    checkpointed: tuple[int, ...]
+
+
+def small_builds(workload, checkpointing, *, parallel=None) -> tuple[BlockPattern, list[SmallBuild]] | None:
+    """The three small builds (``units``, ``units + 1`` and ``units + 2`` units of the block
+    pattern) that a count of the step extends to the whole model (``timing.count``,
+    ``timing.extend``), with the pattern; None where the model's step is counted whole: its
+    blocks differ or are too few, the checkpointed blocks do not repeat from the first, the
+    layout's few-block estimates are not proven, or the small builds would hold more than
+    ``SYNTHESIS_MAX_SHARE`` of the model's blocks (counting them would cost as much)."""
+    if not (_enabled and _few_blocks_proven(parallel)):
+        return None
+    total = identical_block_count(workload)
+    if total is None:
+        return None
+    request = CheckpointingRequest.parse(checkpointing, allow_auto=False)
+    resolved = (Checkpointing.every_block(total) if request.value == "on"
+                else request.resolve(total, source=workload.source))
+    pattern = block_pattern(resolved.count or 0, total)
+    if pattern is None or pattern.prefix:
+        return None
+    units = (*pattern.small, pattern.small[1] + 1)
+    sizes = [pattern.blocks(m) for m in units]
+    if sizes[-1] >= total or SYNTHESIS_MAX_SHARE is not None and sum(sizes) > SYNTHESIS_MAX_SHARE * total:
+        return None
+    return pattern, [SmallBuild(size, tuple(pattern.checkpointed(m))) for size, m in zip(sizes, units)]
+
+
+def first_blocks(workload, build: SmallBuild):
+    """``workload`` (on fake tensors) with a model of ``build``'s first blocks; a cut block that
+    runs raises ``DroppedBlockRan`` (the model keeps its blocks elsewhere too: count it whole,
+    see ``built_whole_instead``)."""
+    return _first_blocks(workload, build.blocks, _raising(lambda module, args: None))
+
+
+def built_whole_instead(exc: BaseException) -> bool:
+    """Whether a small build's failure says only that the model must be built whole: a cut block
+    ran, or a build cut before its tensors were made failed where a whole one may not
+    (``may_build_elsewhere``); the whole build raises a genuine error again."""
+    cause = exc.__cause__ if isinstance(exc, StepError) and exc.__cause__ is not None else exc
+    return isinstance(cause, DroppedBlockRan) or may_build_elsewhere(cause)
 
 
 _BLOCK_COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -411,6 +461,9 @@ class FewBlocksSession:
         too, and only full builds measure it."""
         self._traced = traced and backend.allocator is not None and not tensors_only
         self._marks: dict = {}
+        self._recorders: dict[int, type] = {}
+        """The recording type of each small build, where the session type records
+        (``_child_type``)."""
         self._ran = False
         self.synthesizable = self._traced
         """Traced: the setting's blocks repeat in three small builds (no trial runs otherwise)."""
@@ -541,6 +594,8 @@ class FewBlocksSession:
         fits = fields.pop("fits", True) and (budget is None or fields["peak_bytes"] <= budget)
         if not fits:  # as a budgeted step reports one that ran out of memory
             fields["activation_peak_bytes"] = fields["step_peak_bytes"] = None
+        elif self._traced:
+            self._extend_records(n)
         return dataclasses.replace(trials[-1], fits=fits, seconds=sum(t.seconds for t in trials),
                                    **fields)
 
@@ -660,7 +715,7 @@ class FewBlocksSession:
                 sharded_step(_first_blocks(self.workload, size, self._dropped_block_ran,
                                            marks.hook_blocks if marks is not None else None,
                                            early=early and size < self.total_blocks), **self.layout))
-            session = self.session_type(step_workload, backend, precision=self.precision,
+            session = self._child_type(size)(step_workload, backend, precision=self.precision,
                                         checkpointing=False, sharded=self.sharded, offload=self.offload,
                                         reduce_every_micro_step=self.reduce_every_micro_step,
                                         parallel=self.layout.get("parallel"))
@@ -674,6 +729,20 @@ class FewBlocksSession:
                 session.__enter__()
             self._stack.enter_context(stack.pop_all())
         return backend, session
+
+    def _child_type(self, size: int) -> type:
+        """The session type of the small build of ``size`` blocks. A type that records the steps
+        it runs (``timing.recorded``) records each traced build's apart, and a trial's three
+        extend to the whole model's (``_extend_records``); untraced builds count bytes only."""
+        if self._traced and hasattr(self.session_type, "for_small_build"):
+            self._recorders[size] = self.session_type.for_small_build()
+            return self._recorders[size]
+        return getattr(self.session_type, "plain_type", self.session_type)
+
+    def _extend_records(self, n: int) -> None:
+        if self._recorders and self._pattern is not None:
+            self.session_type.extend_small_builds(n, [self._recorders[size] for size in self._sizes()],
+                                                  units=self._pattern.small[0], repeats=self._pattern.repeats)
 
     def _built_late_instead(self, exc: Exception) -> bool:
         """Whether a small build cut before its tensors were made failed where one cut after
@@ -1043,5 +1112,6 @@ def _raising(dropped_ran):
     return hook
 
 
-__all__ = ["BlockPattern", "FewBlocksSession", "TensorFloorSession", "block_pattern", "extend",
-           "full_builds", "identical_block_count", "layout_session", "synthesized_traces"]
+__all__ = ["BlockPattern", "DroppedBlockRan", "FewBlocksSession", "SmallBuild", "TensorFloorSession", "block_pattern",
+           "built_whole_instead", "extend", "first_blocks", "full_builds", "identical_block_count", "layout_session", "small_builds",
+           "synthesized_traces"]

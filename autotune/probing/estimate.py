@@ -16,9 +16,10 @@ from ..memory.base import DeviceInfo
 from ..memory.fake import EstimateMemoryBackend, checked_micro_batch, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from ..distributed.sharding.settings import Sharding
+from ..workload.activation_checkpointing import enable_checkpointing
 from ..workload.checkpoint_count import CheckpointingRequest
 from ..workload.contract import load_workload
-from .affine_blocks import layout_session
+from .affine_blocks import first_blocks, layout_session
 from .trial import TrialSession, optimizer_state_tensors
 
 
@@ -124,11 +125,13 @@ def _estimate_trials(workload, micro_batches, *, precision, checkpointing, shard
 @contextlib.contextmanager
 def estimate_session(workload, *, precision, checkpointing, sharding, world_size, shard_group,
                      reduce_every: bool = False, session_type: type | None = None,
-                     for_cuda: str | None = None, parallel=None, fake_rank: int = 0):
+                     for_cuda: str | None = None, parallel=None, fake_rank: int = 0, build=None):
     """The estimate's session (``session_type``, default ``EstimateSession``) on the fake model,
     set up and entered: ``run(n)`` on it is one fake training step. Other counts of the same
     step (``autotune.timing``) run their own subclass here. ``for_cuda``: the CUDA device's
-    name; its caching allocator is modelled (see ``EstimateMemoryBackend``)."""
+    name; its caching allocator is modelled (see ``EstimateMemoryBackend``). ``build``: an
+    ``affine_blocks.SmallBuild``, the model cut to its first blocks, those it names checkpointed
+    (``checkpointing`` is then the whole model's, only the build's checkpointed blocks count)."""
     checkpointing = CheckpointingRequest.parse(checkpointing, option=option("checkpointing"),
                                                allow_auto=False)
     workload = load_workload(workload)
@@ -136,14 +139,21 @@ def estimate_session(workload, *, precision, checkpointing, sharding, world_size
     sharding = Sharding.parse(sharding)
     target = DeviceInfo(kind="cuda", name=for_cuda, budget_bytes=0) if for_cuda else None
     backend = EstimateMemoryBackend(offload=sharding.offload, for_cuda=bool(for_cuda), target=target)
+    fake = on_fake_tensors(workload, foreach=backend.for_cuda)
+    if build is not None:
+        fake = first_blocks(fake, build)
+        checkpointing = "on" if len(build.checkpointed) == build.blocks and build.blocks else "off"
     # Other counts of the step (a subclass) see every block: only the bytes are extended.
-    with layout_session(on_fake_tensors(workload, foreach=backend.for_cuda), backend,
+    with layout_session(fake, backend,
                         session_type=session_type or EstimateSession, few_blocks=session_type is None,
                         precision=precision, checkpointing=checkpointing, sharding=sharding,
                         world_size=world_size, shard_group=shard_group,
                         reduce_every_micro_step=reduce_every, parallel=parallel,
                         fake_rank=fake_rank) as session:
         with fake_tensor_limits(workload), session:
+            if build is not None and 0 < len(build.checkpointed) < build.blocks:
+                session.checkpointed_blocks = enable_checkpointing(
+                    session.model, source=workload.source, indices=list(build.checkpointed))
             yield session
 
 
@@ -257,8 +267,9 @@ class EstimateSession(TrialSession):
 
 EstimateSession.plain_type = EstimateSession
 """The session type that counts bytes and nothing else, inherited by the subclasses that also
-count a step's costs (timing.recorded): a tensor floor's small builds run it
-(affine_blocks.TensorFloorSession), so only the full build's steps are recorded."""
+count a step's costs (timing.recorded): small builds whose steps are not extended run it (a
+tensor floor's, affine_blocks.TensorFloorSession; untraced ones), so that what is recorded is
+the whole model's step or the traced small builds' extended to it."""
 
 def _gradient_layout(params) -> tuple:
     """What the optimizer phase's memory depends on: each gradient's layout and storage sharing."""

@@ -96,6 +96,10 @@ class StepCosts:
     dtensor_list_tensors: dict[str, int] = field(default_factory=dict)
     """DTensors passed in tensor lists to those ops (the foreach ops of clipping), per phase:
     DTensor unwraps and wraps each one."""
+    optimizer_calls: tuple[tuple, ...] = ()
+    """The optimizer phase's ops in the order they ran, one (op name, class, FLOPs, bytes,
+    kernel) per call (also in ``ops``): a foreach op's one call reads every parameter, so what it
+    is called is what tells these calls apart as the model grows (``timing.extend``)."""
 
     @property
     def total_flops(self) -> float:

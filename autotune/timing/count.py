@@ -25,9 +25,12 @@ from ..compiled import eager_module
 from ..distributed.context_parallel import inside_ring
 from ..distributed.sharding.wrap import is_sharded
 from ..memory.fake import checked_micro_batch
+from ..probing.affine_blocks import built_whole_instead, small_builds
 from ..probing.estimate import EstimateSession, _on_local_shards, estimate_session
+from ..workload.contract import load_workload
 from ..probing.trial import TrialSession
 from .costs import CollectiveCall, OpCost, StepCosts
+from .extend import extend_step_costs
 
 
 def count_step_costs(workload, micro_batch: int, *, precision="fp32", checkpointing=False,
@@ -51,22 +54,53 @@ def count_step_costs(workload, micro_batch: int, *, precision="fp32", checkpoint
 
 def count_steps_costs(workload, micro_batches, *, precision="fp32", checkpointing=False,
                       sharding="ddp", world_size: int = 1, shard_group: int | None = None,
-                      for_gpu: str | None = None, parallel=None) -> dict[int, StepCosts]:
+                      for_gpu: str | None = None, parallel=None, few_blocks: bool = True) -> dict[int, StepCosts]:
     """``count_step_costs`` for several micro-batches, building the fake model once.
-    ``parallel``: one rank's step under that model-parallel ``Layout``."""
+    ``parallel``: one rank's step under that model-parallel ``Layout``. ``few_blocks``: a model
+    of many identical blocks is counted on three small builds and extended (the same counts,
+    ``_extended_from_small_builds``); False counts the whole model."""
     if parallel is not None and parallel.pp > 1:
         return _slowest_stage_costs(workload, micro_batches, precision=precision,
                                     checkpointing=checkpointing, sharding=sharding,
                                     world_size=world_size, shard_group=shard_group, for_gpu=for_gpu,
                                     parallel=parallel)
     sizes = [checked_micro_batch(n) for n in micro_batches]
+    settings = dict(precision=precision, checkpointing=checkpointing, sharding=sharding,
+                    world_size=world_size, shard_group=shard_group, for_cuda=for_gpu, parallel=parallel)
+    if few_blocks:
+        extended = _extended_from_small_builds(workload, sizes, settings)
+        if extended is not None:
+            return extended
+    return _counted(workload, sizes, settings)
+
+
+def _counted(workload, sizes, settings, build=None) -> dict[int, StepCosts]:
     costs = {}
-    with estimate_session(workload, precision=precision, checkpointing=checkpointing,
-                          sharding=sharding, world_size=world_size, shard_group=shard_group,
-                          session_type=_CountingSession, for_cuda=for_gpu, parallel=parallel) as session:
+    with estimate_session(workload, session_type=_CountingSession, build=build, **settings) as session:
         for n in sizes:
             costs[n] = session.count(n)
     return costs
+
+
+def _extended_from_small_builds(workload, sizes, settings) -> dict[int, StepCosts] | None:
+    """The steps of a model of identical blocks, counted on three small builds and extended to the
+    whole model (``timing.extend``): its blocks' ops, collectives and calls repeat per block.
+    None where the builds do not apply (``affine_blocks.small_builds``), a cut block runs (the
+    model keeps its blocks elsewhere too) or a step does not extend: count the whole model."""
+    workload = load_workload(workload)
+    found = small_builds(workload, settings["checkpointing"], parallel=settings["parallel"])
+    if found is None:
+        return None
+    pattern, builds = found
+    try:
+        counted = [_counted(workload, sizes, settings, build=build) for build in builds]
+    except Exception as exc:  # noqa: BLE001 - the whole model's count raises a genuine error again
+        if not built_whole_instead(exc):
+            raise
+        return None
+    extended = {n: extend_step_costs([c[n] for c in counted], units=pattern.small[0], repeats=pattern.repeats)
+                for n in sizes}
+    return None if any(c is None for c in extended.values()) else extended
 
 
 def _slowest_stage_costs(workload, micro_batches, **session) -> dict[int, StepCosts]:
@@ -159,9 +193,12 @@ class _RecordsSteps:
     (the micro-steps' phases, and the optimizer phase as such)."""
 
     _recorder: "_OpRecorder | None" = None
-    warm_up_step = True
-    """A sharded session's first step runs DTensor's first sharding propagation of each op and
-    FSDP2's lazy set-up: kept out of the recorded step's op counts (``EstimateSession``'s)."""
+    warm_up_step = False
+    """No warm-up step (a sharded session's first step, on fake tensors): what its first step
+    does once (DTensor's first sharding propagation, FSDP2's lazy set-up and first all-gather
+    outputs) the recorder passes uncounted (``_shadow_one_time_ops``), so the counted step is the
+    steady-state one without a step before it; a warm-up cost a whole step, half of counting
+    one (tests/test_recorded_steps.py holds the two equal)."""
 
     def _recorded(self, n: int, **run) -> tuple:
         """(the trial, the recorder) of one run at ``n``."""
@@ -298,6 +335,7 @@ class _OpRecorder(TorchDispatchMode):
         self.checkpoint_blocks = 0
         self.dtensor_ops: Counter = Counter()
         self.dtensor_list_tensors: Counter = Counter()
+        self.optimizer_calls: list[tuple] = []
         self._as_dtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.optimizer_stepped = False
         self.optimizer_cut = False
@@ -314,7 +352,7 @@ class _OpRecorder(TorchDispatchMode):
         # Every module's __call__ while the step runs: a global pre-hook sees the calls the
         # model's own code makes (and checkpoint's recompute), whatever the model is.
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
-        self._shadow_patch = _shadow_ops_of_sharding_propagation(self)
+        self._shadow_patch = _shadow_one_time_ops(self)
         self._shadow_patch.__enter__()
         return super().__enter__()
 
@@ -368,7 +406,8 @@ class _OpRecorder(TorchDispatchMode):
             # are recorded in the optimizer phase (a sharded gradient norm's all-reduce) and in
             # context parallel's ring attention; forward and backward's others are the
             # tensor-parallel ones ``timing.layout`` times per block.
-            self._count_dtensor_op(self._phase(), args, kwargs, ())
+            if not self._shadowing:
+                self._count_dtensor_op(self._phase(), args, kwargs, ())
             return NotImplemented
         out = func(*args, **kwargs)
         if func.namespace == "prim" or self._shadowing:  # metadata queries, not work
@@ -389,7 +428,10 @@ class _OpRecorder(TorchDispatchMode):
         flops = _flops(func, args, kwargs, out)
         moved = _bytes_moved(func, args, kwargs, out)
         op_class = _op_class(func, name, flops, moved, phase)
-        self.ops[(op_class, phase, flops, moved, _kernel(name, flops))] += 1
+        kernel = _kernel(name, flops)
+        self.ops[(op_class, phase, flops, moved, kernel)] += 1
+        if phase == "optimizer":
+            self.optimizer_calls.append((name, op_class, flops, moved, kernel))
         return out
 
     def _phase(self) -> str:
@@ -407,34 +449,61 @@ class _OpRecorder(TorchDispatchMode):
                          module_calls=dict(self.module_calls),
                          checkpoint_blocks=self.checkpoint_blocks, sharded_units=units,
                          sharded_params=sharded_params, dtensor_ops=dict(self.dtensor_ops),
-                         dtensor_list_tensors=dict(self.dtensor_list_tensors))
+                         dtensor_list_tensors=dict(self.dtensor_list_tensors),
+                         optimizer_calls=tuple(self.optimizer_calls))
 
 
 @contextlib.contextmanager
-def _shadow_ops_of_sharding_propagation(recorder: _OpRecorder):
-    """While DTensor derives an op's output shape it runs the op once on fake tensors of the
-    global shapes (``ShardingPropagator._propagate_tensor_meta_non_cached``, on the host, once
-    per distinct op and placements): no work of the rank's, so ``recorder`` passes it uncounted.
-    A torch without that method runs none of it to hide."""
+def _shadow_one_time_ops(recorder: _OpRecorder):
+    """What the host runs once, not every step, passed uncounted by ``recorder``:
+
+    - DTensor deriving an op's output shape runs the op once on fake tensors of the global shapes
+      (``ShardingPropagator._propagate_tensor_meta_non_cached``, once per distinct op and
+      placements): no work of the rank's;
+    - FSDP2's lazy set-up on the first forward (``FSDPState._lazy_init``) and its first
+      all-gather's, which makes the all-gather outputs and the unsharded parameters as views of
+      them (``FSDPParam.init_all_gather_outputs``, ``init_unsharded_param``): later steps reuse
+      them. Only their first calls are passed (each returns at once after), so a step counted
+      without a warm-up step before it counts what one after it counts (tests/test_recorded_steps.py).
+
+    A torch without one of these methods runs none of it to hide."""
+    patches = []
     try:
         from torch.distributed.tensor._sharding_prop import ShardingPropagator
     except ImportError:
+        ShardingPropagator = None
+    if getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None) is not None:
+        patches.append((ShardingPropagator, "_propagate_tensor_meta_non_cached", lambda _self: True))
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        FSDPParam = FSDPState = None
+    for owner, name, first in ((FSDPState, "_lazy_init", lambda s: s._is_root is None),
+                               (FSDPParam, "init_all_gather_outputs", lambda s: not s.all_gather_outputs),
+                               (FSDPParam, "init_unsharded_param", lambda s: not hasattr(s, "_unsharded_param"))):
+        if getattr(owner, name, None) is not None:
+            patches.append((owner, name, first))
+    with contextlib.ExitStack() as stack:
+        for owner, name, once in patches:
+            stack.enter_context(mock.patch.object(owner, name, _shadowed(recorder, getattr(owner, name), once)))
         yield
-        return
-    derive = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
-    if derive is None:
-        yield
-        return
 
-    def shadowed(propagator, *args, **kwargs):
+
+def _shadowed(recorder: _OpRecorder, method, once):
+    """``method`` with its ops uncounted where ``once(self)`` says this call is the one-time one."""
+
+    @functools.wraps(method)
+    def shadowed(self, *args, **kwargs):
+        if not once(self):
+            return method(self, *args, **kwargs)
         recorder._shadowing += 1
         try:
-            return derive(propagator, *args, **kwargs)
+            return method(self, *args, **kwargs)
         finally:
             recorder._shadowing -= 1
 
-    with mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", shadowed):
-        yield
+    return shadowed
 
 
 def _op_class(func, name: str, flops: float, moved: float, phase: str) -> str:

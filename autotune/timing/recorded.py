@@ -19,6 +19,13 @@ equal, op by op, in tests/test_recorded_steps.py), and is kept only where that h
 - its optimizer phase ran whole: the estimate steps only the distinct neighbour pairs of
   parameters on the per-parameter path (``EstimateSession._step_by_runs``), and, where no CUDA
   allocator is modelled, measures the phase once per session; a phase cut short is not kept.
+
+A CUDA estimate of a model of identical blocks runs each trial on three small builds
+(``probing.affine_blocks.SynthesizedTrialsSession``): each build's session records its step into a
+store of its own (``for_small_build``), and a trial that fits keeps the three extended to the
+whole model (``extend_small_builds``, ``timing.extend``: the whole model's step counted, op by op,
+tests/test_recorded_steps.py). Where they do not extend, nothing is kept and the ranking counts
+the step (``count.count_steps_costs``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from ..probing.estimate import EstimateSession, _distinct_neighbour_runs
 from ..probing.pipeline_trial import PipelineSessionMixin
 from .costs import StepCosts
 from .count import _local_shards, _RecordsSteps
+from .extend import extend_step_costs
 
 
 class RecordingSession(_RecordsSteps, EstimateSession):
@@ -71,6 +79,25 @@ class RecordingSession(_RecordsSteps, EstimateSession):
             if _distinct_neighbour_runs(self.optimizer) is not None:
                 self._recorder.optimizer_cut = True  # stepped by runs: not every parameter
         super()._step_by_runs()
+
+
+    @classmethod
+    def for_small_build(cls) -> type:
+        """A recording type like this one, recording into a store of its own: one small build's
+        (``probing.affine_blocks.FewBlocksSession``); ``extend_small_builds`` extends theirs."""
+        return recording_session({})
+
+    @classmethod
+    def extend_small_builds(cls, n: int, builds: list[type], *, units: int, repeats: int) -> None:
+        """Into this type's store, the step at ``n`` of the whole model (``repeats`` units of
+        blocks) from the steps the ``builds`` (``for_small_build`` types of ``units``, ``units +
+        1`` and ``units + 2`` units) recorded: where each recorded it and the three extend
+        (``timing.extend``); else nothing, and the ranking counts the step on the full build."""
+        steps = [build._into.get(n) for build in builds]
+        if all(step is not None for step in steps):
+            extended = extend_step_costs(steps, units=units, repeats=repeats)
+            if extended is not None:
+                cls._into[n] = extended
 
 
 def recording_session(store: dict[int, StepCosts]) -> type:
