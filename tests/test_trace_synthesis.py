@@ -385,6 +385,43 @@ def test_a_trial_past_the_planners_limit_stops_at_its_tensor_floor(built):
 
 
 @pytest.mark.slow
+def test_a_tensor_floor_without_synthesis_stops_a_trial_past_the_limit_too(monkeypatch):
+    # The floor of a TensorFloorSession (settings that do not synthesize: here synthesis is off)
+    # rules a trial out past the caller's limit as the synthesized floor does: no full build.
+    from autotune.probing.api import window_trial
+
+    full = []
+    original = affine_blocks.TensorFloorSession._fresh_trial
+
+    def fresh(self, *args):
+        full.append(args[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(affine_blocks.TensorFloorSession, "_fresh_trial", fresh)
+    monkeypatch.setattr(affine_blocks, "FLOOR_MIN_BLOCKS", 0)
+
+    def trial(limit, backend=None):
+        full.clear()
+        backend = backend or EstimateMemoryBackend(3000 * MiB, for_cuda=True, target=_h100(3000 * MiB))
+        return window_trial(MODEL, backend, micro_batch=16, window=1, precision="bf16",
+                            checkpointing="on", limit=limit, **FSDP8)
+
+    with synthesized_traces(False):
+        whole = trial(None)
+        assert whole.fits and whole.past_limit is None and full == [16]
+        tensors = whole.allocated_peak_bytes
+        below = trial(tensors - MiB)
+        assert full == [] and not below.fits and below.past_limit == tensors - MiB
+        assert tensors - MiB < below.peak_bytes <= tensors  # the small builds' tensors, extended
+        assert trial(whole.peak_bytes).fits and full == [16]  # within the limit: the full build answers
+        # A planner's memo: the floor remembered answers within the limit it was ruled out past.
+        planner = EstimateMemoryBackend(3000 * MiB, for_cuda=True, target=_h100(3000 * MiB))
+        planner.trials_memo = {}
+        assert trial(tensors - MiB, planner).past_limit == tensors - MiB and full == []
+        assert trial(None, planner).fits and full == [16]
+
+
+@pytest.mark.slow
 def test_the_probe_plans_within_its_limit_above_micro_batch_1(built):
     # A planner's probe passes its limit (the budget less the headroom): a trial above
     # micro-batch 1 whose tensors pass it stops at the floor, as good as out of memory to the

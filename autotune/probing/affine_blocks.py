@@ -844,7 +844,7 @@ class TensorFloorSession(FreshTrialsSession):
             floor = self._remembered_floor(n, window, micro_batches)
             if floor is None:
                 return False
-            if not floor.fits:
+            if not self._within(floor).fits:
                 return True
         return super().knows(n, window=window, micro_batches=micro_batches)
 
@@ -856,11 +856,25 @@ class TensorFloorSession(FreshTrialsSession):
                 if self.backend.trials_memo is not None:
                     self.backend.trials_memo[self._floor_key(n, window, micro_batches)] = \
                         dataclasses.replace(floor)
+            floor = self._within(floor)
             if not floor.fits:
                 self.floored_trials += 1
                 return floor
             self._floor_passed = True
         return super().run(n, window=window, micro_batches=micro_batches)
+
+    def _within(self, floor: Trial) -> Trial:
+        """``floor`` (the small builds' tensors, within the budget or not) as the trial's answer
+        where its tensors pass the backend's ``limit_bytes`` (what the caller plans within):
+        out of memory to it, marked ``past_limit``, as a synthesized trial's floor is
+        (``FewBlocksSession._tensor_floor``); else ``floor`` itself (a floor within the limit only
+        says the full build must answer)."""
+        limit = self.backend.limit_bytes
+        if not floor.fits or limit is None or floor.peak_bytes <= limit:
+            return floor
+        return dataclasses.replace(floor, fits=False, past_limit=limit, activation_peak_bytes=None,
+                                   step_peak_bytes=None, reserved_peak_bytes=None,
+                                   allocated_peak_bytes=None)
 
     def _floor_key(self, n: int, window: int, micro_batches) -> tuple:
         return ("tensor floor", self._memo_key(n, window, micro_batches))
