@@ -719,11 +719,16 @@ def test_a_layouts_step_time_adds_exposed_tensor_parallel_collectives_and_the_bu
     assert timed.step_s == pytest.approx(busy * 1.5) and timed.bubble_s == pytest.approx(busy * 0.5)
     # One data-parallel rank's 4 samples are computed by its 4 GPUs.
     assert timed.samples_per_s == pytest.approx(4 / timed.step_s / 4)
+    assert timed.tokens_per_s == pytest.approx(4 * 1024 / timed.step_s / 4)
+    # Without a sequence length (a plan without --seq-len), the window's tokens per GPU likewise.
+    unsized = with_layout(base, layout, micro_batches=[2, 2], seq_len=None, hidden=4096, blocks=8,
+                          activation_bytes=2, network=network)
+    assert unsized.tokens_per_s == pytest.approx(4 * 1024 / unsized.step_s / 4)
     assert with_layout(base, Layout(), micro_batches=[2, 2], seq_len=1024, hidden=4096, blocks=8,
                        activation_bytes=2, network=network) == base
 
 
-def test_a_fixed_layouts_predicted_step_time_is_per_gpu_with_its_collectives(examples_dir, one_thread):
+def test_a_fixed_layouts_predicted_step_time_is_per_gpu_with_its_collectives(examples_dir, one_thread, monkeypatch):
     from autotune import plan
     from autotune.orchestration.planner import inspect_workload
     from autotune.timing.comm import network_from_profile
@@ -731,15 +736,31 @@ def test_a_fixed_layouts_predicted_step_time_is_per_gpu_with_its_collectives(exa
     from autotune.timing.layout import tensor_parallel_seconds
     from autotune.gpus.catalog import load_profile
 
+    from autotune.orchestration import predicted
+    from autotune.timing.window import tokens_per_sample
+
+    sequences = []
+    original = predicted.with_layout
+
+    def spy(timed, layout, **kwargs):
+        sequences.append(kwargs["seq_len"])
+        return original(timed, layout, **kwargs)
+
+    monkeypatch.setattr(predicted, "with_layout", spy)
     planned = plan(examples_dir / "tiny_lm.py", target_batch=8, world_size=2, tp=2, gpu="h100-80gb",
                    optimize="throughput", sharding="fsdp", eval_batch=False)
     timed, samples = planned.step_time, sum(planned.micro_batches)
-    # One data-parallel rank's samples are computed by its 2 tensor-parallel GPUs.
+    # One data-parallel rank's samples (and their tokens) are computed by its 2 tensor-parallel GPUs.
     assert timed.samples_per_s == pytest.approx(samples / timed.step_s / 2)
     workload = load_workload(examples_dir / "tiny_lm.py")
+    tokens = tokens_per_sample(workload)
+    assert workload.seq_len is None and tokens > 1
+    assert timed.tokens_per_s == pytest.approx(timed.samples_per_s * tokens)
+    # Planned without --seq-len, the tensor-parallel collectives move the batch's tokens.
+    assert sequences and set(sequences) == {tokens}
     _, shape = inspect_workload(workload)
     network = network_from_profile(load_profile("h100-80gb"))
-    tp_comm = sum(tensor_parallel_seconds(planned.parallel, tokens=n * (workload.seq_len or 1),
+    tp_comm = sum(tensor_parallel_seconds(planned.parallel, tokens=n * tokens,
                                           hidden=shape.hidden, blocks=shape.blocks, activation_bytes=2,
                                           network=network)
                   for n in planned.micro_batches)

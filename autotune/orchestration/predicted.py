@@ -104,12 +104,15 @@ def fastest_predicted(planner) -> Plan:
 def _in_layout(planner, timed, split: list[int], precision, network):
     """``timed`` (a data-parallel rank's window) with the plan's model-parallel layout's exposed
     tensor-parallel collectives and pipeline bubble, per GPU (``timing.layout.with_layout``):
-    within a pipeline a split of fewer micro-batches idles longer."""
+    within a pipeline a split of fewer micro-batches idles longer. A sample's tokens are the
+    plan's sequence length, else the batch's (``tokens_per_sample``: a plan without --seq-len
+    still moves each sample's activations through the tensor-parallel collectives)."""
     parallel = planner.options.parallel
     if parallel.trivial:
         return timed
     shape = planner.shape
-    return with_layout(timed, parallel, micro_batches=split, seq_len=planner.workload.seq_len,
+    seq_len = planner.workload.seq_len or tokens_per_sample(planner.workload)
+    return with_layout(timed, parallel, micro_batches=split, seq_len=seq_len,
                        hidden=shape.hidden, blocks=shape.blocks,
                        activation_bytes=4 if Precision.parse(precision) is Precision.FP32 else 2,
                        network=network)

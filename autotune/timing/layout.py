@@ -66,8 +66,8 @@ def with_layout(time: WindowTime, layout: Layout, *, micro_batches: list[int], s
         bubble_s=time.bubble_s + bubble,
         # Per GPU: one data-parallel rank's samples are shared by its tp × cp × pp ranks.
         samples_per_s=samples / step / layout.model_parallel,
-        tokens_per_s=(samples * seq_len / step / layout.model_parallel
-                      if time.tokens_per_s is not None and seq_len else time.tokens_per_s),
+        tokens_per_s=(None if time.tokens_per_s is None else samples * seq_len / step / layout.model_parallel
+                      if seq_len else time.tokens_per_s * time.step_s / step / layout.model_parallel),
         mfu=time.mfu * time.step_s / step if time.mfu is not None else None)
 
 
