@@ -13,7 +13,8 @@ Two tables (bench/README.md, "llama_plans.py"):
    process: its CPU seconds, wall seconds and peak RSS (getrusage), the layout the search chose,
    its split, checkpointing and per-rank peak, how many layouts it estimated and which it could
    not (a split this build lacks), and where ``--full`` asks, the same plan from full builds with
-   its seconds. ``--reasons`` adds the layout reason and each candidate's CPU seconds (timed
+   its seconds. ``--optimize throughput`` ranks the layouts by predicted throughput instead of the
+   fewest accumulation steps. ``--reasons`` adds the layout reason and each candidate's CPU seconds (timed
    around the search's planning of it, in the same process). ``--fixed`` plans data parallel
    only (the degrees at 1), as before the search.
 
@@ -97,11 +98,11 @@ def _check_rows(shape: str) -> list[dict]:
     return rows
 
 
-def plan(shape: str, out: pathlib.Path, *, full: bool, search: bool = True) -> dict:
+def plan(shape: str, out: pathlib.Path, *, full: bool, search: bool = True, optimize: str = "memory") -> dict:
     world, target, seq = PLANS[shape]
     command = ["-m", "autotune", "plan", str(ROOT / "bench" / "llama_like.py"), "--gpu",
                "h100-80gb", "--gpus-per-node", "8", "--world-size", str(world), "--target-batch",
-               str(target), "--seq-len", str(seq), "-o", str(out)]
+               str(target), "--seq-len", str(seq), "--optimize", optimize, "-o", str(out)]
     if search:
         command += ["--tp", "auto", "--cp", "auto", "--pp", "auto"]
     # The same command, each candidate layout's planning timed (CPU seconds, on stderr), and
@@ -191,6 +192,8 @@ def main() -> int:
     parser.add_argument("--fixed", action="store_true",
                         help="plan data parallel only (--tp/--cp/--pp 1), as before the layout search")
     parser.add_argument("--reasons", action="store_true", help="print each plan's layout reason")
+    parser.add_argument("--optimize", choices=("memory", "throughput"), default="memory",
+                        help="--plan's rule: the fewest steps (memory) or the predicted throughput")
     args = parser.parse_args()
     ok = True
     if args.check:
@@ -216,7 +219,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="llama_plans_") as tmp:
             for shape in args.plan:
                 world, target, seq = PLANS[shape]
-                found = plan(shape, pathlib.Path(tmp) / f"{shape}.json", full=False, search=not args.fixed)
+                found = plan(shape, pathlib.Path(tmp) / f"{shape}.json", full=False, search=not args.fixed,
+                             optimize=args.optimize)
                 made = found["plan"]
                 ok = ok and found["cpu_s"] < 60 and found["rss_gib"] < 2
                 head = (f"| {shape} | {world} | {target} | {seq} | {found['cpu_s']:.0f} | "
@@ -231,7 +235,7 @@ def main() -> int:
                 versus, same = "not run", "-"
                 if shape in args.full:
                     before = plan(shape, pathlib.Path(tmp) / f"{shape}-full.json", full=True,
-                                  search=not args.fixed)
+                                  search=not args.fixed, optimize=args.optimize)
                     versus = f"{before['cpu_s']:.0f} ({before['cpu_s'] / found['cpu_s']:.1f}x)"
                     keys = ("micro_batches", "sharding", "shard_group", "checkpointing",
                             "predicted_peak_bytes", "parallel")
