@@ -13,6 +13,10 @@ from autotune.timing.count import count_steps_costs
 from autotune.timing.recorded import recording_session
 
 from conftest import ROOT
+from autotune.distributed.context_parallel import cpu_ring_available
+
+NEEDS_CPU_RING = pytest.mark.skipif(not cpu_ring_available(), reason=(
+    "context parallelism on CPU tensors needs torch 2.14's sharding-rule hooks"))
 
 TINY_LM = str(ROOT / "examples" / "tiny_lm.py")
 MLP = str(ROOT / "examples" / "mlp.py")
@@ -80,7 +84,8 @@ LLAMA12 = str(ROOT / "tests" / "twelve_block_llama.py")
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("sharding, world, layout", [
-    ("fsdp", 2, {}), ("fsdp-offload", 2, {}), ("fsdp", 4, dict(tp=2)), ("fsdp", 4, dict(cp=2)),
+    ("fsdp", 2, {}), ("fsdp-offload", 2, {}), ("fsdp", 4, dict(tp=2)),
+    pytest.param("fsdp", 4, dict(cp=2), marks=NEEDS_CPU_RING),
 ])
 def test_a_step_counted_without_a_warm_up_step_counts_what_one_after_it_counts(
         monkeypatch, sharding, world, layout):
@@ -121,7 +126,7 @@ def test_without_shadowing_the_first_steps_one_time_work_the_cold_count_differs(
     ("fsdp", 2, {}, "on"), ("fsdp", 2, {}, "off"),
     # Context parallel (and on this tiny model, neither ddp nor tensor parallel synthesizes its
     # allocator trace: those run the full build; tests/test_extend_costs.py extends their counts).
-    pytest.param("fsdp", 4, dict(cp=2), "on", marks=pytest.mark.slow),
+    pytest.param("fsdp", 4, dict(cp=2), "on", marks=[pytest.mark.slow, NEEDS_CPU_RING]),
 ])
 def test_a_synthesized_probe_records_the_whole_models_step_from_its_small_builds(
         monkeypatch, sharding, world, layout, checkpointing):
