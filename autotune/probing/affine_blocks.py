@@ -209,6 +209,30 @@ def layout_session(workload, backend, *, session_type, precision, checkpointing,
         yield session_type(step_workload, backend, parallel=parallel, **session_args)
 
 
+def _resolved(checkpointing, total: int, source: str) -> Checkpointing:
+    """What ``checkpointing`` asks of a model of ``total`` identical blocks."""
+    request = CheckpointingRequest.parse(checkpointing, allow_auto=False)
+    return Checkpointing.every_block(total) if request.value == "on" else request.resolve(total, source=source)
+
+
+def _in_three_builds(pattern: BlockPattern | None, total: int) -> bool:
+    """Whether ``pattern`` repeats in three small builds (no prefix) that are smaller than the
+    model and, together, hold at most ``SYNTHESIS_MAX_SHARE`` of its blocks."""
+    if pattern is None or pattern.prefix or pattern.blocks(pattern.small[1] + 1) >= total:
+        return False
+    sizes = [pattern.blocks(m) for m in (*pattern.small, pattern.small[1] + 1)]
+    return SYNTHESIS_MAX_SHARE is None or sum(sizes) <= SYNTHESIS_MAX_SHARE * total
+
+
+def checkpoint_first_blocks(session, indices, blocks: int, source: str) -> None:
+    """Checkpoint the blocks at ``indices`` of a session's small build of ``blocks`` blocks."""
+    if len(indices) in (0, blocks):  # off, or every block (a model's own switch included)
+        session.set_checkpointing("on" if indices else "off")
+        return
+    session.set_checkpointing("off")
+    session.checkpointed_blocks = enable_checkpointing(session.model, source=source, indices=list(indices))
+
+
 @dataclasses.dataclass(frozen=True)
 class SmallBuild:
     """One small build a step count extends from: the first ``blocks`` of the model's repeated
@@ -230,17 +254,11 @@ def small_builds(workload, checkpointing, *, parallel=None) -> tuple[BlockPatter
     total = identical_block_count(workload)
     if total is None:
         return None
-    request = CheckpointingRequest.parse(checkpointing, allow_auto=False)
-    resolved = (Checkpointing.every_block(total) if request.value == "on"
-                else request.resolve(total, source=workload.source))
-    pattern = block_pattern(resolved.count or 0, total)
-    if pattern is None or pattern.prefix:
+    pattern = block_pattern(_resolved(checkpointing, total, workload.source).count or 0, total)
+    if not _in_three_builds(pattern, total):
         return None
-    units = (*pattern.small, pattern.small[1] + 1)
-    sizes = [pattern.blocks(m) for m in units]
-    if sizes[-1] >= total or SYNTHESIS_MAX_SHARE is not None and sum(sizes) > SYNTHESIS_MAX_SHARE * total:
-        return None
-    return pattern, [SmallBuild(size, tuple(pattern.checkpointed(m))) for size, m in zip(sizes, units)]
+    return pattern, [SmallBuild(pattern.blocks(m), tuple(pattern.checkpointed(m)))
+                     for m in (*pattern.small, pattern.small[1] + 1)]
 
 
 def first_blocks(workload, build: SmallBuild):
@@ -496,20 +514,15 @@ class FewBlocksSession:
             stack.close()
 
     def set_checkpointing(self, checkpointing) -> int:
-        request = CheckpointingRequest.parse(checkpointing, allow_auto=False)
         total = self.total_blocks
-        self.checkpointing = (Checkpointing.every_block(total) if request.value == "on"
-                              else request.resolve(total, source=self.workload.source))
+        self.checkpointing = _resolved(checkpointing, total, self.workload.source)
         self.checkpointed_blocks = self.checkpointing.count or 0
         self._pattern = None if self._dropped_ran else block_pattern(self.checkpointed_blocks, total)
         if self._traced:
             self._close_children()  # every trial on builds of its own, set up as this setting says
             # Synthesis needs a third small build, no prefix, and small builds that cost less than
             # the model's (SYNTHESIS_MAX_SHARE).
-            self.synthesizable = not (
-                self._pattern is None or self._pattern.prefix
-                or self._pattern.blocks(self._pattern.small[1] + 1) >= total
-                or SYNTHESIS_MAX_SHARE is not None and sum(self._sizes()) > SYNTHESIS_MAX_SHARE * total)
+            self.synthesizable = _in_three_builds(self._pattern, total)
             # Built when a trial (or what only they know) needs them: a session whose trial the
             # planner's memo answers, or whose setting changes first, sets up none.
             return self.checkpointed_blocks
@@ -674,13 +687,7 @@ class FewBlocksSession:
             session.set_checkpointing(self.checkpointing)
             return
         repeats = self._pattern.small[0] + self._sizes().index(size)
-        indices = self._pattern.checkpointed(repeats)
-        if len(indices) in (0, size):  # off, or every block (a model's own switch included)
-            session.set_checkpointing("on" if indices else "off")
-            return
-        session.set_checkpointing("off")
-        session.checkpointed_blocks = enable_checkpointing(session.model, source=self.workload.source,
-                                                           indices=indices)
+        checkpoint_first_blocks(session, self._pattern.checkpointed(repeats), size, self.workload.source)
 
     def _checkpoint_from_setup(self, session, size: int) -> None:
         def set_checkpointing(checkpointing):
@@ -749,8 +756,7 @@ class FewBlocksSession:
         them may not: a dropped block ran (left on the meta device), or the model holds a meta
         tensor ``build_fake_model`` could not find (in a list, say). From then on, this session's
         builds are cut after; a genuine error comes back from them."""
-        cause = exc.__cause__ if isinstance(exc, StepError) and exc.__cause__ is not None else exc
-        if not self._early or not (self._dropped_ran or may_build_elsewhere(cause)):
+        if not self._early or not (self._dropped_ran or built_whole_instead(exc)):
             return False
         self._early = False
         return True
@@ -1127,5 +1133,5 @@ def _raising(dropped_ran):
 
 
 __all__ = ["BlockPattern", "DroppedBlockRan", "FewBlocksSession", "SmallBuild", "TensorFloorSession", "block_pattern",
-           "built_whole_instead", "extend", "first_blocks", "full_builds", "identical_block_count", "layout_session", "small_builds",
+           "built_whole_instead", "checkpoint_first_blocks", "extend", "first_blocks", "full_builds", "identical_block_count", "layout_session", "small_builds",
            "synthesized_traces"]

@@ -16,10 +16,9 @@ from ..memory.base import DeviceInfo
 from ..memory.fake import EstimateMemoryBackend, checked_micro_batch, fake_tensor_limits, on_fake_tensors
 from ..precision import Precision
 from ..distributed.sharding.settings import Sharding
-from ..workload.activation_checkpointing import enable_checkpointing
 from ..workload.checkpoint_count import CheckpointingRequest
 from ..workload.contract import load_workload
-from .affine_blocks import first_blocks, layout_session
+from .affine_blocks import checkpoint_first_blocks, first_blocks, layout_session
 from .trial import TrialSession, optimizer_state_tensors
 
 
@@ -140,9 +139,8 @@ def estimate_session(workload, *, precision, checkpointing, sharding, world_size
     target = DeviceInfo(kind="cuda", name=for_cuda, budget_bytes=0) if for_cuda else None
     backend = EstimateMemoryBackend(offload=sharding.offload, for_cuda=bool(for_cuda), target=target)
     fake = on_fake_tensors(workload, foreach=backend.for_cuda)
-    if build is not None:
-        fake = first_blocks(fake, build)
-        checkpointing = "on" if len(build.checkpointed) == build.blocks and build.blocks else "off"
+    if build is not None:  # checkpointed as the build says once set up
+        fake, checkpointing = first_blocks(fake, build), CheckpointingRequest.parse("off")
     # Other counts of the step (a subclass) see every block: only the bytes are extended.
     with layout_session(fake, backend,
                         session_type=session_type or EstimateSession, few_blocks=session_type is None,
@@ -151,9 +149,8 @@ def estimate_session(workload, *, precision, checkpointing, sharding, world_size
                         reduce_every_micro_step=reduce_every, parallel=parallel,
                         fake_rank=fake_rank) as session:
         with fake_tensor_limits(workload), session:
-            if build is not None and 0 < len(build.checkpointed) < build.blocks:
-                session.checkpointed_blocks = enable_checkpointing(
-                    session.model, source=workload.source, indices=list(build.checkpointed))
+            if build is not None:
+                checkpoint_first_blocks(session, build.checkpointed, build.blocks, workload.source)
             yield session
 
 

@@ -80,7 +80,6 @@ class RecordingSession(_RecordsSteps, EstimateSession):
                 self._recorder.optimizer_cut = True  # stepped by runs: not every parameter
         super()._step_by_runs()
 
-
     @classmethod
     def for_small_build(cls) -> type:
         """A recording type like this one, recording into a store of its own: one small build's
