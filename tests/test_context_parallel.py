@@ -127,10 +127,12 @@ def test_estimate_matches_a_real_two_rank_context_parallel_run(tmp_path, model):
     # as for FSDP and TP (typical_peak): a single repeat can pass it where a gloo thread lets go of
     # a buffer late (HF Llama at 2, once the CPU backend stopped counting DTensor's propagation
     # temporaries: 327,280 bytes estimated, repeats of 327,280, 337,520 and 327,280, +3.03%).
+    # Five repeats, not three: two late releases of three moved the median itself (HF Llama at 2,
+    # 2026-12-05: 327,280 estimated against 337,520, 327,280 and 362,096, the median 3.03% above).
     sizes = [2, 4, 8]
     model_file = TESTS / f"{model}.py"
     estimated = estimate_peaks(model_file, sizes, sharding="fsdp", world_size=2, parallel=Layout(cp=2))
-    real = real_fsdp_peaks(model_file, 2, sizes, tmp_path, cp=2)
+    real = real_fsdp_peaks(model_file, 2, sizes, tmp_path, cp=2, repeats=5)
     for n in sizes:
         typical = typical_peak(real[n])
         assert abs(estimated[n] - typical) <= 0.03 * typical, (n, estimated[n], real[n])
