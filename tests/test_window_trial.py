@@ -14,7 +14,9 @@ import pytest
 
 import autotune
 from autotune.memory import backend_for
+from autotune.distributed.layout import Layout
 from autotune.orchestration.verify import plan_window, verify_plan
+from autotune.planning.policy import PlanRequest, split_for
 from autotune.precision import Precision
 from autotune.probing.estimate import estimate_peak
 from autotune.probing.result import Trial
@@ -156,6 +158,45 @@ def test_steps_only_tries_the_micro_batches_that_change_the_steps_and_plans_the_
             assert best <= largest and best in useful and -(-share // best) == -(-share // largest)
         else:
             assert best == 0
+
+
+@pytest.mark.parametrize("share, pp", [(2, 2), (8, 2), (12, 2), (16, 2), (16, 4), (30, 2), (128, 8), (7, 2)])
+def test_a_pipelines_steps_only_search_tries_the_divisors_of_its_share_and_plans_the_same_split(share, pp):
+    # A pipeline plans equal micro-batches (policy.split_for: the largest divisor of the share
+    # within what fits, at most share / pp): 8B under FSDP 4 x PP 2 (share 16) tried 16 (pp
+    # micro-batches of 16, twice the share), then 3 (planned as 2 x 8, counted again at 2).
+    upper = max(1, share // pp)
+    divisors = [n for n in range(1, upper + 1) if share % n == 0]
+    for largest in range(0, upper + 2):
+        runs = {True: [], False: []}
+
+        def run(n, even):
+            runs[even].append(n)
+            return _trial(n, fits=n <= largest, window=n < share)
+
+        plain, _, _ = search_with_share(lambda n: run(n, False), budget=largest, upper=upper, share=share,
+                                        steps_only=True)
+        best, _, _ = search_with_share(lambda n: run(n, True), budget=largest, upper=upper, share=share,
+                                       steps_only=True, even=True)
+        assert set(runs[True]) <= set(divisors), (largest, runs[True])
+        reachable = [n for n in divisors if n <= largest]
+        assert best == (reachable[-1] if reachable else 0), (largest, runs[True])
+        assert split_for(best, _pipeline_request(share, pp)) == split_for(plain, _pipeline_request(share, pp))
+        assert len(runs[True]) <= len(runs[False])
+        assert len(set(runs[True])) == len(runs[True])  # nothing measured twice
+
+
+def _pipeline_request(share: int, pp: int):
+    return PlanRequest(target_batch=share * 2, world_size=2 * pp, parallel=Layout(pp=pp) if pp > 1 else Layout())
+
+
+def test_a_pipelines_probe_goes_no_higher_than_its_share_over_pp():
+    # torch's schedules run at least pp micro-batches: above share / pp a trial would run more
+    # samples than the plan takes.
+    assert _pipeline_request(16, 2).wanted_micro_batch == 8
+    assert _pipeline_request(128, 8).wanted_micro_batch == 16
+    assert _pipeline_request(16, 1).wanted_micro_batch == 16
+    assert dataclasses.replace(_pipeline_request(16, 2), micro_batch=4).wanted_micro_batch == 4
 
 
 def test_steps_only_proves_a_share_of_4_in_two_trials():

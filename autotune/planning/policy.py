@@ -101,8 +101,12 @@ class PlanRequest:
 
     @property
     def wanted_micro_batch(self) -> int:
-        """The largest micro-batch worth probing for: the pinned one, else the whole share."""
-        return self.micro_batch if self.micro_batch is not None else self.share
+        """The largest micro-batch worth probing for: the pinned one, else the whole share; a
+        pipeline's share over pp micro-batches, the fewest its schedule runs (a trial at the share
+        would run pp micro-batches of it: pp times the samples a plan takes)."""
+        if self.micro_batch is not None:
+            return self.micro_batch
+        return max(1, self.share // self.parallel.pp)
 
 
 def _check_positive_int(value, name: str, maximum: int | None = None) -> None:

@@ -160,6 +160,9 @@ def probe(
                     # own) cost tens of seconds at 70B: only the micro-batches that change the
                     # plan's accumulation steps.
                     steps_only=estimating and backend.allocator is not None,
+                    # A pipeline plans equal micro-batches (policy.split_for): of those, the
+                    # divisors of the share; any other is planned as the divisor below it.
+                    even=parallel is not None and parallel.pp > 1,
                     limit=limit, least=least, known=known,
                 )
         except SetupOutOfMemory as exc:

@@ -164,7 +164,7 @@ def _floor(x: float) -> float:
 def search_largest_fitting(
     run_trial: Callable[[int], Trial], *, budget: int, upper: int | None, hint: int | None = None,
     estimate: Callable[[int], float] | None = None, share: int | None = None,
-    known: Callable[[int], bool] | None = None,
+    known: Callable[[int], bool] | None = None, even: bool = False,
 ) -> tuple[int, list[Trial], MemoryModel]:
     """Exact largest n in [1, upper] for which ``run_trial(n).fits``; 0 when n = 1 does not fit.
 
@@ -184,7 +184,9 @@ def search_largest_fitting(
     ``share`` (samples per optimizer step): only the micro-batches that take fewer accumulation
     steps than every smaller one are tried (``ceil(share / k)`` for k steps), and the answer is
     the largest of them that fits, proven by a failure at the next one: a micro-batch between
-    takes as many steps as the one below it, so the plan's split is the same.
+    takes as many steps as the one below it, so the plan's split is the same. With ``even``
+    (a pipeline's split: equal micro-batches), only the divisors of ``share``: any other
+    micro-batch plans the even split of the largest divisor below it.
 
     ``known(n)``: whether the trial at n costs nothing (a memo answers it: a layout screen ran
     it). Before any of those micro-batches is known to fit, the largest known one is tried first
@@ -199,13 +201,13 @@ def search_largest_fitting(
         """``n``, or the largest useful micro-batch below it, or the next one above ``lo``."""
         if share is None:
             return n
-        n = -(-share // -(-share // n))
-        return n if n > lo else _next_useful(lo, share)
+        n = max(m for m in useful_micro_batches(n, share, even=even)) if even else -(-share // -(-share // n))
+        return n if n > lo else _next_useful(lo, share, even=even)
 
     def open_bracket() -> bool:
         if share is None:
             return hi is None or hi - lo > 1
-        above = _next_useful(lo, share)
+        above = _next_useful(lo, share, even=even)
         return above is not None and (hi is None or above < hi)
 
     def record(n: int) -> Trial:
@@ -233,7 +235,7 @@ def search_largest_fitting(
     while lo == 0 and share is not None:
         # Only a few micro-batches change the steps: halve them (the upper middle one first, a
         # fit proves the answer where it is the largest below a failure) until one fits.
-        values = [n for n in useful_micro_batches(share, share) if hi is None or n < hi]
+        values = [n for n in useful_micro_batches(share, share, even=even) if hi is None or n < hi]
         if not values:
             return 0, trials, fit_memory_model(trials)
         free = [n for n in values if known is not None and known(n)]
@@ -253,15 +255,20 @@ def search_largest_fitting(
     return lo, trials, fit_memory_model(trials)
 
 
-def useful_micro_batches(top: int, share: int) -> list[int]:
+def useful_micro_batches(top: int, share: int, *, even: bool = False) -> list[int]:
     """The micro-batches up to ``top`` that take fewer accumulation steps of ``share`` samples
-    than every smaller one, ascending."""
+    than every smaller one, ascending; with ``even`` (equal micro-batches only), the divisors
+    of ``share``."""
+    if even:
+        return [n for n in range(1, min(top, share) + 1) if share % n == 0]
     return sorted(n for n in {-(-share // steps) for steps in range(1, share + 1)} if n <= top)
 
 
-def _next_useful(n: int, share: int) -> int | None:
+def _next_useful(n: int, share: int, *, even: bool = False) -> int | None:
     """The smallest micro-batch above ``n`` that takes fewer accumulation steps of ``share``
-    samples than ``n`` (None: ``n`` takes one)."""
+    samples than ``n`` (None: ``n`` takes one); with ``even``, the next divisor of ``share``."""
+    if even:
+        return next((m for m in range(max(n, 0) + 1, share + 1) if share % m == 0), None)
     steps = -(-share // n) if n > 0 else share + 1
     return -(-share // (steps - 1)) if steps > 1 else None
 

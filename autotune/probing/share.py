@@ -31,7 +31,7 @@ def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: 
                       share: int | None, hint: int | None = None, estimate=None,
                       try_share: bool = True, steps_only: bool = False,
                       limit: int | None = None, least: int | None = None,
-                      known=None) -> tuple[int, list[Trial], MemoryModel]:
+                      known=None, even: bool = False) -> tuple[int, list[Trial], MemoryModel]:
     """``search_largest_fitting`` for a probe that plans for ``share`` samples per rank.
 
     Where ``upper`` reaches the share, one step at the share is tried first (unless
@@ -40,7 +40,8 @@ def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: 
     memory model is theirs. ``hint`` and ``estimate``: see ``search_largest_fitting``.
     ``steps_only``: below the share, try only the micro-batches that take fewer accumulation
     steps than every smaller one (``search_largest_fitting``'s ``share``): the answer is the
-    largest of those that fits, and the plan's split the same as from the exact largest.
+    largest of those that fits, and the plan's split the same as from the exact largest;
+    ``even`` (a pipeline's equal micro-batches, with ``steps_only``): the divisors of the share.
     ``limit`` (what a plan may hold: the budget less the headroom): see ``_down_to_limit``.
     ``least`` (at least ``upper``): no micro-batch below ``upper`` is worth a trial (a smaller
     shard group is planned only where it reaches the whole world's steps): one trial at
@@ -51,11 +52,12 @@ def search_with_share(run_trial: Callable[[int], Trial], *, budget: int, upper: 
         return (upper if trial.fits else 0), [trial], fit_memory_model([trial])
     best, trials, model = _search(run_trial, budget=budget, upper=upper, share=share, hint=hint,
                                   estimate=estimate, try_share=try_share, steps_only=steps_only,
-                                  known=known)
-    return _down_to_limit(run_trial, best, trials, model, share=share, limit=limit)
+                                  known=known, even=even and steps_only)
+    return _down_to_limit(run_trial, best, trials, model, share=share, limit=limit,
+                          even=even and steps_only)
 
 
-def _search(run_trial, *, budget, upper, share, hint, estimate, try_share, steps_only, known):
+def _search(run_trial, *, budget, upper, share, hint, estimate, try_share, steps_only, known, even):
     first: list[Trial] = []
     if share is not None and upper is not None and upper >= share:
         if try_share:
@@ -69,14 +71,15 @@ def _search(run_trial, *, budget, upper, share, hint, estimate, try_share, steps
         if hint is not None:
             hint = min(hint, upper)
     best, trials, model = search_largest_fitting(run_trial, budget=budget, upper=upper, hint=hint,
-                                                 estimate=estimate, known=known,
+                                                 estimate=estimate, known=known, even=even,
                                                  share=share if steps_only and share is not None and upper is not None and upper < share
                                                  else None)
     return best, first + trials, model
 
 
 def _down_to_limit(run_trial: Callable[[int], Trial], best: int, trials: list[Trial], model: MemoryModel,
-                   *, share: int | None, limit: int | None) -> tuple[int, list[Trial], MemoryModel]:
+                   *, share: int | None, limit: int | None,
+                   even: bool = False) -> tuple[int, list[Trial], MemoryModel]:
     """Where the largest micro-batch that fits the budget (``best``, the probe's answer) holds
     more than ``limit``, the largest below it within ``limit``, measured: the plan's micro-batch
     is then a trial's, not the memory model's guess from points past the limit. 70B under FSDP on
@@ -92,7 +95,8 @@ def _down_to_limit(run_trial: Callable[[int], Trial], best: int, trials: list[Tr
     top = next((t for t in trials if t.micro_batch == best and t.fits), None)
     if limit is None or top is None or top.peak_bytes <= limit:
         return best, trials, model
-    candidates = useful_micro_batches(best - 1, share) if share is not None else list(range(1, best))
+    candidates = (useful_micro_batches(best - 1, share, even=even) if share is not None
+                  else list(range(1, best)))
     added: list[Trial] = []
     within, trust = False, True
     while candidates:
