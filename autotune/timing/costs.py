@@ -145,4 +145,18 @@ def _check_choice(what: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{what} {value!r} is not one of {allowed}")
 
 
-__all__ = ["COLLECTIVE_KINDS", "CollectiveCall", "KERNELS", "OP_CLASSES", "OpCost", "PHASES", "StepCosts"]
+def causal_share(queries: int, keys: int) -> float:
+    """The share of a queries × keys attention score matrix a top-left causal mask keeps (query i
+    sees keys 0..i, ``torch.ones(L, S).tril()`` in scaled_dot_product_attention's docs): the
+    FLOPs a causal flash or memory-efficient kernel computes of the whole square's."""
+    if queries <= 0 or keys <= 0:
+        return 1.0
+    if queries <= keys:
+        kept = queries * (queries + 1) // 2
+    else:
+        kept = keys * (keys + 1) // 2 + (queries - keys) * keys
+    return kept / (queries * keys)
+
+
+__all__ = ["COLLECTIVE_KINDS", "CollectiveCall", "KERNELS", "OP_CLASSES", "OpCost", "PHASES", "StepCosts",
+           "causal_share"]

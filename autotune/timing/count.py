@@ -29,7 +29,7 @@ from ..probing.affine_blocks import built_whole_instead, small_builds
 from ..probing.estimate import EstimateSession, _on_local_shards, estimate_session
 from ..workload.contract import load_workload
 from ..probing.trial import TrialSession
-from .costs import CollectiveCall, OpCost, StepCosts
+from .costs import CollectiveCall, OpCost, StepCosts, causal_share
 from .extend import extend_step_costs
 
 
@@ -538,6 +538,10 @@ _BYTE_FAMILIES = ("batch_norm", "layer_norm", "softmax", "embedding", "nll_loss"
 
 
 def _flops(func, args, kwargs, out) -> float:
+    return _dense_flops(func, args, kwargs, out) * _causal_share(func, args, kwargs)
+
+
+def _dense_flops(func, args, kwargs, out) -> float:
     formula = flop_counter.flop_registry.get(func._overloadpacket)
     if formula is not None:
         return float(formula(*args, **kwargs, out_val=out))
@@ -550,6 +554,27 @@ def _flops(func, args, kwargs, out) -> float:
         return float(flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape,
                                                            value.shape))
     return 0.0
+
+
+def _causal_share(func, args, kwargs) -> float:
+    """The share of an attention kernel's (query, key) pairs it computes: 1, or under
+    ``is_causal`` those torch's causal mask keeps (``torch.ones(L, S).tril()``, the
+    scaled_dot_product_attention docs). torch's flop counter counts the whole L × S square
+    ("NB: We aren't accounting for causal attention here", torch/utils/flop_counter.py), where
+    flash and memory-efficient kernels skip the masked blocks: FlashAttention-2's own benchmark
+    counts causal attention at half the FLOPs (benchmarks/benchmark_flash_attention.py,
+    ``flops(..., causal)``), and the attention rates here (``roofline.GPU_FRACTIONS``, this CPU's
+    ``cpu_profile``) are rates of the FLOPs so counted. Context parallelism's ring runs its
+    diagonal chunks causal and the others whole: both counted as they run."""
+    if not any(word in func._schema.name for word in _ATTENTION_WORDS):
+        return 1.0
+    given = {}
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name in ("query", "key", "is_causal"):
+            given[argument.name] = args[i] if i < len(args) else kwargs.get(argument.name)
+    if not given.get("is_causal") or given.get("query") is None or given.get("key") is None:
+        return 1.0
+    return causal_share(given["query"].shape[-2], given["key"].shape[-2])
 
 
 def _bytes_moved(func, args, kwargs, out) -> float:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .costs import causal_share
 from .roofline import DeviceSpeed
 from .sharded_profile import SHARDED_FIELDS, measure_sharded_overheads
 
@@ -31,11 +32,12 @@ MEMORY_ELEMENTS = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 """fp32 elements per tensor of the bandwidth microbenchmark (4 KiB to 64 MiB; three tensors)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE_FILE = "cpu-speed.json"
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 """2: the CPU clock at one thread, module-call, checkpoint-block and optimizer-op costs, layer
 norm / softmax / embedding / NLL loss curves. 3: checkpoint costs from transformer-like layers.
 4: pooling and batch-norm bytes by the step's own rule; FSDP2's and DTensor's per-call costs
-(``sharded_profile``)."""
+(``sharded_profile``). 5: causal attention's rate per FLOP its mask keeps, as the counts now count
+it (``costs.causal_share``)."""
 _MIN_SECONDS = 0.02
 """Each timed repetition runs at least this long; the median of ``_REPEATS`` counts."""
 _REPEATS = 7
@@ -392,7 +394,8 @@ def _kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
         _add_rates(rates, "convolution", flops, lambda: conv(x), call)
     for head, length in ATTENTIONS:
         q, k, v = (torch.randn(2, 8, length, head, requires_grad=True) for _ in range(3))
-        flops = 4.0 * 2 * 8 * length * length * head  # torch's sdpa_flop_count (no causal discount)
+        # torch's sdpa_flop_count, of the pairs the causal mask keeps (what the counts time).
+        flops = 4.0 * 2 * 8 * length * length * head * causal_share(length, length)
 
         def attend(q=q, k=k, v=v):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

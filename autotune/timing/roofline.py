@@ -26,7 +26,9 @@ GPU_FRACTIONS = {
     # with its mamf-finder.py.
     "matmul": 0.80,
     # FlashAttention-2 (Dao, 2023, arXiv:2307.08691, abstract and section 4.1): "50-73% of the
-    # theoretical maximum FLOPs/s on A100"; the backward pass sits at the low end.
+    # theoretical maximum FLOPs/s on A100"; the backward pass sits at the low end. Its causal
+    # rates count the FLOPs of the pairs the mask keeps, as the step's count does
+    # (count._causal_share).
     "attention": 0.50,
     # Achievable memory bandwidth: BabelStream (Deakin et al., "Evaluating attainable memory
     # bandwidth of parallel programming models via BabelStream", 2018; github.com/UoB-HPC/

@@ -7,7 +7,11 @@ parameters every micro-step and reduce-scatters either every micro-step or only 
 before). The optimizer phase's collectives (a sharded gradient norm) run once.
 
 MFU is the model's FLOPs (forward and backward, not the recompute nor the optimizer) over the
-window's time and the device's peak for the precision, per GPU.
+window's time and the device's peak for the precision, per GPU; causal attention's FLOPs are those
+of the pairs its mask keeps, as counted (``count._causal_share``), where PaLM's and torchtitan's
+6N + 12·L·H·Q·T counts the whole square ("we follow the convention and do not account for
+sparsity in causal attention", torchtitan's ``get_num_flop_per_token``): by that convention the
+same step reads a higher MFU.
 """
 
 from __future__ import annotations
