@@ -201,7 +201,7 @@ def search_largest_fitting(
         """``n``, or the largest useful micro-batch below it, or the next one above ``lo``."""
         if share is None:
             return n
-        n = max(m for m in useful_micro_batches(n, share, even=even)) if even else -(-share // -(-share // n))
+        n = _useful_at_most(n, share, even=even)
         return n if n > lo else _next_useful(lo, share, even=even)
 
     def open_bracket() -> bool:
@@ -262,6 +262,13 @@ def useful_micro_batches(top: int, share: int, *, even: bool = False) -> list[in
     if even:
         return [n for n in range(1, min(top, share) + 1) if share % n == 0]
     return sorted(n for n in {-(-share // steps) for steps in range(1, share + 1)} if n <= top)
+
+
+def _useful_at_most(n: int, share: int, *, even: bool = False) -> int:
+    """The largest micro-batch of at most ``n`` (at least 1) that ``useful_micro_batches`` lists."""
+    if even:
+        return useful_micro_batches(n, share, even=True)[-1]
+    return -(-share // -(-share // n))
 
 
 def _next_useful(n: int, share: int, *, even: bool = False) -> int | None:
