@@ -136,7 +136,7 @@ def test_a_model_of_few_blocks_takes_no_tensor_floor(monkeypatch):
     assert trial is not None and not trial.fits and not floors
 
 
-@pytest.mark.parametrize("budget", [8 << 20, 64 << 20])
+@pytest.mark.parametrize("budget", [8 << 20, pytest.param(64 << 20, marks=pytest.mark.slow)])  # 64 MiB: 14 s
 def test_a_tensor_floor_asked_again_is_answered_from_the_memo(small_builds, full_builds_made, budget):
     # A layout search plans its chosen layout again (its deferred shard groups): the --gpu
     # planner's memo answers the floor's trials as it answers the full build's, no build made.

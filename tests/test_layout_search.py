@@ -866,3 +866,43 @@ def test_the_out_of_order_estimate_never_takes_a_pipeline_deeper_than_jump_max_p
     assert calls[:2] == [Layout(), Layout(cp=8, pp=JUMP_MAX_PP)]
     # The deep pipeline still gets its answer, dominated by nothing that was estimated.
     assert calls[2:] == [Layout(tp=2), deep]
+
+
+def test_ranked_by_throughput_the_out_of_order_layout_is_only_screened_and_planned_in_its_place():
+    """70B on 256 GPUs ranked by throughput: after pp 2 fitted nowhere the search jumped to the most
+    split candidate and planned it whole (a pipeline of 8 on windows of 32 to 128 micro-batches,
+    past 30 CPU minutes). Now the jump runs its screen only: where it fits it goes back to its
+    place among the candidates, and patience stops the search before it."""
+    candidates = [Layout(), Layout(pp=2), Layout(tp=2), Layout(tp=4), Layout(tp=8, pp=8)]
+    calls = []
+
+    def evaluate(layout, screen_only=False):
+        calls.append((layout.describe_degrees() if not layout.trivial else "dp", screen_only))
+        if layout == Layout(pp=2):
+            return LayoutOutcome(layout, error="does not fit", fits_nowhere=True)
+        if screen_only:
+            return LayoutOutcome(layout, screened=True, error="fits at micro-batch 1 (screened)")
+        speed = {Layout(): 1.0, Layout(tp=2): 0.9, Layout(tp=4): 0.8, Layout(tp=8, pp=8): 0.5}[layout]
+        return LayoutOutcome(layout, steps=2, samples_per_s=speed)
+
+    outcomes = search_layouts(candidates, evaluate, cost=lambda lay: lay.model_parallel,
+                              rank_by_time=True, patience=2)
+    assert calls == [("dp", False), ("pp 2 (1f1b)", False), ("tp 8 × pp 8 (1f1b)", True),
+                     ("tp 2", False), ("tp 4", False)]
+    deep = next(o for o in outcomes if o.layout == Layout(tp=8, pp=8))
+    assert not deep.estimated and "2 layout(s) in a row" in deep.error
+    assert [o.layout for o in outcomes] == candidates  # each answered once, in the candidates' order
+    assert choose_layout(outcomes, rank_by_time=True)[0].layout == Layout()
+    # A jump that fits nowhere still rules out what it dominates, ranked by throughput too.
+    calls.clear()
+
+    def nowhere(layout, screen_only=False):
+        calls.append((layout, screen_only))
+        if layout in (Layout(pp=2), Layout(tp=8, pp=8)):
+            return LayoutOutcome(layout, error="does not fit", fits_nowhere=True, screened=screen_only)
+        return LayoutOutcome(layout, steps=2, samples_per_s=1.0)
+
+    outcomes = search_layouts([Layout(), Layout(pp=2), Layout(tp=2), Layout(tp=2, pp=8), Layout(tp=8, pp=8)],
+                              nowhere, cost=lambda lay: lay.model_parallel, rank_by_time=True, patience=5)
+    assert (Layout(tp=8, pp=8), True) in calls and all(c[0] != Layout(tp=2, pp=8) for c in calls)
+    assert next(o for o in outcomes if o.layout == Layout(tp=2, pp=8)).fits_nowhere

@@ -78,9 +78,10 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
     beat_screen = (not rank_by_time and options.micro_batch is None
                    and (first.target is not None or options.precision != "auto"))
 
-    def evaluate(layout: Layout) -> LayoutOutcome:
+    def evaluate(layout: Layout, screen_only: bool = False) -> LayoutOutcome:
         # autotune's loop trains model-parallel layouts over FSDP2 only, sharded across every
         # data-parallel rank as the published layouts are: no replica or shard-group search.
+        # screen_only: its screen at micro-batch 1 alone (search_layouts' jump ranked by time).
         sharding = "fsdp" if options.sharding == "auto" and not layout.trivial else options.sharding
         try:
             planner = planners.get(layout) or make_planner(
@@ -108,9 +109,11 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                     return LayoutOutcome(layout, beaten=steps + 1, screened=True, error=(
                         f"{why}: its share of {share} samples in {_steps_words(steps)} needs "
                         f"micro-batch {needed}; {short}"))
-            elif screening and not layout.trivial:
+            elif (screening or screen_only) and not layout.trivial:
                 short = screen(workload, planner, layout, fingerprint.checkpointable)
                 screened = True
+            if short is None and screen_only:
+                return LayoutOutcome(layout, screened=True, error="fits at micro-batch 1 (screened)")
             if short is not None:
                 screening.append(layout)
                 return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True,

@@ -18,7 +18,8 @@ optimizer state divide over tp × pp, FSDP's over the data-parallel ranks too; a
 tp × cp with sequence parallel; a 1F1B stage holds at most pp micro-batches of 1/pp of the
 blocks, no more than one micro-batch of all of them). After the first candidate that fits
 nowhere, the most split candidate (no pipeline deeper than ``JUMP_MAX_PP``) is estimated next, so
-one estimate can rule out everything it dominates (or, where none has fitted yet and every candidate left can be screened within
+one estimate can rule out everything it dominates (ranked by throughput, screened only: where it
+fits somewhere it is planned in its place, as the dearest to plan) (or, where none has fitted yet and every candidate left can be screened within
 ``MAX_SCREENED``, the most split go first from then on, each ruling out what it dominates, and
 patience stops nothing), and the planner screens each later candidate with one estimate of its
 least memory (micro-batch 1, every block checkpointed) before searching it. Once a candidate has planned N
@@ -214,14 +215,17 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
                    max_estimated: int = MAX_ESTIMATED, patience: int = PATIENCE,
                    max_screened: int = MAX_SCREENED) -> list[LayoutOutcome]:
     """Every candidate's outcome, least split first, then cheapest (see the module's docstring;
-    the order they were considered in may differ): ``evaluate`` plans one; ``cost`` orders them
-    (communication at one step)."""
+    the order they were considered in may differ): ``evaluate`` plans one, or with
+    ``screen_only=True`` (ranked by throughput, the most split candidate estimated out of order)
+    only screens it at micro-batch 1 (fits nowhere, or not: planned when its turn comes);
+    ``cost`` orders them (communication at one step)."""
     pending = sorted(candidates, key=lambda lay: (lay.model_parallel, cost(lay)))
     rank = {lay: i for i, lay in enumerate(pending)}
     done: list[LayoutOutcome] = []
     stop: str | None = None
     best_steps, since_better, estimated, screened = None, 0, 0, 0
     jumped: Layout | None = None
+    jump_screened = False
     most_split_first = False
     while pending:
         layout = pending.pop(0)
@@ -251,7 +255,20 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
         if stop is not None:
             done.append(LayoutOutcome(layout, estimated=False, error=f"not estimated: {stop}"))
             continue
-        outcome = evaluate(layout)
+        if rank_by_time and layout is jumped and not jump_screened:
+            # Out of order only to rule out what it dominates: its screen (micro-batch 1) says
+            # whether it does. Where it fits, it goes back to its place: ranked by throughput a
+            # layout that fits is planned whole, and the most split one, a deep pipeline, is the
+            # dearest to plan (70B on 256: FSDP 4 × TP 8 × PP 8's windows of 32 to 128
+            # micro-batches on 8 pipeline ranks ran past 30 CPU minutes).
+            jump_screened = True
+            outcome = evaluate(layout, screen_only=True)
+            if not outcome.fits_nowhere:
+                screened += 1
+                pending = sorted([*pending, layout], key=rank.__getitem__)
+                continue
+        else:
+            outcome = evaluate(layout)
         # What the cap counts: memory answers. A split this build refuses fails at the build.
         answered = outcome.steps is not None or outcome.fits_nowhere or outcome.beaten is not None
         screened += answered and outcome.screened
