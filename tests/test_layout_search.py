@@ -870,15 +870,18 @@ def test_the_out_of_order_estimate_never_takes_a_pipeline_deeper_than_jump_max_p
 
 def test_ranked_by_throughput_the_out_of_order_layout_is_only_screened_and_planned_in_its_place():
     """70B on 256 GPUs ranked by throughput: after pp 2 fitted nowhere the search jumped to the most
-    split candidate and planned it whole (a pipeline of 8 on windows of 32 to 128 micro-batches,
-    past 30 CPU minutes). Now the jump runs its screen only: where it fits it goes back to its
-    place among the candidates, and patience stops the search before it."""
+    split candidate, FSDP 4 × CP 8 × PP 8, and planned it whole (windows of 32 to 128 micro-batches
+    on 8 pipeline ranks, past 30 CPU minutes); screening it alone took 274 CPU s. Ranked by
+    throughput, once a layout has fitted the search does not jump (patience ends it sooner), and
+    where nothing has fitted yet the jump runs its screen only: where it fits it is planned in its
+    place among the candidates."""
     candidates = [Layout(), Layout(pp=2), Layout(tp=2), Layout(tp=4), Layout(tp=8, pp=8)]
     calls = []
+    fits_nowhere = {Layout(pp=2)}
 
     def evaluate(layout, screen_only=False):
         calls.append((layout.describe_degrees() if not layout.trivial else "dp", screen_only))
-        if layout == Layout(pp=2):
+        if layout in fits_nowhere:
             return LayoutOutcome(layout, error="does not fit", fits_nowhere=True)
         if screen_only:
             return LayoutOutcome(layout, screened=True, error="fits at micro-batch 1 (screened)")
@@ -887,22 +890,31 @@ def test_ranked_by_throughput_the_out_of_order_layout_is_only_screened_and_plann
 
     outcomes = search_layouts(candidates, evaluate, cost=lambda lay: lay.model_parallel,
                               rank_by_time=True, patience=2)
-    assert calls == [("dp", False), ("pp 2 (1f1b)", False), ("tp 8 × pp 8 (1f1b)", True),
-                     ("tp 2", False), ("tp 4", False)]
+    assert calls == [("dp", False), ("pp 2 (1f1b)", False), ("tp 2", False), ("tp 4", False)]
     deep = next(o for o in outcomes if o.layout == Layout(tp=8, pp=8))
     assert not deep.estimated and "2 layout(s) in a row" in deep.error
-    assert [o.layout for o in outcomes] == candidates  # each answered once, in the candidates' order
     assert choose_layout(outcomes, rank_by_time=True)[0].layout == Layout()
+    # Nothing fitted yet, and more candidates than the screening cap leaves: the jump screens only.
+    calls.clear()
+    fits_nowhere = {Layout(), Layout(pp=2)}
+    outcomes = search_layouts(candidates, evaluate, cost=lambda lay: lay.model_parallel,
+                              rank_by_time=True, patience=2, max_screened=2)
+    assert calls == [("dp", False), ("tp 8 × pp 8 (1f1b)", True), ("pp 2 (1f1b)", False),
+                     ("tp 2", False), ("tp 4", False), ("tp 8 × pp 8 (1f1b)", False)]  # in its place
+    assert [o.layout for o in outcomes] == candidates  # each answered once, in the candidates' order
+    assert choose_layout(outcomes, rank_by_time=True)[0].layout == Layout(tp=2)
     # A jump that fits nowhere still rules out what it dominates, ranked by throughput too.
     calls.clear()
 
     def nowhere(layout, screen_only=False):
         calls.append((layout, screen_only))
-        if layout in (Layout(pp=2), Layout(tp=8, pp=8)):
+        if layout in (Layout(), Layout(tp=8, pp=8)):
             return LayoutOutcome(layout, error="does not fit", fits_nowhere=True, screened=screen_only)
         return LayoutOutcome(layout, steps=2, samples_per_s=1.0)
 
     outcomes = search_layouts([Layout(), Layout(pp=2), Layout(tp=2), Layout(tp=2, pp=8), Layout(tp=8, pp=8)],
-                              nowhere, cost=lambda lay: lay.model_parallel, rank_by_time=True, patience=5)
-    assert (Layout(tp=8, pp=8), True) in calls and all(c[0] != Layout(tp=2, pp=8) for c in calls)
+                              nowhere, cost=lambda lay: lay.model_parallel, rank_by_time=True, patience=5,
+                              max_screened=2)
+    assert calls[:2] == [(Layout(), False), (Layout(tp=8, pp=8), True)]
+    assert all(c[0] != Layout(tp=2, pp=8) for c in calls)
     assert next(o for o in outcomes if o.layout == Layout(tp=2, pp=8)).fits_nowhere

@@ -19,7 +19,8 @@ tp × cp with sequence parallel; a 1F1B stage holds at most pp micro-batches of 
 blocks, no more than one micro-batch of all of them). After the first candidate that fits
 nowhere, the most split candidate (no pipeline deeper than ``JUMP_MAX_PP``) is estimated next, so
 one estimate can rule out everything it dominates (ranked by throughput, screened only: where it
-fits somewhere it is planned in its place, as the dearest to plan) (or, where none has fitted yet and every candidate left can be screened within
+fits somewhere it is planned in its place, as the dearest to plan; and not at all once a layout
+has fitted: patience ends that search sooner than the jump's screen would) (or, where none has fitted yet and every candidate left can be screened within
 ``MAX_SCREENED``, the most split go first from then on, each ruling out what it dominates, and
 patience stops nothing), and the planner screens each later candidate with one estimate of its
 least memory (micro-batch 1, every block checkpointed) before searching it. Once a candidate has planned N
@@ -259,7 +260,7 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
             # Out of order only to rule out what it dominates: its screen (micro-batch 1) says
             # whether it does. Where it fits, it goes back to its place: ranked by throughput a
             # layout that fits is planned whole, and the most split one, a deep pipeline, is the
-            # dearest to plan (70B on 256: FSDP 4 × TP 8 × PP 8's windows of 32 to 128
+            # dearest to plan (70B on 256: FSDP 4 × CP 8 × PP 8's windows of 32 to 128
             # micro-batches on 8 pipeline ranks ran past 30 CPU minutes).
             jump_screened = True
             outcome = evaluate(layout, screen_only=True)
@@ -292,11 +293,14 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
                 # less, and may need fewer steps.
                 most_split_first = True
                 pending.sort(key=lambda c: (-c.model_parallel, cost(c)))
-            elif jumped is None:
+            elif jumped is None and not (rank_by_time and best_steps is not None):
                 # The first that fits nowhere: the most split candidate next (the cheapest of
                 # those no other dominates), so that one estimate can rule out all it dominates;
                 # no pipeline deeper than JUMP_MAX_PP (its estimate costs more than the screens
-                # it could save).
+                # it could save). Not where throughput ranks and a layout fitted already: patience
+                # ends that search within a few more estimates, and the jump's screen costs more
+                # than they do (70B on 256: FSDP 4 × CP 8 × PP 8's screen took 274 CPU s, tp 2's
+                # and cp 2's whole plans 39 and 33, pp 2's, which fitted nowhere, 19).
                 shallow = [c for c in pending if c.pp <= JUMP_MAX_PP]
                 jumped = max((c for c in shallow if not any(dominates(o, c) and o != c for o in shallow)),
                              key=lambda c: (c.model_parallel, -cost(c)), default=None)
