@@ -18,9 +18,9 @@ optimizer state divide over tp × pp, FSDP's over the data-parallel ranks too; a
 tp × cp with sequence parallel; a 1F1B stage holds at most pp micro-batches of 1/pp of the
 blocks, no more than one micro-batch of all of them). After the first candidate that fits
 nowhere, the most split candidate (no pipeline deeper than ``JUMP_MAX_PP``) is estimated next, so
-one estimate can rule out everything it dominates (ranked by throughput, screened only: where it
-fits somewhere it is planned in its place, as the dearest to plan; and not at all once a layout
-has fitted: patience ends that search sooner than the jump's screen would) (or, where none has fitted yet and every candidate left can be screened within
+one estimate can rule out everything it dominates (ranked by throughput: only before any layout
+has fitted, patience ending that search sooner than the jump's screen would, and then screened
+only, a candidate that fits being planned in its place; or, where none has fitted yet and every candidate left can be screened within
 ``MAX_SCREENED``, the most split go first from then on, each ruling out what it dominates, and
 patience stops nothing), and the planner screens each later candidate with one estimate of its
 least memory (micro-batch 1, every block checkpointed) before searching it. Once a candidate has planned N
