@@ -70,10 +70,13 @@ class PipelineSessionMixin:
             first_peak = self.backend.peak_bytes()
             self.optimizer.zero_grad(set_to_none=True)
             self.backend.reset_peak()
-        self.model.run(batches, weigh, self.workload.loss)
-        activation_peak = max(first_peak, self.backend.peak_bytes())
-        self.backend.reset_peak()
-        step_peak = self._optimizer_phase()  # the window's batches are still alive, as in training
+        # The steady-state window, the one a step count reads (``steady_state``): the schedule
+        # built, the batches made as a run makes them before its first window.
+        with self.steady_state(pipelined=True):
+            self.model.run(batches, weigh, self.workload.loss)
+            activation_peak = max(first_peak, self.backend.peak_bytes())
+            self.backend.reset_peak()
+            step_peak = self._optimizer_phase()  # the window's batches are still alive, as in training
         del batches
         return activation_peak, step_peak
 

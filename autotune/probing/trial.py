@@ -365,6 +365,12 @@ class TrialSession:
     def _step(self, n: int) -> tuple[int, int]:
         return self._window([n])
 
+    def steady_state(self, *, pipelined: bool = False):
+        """A context around the part of a window that is steady state (a pipeline's window after
+        its schedule's first; a step count records there, ``timing.count``): nothing here.
+        ``pipelined``: a schedule interleaves micro-steps' forwards and backwards."""
+        return contextlib.nullcontext()
+
     def _window(self, sizes: list[int]) -> tuple[int, int]:
         """The micro-steps (gradients accumulating; sharded, synced on the last, or on every one
         under ``reduce_every_micro_step``), then the optimizer phase; (activation, step) peaks."""

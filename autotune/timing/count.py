@@ -104,21 +104,25 @@ def _extended_from_small_builds(workload, sizes, settings) -> dict[int, StepCost
 
 
 def _slowest_stage_costs(workload, micro_batches, **session) -> dict[int, StepCosts]:
-    """A pipeline's step costs: the pipeline rank with the most work (FLOPs, then bytes moved)
-    of ``pipeline_rank_costs``: the schedule runs at its slowest stage's pace."""
+    """A pipeline's step costs: ``slowest_stage`` of ``pipeline_rank_costs``."""
     per_rank = pipeline_rank_costs(workload, micro_batches, **session)
-    return {n: max((counts[n] for counts in per_rank), key=lambda c: (c.total_flops, c.total_bytes))
-            for n in per_rank[0]}
+    return {n: slowest_stage([counts[n] for counts in per_rank]) for n in per_rank[0]}
+
+
+def slowest_stage(ranks: list[StepCosts]) -> StepCosts:
+    """The pipeline rank with the most work (FLOPs, then bytes moved) among ``ranks``' costs of
+    one micro-step: the schedule runs at its slowest stage's pace."""
+    return max(ranks, key=lambda c: (c.total_flops, c.total_bytes))
 
 
 def pipeline_rank_costs(workload, micro_batches, *, precision="fp32", checkpointing=False,
                         sharding="fsdp", world_size: int, shard_group: int | None = None,
-                        for_gpu: str | None = None, parallel) -> list[dict[int, StepCosts]]:
+                        for_gpu: str | None = None, parallel, window: int = 1) -> list[dict[int, StepCosts]]:
     """[{n: one micro-step of pipeline rank r (its stages) and its optimizer phase}, for each
     pipeline rank r]: each rank counted in turn, in this one process, as the estimate takes each
-    rank's peak. Its window of ``pp`` micro-batches (torch's schedules run at least that many) is
-    counted after one unrecorded window that builds the schedule, and divided per micro-step
-    (``_per_micro_step``)."""
+    rank's peak. Its window of ``window`` micro-batches, at least ``pp`` (torch's schedules run at
+    least that many), is counted after one unrecorded window that builds the schedule, and divided
+    per micro-step (``_per_micro_step``)."""
     from ..probing.pipeline_trial import pipeline_fake_ranks
 
     sizes = [checked_micro_batch(n) for n in micro_batches]
@@ -130,29 +134,21 @@ def pipeline_rank_costs(workload, micro_batches, *, precision="fp32", checkpoint
                               parallel=parallel, fake_rank=fake_rank) as counting:
             counts = {}
             for n in sizes:
-                counting.run(n)  # the schedule's first window builds its buffers: not steady state
-                window = len(counting.window_micro_batches(n, 1))
-                counts[n] = _per_micro_step(counting.count(n), window)
+                counting.run(n, window=window)  # the schedule's first window builds its buffers
+                steps = len(counting.window_micro_batches(n, window))
+                counts[n] = _per_micro_step(counting.count(n, window=window), steps)
             per_rank.append(counts)
     return per_rank
 
 
 @functools.cache
 def _pipeline_counting_session() -> type:
-    """``_CountingSession`` running pipelined windows, the recorder around the whole schedule
-    (the pipeline mixin's window comes first in a pipelined type's order and runs the schedule
-    itself)."""
+    """``_CountingSession`` running pipelined windows: the pipeline mixin's window (first in a
+    pipelined type's order) runs the schedule itself, the recorder around its steady state
+    (``_RecordsSteps.steady_state``)."""
     from ..probing.pipeline_trial import PipelineSessionMixin
 
-    class _PipelineCountingSession(PipelineSessionMixin, _CountingSession):
-        def _window(self, sizes):
-            if self._recorder is None:
-                return super()._window(sizes)
-            self._recorder.calls_start_forward = True
-            with self._recorder:
-                return super()._window(sizes)
-
-    return _PipelineCountingSession
+    return type("_PipelineCountingSession", (PipelineSessionMixin, _CountingSession), {})
 
 
 def _per_micro_step(costs: StepCosts, window: int) -> StepCosts:
@@ -221,6 +217,14 @@ class _RecordsSteps:
         with self._recorder:
             return super()._window(sizes)
 
+    def steady_state(self, *, pipelined: bool = False):
+        # A pipeline's window (its mixin's, which records only from here: not the schedule's
+        # first window, which builds its buffers once).
+        if self._recorder is None:
+            return super().steady_state(pipelined=pipelined)
+        self._recorder.calls_start_forward = pipelined
+        return self._recorder
+
     def _gradient_sync(self, enabled: bool) -> None:
         super()._gradient_sync(enabled)
         if self._recorder is not None:  # called as each micro-step starts: its forward
@@ -232,8 +236,8 @@ class _CountingSession(_RecordsSteps, EstimateSession):
     runs whole each time (the estimate's shortcuts count bytes, not ops): the user's optimizer
     over every parameter, on each rank's local shards when sharded."""
 
-    def count(self, n: int) -> StepCosts:
-        return self._costs(self._recorded(n)[1], n)
+    def count(self, n: int, *, window: int = 1) -> StepCosts:
+        return self._costs(self._recorded(n, window=window)[1], n)
 
     def _optimizer_phase(self) -> int:
         if self._recorder is None:

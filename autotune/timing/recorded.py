@@ -14,7 +14,15 @@ on the same fake model, process group and optimizer state, the same single step;
 equal, op by op, in tests/test_recorded_steps.py), and is kept only where that holds:
 
 - the trial is one step (``window=1``): trials of accumulation windows start their measured
-  micro-step with the gradients alive, not the single step counted;
+  micro-step with the gradients alive, not the single step counted; or a pipeline's window (its
+  one step is a window of at least pp micro-steps, share / n of them at n): each pipeline rank's
+  trial records its steady-state window (after the schedule's first, which builds its buffers;
+  ``PipelineSessionMixin._window``), divided per micro-step (``count._per_micro_step``), and the
+  step is the slowest rank's once every rank has fitted, as ``count.pipeline_rank_costs`` counts
+  that window again (tests/test_recorded_steps.py), its once-a-window ops over the plan's own
+  window where a count's window of pp spread them over pp. Recording costs the probe's windows
+  about a fifth more: 8B's ``--pp 2 --optimize throughput`` (2026-12-05) no longer counts four
+  windows (17 CPU s) and records its three trials (+14 CPU s): 99 against 104 CPU s in all;
 - it ran to its end and fitted (an out-of-memory trial stops mid-step);
 - its optimizer phase ran whole: the estimate steps only the distinct neighbour pairs of
   parameters on the per-parameter path (``EstimateSession._step_by_runs``), and, where no CUDA
@@ -30,10 +38,12 @@ the step (``count.count_steps_costs``).
 
 from __future__ import annotations
 
+import torch
+
 from ..probing.estimate import EstimateSession, _distinct_neighbour_runs
 from ..probing.pipeline_trial import PipelineSessionMixin
 from .costs import StepCosts
-from .count import _local_shards, _RecordsSteps
+from .count import _local_shards, _per_micro_step, _RecordsSteps, slowest_stage
 from .extend import extend_step_costs
 
 
@@ -42,20 +52,31 @@ class RecordingSession(_RecordsSteps, EstimateSession):
     ({micro_batch: StepCosts})."""
 
     _into: dict[int, StepCosts] | None = None  # set by ``recording_session``'s subclass
+    _ranks_into: dict[tuple, dict[int, StepCosts]] | None = None  # a pipeline's ranks', the same
 
     def __init__(self, *args, store: dict[int, StepCosts] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.store = store if store is not None else self._into
 
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None):
-        if window != 1 or micro_batches is not None or isinstance(self, PipelineSessionMixin):
-            # A pipeline's one step is a window of pp micro-steps on one rank's stages (and its
-            # first builds the schedule): count.count_steps_costs counts each rank's instead.
+        pipelined = isinstance(self, PipelineSessionMixin)
+        if micro_batches is not None or (window != 1 and not pipelined):
             return super().run(n, window=window, micro_batches=micro_batches)
-        trial, recorder = self._recorded(n)
+        trial, recorder = self._recorded(n, window=window)
         if trial.fits and recorder.optimizer_stepped and not recorder.optimizer_cut:
-            self.store[n] = self._costs(recorder, n)
+            if pipelined:
+                self._pipeline_rank_recorded(n, len(self.window_micro_batches(n, window)), recorder)
+            else:
+                self.store[n] = self._costs(recorder, n)
         return trial
+
+    def _pipeline_rank_recorded(self, n: int, steps: int, recorder) -> None:
+        # A pipeline's trial runs on each pipeline rank in turn (each its own session, the rank of
+        # its fake process group); its step is the slowest stage's once every rank has fitted.
+        ranks = self._ranks_into.setdefault((n, steps), {})
+        ranks[torch.distributed.get_rank()] = _per_micro_step(self._costs(recorder, n), steps)
+        if len(ranks) == self.parallel.pp:
+            self.store[n] = slowest_stage(list(ranks.values()))
 
     def _optimizer_phase(self) -> int:
         if self._recorder is None:
@@ -102,7 +123,7 @@ class RecordingSession(_RecordsSteps, EstimateSession):
 def recording_session(store: dict[int, StepCosts]) -> type:
     """The session type for ``probe(session_type=...)`` that records into ``store``: a class (a
     pipeline's probe derives its pipelined session type from it)."""
-    return type("RecordingSessionInto", (RecordingSession,), {"_into": store})
+    return type("RecordingSessionInto", (RecordingSession,), {"_into": store, "_ranks_into": {}})
 
 
 __all__ = ["RecordingSession", "recording_session"]
