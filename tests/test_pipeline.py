@@ -596,3 +596,26 @@ def test_verify_runs_a_pipeline_plans_window_on_every_pipeline_rank_and_measures
     result = autotune.verify_plan(plan, workload=model_file, steps=1)
     assert result.confirmed
     assert abs(result.measured_peak_bytes - plan.predicted_peak_bytes) <= 64, (result.measured_peak_bytes, plan)
+
+
+def test_a_pipelines_copies_of_the_fake_model_stay_in_its_fake_mode():
+    # Deep-copying a FakeTensor copies its fake mode, and with it a second StorageWeakRef of each
+    # of the first mode's constants on one weak reference: both free it, and the second write
+    # went into a freed StorageImpl (glibc aborted a process or two pipeline probes later).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autotune.distributed import pipeline
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+        torch.tensor(2.0)  # a constant: the mode's converter holds a StorageWeakRef of it
+    converter = mode.fake_tensor_converter
+    assert converter.constant_storage_mapping  # BatchNorm1d's num_batches_tracked is one too
+    stage = pipeline._copy_model(model)
+    shapes = pipeline._ShapeModel(model, "", [1, 3], lambda m, batch: m(batch).sum())
+    for copied in (stage, shapes.model):
+        tensors = [*copied.parameters(), *copied.buffers()]
+        assert tensors and all(t.fake_mode is mode for t in tensors)
+    assert stage[0].weight is not model[0].weight  # copies all the same
+    assert shapes.outputs(torch.zeros(2, 4)) == {1: ((2, 4), torch.float32), 3: ((2, 2), torch.float32)}

@@ -220,7 +220,7 @@ class _ShapeModel:
     the shape of each stage's output for a micro-batch, allocating nothing."""
 
     def __init__(self, model, container_path: str, ends: list[int], loss):
-        self.model = copy.deepcopy(model)
+        self.model = copy.deepcopy(model, fake_modes_kept(model))
         for name, _ in list(self.model.named_parameters()):
             _replace_with_placeholder(self.model, name)
         self.container = self.model.get_submodule(container_path) if container_path else self.model
@@ -482,7 +482,7 @@ def _copy_model(model: torch.nn.Module) -> torch.nn.Module:
     to +4.3% on tiny_lm). Real tensors are deep-copied as they were; tied weights stay tied."""
     from torch._subclasses.fake_tensor import is_fake
 
-    memo = {}
+    memo = fake_modes_kept(model)
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) in memo or not is_fake(tensor):
             continue
@@ -491,6 +491,35 @@ def _copy_model(model: torch.nn.Module) -> torch.nn.Module:
         memo[id(tensor)] = (torch.nn.Parameter(clone, requires_grad=tensor.requires_grad)
                             if isinstance(tensor, torch.nn.Parameter) else clone)
     return copy.deepcopy(model, memo)
+
+
+def fake_modes_kept(model: torch.nn.Module) -> dict:
+    """A ``copy.deepcopy`` memo under which the copy's fake tensors stay in the fake modes of the
+    model's own. Deep-copying a FakeTensor copies its ``__dict__``, its ``fake_mode`` with it: a
+    second FakeTensorMode whose converter holds a copy of each ``StorageWeakRef`` of the first's
+    constants (``torch.tensor(...)`` in a forward) with the same weak pointer and no reference of
+    its own. Both free it (``StorageWeakRef.__del__``), one weak reference too many, and the
+    second decrement writes into a freed ``StorageImpl``: glibc aborted ("corrupted
+    double-linked list") or segfaulted at a later allocation, one or two pipeline probes into a
+    process (valgrind: THPStorage_freeWeakRef reading a block a previous call freed). A
+    pipeline's stages and shape model are copies of the fake model."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def fake_modes(tensor):
+        if isinstance(tensor, FakeTensor):
+            yield tensor.fake_mode
+        elif is_traceable_wrapper_subclass(tensor):  # a DTensor: its local shard is the fake one
+            for name in tensor.__tensor_flatten__()[0]:
+                yield from fake_modes(getattr(tensor, name))
+
+    memo = {}
+    for module in model.modules():
+        for tensor in (*module._parameters.values(), *module._buffers.values(),
+                       *(v for v in vars(module).values() if isinstance(v, torch.Tensor))):
+            for mode in fake_modes(tensor):
+                memo[id(mode)] = mode
+    return memo
 
 
 def _cut(model, path: str, start: int, end: int, phases: dict[str, str], *, first: bool,
@@ -637,5 +666,5 @@ def pipeline_grad_norm(params, group, *, max_norm: float | None = None) -> torch
     return norm
 
 
-__all__ = ["PipelinedModel", "StageModule", "block_container", "build_pipeline", "parameter_phases", "pipeline_grad_norm", "pipeline_model", "rank_stage_ids",
+__all__ = ["PipelinedModel", "StageModule", "block_container", "build_pipeline", "fake_modes_kept", "parameter_phases", "pipeline_grad_norm", "pipeline_model", "rank_stage_ids",
            "sends_held_by_their_work", "split_stage", "stage_bounds"]
