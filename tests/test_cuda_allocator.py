@@ -545,6 +545,7 @@ def test_a_gpu_probe_that_fits_nowhere_leaves_no_fake_mode_behind():
     assert found.max_micro_batch == 8
 
 
+@pytest.mark.slow  # 13-22 s (four fresh builds): the README's test run stays under 10 minutes
 def test_a_fresh_trial_asked_again_is_answered_from_the_planners_memo(examples_dir, monkeypatch):
     # A --gpu planner's backend keeps each fresh trial's answer by setting: a layout screen's
     # trial, asked again by the probe, is not run again (a 70B window of 2 x 2 under TP 2 costs

@@ -170,6 +170,7 @@ def test_a_synthesized_probe_records_the_whole_models_step_from_its_small_builds
     assert store[4].op_count > third
 
 
+@pytest.mark.slow  # 12-17 s: the README's test run stays under 10 minutes
 def test_a_ranked_plan_counts_the_full_build_where_its_small_builds_do_not_extend(monkeypatch, one_thread):
     from autotune.probing.affine_blocks import synthesized_traces
     from autotune.timing import recorded
