@@ -4,7 +4,10 @@
 Each candidate is a full planner run (the sharding and checkpointing search of that layout, on
 fake tensors for a sharded or model-parallel step), sharing one inspection of the model. A
 candidate whose split this build cannot estimate ("not available") is recorded as such and the
-search goes on; one that fits nowhere rules out every layout it dominates.
+search goes on; one that fits nowhere rules out every layout it dominates. Ranked by predicted
+throughput, a candidate is planned whole only where a bound of its samples/s per GPU
+(``timing.bound``, from data parallelism's counted step) and one screen of its least memory
+there leave it a chance against the fastest so far (``_cannot_win``).
 """
 
 from __future__ import annotations
@@ -17,12 +20,17 @@ from ..errors import ConfigError, EstimateUnavailable, PlanError, given, option
 from ..distributed.sharding.settings import Sharding
 from ..planning.layouts import (LayoutOutcome, choice_key, choose_layout, communication_bytes,
                                 layout_candidates, search_layouts, steps_to_win)
+from ..planning.policy import split_for
 from ..planning.types import Plan
 from ..precision import Precision
 from ..probing.api import window_trial
 from ..probing.share import window_steps
+from ..timing.bound import fastest_possible
+from ..timing.comm import network_from_profile
+from ..timing.window import tokens_per_sample
 from ..units import format_bytes
 from .eval_batch import plan_eval_batch
+from .predicted import reference_steps
 
 
 def search_layout(workload, options, degrees: dict, *, make_planner, inspected, screen=None) -> Plan:
@@ -70,6 +78,7 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
 
     screening = []  # set once a layout fits nowhere: cheaper splits may not either
     leader: list[LayoutOutcome] = []  # the planned layout the choice would take so far
+    fastest: list[LayoutOutcome] = []  # ranked by throughput: the planned layout predicted fastest
     # Ranked by steps, a candidate only matters if it can reach as few: one estimate at the
     # micro-batch that takes tells, where a planner's search would run many. Not where the
     # planner may take another precision than the one screened (auto on the CPU), a pinned
@@ -94,6 +103,14 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         try:
             short = None  # set where a screen at micro-batch 1 ran out: the layout fits nowhere
             screened = False
+            if rank_by_time and fastest and not layout.trivial and not screen_only:
+                # Ranked by throughput, a layout is planned whole where a bound from data
+                # parallelism's counted step leaves it a chance against the fastest so far.
+                lost = _cannot_win(workload, planner, layout, fastest[0], planners.get(Layout()),
+                                   checkpointable=fingerprint.checkpointable, sharding=sharding,
+                                   screen=screen)
+                if lost is not None:
+                    return lost
             if beat_screen and leader and not layout.trivial:
                 # steps >= 1 here: a leader of 1 step ends the search (search_layouts).
                 share = planner.request.share
@@ -131,6 +148,8 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                                  unavailable=lacking.group(1) if lacking else None)
         outcome = planned_outcome(layout, planned)
         leader[:] = [min(leader + [outcome], key=choice_key)]  # the earlier one on a tie
+        if outcome.samples_per_s is not None:
+            fastest[:] = [max(fastest + [outcome], key=lambda o: o.samples_per_s)]
         return outcome
 
     def planned_outcome(layout: Layout, planned: Plan) -> LayoutOutcome:
@@ -169,11 +188,87 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
     return planned
 
 
-def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch: int = 1) -> str | None:
+def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, reference, *,
+                checkpointable: bool, sharding: str, screen) -> LayoutOutcome | None:
+    """``layout``'s outcome where it cannot beat ``leader``'s predicted samples/s per GPU
+    without a planner's search; None where it might (it is planned whole then).
+
+    For each checkpointing setting its planner would rank, ``timing.bound`` gives the most
+    samples/s each of its splits could reach, from data parallelism's counted steps
+    (``reference``'s planner): splits that cannot pass the leader need nothing more; for those
+    that could, one screen at the smallest micro-batch among them (the least memory any of them
+    needs; a pipeline's at a window of pp micro-batches, less than its own) says whether any fits.
+    Every block's recompute is a floor only where that is the one checkpointed setting ranked
+    (a sharded layout's; a replica's planner also ranks fewer blocks)."""
+    if not getattr(reference, "step_models", None) or planner.target is None:
+        return None
+    choices = _checkpointing_choices(planner, checkpointable=checkpointable,
+                                     sharded=Sharding.parse(sharding).sharded)
+    if choices is None:
+        return None
+    request, options = planner.request, planner.options
+    references = reference_steps(reference)
+    network = network_from_profile(planner.target.profile, gpus_per_node=options.gpus_per_node,
+                                   network_gbps=options.network_gbps)
+    shape = planner.shape
+    seq_len = workload.seq_len or tokens_per_sample(workload)
+    activation_bytes = 4 if Precision.parse(planner.chosen) is Precision.FP32 else 2
+    splits = {tuple(s) for m in range(1, request.share + 1) if (s := split_for(m, request)) is not None}
+    # A model-parallel layout's FSDP2 shards over all its data-parallel ranks, with the
+    # context-parallel ones, unless a shard group is asked for (planner._probe_layouts).
+    group = (layout.data_parallel(planner.world_size) * layout.cp
+             if Sharding.parse(sharding) is Sharding.FSDP and options.shard_group is None else None)
+    words, least_short = [], None
+    for checkpointing, recompute in choices:
+        bounds = [(split, fastest_possible(references, layout, list(split), recompute=recompute,
+                                           network=network, seq_len=seq_len, hidden=shape.hidden,
+                                           blocks=shape.blocks, activation_bytes=activation_bytes,
+                                           sharded_group=group))
+                  for split in sorted(splits)]
+        best = max((b for _, b in bounds), default=0.0)
+        label = "every block checkpointed" if checkpointing == "on" else "checkpointing off"
+        winning = [split for split, b in bounds if b > leader.samples_per_s]
+        if not winning:
+            words.append(f"{label} at most {best:.4g}")
+            continue
+        micro_batch = min(max(split) for split in winning)
+        short = screen(workload, planner, layout, checkpointable, micro_batch=micro_batch,
+                       checkpointing=checkpointing)
+        if short is None:
+            return None
+        if micro_batch == 1 and checkpointing == choices[-1][0]:
+            least_short = short
+        words.append(f"{label} up to {best:.4g}, from micro-batch {micro_batch}: {short}")
+    why = (f"cannot beat {leader.name}'s {leader.samples_per_s:.4g} samples/s per GPU (bounded from data "
+           f"parallelism's counted step): {'; '.join(words)}")
+    if least_short is not None:  # its least memory at micro-batch 1 does not fit
+        return LayoutOutcome(layout, error=f"nothing fits: {least_short}", fits_nowhere=True, screened=True)
+    return LayoutOutcome(layout, beaten=1, screened=True, error=why)
+
+
+def _checkpointing_choices(planner, *, checkpointable: bool, sharded: bool) -> list[tuple[str, bool]] | None:
+    """The checkpointing settings a layout's ranked plan may take, as (screen's "off"/"on", every
+    block's recompute counted in the bound), the least memory last; None where a setting of K
+    blocks is asked for (no bound)."""
+    if not checkpointable:
+        return [("off", False)]
+    if planner.checkpointing.auto:
+        # A replica's planner also ranks fewer blocks than every one: no recompute is the floor.
+        return [("off", False), ("on", sharded or planner.distributed)]
+    blocks = planner.first
+    if not blocks.blocks:
+        return [("off", False)]
+    if blocks.blocks == blocks.total:
+        return [("on", True)]
+    return None
+
+
+def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch: int = 1,
+            checkpointing: str | None = None) -> str | None:
     """Why ``layout`` does not fit at ``micro_batch``, from one estimate of its least memory
-    there (every block checkpointed, FSDP2 over all its data-parallel ranks, the planner's
-    precision, the accumulation window a plan at ``micro_batch`` runs); None where that fits
-    (the planner then searches it). Memory grows with the micro-batch, so at 1 this says the
+    there (every block checkpointed, or ``checkpointing`` "on"/"off" where given, FSDP2 over all
+    its data-parallel ranks, the planner's precision, the accumulation window a plan at
+    ``micro_batch`` runs); None where that fits (the planner then searches it). Memory grows with the micro-batch, so at 1 this says the
     layout fits nowhere. One trial instead of a planner's search: where data parallelism fit
     nowhere, many candidates do not either, and where a layout planned N steps, many cannot reach
     N."""
@@ -184,12 +279,14 @@ def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch
     # it (fsdp under auto; fsdp-offload holds less on the device).
     sharding = str(planner.options.sharding)
     window = layout.pp if layout.pp > 1 else window_steps(micro_batch, planner.request.share)
+    checkpointing = checkpointing or ("on" if checkpointable else "off")
     trial = window_trial(workload, planner.backend, micro_batch=micro_batch, window=window,
-                         precision=planner.chosen, checkpointing="on" if checkpointable else "off",
+                         precision=planner.chosen, checkpointing=checkpointing,
                          sharding="fsdp" if sharding == "auto" else sharding,
                          world_size=planner.world_size, parallel=layout, reduce_every_micro_step=True,
                          limit=planner.usable)
-    least = f"micro-batch {micro_batch}" + (", every block checkpointed" if checkpointable else "")
+    least = f"micro-batch {micro_batch}" + (", every block checkpointed" if checkpointing == "on" else
+                                            ", checkpointing off" if checkpointable else "")
     if trial is None:
         return f"parameters and optimizer state alone pass the budget ({least} screened)"
     # A --gpu estimate's budget holds the modelled reserved memory, not only the tensors.

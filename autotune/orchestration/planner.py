@@ -318,6 +318,9 @@ class _Planner:
         self._settings_tried: dict = {}
         self.recorded_steps: dict = {}
         """Steps the probes counted as they ran, by ``recorded_key`` (``--optimize throughput --gpu``)."""
+        self.step_models: list = []
+        """(setting, counted steps, StepModel) of each setting the throughput ranking timed: a
+        layout search bounds the other layouts by data parallelism's (``timing.bound``)."""
 
     @property
     def memoized(self) -> bool:

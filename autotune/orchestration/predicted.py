@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..distributed.sharding.settings import Sharding
 from ..errors import ConfigError, EstimateUnavailable, PlanError, given, option
 from ..planning.policy import split_for
 from ..planning.types import ConfigurationPredicted, Plan, SettingTried, ThroughputOutcome
 from ..precision import Precision
+from ..timing.bound import ReferenceStep
 from ..timing.comm import network_from_profile
 from ..timing.layout import with_layout
 from ..timing.count import count_steps_costs
@@ -43,6 +45,7 @@ def fastest_predicted(planner) -> Plan:
     settings = planner.settings_in(planner.chosen)
     tokens = tokens_per_sample(planner.workload)
     ranked, models = [], {}
+    planner.step_models = []
     for setting in settings:
         split = split_for(setting.allowed_micro_batch, request)
         if split is None:
@@ -54,6 +57,7 @@ def fastest_predicted(planner) -> Plan:
             continue
         model = StepModel(counted, speed, setting.precision)
         models[id(setting)] = (model, counted)
+        planner.step_models.append((setting, counted, model))
         timed = _in_layout(planner, predict_window(
             model, split, network=network, world_size=planner.world_size,
             sharding=str(setting.sharding), shard_group=setting.shard_group,
@@ -132,6 +136,29 @@ def _count(planner, setting: SettingTried, sizes, tokens: int | None, gpu: str) 
     return with_tokens(counted, tokens)
 
 
+def reference_steps(planner) -> list[ReferenceStep]:
+    """A data-parallel planner's ranked settings as steps at any micro-batch
+    (``timing.bound``): each drawn through two counted micro-batches, one more counted now where
+    its split had one size (the line needs two)."""
+    found = []
+    for i, (setting, counted, model) in enumerate(planner.step_models):
+        if len(counted) < 2:
+            extra = max(counted) + 1
+            counted = {**counted, **_count(planner, setting, [extra], tokens_per_sample(planner.workload),
+                                           planner.target.profile.name)}
+            model = StepModel(counted, model.speed, setting.precision)
+            planner.step_models[i] = (setting, counted, model)
+        blocks = setting.checkpointing
+        # FSDP2 over the whole world: its gathers are what a layout's FSDP2 gathers, over tp.
+        whole = setting.sharding is Sharding.FSDP and setting.shard_group in (None, planner.world_size)
+        calls = tuple(c for c in model.at(min(counted)).collectives
+                      if whole and not c.ring and c.kind in ("all_gather", "reduce_scatter")
+                      and c.phase != "optimizer")
+        found.append(ReferenceStep(model, every_block=bool(blocks.blocks) and blocks.blocks == blocks.total,
+                                   sharded_calls=calls))
+    return found
+
+
 def recorded_key(setting: SettingTried) -> tuple:
     """What a setting's recorded steps are filed under: its layout, precision and blocks."""
     return (str(setting.sharding), setting.shard_group, setting.parallel, str(setting.precision),
@@ -174,4 +201,4 @@ def _why_none(settings: list[SettingTried]) -> str:
                      f"{s.error or 'no micro-batch fits'}" for s in settings[:6])
 
 
-__all__ = ["fastest_predicted", "recorded_key", "why_predicted_fastest"]
+__all__ = ["fastest_predicted", "recorded_key", "reference_steps", "why_predicted_fastest"]

@@ -37,7 +37,10 @@ The choice: the fewest accumulation steps, then the smallest pipeline bubble
 (``autotune.timing.layout.pipeline_bubble``: a pipeline idles while it fills and drains, which
 fewer steps make worse), then the least communication per rank and optimizer step
 (``communication_bytes``), then the earlier candidate; with a throughput model's prediction
-(``--gpu --optimize throughput``), the most samples per second per GPU.
+(``--gpu --optimize throughput``), the most samples per second per GPU. Ranked so, a candidate
+after the fastest so far is planned only where it could beat it: the planner bounds its samples/s
+from data parallelism's counted step (``autotune.timing.bound``) and screens the least memory of
+the splits that could win (``LayoutOutcome.beaten`` of 1 where none fits).
 """
 
 from __future__ import annotations

@@ -1,0 +1,132 @@
+"""The most samples per second per GPU a model-parallel layout could be predicted at, from data
+parallelism's counted step: what lets a layout search ranked by throughput skip a layout that
+cannot win, where counting and probing it would cost a planner's whole search.
+
+A rank of a layout that splits each sample's work over d = tp × cp × pp GPUs runs, per op, no less
+than 1/d of the op data parallelism runs on the same micro-batch: tensor parallelism splits a
+matmul's FLOPs and weight bytes over tp and keeps its norms and residuals whole, context
+parallelism's ring runs cp attention kernels per block over the same pairs, a pipeline's slowest
+stage is no faster than the mean of its stages, and FSDP2 gathers no more of a block than data
+parallelism does. On a GPU profile an op's time is its launch overhead plus the longer of its
+FLOPs and bytes at fixed achievable rates (``roofline.op_seconds``), which never falls below 1/d
+of the whole op's when its FLOPs and bytes fall to 1/d. So a window of k micro-steps of
+m_1..m_k samples costs a rank at least Σ f(m_i) / d of compute, f being data parallelism's
+micro-step (forward, backward and, every block checkpointed, the recompute); its optimizer phase,
+other collectives and loop count nothing here but FSDP2's (below); the tensor-parallel
+collectives nothing overlaps and the schedule's bubble count as ``timing.layout.with_layout`` adds
+them to the layout's own prediction.
+
+FSDP2 over the layout's whole data-parallel group (× cp: context-parallel ranks shard with it)
+gathers at least 1/tp of what data parallelism's FSDP2 gathers each micro-step (a rank gathers its
+tensor-parallel shard of each block, norms whole), and reduce-scatters as much at least once a
+window (the last micro-step, where gradients wait unsharded until then). The prediction hides a
+phase's collectives under that phase's compute and never more (``comm.exposed_communication``:
+the first all-gather waits, each later one hides under one block), so a phase costs at least the
+longer of its compute and its collectives, each timed as one collective of all their bytes (one
+latency: at most what the calls cost). Not for a pipeline, whose slowest stage need not gather
+the most.
+
+f is drawn through two micro-batches data parallelism counted (``StepModel.at``): each op's time
+is convex in the micro-batch (a maximum of lines), so that line is at or below f outside the two
+and above it only between them, by a hair; ``SLACK`` covers that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..distributed.layout import Layout
+from .comm import Network, collective_time
+from .costs import CollectiveCall
+from .layout import with_layout
+from .window import StepModel, WindowTime
+
+SLACK = 0.97
+"""The share of the drawn compute the bound keeps: the line through two counted micro-batches
+lies above a convex step between them (a roofline op turning from bytes- to FLOP-bound), and a
+layout's rank may overlap what data parallelism's does not; 3% is several times the largest gap
+between the bound and a layout's own prediction measured (tests/test_throughput_bound.py)."""
+
+_FORWARD_BACKWARD = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class ReferenceStep:
+    """One of data parallelism's counted settings, as a step at any micro-batch."""
+
+    model: StepModel
+    every_block: bool
+    """Every block checkpointed: its recompute is a floor for any layout's with every block."""
+    sharded_calls: tuple[CollectiveCall, ...] = ()
+    """Its micro-step's FSDP2 all-gathers and reduce-scatters, where it shards over its whole
+    world (empty: DDP, or a shard group)."""
+
+
+def phase_floors(references: list[ReferenceStep], micro_batch: int, *, recompute: bool) -> tuple[float, float]:
+    """The least (forward, backward) compute seconds data parallelism's counted steps draw for one
+    micro-step of ``micro_batch``; the backward with the every-block recompute where ``recompute``
+    and a counted setting had it (none counted: no recompute, a lower floor)."""
+    forward = min(_phases(r.model, micro_batch, ("forward",)) for r in references)
+    backward = min(_phases(r.model, micro_batch, ("backward",)) for r in references)
+    redone = [_phases(r.model, micro_batch, ("backward", "recompute")) for r in references if r.every_block]
+    if recompute and redone:
+        backward = min(redone)
+    return forward, backward
+
+
+def micro_step_floor(references: list[ReferenceStep], micro_batch: int, *, recompute: bool) -> float:
+    """``phase_floors``' sum: one micro-step's least compute seconds."""
+    return sum(phase_floors(references, micro_batch, recompute=recompute))
+
+
+def _phases(model: StepModel, micro_batch: int, phases) -> float:
+    step = model.at(micro_batch)
+    return sum(step.seconds.get(p, 0.0) for p in phases)
+
+
+def sharded_seconds(references: list[ReferenceStep], layout: Layout, *, group: int,
+                    network: Network) -> tuple[float, float, float] | None:
+    """(forward all-gathers, backward all-gathers, reduce-scatters) of one of ``layout``'s
+    micro-steps at least, FSDP2 over ``group`` ranks: data parallelism's bytes over tp, each kind
+    of each phase as one collective; None where no reference shards over its whole world."""
+    calls = next((r.sharded_calls for r in references if r.sharded_calls), ())
+    if not calls or group <= 1:
+        return None
+
+    def timed(kind: str, phases) -> float:
+        nbytes = sum(c.bytes for c in calls if c.kind == kind and c.phase in phases) / layout.tp
+        return collective_time(kind, nbytes, group, network.link(group)) if nbytes else 0.0
+
+    return (timed("all_gather", ("forward",)), timed("all_gather", ("backward", "recompute")),
+            timed("reduce_scatter", ("backward", "recompute")))
+
+
+def fastest_possible(references: list[ReferenceStep], layout: Layout, split: list[int], *,
+                     recompute: bool, network: Network, seq_len: int | None, hidden: int | None,
+                     blocks: int, activation_bytes: int, sharded_group: int | None = None,
+                     slack: float = SLACK) -> float:
+    """The most samples per second per GPU ``layout`` could be predicted at with the window
+    ``split`` (one data-parallel rank's micro-batches): the module's floor of its compute, with
+    FSDP2's collectives over ``sharded_group`` ranks where given, its tensor-parallel collectives
+    and its bubble (``with_layout``)."""
+    if not references or not split:
+        raise ValueError("a bound needs data parallelism's counted steps and a split")
+    degree = layout.tp * layout.cp * layout.pp
+    sharded = (sharded_seconds(references, layout, group=sharded_group, network=network)
+               if sharded_group and layout.pp == 1 else None)
+    gather_f, gather_b, scatter = sharded or (0.0, 0.0, 0.0)
+    window = 0.0
+    for i, n in enumerate(split):
+        forward, backward = (slack * s / degree for s in phase_floors(references, n, recompute=recompute))
+        last = i == len(split) - 1
+        window += max(forward, gather_f) + max(backward, gather_b + (scatter if last else 0.0))
+    if window <= 0:
+        return float("inf")
+    samples = sum(split)
+    rank = WindowTime(step_s=window, compute_s=window, exposed_comm_s=0.0, bubble_s=0.0,
+                      recompute_s=0.0, samples_per_s=samples / window, tokens_per_s=None, mfu=None)
+    return with_layout(rank, layout, micro_batches=split, seq_len=seq_len, hidden=hidden, blocks=blocks,
+                       activation_bytes=activation_bytes, network=network).samples_per_s
+
+
+__all__ = ["ReferenceStep", "SLACK", "fastest_possible", "micro_step_floor", "phase_floors", "sharded_seconds"]

@@ -1,0 +1,287 @@
+"""A layout search ranked by throughput skips a layout that cannot win (autotune.timing.bound):
+the bound's arithmetic, that it is never below what a layout planned whole predicts, and what
+the search does with it (no planner's search for a layout the bound and one screen rule out)."""
+
+import pathlib
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from autotune.distributed.context_parallel import cpu_ring_available
+from autotune.distributed.layout import Layout
+from autotune.gpus.catalog import load_profile
+from autotune.timing.bound import SLACK, ReferenceStep, fastest_possible, micro_step_floor
+from autotune.timing.comm import network_from_profile
+from autotune.timing.costs import OpCost, StepCosts
+from autotune.timing.layout import pipeline_bubble, tensor_parallel_seconds
+from autotune.timing.roofline import speed_for_profile
+from autotune.timing.window import StepModel
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+SPEED = speed_for_profile("h100-80gb")
+NETWORK = network_from_profile(load_profile("h100-80gb"))
+
+
+def _costs(n: int, *, recompute: bool) -> StepCosts:
+    """A step of ``n`` samples: a big matmul per sample each way, a fixed small op per phase."""
+    ops = [OpCost("matmul", "forward", 2e12 * n, 1e6 * n, 1), OpCost("matmul", "backward", 4e12 * n, 2e6 * n, 2),
+           OpCost("elementwise", "forward", 0.0, 1e3, 10), OpCost("elementwise", "backward", 0.0, 1e3, 10)]
+    if recompute:
+        ops.append(OpCost("matmul", "recompute", 2e12 * n, 1e6 * n, 1))
+    return StepCosts(ops=tuple(ops), collectives=(), micro_batch=n, tokens=n * 64)
+
+
+def _model(*, recompute: bool) -> StepModel:
+    return StepModel({n: _costs(n, recompute=recompute) for n in (1, 2)}, SPEED, "bf16")
+
+
+def test_the_bound_is_data_parallels_micro_steps_over_the_degree_with_the_layouts_own_costs():
+    on = ReferenceStep(_model(recompute=True), every_block=True)
+    step = lambda n, phases: sum(on.model.at(n).seconds.get(p, 0.0) for p in phases)  # noqa: E731
+    # Counted at 1 and 2, the line gives 3 exactly (every op here is linear in the micro-batch).
+    assert micro_step_floor([on], 3, recompute=False) == pytest.approx(step(3, ("forward", "backward")))
+    assert micro_step_floor([on], 3, recompute=True) == pytest.approx(
+        step(3, ("forward", "backward", "recompute")))
+    # Tensor parallel 2: half the compute, the exposed collectives of its 4 blocks per micro-step.
+    split = [3, 3]
+    layout = Layout(tp=2)
+    compute = SLACK * 2 * step(3, ("forward", "backward", "recompute")) / 2
+    tp = sum(tensor_parallel_seconds(layout, tokens=3 * 64, hidden=256, blocks=4, activation_bytes=2,
+                                     network=NETWORK) for _ in split)
+    got = fastest_possible([on], layout, split, recompute=True, network=NETWORK, seq_len=64, hidden=256,
+                           blocks=4, activation_bytes=2)
+    assert got == pytest.approx(6 / (compute + tp) / 2)
+    # A pipeline of 2: half the compute per micro-step, then the bubble of 2 micro-batches.
+    piped = Layout(pp=2)
+    busy = SLACK * 2 * step(3, ("forward", "backward")) / 2
+    bubble = pipeline_bubble(piped, 2)
+    got = fastest_possible([on], piped, split, recompute=False, network=NETWORK, seq_len=64, hidden=256,
+                           blocks=4, activation_bytes=2)
+    assert got == pytest.approx(6 / (busy / (1 - bubble)) / 2)
+    # More micro-batches shrink a pipeline's bubble: the bound rises with them here.
+    assert fastest_possible([on], piped, [1] * 6, recompute=False, network=NETWORK, seq_len=64, hidden=256,
+                            blocks=4, activation_bytes=2) > got
+
+
+def test_only_an_every_block_reference_gives_the_recompute_floor_and_the_least_reference_counts():
+    off = ReferenceStep(_model(recompute=False), every_block=False)
+    on = ReferenceStep(_model(recompute=True), every_block=True)
+    plain = micro_step_floor([off], 2, recompute=False)
+    # No every-block setting counted: no recompute is the floor, as without checkpointing.
+    assert micro_step_floor([off], 2, recompute=True) == pytest.approx(plain)
+    assert micro_step_floor([off, on], 2, recompute=True) > plain
+    # Several references: the least of them (each is a floor).
+    slower = ReferenceStep(StepModel({n: _costs(2 * n, recompute=False) for n in (1, 2)}, SPEED, "bf16"),
+                           every_block=False)
+    assert micro_step_floor([slower, off], 2, recompute=False) == pytest.approx(plain)
+    with pytest.raises(ValueError, match="counted steps and a split"):
+        fastest_possible([], Layout(tp=2), [1], recompute=False, network=NETWORK, seq_len=1, hidden=1,
+                         blocks=1, activation_bytes=2)
+
+
+def test_fsdp_gathers_bound_each_phase_over_the_layouts_group_and_scatter_on_the_last_micro_step():
+    from autotune.timing.bound import sharded_seconds
+    from autotune.timing.comm import Link, Network, collective_time
+    from autotune.timing.costs import CollectiveCall
+
+    slow = Network(intra=Link(100e9, 1e-5), inter=Link(1e9, 1e-4), gpus_per_node=2)
+    gb = 2**30
+    calls = (CollectiveCall("all_gather", 3 * gb, 8, "forward"), CollectiveCall("all_gather", gb, 8, "forward"),
+             CollectiveCall("all_gather", 4 * gb, 8, "recompute"), CollectiveCall("reduce_scatter", 8 * gb, 8, "backward"))
+    plain = ReferenceStep(_model(recompute=True), every_block=True)
+    sharded = ReferenceStep(_model(recompute=True), every_block=True, sharded_calls=calls)
+    # Over tp 2 and a group of 4 between hosts: each kind of each phase as one collective of half
+    # the bytes; none where no reference sharded over its whole world.
+    layout = Layout(tp=2)
+    got = sharded_seconds([plain, sharded], layout, group=4, network=slow)
+    link = slow.link(4)
+    assert got == pytest.approx((collective_time("all_gather", 2 * gb, 4, link),
+                                 collective_time("all_gather", 2 * gb, 4, link),
+                                 collective_time("reduce_scatter", 4 * gb, 4, link)))
+    assert sharded_seconds([plain], layout, group=4, network=slow) is None
+    gather_f, gather_b, scatter = got
+    kw = dict(recompute=True, network=slow, seq_len=64, hidden=256, blocks=4, activation_bytes=2)
+    split = [2, 2]
+    forward = SLACK * plain.model.at(2).seconds["forward"] / 2
+    backward = SLACK * (plain.model.at(2).seconds["backward"] + plain.model.at(2).seconds["recompute"]) / 2
+    assert gather_f > forward  # the gathers are what bound this layout
+    window = 2 * (max(forward, gather_f)) + max(backward, gather_b) + max(backward, gather_b + scatter)
+    tp = sum(tensor_parallel_seconds(layout, tokens=2 * 64, hidden=256, blocks=4, activation_bytes=2,
+                                     network=slow) for _ in split)
+    assert fastest_possible([sharded], layout, split, sharded_group=4, **kw) == pytest.approx(4 / (window + tp) / 2)
+    # Without a group (a shard group asked for, or DDP), and for a pipeline, compute alone bounds it.
+    alone = fastest_possible([plain], layout, split, **kw)
+    assert fastest_possible([sharded], layout, split, **kw) == pytest.approx(alone)
+    assert fastest_possible([sharded], layout, split, sharded_group=4, **kw) < alone
+    piped = Layout(pp=2)
+    assert fastest_possible([sharded], piped, split, sharded_group=4, **kw) == pytest.approx(
+        fastest_possible([plain], piped, split, **kw))
+
+
+def test_the_checkpointing_settings_a_layouts_plan_may_take():
+    from autotune.orchestration.layout_search import _checkpointing_choices
+    from autotune.workload.checkpoint_count import Checkpointing, CheckpointingRequest
+
+    def planner(request, first):
+        return SimpleNamespace(checkpointing=CheckpointingRequest.parse(request), distributed=False,
+                               first=first)
+
+    auto = planner("auto", Checkpointing.off(4))
+    assert _checkpointing_choices(auto, checkpointable=True, sharded=True) == [("off", False), ("on", True)]
+    # A replica's planner also ranks fewer blocks than every one: no recompute floor for "on".
+    assert _checkpointing_choices(auto, checkpointable=True, sharded=False) == [("off", False), ("on", False)]
+    assert _checkpointing_choices(auto, checkpointable=False, sharded=True) == [("off", False)]
+    assert _checkpointing_choices(planner("on", Checkpointing.every_block(4)), checkpointable=True,
+                                  sharded=True) == [("on", True)]
+    assert _checkpointing_choices(planner("off", Checkpointing.off(4)), checkpointable=True,
+                                  sharded=True) == [("off", False)]
+    # K of N blocks asked for: no bound (the layout is planned whole).
+    assert _checkpointing_choices(planner("2", Checkpointing.of(2, 4)), checkpointable=True, sharded=True) is None
+
+
+def _search(monkeypatch, *, bound=None, screen=None, **kwargs):
+    """tests/sp_decoder_model.py on 2 GPUs, tp and cp auto, ranked by throughput; ``bound`` and
+    ``screen`` replace the search's where given. Returns the plan, the layouts whose planners
+    ran, and the screens asked (layout, micro-batch, checkpointing)."""
+    from autotune import plan
+    from autotune.orchestration import layout_search, planner
+
+    ran, screens = [], []
+    original_run = planner._Planner.run
+
+    def run(self):
+        ran.append(self.options.parallel)
+        return original_run(self)
+
+    monkeypatch.setattr(planner._Planner, "run", run)
+    if bound is not None:
+        monkeypatch.setattr(layout_search, "fastest_possible", lambda *args, **kw: bound)
+    real_screen = layout_search._screen
+
+    def screening(workload, planner_, layout, checkpointable, micro_batch=1, checkpointing=None):
+        screens.append((layout, micro_batch, checkpointing))
+        if screen is not None:
+            return screen
+        return real_screen(workload, planner_, layout, checkpointable, micro_batch=micro_batch,
+                           checkpointing=checkpointing)
+
+    monkeypatch.setattr(layout_search, "_screen", screening)
+    monkeypatch.syspath_prepend(str(TESTS))
+    planned = plan(TESTS / "sp_decoder_model.py", gpu="h100-80gb", world_size=2, target_batch=8, seq_len=16,
+                   optimize="throughput", tp="auto", cp="auto", eval_batch=False, **kwargs)
+    return planned, ran, screens
+
+
+def test_a_layout_the_bound_puts_below_the_fastest_is_neither_screened_nor_planned(monkeypatch, one_thread):
+    planned, ran, screens = _search(monkeypatch, bound=0.0)
+    assert planned.parallel == Layout()
+    # Data parallel's planner ran; tp 2's and cp 2's were made, never run, and nothing screened.
+    assert ran == [Layout()] and screens == []
+    reason = planned.reasons["layout"]
+    leader = planned.step_time.samples_per_s
+    assert reason.count(f"cannot beat DDP 2's {leader:.4g} samples/s per GPU") == 2
+    assert "checkpointing off at most 0" in reason and "every block checkpointed at most 0" in reason
+
+
+def test_a_layout_that_could_win_is_screened_at_its_least_memory_and_ruled_out_there(monkeypatch, one_thread):
+    planned, ran, screens = _search(monkeypatch, bound=float("inf"), screen="runs out (stub)")
+    assert ran == [Layout()] and planned.parallel == Layout()
+    # Every split could win: each setting screened at micro-batch 1, off first, then every block.
+    assert screens == [(Layout(tp=2), 1, "off"), (Layout(tp=2), 1, "on"),
+                       (Layout(cp=2), 1, "off"), (Layout(cp=2), 1, "on")]
+    # Its least memory (every block checkpointed, micro-batch 1) does not fit: it fits nowhere.
+    assert planned.reasons["layout"].count("nothing fits: runs out (stub)") == 2
+
+
+def test_a_layout_whose_screen_fits_is_planned_whole(monkeypatch, one_thread):
+    planned, ran, screens = _search(monkeypatch)
+    # This model is mostly kernel launches, which a split does not divide: the bound leaves each
+    # layout a chance at its larger micro-batches only, the screen there without checkpointing
+    # fits, and each layout is planned whole (ranked in the reason with its predicted samples/s).
+    # Context parallel's CPU ring needs torch 2.14's hooks: before, its screen is refused.
+    ring = [Layout(cp=2)] if cpu_ring_available() else []
+    assert ran == [Layout(), Layout(tp=2), *ring]
+    assert [(layout, checkpointing) for layout, _, checkpointing in screens] == [
+        (Layout(tp=2), "off"), (Layout(cp=2), "off")]
+    assert all(1 < micro_batch <= 8 for _, micro_batch, _ in screens)
+    reason = planned.reasons["layout"]
+    assert "cannot beat" not in reason and "FSDP 1 × TP 2 (1 accumulation step" in reason
+    assert ("FSDP 1 × CP 2 (1 accumulation step" in reason) == bool(ring)
+
+
+WIDE = dict(world_size=4, target_batch=16, seq_len=4096, headroom=0.6, tp="auto", cp="auto", pp="auto")
+"""tests/wide_decoder_model.py on 4 H100s with 40% of each usable: data parallel leads (DDP 4),
+pp 2 cannot beat it, tp 2 is planned."""
+WIDE_FSDP_BETWEEN_HOSTS = dict(WIDE, sharding="fsdp", gpus_per_node=2, network_gbps=25, pp=1)
+"""The same on hosts of 2 GPUs with 25 Gb/s between them, FSDP2: data parallelism's gathers cross
+hosts (its FSDP2 bounds the layouts'), as do cp 2's; tp 2's stay inside a host."""
+
+
+def _ranked_search(monkeypatch, *, prune: bool, options: dict):
+    """tests/wide_decoder_model.py ranked by throughput: the plan, and each planned layout's
+    planner and plan."""
+    from autotune import plan
+    from autotune.orchestration import layout_search, planner
+
+    planned_layouts = []
+    original = planner.fastest_predicted
+
+    def recording(planner_):
+        made = original(planner_)
+        planned_layouts.append((planner_, made))
+        return made
+
+    monkeypatch.setattr(planner, "fastest_predicted", recording)
+    if not prune:
+        monkeypatch.setattr(layout_search, "_cannot_win", lambda *args, **kwargs: None)
+    monkeypatch.syspath_prepend(str(TESTS))
+    chosen = plan(TESTS / "wide_decoder_model.py", gpu="h100-80gb", optimize="throughput", eval_batch=False,
+                  **options)
+    return chosen, planned_layouts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [WIDE, WIDE_FSDP_BETWEEN_HOSTS], ids=["ddp", "fsdp-between-hosts"])
+def test_the_bound_is_never_below_a_layout_planned_whole_and_skipping_changes_no_choice(
+        monkeypatch, one_thread, options):
+    """Planned whole, every configuration each model-parallel layout ranked predicts no more than
+    the bound from data parallelism's counted steps at its own split and checkpointing (with
+    FSDP2's gathers where data parallelism's plan sharded); with the bound, the search chooses the
+    same plan, planning no more layouts."""
+    from autotune.orchestration.predicted import reference_steps
+    from autotune.precision import Precision
+
+    whole, planned = _ranked_search(monkeypatch, prune=False, options=options)
+    reference = next(p for p, _ in planned if p.options.parallel.trivial)
+    references = reference_steps(reference)
+    network = network_from_profile(load_profile("h100-80gb"), gpus_per_node=options.get("gpus_per_node"),
+                                   network_gbps=options.get("network_gbps"))
+    if options.get("sharding") == "fsdp":  # its gathers bound the layouts' (auto may rank FSDP2 too)
+        assert any(r.sharded_calls for r in references)
+    checked, gathers_bind = set(), False
+    for planner_, made in planned:
+        layout = planner_.options.parallel
+        if layout.trivial:
+            continue
+        for configuration in made.predicted:
+            blocks = configuration.checkpointing
+            kwargs = dict(recompute=bool(blocks.blocks) and blocks.blocks == blocks.total, network=network,
+                          seq_len=4096, hidden=2048, blocks=2,
+                          activation_bytes=2 if Precision.parse(configuration.precision) is not Precision.FP32 else 4)
+            bound = fastest_possible(references, layout, configuration.micro_batches,
+                                     sharded_group=layout.data_parallel(4) * layout.cp, **kwargs)
+            assert configuration.step_time.samples_per_s <= bound, (layout, configuration.label())
+            checked.add(layout.describe_degrees())
+            gathers_bind |= bound < fastest_possible(references, layout, configuration.micro_batches, **kwargs)
+    assert "tp 2" in checked
+    # Between hosts of 2 at 25 Gb/s, FSDP2's gathers bound at least one layout tighter than compute.
+    assert gathers_bind or options is WIDE
+    monkeypatch.undo()
+    bounded, planned_bounded = _ranked_search(monkeypatch, prune=True, options=options)
+    assert len(planned_bounded) <= len(planned)
+    assert (bounded.parallel, bounded.micro_batches, bounded.checkpointing) == (
+        whole.parallel, whole.micro_batches, whole.checkpointing)
+    if options is WIDE:
+        assert len(planned_bounded) < len(planned) and "cannot beat" in bounded.reasons["layout"]
