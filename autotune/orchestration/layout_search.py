@@ -110,6 +110,8 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                                    checkpointable=fingerprint.checkpointable, sharding=sharding,
                                    screen=screen)
                 if lost is not None:
+                    if lost.fits_nowhere:
+                        screening.append(layout)
                     return lost
             if beat_screen and leader and not layout.trivial:
                 # steps >= 1 here: a leader of 1 step ends the search (search_layouts).

@@ -33,6 +33,7 @@ and above it only between them, by a hair; ``SLACK`` covers that.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from ..distributed.layout import Layout
@@ -116,10 +117,12 @@ def fastest_possible(references: list[ReferenceStep], layout: Layout, split: lis
                if sharded_group and layout.pp == 1 else None)
     gather_f, gather_b, scatter = sharded or (0.0, 0.0, 0.0)
     window = 0.0
-    for i, n in enumerate(split):
+    # By size (a split has one or two): a share of thousands is split thousands of ways.
+    for n, count in Counter(split).items():
         forward, backward = (slack * s / degree for s in phase_floors(references, n, recompute=recompute))
-        last = i == len(split) - 1
-        window += max(forward, gather_f) + max(backward, gather_b + (scatter if last else 0.0))
+        window += count * (max(forward, gather_f) + max(backward, gather_b))
+        if n == split[-1]:  # the last micro-step reduce-scatters
+            window += max(backward, gather_b + scatter) - max(backward, gather_b)
     if window <= 0:
         return float("inf")
     samples = sum(split)
