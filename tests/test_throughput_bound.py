@@ -276,8 +276,9 @@ def test_the_bound_is_never_below_a_layout_planned_whole_and_skipping_changes_no
             checked.add(layout.describe_degrees())
             gathers_bind |= bound < fastest_possible(references, layout, configuration.micro_batches, **kwargs)
     assert "tp 2" in checked
-    # Between hosts of 2 at 25 Gb/s, FSDP2's gathers bound at least one layout tighter than compute.
-    assert gathers_bind or options is WIDE
+    # Between hosts of 2 at 25 Gb/s, FSDP2's gathers bound at least one layout tighter than compute:
+    # cp 2's, over all 4 ranks (tp 2's group of 2 stays inside a host; torch 2.13 has no CPU ring).
+    assert gathers_bind or options is WIDE or not cpu_ring_available()
     monkeypatch.undo()
     bounded, planned_bounded = _ranked_search(monkeypatch, prune=True, options=options)
     assert len(planned_bounded) <= len(planned)
