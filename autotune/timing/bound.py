@@ -6,12 +6,12 @@ A rank of a layout that splits each sample's work over d = tp × cp × pp GPUs r
 than 1/d of the op data parallelism runs on the same micro-batch: tensor parallelism splits a
 matmul's FLOPs and weight bytes over tp and keeps its norms and residuals whole, context
 parallelism's ring runs cp attention kernels per block over the same pairs, a pipeline's slowest
-stage is no faster than the mean of its stages, and FSDP2 gathers no more of a block than data
-parallelism does. On a GPU profile an op's time is its launch overhead plus the longer of its
-FLOPs and bytes at fixed achievable rates (``roofline.op_seconds``), which never falls below 1/d
-of the whole op's when its FLOPs and bytes fall to 1/d. So a window of k micro-steps of
-m_1..m_k samples costs a rank at least Σ f(m_i) / d of compute, f being data parallelism's
-micro-step (forward, backward and, every block checkpointed, the recompute); its optimizer phase,
+stage is no faster than the mean of its stages, and FSDP2 copies at least 1/(tp × pp) of the
+parameters data parallelism's FSDP2 copies. On a GPU profile an op's time is its launch overhead
+plus the longer of its FLOPs and bytes at fixed achievable rates (``roofline.op_seconds``), which never falls below 1/d
+of the whole op's when its FLOPs and bytes fall to 1/d. So each phase of a micro-step of m
+samples costs a rank at least f(m) / d of compute, f being data parallelism's counted phase
+(forward; backward and, every block checkpointed, the recompute); its optimizer phase,
 other collectives and loop count nothing here but FSDP2's (below); the tensor-parallel
 collectives nothing overlaps and the schedule's bubble count as ``timing.layout.with_layout`` adds
 them to the layout's own prediction.
@@ -43,13 +43,11 @@ from .layout import with_layout
 from .window import StepModel, WindowTime
 
 SLACK = 0.97
-"""The share of the drawn compute the bound keeps: the line through two counted micro-batches
-lies above a convex step between them (a roofline op turning from bytes- to FLOP-bound), and a
-layout's rank may overlap what data parallelism's does not; 3% is several times the largest gap
-between the bound and a layout's own prediction measured (tests/test_throughput_bound.py)."""
-
-_FORWARD_BACKWARD = ("forward", "backward")
-
+"""The share of the drawn compute the bound keeps. Between two counted micro-batches the line lies
+above a convex step (a roofline op turning from bytes- to FLOP-bound); data parallelism's split
+counts adjacent sizes (or one, and the next is counted), so only a pinned micro-batch's remainder
+leaves sizes between them. A margin, not a measurement: tests/test_throughput_bound.py checks
+that every bound stays above the layout's own prediction."""
 
 @dataclass(frozen=True)
 class ReferenceStep:
