@@ -211,6 +211,41 @@ def test_a_layout_whose_screen_fits_is_planned_whole(monkeypatch, one_thread):
     assert ("FSDP 1 × CP 2 (1 accumulation step" in reason) == bool(ring)
 
 
+def test_where_data_parallelism_fits_nowhere_its_step_is_counted_for_the_bound(monkeypatch, one_thread):
+    from autotune.errors import PlanError
+    from autotune.orchestration import layout_search, planner
+
+    original_run = planner._Planner.run
+
+    def fits_nowhere(self):
+        if self.options.parallel.trivial:
+            raise PlanError("stub: data parallelism fits nowhere")
+        return original_run(self)
+
+    seen = []
+
+    def bound(references, layout, split, **kwargs):
+        seen.append((layout, references))
+        return 0.0
+
+    monkeypatch.setattr(planner._Planner, "run", fits_nowhere)
+    monkeypatch.setattr(layout_search, "fastest_possible", bound)
+    monkeypatch.syspath_prepend(str(TESTS))
+    from autotune import plan
+
+    planned = plan(TESTS / "sp_decoder_model.py", gpu="h100-80gb", world_size=2, target_batch=8, seq_len=16,
+                   optimize="throughput", tp="auto", cp="auto", eval_batch=False)
+    # tp 2 leads (the first that fits: nothing to bound it by); cp 2 is bounded by data
+    # parallelism's step counted at micro-batches 1 and 2, every block checkpointed, FSDP2's gathers.
+    assert planned.parallel == Layout(tp=2)
+    assert {layout for layout, _ in seen} == {Layout(cp=2)}
+    references = seen[0][1]
+    assert len(references) == 1 and references[0].every_block
+    assert sorted(references[0].model.counted) == [1, 2]
+    assert {c.kind for c in references[0].sharded_calls} == {"all_gather", "reduce_scatter"}
+    assert "cp 2 (cannot beat FSDP 1 × TP 2's" in planned.reasons["layout"]
+
+
 WIDE = dict(world_size=4, target_batch=16, seq_len=4096, headroom=0.6, tp="auto", cp="auto", pp="auto")
 """tests/wide_decoder_model.py on 4 H100s with 40% of each usable: data parallel leads (DDP 4),
 pp 2 cannot beat it, tp 2 is planned."""
@@ -248,14 +283,28 @@ def test_the_bound_is_never_below_a_layout_planned_whole_and_skipping_changes_no
         monkeypatch, one_thread, options):
     """Planned whole, every configuration each model-parallel layout ranked predicts no more than
     the bound from data parallelism's counted steps at its own split and checkpointing (with
-    FSDP2's gathers where data parallelism's plan sharded); with the bound, the search chooses the
-    same plan, planning no more layouts."""
-    from autotune.orchestration.predicted import reference_steps
-    from autotune.precision import Precision
+    FSDP2's gathers where data parallelism's plan sharded), from its ranked settings and from its
+    step counted as where it fits nowhere; with the bound, the search chooses the same plan,
+    planning no more layouts."""
+    from autotune.orchestration.predicted import _counted_reference, reference_steps
 
     whole, planned = _ranked_search(monkeypatch, prune=False, options=options)
     reference = next(p for p, _ in planned if p.options.parallel.trivial)
-    references = reference_steps(reference)
+    # Its ranked settings, and its step counted as where it fits nowhere: each bounds alike.
+    for references in (reference_steps(reference), _counted_reference(reference)):
+        _check_bounds(planned, references, options)
+    monkeypatch.undo()
+    bounded, planned_bounded = _ranked_search(monkeypatch, prune=True, options=options)
+    assert len(planned_bounded) <= len(planned)
+    assert (bounded.parallel, bounded.micro_batches, bounded.checkpointing) == (
+        whole.parallel, whole.micro_batches, whole.checkpointing)
+    if options is WIDE:
+        assert len(planned_bounded) < len(planned) and "cannot beat" in bounded.reasons["layout"]
+
+
+def _check_bounds(planned, references, options):
+    from autotune.precision import Precision
+
     network = network_from_profile(load_profile("h100-80gb"), gpus_per_node=options.get("gpus_per_node"),
                                    network_gbps=options.get("network_gbps"))
     if options.get("sharding") == "fsdp":  # its gathers bound the layouts' (auto may rank FSDP2 too)
@@ -279,10 +328,3 @@ def test_the_bound_is_never_below_a_layout_planned_whole_and_skipping_changes_no
     # Between hosts of 2 at 25 Gb/s, FSDP2's gathers bound at least one layout tighter than compute:
     # cp 2's, over all 4 ranks (tp 2's group of 2 stays inside a host; torch 2.13 has no CPU ring).
     assert gathers_bind or options is WIDE or not cpu_ring_available()
-    monkeypatch.undo()
-    bounded, planned_bounded = _ranked_search(monkeypatch, prune=True, options=options)
-    assert len(planned_bounded) <= len(planned)
-    assert (bounded.parallel, bounded.micro_batches, bounded.checkpointing) == (
-        whole.parallel, whole.micro_batches, whole.checkpointing)
-    if options is WIDE:
-        assert len(planned_bounded) < len(planned) and "cannot beat" in bounded.reasons["layout"]

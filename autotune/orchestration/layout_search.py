@@ -197,19 +197,23 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
 
     For each checkpointing setting its planner would rank, ``timing.bound`` gives the most
     samples/s each of its splits could reach, from data parallelism's counted steps
-    (``reference``'s planner): splits that cannot pass the leader need nothing more; for those
+    (``reference``'s planner: its ranked settings', or where it fitted nowhere its step counted
+    anyway, ``predicted.reference_steps``): splits that cannot pass the leader need nothing more; for those
     that could, one screen at the smallest micro-batch among them (the least memory any of them
     needs; a pipeline's at a window of pp micro-batches, less than its own) says whether any fits.
     Every block's recompute is a floor only where that is the one checkpointed setting ranked
     (a sharded layout's; a replica's planner also ranks fewer blocks)."""
-    if not getattr(reference, "step_models", None) or planner.target is None:
+    if reference is None or not hasattr(reference, "step_models") or planner.target is None:
         return None
     choices = _checkpointing_choices(planner, checkpointable=checkpointable,
                                      sharded=Sharding.parse(sharding).sharded)
     if choices is None:
         return None
     request, options = planner.request, planner.options
-    references = reference_steps(reference)
+    try:
+        references = reference_steps(reference)
+    except EstimateUnavailable:  # data parallelism's step has no count here: planned whole, as before
+        return None
     network = network_from_profile(planner.target.profile, gpus_per_node=options.gpus_per_node,
                                    network_gbps=options.network_gbps)
     shape = planner.shape

@@ -28,7 +28,7 @@ from ..timing.layout import with_layout
 from ..timing.count import count_steps_costs
 from ..timing.roofline import speed_for_profile
 from ..timing.window import StepModel, predict_window, tokens_per_sample, with_tokens
-from ..workload.checkpoint_count import CheckpointingRequest
+from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 
 def fastest_predicted(planner) -> Plan:
     """The plan of the configuration predicted fastest (see the module's docstring)."""
@@ -139,7 +139,14 @@ def _count(planner, setting: SettingTried, sizes, tokens: int | None, gpu: str) 
 def reference_steps(planner) -> list[ReferenceStep]:
     """A data-parallel planner's ranked settings as steps at any micro-batch
     (``timing.bound``): each drawn through two counted micro-batches, one more counted now where
-    its split had one size (the line needs two)."""
+    its split had one size (the line needs two). Where none was ranked (data parallelism fits
+    nowhere), its step counted at micro-batches 1 and 2 all the same (a count needs no memory):
+    FSDP2 over the whole world, every block checkpointed where the model has blocks (the
+    forward and backward of none, and the recompute of every one)."""
+    if not planner.step_models:
+        if getattr(planner, "counted_reference", None) is None:
+            planner.counted_reference = _counted_reference(planner)
+        return planner.counted_reference
     found = []
     for i, (setting, counted, model) in enumerate(planner.step_models):
         if len(counted) < 2:
@@ -157,6 +164,19 @@ def reference_steps(planner) -> list[ReferenceStep]:
         found.append(ReferenceStep(model, every_block=bool(blocks.blocks) and blocks.blocks == blocks.total,
                                    sharded_calls=calls))
     return found
+
+
+def _counted_reference(planner) -> list[ReferenceStep]:
+    blocks = planner.fingerprint.repeated_blocks
+    checkpointing = (Checkpointing.every_block(blocks) if planner.fingerprint.checkpointable
+                     else Checkpointing.off(blocks))
+    counted = with_tokens(count_steps_costs(
+        planner.workload, [1, 2], precision=planner.chosen, checkpointing=checkpointing, sharding="fsdp",
+        world_size=planner.world_size, for_gpu=planner.target.profile.name), tokens_per_sample(planner.workload))
+    model = StepModel(counted, speed_for_profile(planner.target.profile), planner.chosen)
+    calls = tuple(c for c in counted[1].collectives
+                  if not c.ring and c.kind in ("all_gather", "reduce_scatter") and c.phase != "optimizer")
+    return [ReferenceStep(model, every_block=bool(checkpointing.blocks), sharded_calls=calls)]
 
 
 def recorded_key(setting: SettingTried) -> tuple:
