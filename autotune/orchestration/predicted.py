@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..distributed.sharding.settings import Sharding
-from ..errors import ConfigError, EstimateUnavailable, PlanError, given, option
+from ..errors import EstimateUnavailable, PlanError
 from ..planning.policy import split_for
 from ..planning.types import ConfigurationPredicted, Plan, SettingTried, ThroughputOutcome
 from ..precision import Precision
