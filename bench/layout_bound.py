@@ -11,8 +11,9 @@ checkpointing it was predicted at (never below that prediction). Totals: CPU sec
 
     OMP_NUM_THREADS=1 python bench/layout_bound.py [--cases 8b 70b wide]
 
-Cases: ``8b`` and ``70b`` are bench/llama_plans.py's (Llama-3.1 8B on 8 H100s, target 64; 70B on
-256, target 512; sequence 8192); ``wide`` is tests/wide_decoder_model.py (two blocks at
+Cases: ``8b``, ``70b`` and ``405b`` are bench/llama_plans.py's (Llama-3.1 8B on 8 H100s, target 64;
+70B on 256, target 512; 405B on 512, target 1024, where data parallelism fits nowhere; sequence
+8192); ``wide`` is tests/wide_decoder_model.py (two blocks at
 Llama-3.2-1B's width, sequence 4096) on 4 H100s with 40% of each usable, target 16;
 ``wide-tight`` the same with 15% usable and target 32, where data parallelism fits nowhere (the
 bound counts its step all the same).
@@ -35,6 +36,8 @@ CASES = {
            dict(world_size=8, target_batch=64, seq_len=8192)),
     "70b": ("bench/llama_like.py", {"AUTOTUNE_LLAMA": "70b", "AUTOTUNE_LLAMA_SEQ": "8192"},
             dict(world_size=256, target_batch=512, seq_len=8192)),
+    "405b": ("bench/llama_like.py", {"AUTOTUNE_LLAMA": "405b", "AUTOTUNE_LLAMA_SEQ": "8192"},
+             dict(world_size=512, target_batch=1024, seq_len=8192)),
     "wide": ("tests/wide_decoder_model.py", {}, dict(world_size=4, target_batch=16, seq_len=4096, headroom=0.6)),
     "wide-tight": ("tests/wide_decoder_model.py", {},
                    dict(world_size=4, target_batch=32, seq_len=4096, headroom=0.85)),
