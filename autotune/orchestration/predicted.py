@@ -158,9 +158,7 @@ def reference_steps(planner) -> list[ReferenceStep]:
         blocks = setting.checkpointing
         # FSDP2 over the whole world: its gathers are what a layout's FSDP2 gathers, over tp.
         whole = setting.sharding is Sharding.FSDP and setting.shard_group in (None, planner.world_size)
-        calls = tuple(c for c in model.at(min(counted)).collectives
-                      if whole and not c.ring and c.kind in ("all_gather", "reduce_scatter")
-                      and c.phase != "optimizer")
+        calls = _sharded_calls(model.at(min(counted)).collectives) if whole else ()
         found.append(ReferenceStep(model, every_block=bool(blocks.blocks) and blocks.blocks == blocks.total,
                                    sharded_calls=calls))
     return found
@@ -174,9 +172,14 @@ def _counted_reference(planner) -> list[ReferenceStep]:
         planner.workload, [1, 2], precision=planner.chosen, checkpointing=checkpointing, sharding="fsdp",
         world_size=planner.world_size, for_gpu=planner.target.profile.name), tokens_per_sample(planner.workload))
     model = StepModel(counted, speed_for_profile(planner.target.profile), planner.chosen)
-    calls = tuple(c for c in counted[1].collectives
-                  if not c.ring and c.kind in ("all_gather", "reduce_scatter") and c.phase != "optimizer")
-    return [ReferenceStep(model, every_block=bool(checkpointing.blocks), sharded_calls=calls)]
+    return [ReferenceStep(model, every_block=bool(checkpointing.blocks),
+                          sharded_calls=_sharded_calls(counted[1].collectives))]
+
+
+def _sharded_calls(collectives) -> tuple:
+    """A micro-step's FSDP2 all-gathers and reduce-scatters (not the ring's, not the optimizer's)."""
+    return tuple(c for c in collectives if not c.ring and c.kind in ("all_gather", "reduce_scatter")
+                 and c.phase != "optimizer")
 
 
 def recorded_key(setting: SettingTried) -> tuple:
