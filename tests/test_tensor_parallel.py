@@ -242,7 +242,10 @@ def test_estimate_matches_a_real_gloo_tensor_parallel_run(world, tmp_path, monke
     collective's buffers after the main thread has gone on (the Llama head's logits all-gather:
     up to +11%, one repeat in five); the estimate holds them until the next collective, as it
     does a reduce-scatter's, so it covers the peak most repeats reach, and without that late
-    release it is at most 3% above the largest real peak."""
+    release it is at most 3% above the largest real peak. On a loaded machine a third mode shows
+    (sp_decoder at 4: 277,424 prompt, 302,000 held to the next collective as estimated, 314,288
+    held past it, seen 2 repeats of 3 in one CI run and 1 of 15 here): five repeats, so that the
+    median is the mode most steps reach, not two unlucky ones."""
     pytest.importorskip("transformers")
     from autotune.memory.fake import _GlooCollectiveBuffers
     from fsdp_helpers import real_fsdp_peaks, typical_peak, worst_peak
@@ -253,7 +256,7 @@ def test_estimate_matches_a_real_gloo_tensor_parallel_run(world, tmp_path, monke
         with monkeypatch.context() as patch:
             patch.setattr(_GlooCollectiveBuffers, "released_late", False)
             prompt = estimate_peaks(path, sizes, sharding="fsdp", world_size=world, parallel=Layout(tp=2))
-        real = real_fsdp_peaks(path, world, sizes, tmp_path, repeats=3, tp=2)
+        real = real_fsdp_peaks(path, world, sizes, tmp_path, repeats=5, tp=2)
         for n in sizes:
             assert estimated[n] >= typical_peak(real[n]) / 1.03, (path.stem, n, estimated[n], real[n])
             assert prompt[n] <= worst_peak(real[n]) * 1.03, (path.stem, n, prompt[n], real[n])
