@@ -267,23 +267,9 @@ def _torchrun(nproc, *args):
 # on mlp depends on when gloo's worker thread lets go of a collective's buffer (−18% to +3.8% at
 # n = 2) and is not held to a bound here. Interleaved on tiny_lm was over by up to 4.3% until the
 # copied stages' fake weights were cloned by an op (``pipeline._copy_model``): now to 12 bytes.
-# The Hugging Face Llama's estimate runs in a process of its own: in the slow suite's one long
-# process, the first allocation of its estimate died in glibc's malloc (a heap corrupted earlier
-# in that process, not found yet; the test alone, its file, and the tests around it pass).
 ACCURACY = [("tiny_lm", "1f1b", "ddp", 2, 0.03), ("mlp", "1f1b", "ddp", 2, 0.03),
             ("mlp", "interleaved-1f1b", "ddp", 2, 0.03), ("tiny_lm", "interleaved-1f1b", "ddp", 2, 0.03),
             ("pp_hf_llama4_model", "interleaved-1f1b", "ddp", 2, 0.03), ("tiny_lm", "1f1b", "fsdp", 4, 0.03)]
-OWN_PROCESS = {"pp_hf_llama4_model"}
-
-
-def _estimated_in_a_process(model_file, n, *, schedule, world_size, sharding, tp=1) -> list[int]:
-    code = ("import json, sys; from pp_plans import estimated_rank_peaks; "
-            "print(json.dumps(estimated_rank_peaks(sys.argv[1], int(sys.argv[2]), schedule=sys.argv[3], "
-            "world_size=int(sys.argv[4]), sharding=sys.argv[5], tp=int(sys.argv[6]))))")
-    done = subprocess.run([sys.executable, "-c", code, str(model_file), str(n), schedule, str(world_size),
-                           sharding, str(tp)], env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -292,8 +278,7 @@ def test_estimate_matches_real_gloo_pipeline_peaks(tmp_path, example, schedule, 
     model_file = next(path for path in (EXAMPLES / f"{example}.py", TESTS / f"{example}.py") if path.exists())
     real = real_pipeline_peaks(model_file, tmp_path, pp=2, schedule=schedule, sharding=sharding,
                                world=world, window=4, sizes=[2])
-    estimate = _estimated_in_a_process if example in OWN_PROCESS else estimated_rank_peaks
-    estimated = estimate(model_file, 2, schedule=schedule, world_size=world, sharding=sharding)
+    estimated = estimated_rank_peaks(model_file, 2, schedule=schedule, world_size=world, sharding=sharding)
     data_parallel = world // 2
     for pp_rank, estimate in enumerate(estimated):
         peak = max(max(real[2][pp_rank * data_parallel + d]) for d in range(data_parallel))
@@ -409,13 +394,11 @@ def test_loss_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as_o
     """TP 2 × PP 2 on 4 gloo ranks with LOSS_PARALLEL = True (examples/real/llama.py): the last
     stage's loss takes the logits split by vocabulary and hands the schedule a plain scalar. Its
     real peaks are bimodal as outside pipelines (docs/parallel-layouts.md): the estimate is the
-    upper mode, at least what most repeats reach less 3% and at most 3% above the largest. The
-    estimate runs in a process of its own (see ACCURACY: a Hugging Face model's estimate late in
-    the slow suite's process died in glibc's malloc)."""
+    upper mode, at least what most repeats reach less 3% and at most 3% above the largest."""
     from fsdp_helpers import typical_peak, worst_peak
 
     model_file = TESTS / "hf_llama_lp_model.py"
-    estimated = _estimated_in_a_process(model_file, 2, schedule="1f1b", world_size=4, sharding="fsdp", tp=2)
+    estimated = estimated_rank_peaks(model_file, 2, schedule="1f1b", world_size=4, sharding="fsdp", tp=2)
     real = real_pipeline_peaks(model_file, tmp_path, pp=2, tp=2, schedule="1f1b", sharding="fsdp",
                                world=4, window=4, sizes=[2])[2]
     for pp_rank, estimate in enumerate(estimated):
