@@ -148,6 +148,49 @@ def test_a_pipeline_trial_runs_the_rank_likeliest_to_run_out_first():
     assert set_up == [6, 0, 2, 4, 6, 4, 0, 2, 0]
 
 
+def test_a_pipeline_trial_past_the_limit_it_plans_within_stops_there_not_proved_to_fit():
+    """An estimate planning within a limit (a budget less its headroom, ``limited``): a rank past it
+    ends the trial, which is then not proved to fit (the ranks left could hold more, past the
+    budget too) and says the limit it passed; a trial whose every rank ran stays as it ran."""
+    from autotune.probing.pipeline_trial import WorstPipelineRankSession
+    from autotune.probing.result import Trial
+
+    peaks = {0: 30, 2: 50}
+    ran = []
+
+    class Backend:
+        limit_bytes = None
+
+    class RankSession:
+        backend = Backend()
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            pass
+
+        def run(self, n, **kwargs):
+            ran.append(self.rank)
+            return Trial(micro_batch=n, fits=peaks[self.rank] * n <= 200, peak_bytes=peaks[self.rank] * n,
+                         seconds=0.0)
+
+    with WorstPipelineRankSession(lambda rank: contextlib.nullcontext(RankSession(rank)), [0, 2]) as session:
+        assert session.run(2).fits and ran == [2, 0]  # no limit: every rank, the worst's 100
+        ran.clear()
+        RankSession.backend.limit_bytes = 90
+        trial = session.run(2)
+        assert ran == [2] and not trial.fits and trial.past_limit == 90 and trial.peak_bytes == 100
+        assert trial.verdict == "past the limit"
+        ran.clear()
+        peaks[0] = 95  # the first rank now passes the limit, and runs last: both ran
+        trial = session.run(1)
+        assert ran == [2, 0] and trial.fits and trial.past_limit is None and trial.peak_bytes == 95
+
+
 BIG_HEAD = TESTS / "pp_big_head_model.py"  # its last stage holds more than its first
 
 

@@ -13,6 +13,7 @@ too (``WorstPipelineRankSession``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 from ..errors import ConfigError, given, option
 from ..workload.contract import move_batch
@@ -120,6 +121,15 @@ def pipeline_rank_trials(make_session, sizes, *, window: int, parallel, world_si
     return trials
 
 
+def _passed_limit(trial, session) -> int | None:
+    """The limit ``trial`` passed, of what its estimate plans within
+    (``EstimateMemoryBackend.limit_bytes``: a budget less its headroom): the step cannot be
+    planned, whatever the other ranks hold, and they need not run. None: within it, or no limit."""
+    limit = getattr(getattr(session, "backend", None), "limit_bytes", None)
+    peak = getattr(trial, "reserved_peak_bytes", None) or trial.peak_bytes
+    return limit if limit is not None and peak > limit else None
+
+
 def worst_trial(trials: list):
     """The trial a plan must fit among the pipeline ranks' trials of one step: one that does not
     fit, else the largest peak."""
@@ -133,7 +143,8 @@ class WorstPipelineRankSession:
 
     Only one rank's session is alive at a time (the fake process group is the process's one
     default group, and the backend counts one session's tensors). A trial that one rank does not
-    fit stops there, so the ranks likeliest to run out go first (``_likeliest_first``): the one
+    fit stops there, as does one whose rank passes the limit its estimate plans within (not
+    proved to fit then: ``Trial.past_limit``), so the ranks likeliest to run out go first (``_likeliest_first``): the one
     that did not fit or peaked highest in the session's last trial, then the last stage (the
     output head and loss: at sequence 131072 its logits pass the budget where the others fit),
     then the first (the most micro-batches in flight), then the middle ones. Otherwise the last
@@ -179,13 +190,20 @@ class WorstPipelineRankSession:
         return session
 
     def run(self, n: int, **kwargs):
-        trials = {}
+        trials, limit = {}, None
         for rank in self._likeliest_first():
-            trials[rank] = self._session(rank).run(n, **kwargs)
+            session = self._session(rank)
+            trials[rank] = session.run(n, **kwargs)
             if not trials[rank].fits:
+                break
+            limit = _passed_limit(trials[rank], session)
+            if limit is not None:
                 break
         worst = worst_trial(list(trials.values()))
         self._worst = next(rank for rank, trial in trials.items() if trial is worst)
+        if limit is not None and len(trials) < len(self._ranks):
+            # The ranks not run could hold more, even past the budget: not proved to fit.
+            return dataclasses.replace(worst, fits=False, past_limit=limit)
         return worst
 
     def knows(self, n: int, **kwargs) -> bool:

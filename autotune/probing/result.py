@@ -66,7 +66,9 @@ class Trial:
     """An estimate's trial ruled out by its tensors alone passing this limit (the caller's: a
     plan's budget less its headroom) before its last small build, where the budget itself may
     hold it: ``fits`` is False and ``peak_bytes`` the tensors' peak, a lower bound of the
-    reserved peak (``FewBlocksSession._tensor_floor``). None: the trial ran to its answer."""
+    reserved peak (``FewBlocksSession._tensor_floor``); or a pipeline's trial stopped at the
+    first rank past it (``WorstPipelineRankSession``: that rank's peak, a lower bound of the
+    worst rank's). None: the trial ran to its answer."""
     first_in_session: bool | None = None
     """A CUDA estimate's trial that ran on a build and modelled allocator of its own, as a run's
     first step does (``TensorFloorSession``); None: its session's history is its place in the
