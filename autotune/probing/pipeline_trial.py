@@ -144,10 +144,11 @@ class WorstPipelineRankSession:
     Only one rank's session is alive at a time (the fake process group is the process's one
     default group, and the backend counts one session's tensors). A trial that one rank does not
     fit stops there, as does one whose rank passes the limit its estimate plans within (not
-    proved to fit then: ``Trial.past_limit``), so the ranks likeliest to run out go first (``_likeliest_first``): the one
-    that did not fit or peaked highest in the session's last trial, then the last stage (the
-    output head and loss: at sequence 131072 its logits pass the budget where the others fit),
-    then the first (the most micro-batches in flight), then the middle ones. Otherwise the last
+    proved to fit then: ``Trial.past_limit``), so the ranks likeliest to run out go first
+    (``_likeliest_first``): the one that did not fit or peaked highest in the session's last
+    trial, then the last stage (the output head and loss: at sequence 131072 its logits pass the
+    budget where the others fit), then the first (the most micro-batches in flight), then the
+    middle ones. Otherwise the last
     rank a trial ran is kept set up and runs the next trial first, so that each trial sets up the
     other ranks only (pp − 1 set-ups).
 
