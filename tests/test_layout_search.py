@@ -606,6 +606,7 @@ def test_a_screen_that_runs_out_of_memory_says_what_it_needs_or_held(examples_di
     from autotune.memory.fake import EstimateMemoryBackend
     from autotune.orchestration import layout_search
     from autotune.orchestration.layout_search import _screen
+    from autotune.probing.result import Trial
     from autotune.units import format_bytes
 
     # mlp: 31.6 MB of parameters and optimizer state, 54.7 MB at micro-batch 1024. With a 40 MB
@@ -617,7 +618,8 @@ def test_a_screen_that_runs_out_of_memory_says_what_it_needs_or_held(examples_di
     assert why.startswith("micro-batch 1024 runs out of memory (needs at least ")
     # A modelled CUDA allocator fails an allocation with less than the budget reserved (a 31 GiB
     # logits tensor failed at 49.56 GiB of 78.71): that is what was in use, no peak.
-    failed = SimpleNamespace(fits=False, peak_bytes=30_000_000, reserved_peak_bytes=30_000_000, past_limit=None)
+    failed = Trial(micro_batch=1024, fits=False, peak_bytes=30_000_000, reserved_peak_bytes=30_000_000,
+                   seconds=0.0)
     monkeypatch.setattr(layout_search, "window_trial", lambda *args, **kwargs: failed)
     assert _screen(examples_dir / "mlp.py", planner, Layout(), True, micro_batch=1024) == (
         f"micro-batch 1024, every block checkpointed runs out of memory (with {format_bytes(30_000_000)} "
@@ -645,10 +647,11 @@ def test_a_screen_runs_the_window_the_probe_runs_at_its_micro_batch(monkeypatch)
     from types import SimpleNamespace
 
     from autotune.orchestration import layout_search
+    from autotune.probing.result import Trial
 
     asked = []
-    monkeypatch.setattr(layout_search, "window_trial", lambda *a, **kw: asked.append(kw) or SimpleNamespace(
-        fits=True, peak_bytes=1, reserved_peak_bytes=1, past_limit=None))
+    monkeypatch.setattr(layout_search, "window_trial", lambda *a, **kw: asked.append(kw) or Trial(
+        micro_batch=kw["micro_batch"], fits=True, peak_bytes=1, reserved_peak_bytes=1, seconds=0.0))
     planner = SimpleNamespace(backend=None, options=SimpleNamespace(sharding="auto"), chosen="bf16",
                               world_size=8, usable=10, request=SimpleNamespace(share=8))
     for layout, n in ((Layout(tp=2), 2), (Layout(tp=2), 8), (Layout(cp=2), 3), (Layout(pp=2), 1)):

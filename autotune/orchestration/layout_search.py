@@ -296,7 +296,7 @@ def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch
     if trial is None:
         return f"parameters and optimizer state alone pass the budget ({least} screened)"
     # A --gpu estimate's budget holds the modelled reserved memory, not only the tensors.
-    peak = getattr(trial, "reserved_peak_bytes", None) or trial.peak_bytes
+    peak = trial.budgeted_peak_bytes
     if trial.past_limit is not None:  # its tensors alone: reserved memory holds more
         return (f"at least {format_bytes(peak)} at {least}, past the "
                 f"{format_bytes(planner.usable)} the headroom leaves")

@@ -126,8 +126,7 @@ def _passed_limit(trial, session) -> int | None:
     (``EstimateMemoryBackend.limit_bytes``: a budget less its headroom): the step cannot be
     planned, whatever the other ranks hold, and they need not run. None: within it, or no limit."""
     limit = getattr(getattr(session, "backend", None), "limit_bytes", None)
-    peak = getattr(trial, "reserved_peak_bytes", None) or trial.peak_bytes
-    return limit if limit is not None and peak > limit else None
+    return limit if limit is not None and trial.budgeted_peak_bytes > limit else None
 
 
 def worst_trial(trials: list):
@@ -148,9 +147,8 @@ class WorstPipelineRankSession:
     (``_likeliest_first``): the one that did not fit or peaked highest in the session's last
     trial, then the last stage (the output head and loss: at sequence 131072 its logits pass the
     budget where the others fit), then the first (the most micro-batches in flight), then the
-    middle ones. Otherwise the last
-    rank a trial ran is kept set up and runs the next trial first, so that each trial sets up the
-    other ranks only (pp − 1 set-ups).
+    middle ones. Otherwise the last rank a trial ran is kept set up and runs the next trial first,
+    so that each trial sets up the other ranks only (pp − 1 set-ups).
 
     ``rank_session(fake_rank)``: a context manager giving that rank's session, not entered."""
 

@@ -80,6 +80,12 @@ class Trial:
         return "fits" if self.fits else "out of memory" if self.past_limit is None else "past the limit"
 
     @property
+    def budgeted_peak_bytes(self) -> int:
+        """The peak a budget is held against: the reserved peak where the trial has one (CUDA),
+        else the tensors'."""
+        return self.reserved_peak_bytes or self.peak_bytes
+
+    @property
     def window(self) -> bool:
         """Whether this trial measured an accumulation window rather than one step."""
         return bool(self.micro_steps) and len(self.micro_steps) > 1
