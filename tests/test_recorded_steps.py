@@ -234,3 +234,29 @@ def test_a_ranked_pipeline_plan_runs_no_second_fake_step_where_its_probe_ran_the
     ranked = autotune.plan(TINY_LM, target_batch=16, world_size=4, gpu=GPU, optimize="throughput",
                            sharding="fsdp", pp=2)
     assert ranked.parallel.pp == 2 and ranked.step_time.step_s > 0 and ranked.step_time.bubble_s > 0
+
+
+@pytest.mark.parametrize("window, share", [(2, 8), (1, 4)])
+def test_a_plain_trials_answer_serves_a_recording_probe_only_where_it_records_nothing(window, share):
+    # A layout screen runs the estimate's own trial; the ranked planner's probe (a recording
+    # session) asks the same trial next. A window is never recorded: the screen's answer serves
+    # (8B's cp 2 ran its window at micro-batch 1 twice, 2.9 CPU s each). A one-step trial is
+    # recorded: it runs again, into the probe's store.
+    from autotune.probing.api import window_trial
+
+    backend = profile_target(GPU, world_size=2).backend
+    backend.trials_memo = {}
+    layout = dict(precision="bf16", checkpointing="off", sharding="fsdp", world_size=2,
+                  reduce_every_micro_step=True)
+    screened = window_trial(TINY_LM, backend, micro_batch=4, window=window, **layout)
+    assert screened.fits
+    remembered = len(backend.trials_memo)
+    store = {}
+    result = probe(TINY_LM, backend=backend, session_type=recording_session(store), max_micro_batch=4,
+                   share=share, **layout)
+    assert result.max_micro_batch == 4 and [t.micro_batch for t in result.trials] == [4]
+    assert _trials(result)[0] == {k: v for k, v in dataclasses.asdict(screened).items() if k != "seconds"}
+    if window > 1:
+        assert len(backend.trials_memo) == remembered and store == {}
+    else:
+        assert len(backend.trials_memo) > remembered and set(store) == {4}

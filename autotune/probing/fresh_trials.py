@@ -128,8 +128,14 @@ class FreshTrialsSession:
         if getattr(sharding, "sharded", False):
             ranks = (parallel or Layout()).data_parallel(layout["world_size"])
             layout["shard_group"] = resolve_shard_group(layout.get("shard_group"), ranks)
-        # A session type records as it runs (timing.recorded): another's answer records nothing.
-        return (self.session_type, tuple(sorted((k, str(v)) for k, v in layout.items())),
+        # A session type that records this trial as it runs (timing.recorded) keeps its own
+        # answers: another's recorded nothing into its store. One that would not record it
+        # shares the estimate's (a layout screen's trial of a window answers the probe's).
+        kind = self.session_type
+        records = getattr(kind, "records_trial", None)
+        if records is not None and not records(window, micro_batches):
+            kind = kind.plain_type
+        return (kind, tuple(sorted((k, str(v)) for k, v in layout.items())),
                 tuple(sorted((k, str(v)) for k, v in self._session_args.items())),
                 str(self._asked), n, window, tuple(micro_batches) if micro_batches else None)
 

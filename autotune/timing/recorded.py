@@ -58,9 +58,17 @@ class RecordingSession(_RecordsSteps, EstimateSession):
         super().__init__(*args, **kwargs)
         self.store = store if store is not None else self._into
 
+    @classmethod
+    def records_trial(cls, window: int, micro_batches: list[int] | None) -> bool:
+        """Whether a trial of ``window`` micro-steps (``micro_batches``: given exactly) is recorded
+        when it fits: a one-step trial, or a pipeline's window; any other trial's answer is the
+        estimate's own (``FreshTrialsSession``'s memo files it under ``plain_type``, where a
+        layout screen's trial answers the probe's)."""
+        return micro_batches is None and (window == 1 or issubclass(cls, PipelineSessionMixin))
+
     def run(self, n: int, *, window: int = 1, micro_batches: list[int] | None = None):
         pipelined = isinstance(self, PipelineSessionMixin)
-        if micro_batches is not None or (window != 1 and not pipelined):
+        if not self.records_trial(window, micro_batches):
             return super().run(n, window=window, micro_batches=micro_batches)
         trial, recorder = self._recorded(n, window=window)
         if trial.fits and recorder.optimizer_stepped and not recorder.optimizer_cut:
