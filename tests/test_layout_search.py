@@ -547,6 +547,13 @@ def test_every_block_first_probes_none_at_its_micro_batch_only(examples_dir):
     calls.clear()
     planner.try_layout((Sharding.DDP, None))
     assert calls[:2] == [(off, None, None), (on, None, None)]
+    # Ranked by throughput, none checkpointed at a smaller micro-batch may win (no recompute):
+    # its search runs below every block's micro-batch, not at it alone.
+    planner.options.optimize = "throughput"  # what _every_block_first reads of the options
+    calls.clear()
+    found = planner.try_layout((Sharding.FSDP, 1))
+    assert calls == [(on, None, None), (off, 3, None)]
+    assert [s.checkpointing.label for s in found] == [off, on] and found[0].only_micro_batch is None
 
 
 def test_a_layout_search_probes_data_parallels_sharded_settings_every_block_first():
@@ -563,7 +570,7 @@ def test_a_layout_search_probes_data_parallels_sharded_settings_every_block_firs
             made.append(self)
 
     _StubPlanner.allowed = {Layout(): 8, Layout(tp=2): 8}
-    for optimize, expected in (("memory", True), ("throughput", False)):
+    for optimize in ("memory", "throughput"):
         made.clear()
         search_layout(SimpleNamespace(seq_len=None), PlanOptions(
             target_batch=8, world_size=2, sharding="auto", eval_batch=False, precision="bf16",
@@ -571,7 +578,7 @@ def test_a_layout_search_probes_data_parallels_sharded_settings_every_block_firs
             screen=lambda *args, **kwargs: None,
             inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True),
                        ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)))
-        assert made[0].sharded_every_block_first is expected
+        assert made[0].sharded_every_block_first
 
 
 def test_a_layout_that_could_only_tie_at_micro_batch_1_and_runs_out_there_fits_nowhere():

@@ -62,9 +62,9 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
     candidates, notes = layout_candidates(world, shape=shape, gpus_per_node=gpus_per_node,
                                           seq_len=workload.seq_len, **degrees)
     activation_bytes = 4 if Precision.parse(first.chosen) is Precision.FP32 else 2
-    # Data parallel's FSDP settings too (where its planner may take them; not where throughput
-    # ranks, as for screened layouts).
-    first.sharded_every_block_first = not rank_by_time
+    # Data parallel's FSDP settings too (where its planner may take them; where throughput ranks,
+    # the search without checkpointing still runs, below what every block reached).
+    first.sharded_every_block_first = True
     planners = {Layout(): first}
 
     def volume(layout: Layout, share: int, *, sharded: bool, steps: int = 1) -> float:
