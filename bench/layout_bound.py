@@ -47,6 +47,8 @@ MODES = ("memory", "whole", "bounded")
 
 def one(name: str, mode: str) -> dict:
     """Runs in the child: one search, each candidate timed."""
+    # The case's model size, also where ``--one`` is run by hand (the model file reads it).
+    os.environ.update(CASES[name][1])
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import autotune
     from autotune.orchestration import layout_search, planner as planner_module
