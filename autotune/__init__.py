@@ -50,8 +50,8 @@ from .version import check_torch as _check_torch
 _check_torch()  # an older torch: one clear ImportError naming the floor, before any import fails
 
 from .errors import (
-    AutotuneError, AutotuneWarning, ConfigError, EstimateCrashed, EstimateUnavailable, OutputError, PlanError,
-    PlanFileError, ProbeError, ReportError, UserCodeError, WorkloadError,
+    AutotuneError, AutotuneWarning, ConfigError, EstimateCrashed, EstimateUnavailable, LayoutUnsupported,
+    OutputError, PlanError, PlanFileError, ProbeError, ReportError, UserCodeError, WorkloadError,
 )
 from .memory import DeviceInfo
 from .memory.oom import is_oom_error
@@ -79,7 +79,7 @@ from .workload.checkpoint_count import Checkpointing
 
 __all__ = [
     "AutotuneError", "AutotuneWarning", "Checkpointing", "ConfigError", "DeviceInfo",
-    "EstimateCrashed", "EstimateUnavailable", "LRDecision", "Layout", "MemoryModel", "PipelineSchedule",
+    "EstimateCrashed", "EstimateUnavailable", "LRDecision", "Layout", "LayoutUnsupported", "MemoryModel", "PipelineSchedule",
     "NonFiniteError", "OutputError", "Plan", "PlanError", "PlanFileError", "Precision", "ProbeError",
     "ProbeResult", "ReportError", "Sharding", "StepTimePrediction", "TrainError", "TrainResult",
     "Trial", "UserCodeError",

@@ -824,6 +824,61 @@ def test_a_split_this_build_lacks_is_answered_once():
     assert choose_layout(outcomes)[0].layout == Layout(pp=2)
 
 
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_degree_the_model_cannot_take_is_skipped_where_the_search_chose_it(wrapped):
+    # A pipeline over weights tied between the embedding and the head (Hugging Face GPT-2): under
+    # --pp auto the search answers every pipeline alike and plans the others; under --pp 2 the
+    # model's error is the answer. A step's error (StepError) that wraps it counts alike.
+    from types import SimpleNamespace
+
+    from autotune.errors import LayoutUnsupported, StepError
+    from autotune.orchestration.layout_search import search_layout
+    from autotune.orchestration.request import PlanOptions
+
+    runs = []
+
+    class Planner(_StubPlanner):
+        def run(self):
+            runs.append(self.options.parallel)
+            if self.options.parallel.pp > 1:
+                tied = LayoutUnsupported("gpt2.py: parameter wte.weight is read both before the first block "
+                                         "and after the last (tied weights?)", degree="pp")
+                if not wrapped:
+                    raise tied
+                raise StepError("gpt2.py: the training step failed at micro-batch 1") from tied
+            return super().run()
+
+    _StubPlanner.allowed = {Layout(): 2, Layout(tp=2): 4, Layout(tp=4): 8}
+
+    def search(**degrees):
+        runs.clear()
+        return search_layout(SimpleNamespace(seq_len=None), PlanOptions(
+            target_batch=64, world_size=8, sharding="fsdp", eval_batch=False, precision="bf16"),
+            degrees, make_planner=Planner, screen=lambda *args, **kwargs: None,
+            inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True),
+                       ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)))
+
+    planned = search(tp="auto", pp="auto")
+    assert planned.parallel == Layout(tp=4)
+    assert sum(1 for layout in runs if layout.pp > 1) == 1  # the first pipeline answers for all
+    reason = planned.reasons["layout"]
+    assert "(not estimated: gpt2.py: parameter wte.weight is read both before the first block" in reason
+    assert "(not estimated: pp > 1 is not available for this model (pp 2 (1f1b) showed it))" in reason
+    with pytest.raises(LayoutUnsupported if not wrapped else StepError, match="the first block|failed"):
+        search(tp="auto", pp=2)
+
+
+def test_a_layout_search_plans_hugging_face_gpt2_whose_tied_weights_no_pipeline_can_hold(examples_dir):
+    # Before, --pp auto on GPT-2 (its embedding tied to its head) ended the whole plan with the
+    # pipeline's error wherever data parallelism left accumulation steps to save.
+    planned = plan(str(examples_dir / "real" / "gpt2.py"), world_size=4, target_batch=128,
+                   gpu="h100-80gb", headroom=0.999, tp="auto", pp="auto", eval_batch=False)
+    assert planned.parallel == Layout() and planned.accumulation_steps == 2
+    reason = planned.reasons["layout"]
+    assert "pp 2 (1f1b) (not estimated: " in reason and "(tied weights?)" in reason
+    assert "pp > 1 is not available for this model (pp 2 (1f1b) showed it)" in reason
+
+
 def test_a_measured_throughput_search_does_not_search_layouts():
     from types import SimpleNamespace
 

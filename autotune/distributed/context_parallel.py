@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from ..errors import ConfigError, WorkloadError, given
+from ..errors import ConfigError, LayoutUnsupported, given
 
 SEQ_DIM = 1
 """A batch tensor's sequence dimension: (batch, sequence, ...), as ``make_batch(n, seq_len)``."""
@@ -296,12 +296,12 @@ def sequence_length(batch, *, source: str) -> int:
     lengths = {int(t.shape[SEQ_DIM]) for t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > SEQ_DIM}
     if len(lengths) != 1:
         shapes = [tuple(t.shape) for t in _leaves(batch) if isinstance(t, torch.Tensor)]
-        raise WorkloadError(
+        raise LayoutUnsupported(
             f"{source}: context parallelism shards every batch tensor along its second (sequence) "
             f"dimension, and this batch's tensors have shapes {shapes[:6]}"
             f"{' (no sequence dimension)' if not lengths else ''}; make_batch must return inputs "
             f"and targets of the same length, batch first (shift the targets in make_batch, not "
-            f"after: tokens[:, :-1] and tokens[:, 1:])")
+            f"after: tokens[:, :-1] and tokens[:, 1:])", degree="cp")
     return lengths.pop()
 
 
@@ -416,11 +416,11 @@ class ContextParallelLoss:
         if causal_lm:
             return loss, (local["shift_labels"] != IGNORE_INDEX).sum()
         if count is None:
-            raise WorkloadError(
+            raise LayoutUnsupported(
                 f"{source}: loss_fn returns a mean; under context parallelism (cp {cp}) each rank "
                 f"holds part of every sequence, so the ranks' means cannot be weighed exactly: "
                 f"return (loss_sum, token_count) from loss_fn (e.g. cross_entropy(..., "
-                f"reduction=\"sum\"), and the number of target tokens)")
+                f"reduction=\"sum\"), and the number of target tokens)", degree="cp")
         return loss, count
 
 

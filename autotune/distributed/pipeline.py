@@ -31,7 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..errors import ConfigError, WorkloadError, given, option
+from ..errors import ConfigError, LayoutUnsupported, given, option
 from ..workload.activation_checkpointing import repeated_blocks
 from .layout import Layout, PipelineSchedule
 
@@ -62,9 +62,10 @@ def block_container(model: torch.nn.Module, *, source: str = "model") -> torch.n
         if (isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) == len(blocks)
                 and len(blocks) >= 2 and all(a is b for a, b in zip(module, blocks))):
             return module
-    raise WorkloadError(f"{source}: pipeline parallelism splits the model at its repeated blocks (one "
-                        f"nn.ModuleList or nn.Sequential of layers), and this model has "
-                        f"{'none' if not blocks else 'them in several containers'}; train it without --pp")
+    raise LayoutUnsupported(f"{source}: pipeline parallelism splits the model at its repeated blocks (one "
+                            f"nn.ModuleList or nn.Sequential of layers), and this model has "
+                            f"{'none' if not blocks else 'them in several containers'}; train it without --pp",
+                            degree="pp")
 
 
 class _Boundary(BaseException):
@@ -122,9 +123,10 @@ def parameter_phases(model, container, loss, batch, *, source: str = "model") ->
     for pid, name in names.items():
         seen = mode.seen.get(name, {"prefix"}) - {"blocks"}
         if seen == {"prefix", "suffix"}:
-            raise WorkloadError(f"{source}: parameter {name} is read both before the first block and "
-                                f"after the last (tied weights?), so no single pipeline stage can hold "
-                                f"it; untie it (e.g. tie_word_embeddings=False) to train with --pp")
+            raise LayoutUnsupported(f"{source}: parameter {name} is read both before the first block "
+                                    f"and after the last (tied weights?), so no single pipeline stage "
+                                    f"can hold it; untie it (e.g. tie_word_embeddings=False) to train "
+                                    f"with --pp", degree="pp")
         phases[name] = seen.pop() if seen else "prefix"
     return phases
 
@@ -206,9 +208,9 @@ class StageModule(torch.nn.Module):
         except _Boundary as boundary:
             output = boundary.output
             if not isinstance(output, torch.Tensor):
-                raise WorkloadError(f"{self._source}: block {self.end - 1} returned "
-                                    f"{type(output).__name__}; pipeline stages hand on one tensor "
-                                    f"(a block that returns its hidden state)") from None
+                raise LayoutUnsupported(f"{self._source}: block {self.end - 1} returned "
+                                        f"{type(output).__name__}; pipeline stages hand on one tensor "
+                                        f"(a block that returns its hidden state)", degree="pp") from None
             return output
         finally:
             self._received = None

@@ -16,7 +16,8 @@ import dataclasses
 import re
 
 from ..distributed.layout import Layout
-from ..errors import ConfigError, EstimateUnavailable, PlanError, given, option
+from ..errors import (ConfigError, EstimateUnavailable, LayoutUnsupported, PlanError, WorkloadError, given,
+                      option)
 from ..distributed.sharding.settings import Sharding
 from ..planning.layouts import (LayoutOutcome, choice_key, choose_layout, communication_bytes,
                                 layout_candidates, search_layouts, steps_to_win)
@@ -148,6 +149,15 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             lacking = re.match(r"(tp|cp|pp) \d+: \w+ parallelism is not available", str(exc))
             return LayoutOutcome(layout, error=f"not estimated: {_first_sentence(exc)}",
                                  unavailable=lacking.group(1) if lacking else None)
+        except WorkloadError as exc:
+            # A degree the model cannot take (a pipeline over tied weights): where the search
+            # chose it, every candidate with it is answered alike and the others are planned;
+            # where the user asked for it, the model's error is the answer.
+            unsupported = _unsupported(exc)
+            if unsupported is None or degrees.get(unsupported.degree) != "auto":
+                raise
+            return LayoutOutcome(layout, error=f"not estimated: {_first_sentence(unsupported)}",
+                                 unavailable=unsupported.degree, unavailable_scope="for this model")
         outcome = planned_outcome(layout, planned)
         leader[:] = [min(leader + [outcome], key=choice_key)]  # the earlier one on a tie
         if outcome.samples_per_s is not None:
@@ -309,6 +319,17 @@ def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch
     if peak > planner.usable:
         return (f"{format_bytes(peak)} at {least}, past the "
                 f"{format_bytes(planner.usable)} the headroom leaves")
+    return None
+
+
+def _unsupported(exc: BaseException) -> LayoutUnsupported | None:
+    """The ``LayoutUnsupported`` that ``exc`` is or was raised from (a step's error wraps it)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, LayoutUnsupported):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
     return None
 
 

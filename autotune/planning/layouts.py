@@ -200,8 +200,11 @@ class LayoutOutcome:
     screened: bool = False
     """Answered by one screening estimate, not a planner's search (counted apart: ``MAX_SCREENED``)."""
     unavailable: str | None = None
-    """The degree ("tp", "cp", "pp") this build cannot estimate, where that stopped it: every
-    candidate with that degree above 1 is answered alike without an estimate."""
+    """The degree ("tp", "cp", "pp") this build cannot estimate, or the model cannot take, where
+    that stopped it: every candidate with that degree above 1 is answered alike without an
+    estimate."""
+    unavailable_scope: str = "in this build"
+    """Where the degree is not available: "in this build", or "for this model"."""
     plan: object = None
 
     @property
@@ -242,7 +245,7 @@ def search_layouts(candidates: list[Layout], evaluate: Callable[[Layout], Layout
         lacking = next((o for o in done if o.unavailable and getattr(layout, o.unavailable) > 1), None)
         if lacking is not None:
             done.append(LayoutOutcome(layout, estimated=False, error=(
-                f"not estimated: {lacking.unavailable} > 1 is not available in this build "
+                f"not estimated: {lacking.unavailable} > 1 is not available {lacking.unavailable_scope} "
                 f"({lacking.name} showed it)")))
             continue
         if stop is None:
