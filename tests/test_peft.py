@@ -232,3 +232,31 @@ def test_hf_trainer_runs_the_lora_plan_and_the_callback_finds_it_fits(gpt2_lora_
     trainer.train()
     assert trainer.state.global_step == 2
     assert callback.report.startswith("fits: the first step's peak"), callback.report
+
+
+def test_prefix_tuning_is_planned_without_checkpointing_nor_a_pipeline_which_cannot_train_it(tmp_path):
+    # peft's prefix tuning reaches every layer through the key-value cache, which a block
+    # recomputed in backward extends again (peft issue 869): under checkpointing auto, wherever
+    # none left accumulation steps, the probe's step with every block checkpointed failed, and
+    # that StepError ended the plan. A pipeline stage hands on the hidden state alone.
+    from autotune.errors import LayoutUnsupported
+    from autotune.workload.activation_checkpointing import enable_checkpointing
+
+    prefix = _from_file("llama_prefix")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AutotuneWarning)
+        planned = autotune.plan(prefix, target_batch=64, memory_limit=LIMIT, device="cpu", precision="fp32",
+                                eval_batch=False)
+        assert planned.checkpointing.label == "off" and planned.accumulation_steps > 1
+        assert planned.reasons["checkpointing"].startswith("auto: off; peft's prefix tuning")
+        assert "peft issue 869" in planned.reasons["checkpointing"]
+        assert not planned.workload.checkpointable and planned.workload.checkpointing_refused
+        autotune.save_plan(planned, tmp_path / "plan.json")  # the schema holds the new field
+        assert autotune.load_plan(tmp_path / "plan.json").workload == planned.workload
+        with pytest.raises(autotune.PlanError, match="checkpointing on: .*prefix tuning .*use auto or off"):
+            autotune.plan(prefix, target_batch=64, memory_limit=LIMIT, device="cpu", precision="fp32",
+                          checkpointing="on")
+        with pytest.raises(WorkloadError, match="prefix tuning .*use checkpointing off"):
+            enable_checkpointing(load_workload(prefix).new_model())
+        with pytest.raises(LayoutUnsupported, match="prefix tuning .*train it without --pp"):
+            autotune.plan(prefix, target_batch=64, world_size=2, pp=2, gpu="h100-80gb", eval_batch=False)

@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError, LayoutUnsupported, given, option
 from ..workload.activation_checkpointing import repeated_blocks
+from ..workload.adapters import prefix_tuned
 from .layout import Layout, PipelineSchedule
 
 
@@ -455,6 +456,10 @@ def build_pipeline(model: torch.nn.Module, *, pp: int, pp_rank: int, stages_per_
     if device is not None:
         model = model.to(device)
     container = block_container(model, source=source)
+    if prefix_tuned(model):
+        raise LayoutUnsupported(f"{source}: peft's prefix tuning hands every layer its prefix through "
+                                f"the key-value cache, and pipeline stages hand on one tensor (the "
+                                f"hidden state); train it without --pp", degree="pp")
     layout.check_model(blocks=len(container))
     num_stages = pp * stages_per_rank
     bounds = stage_bounds(len(container), num_stages)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..workload.activation_checkpointing import checkpointable_blocks
+from ..workload.activation_checkpointing import checkpointable_blocks, checkpointing_refusal
 from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from ..version import __version__
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -736,6 +736,9 @@ def _requested_blocks(value, fingerprint: WorkloadFingerprint) -> CheckpointingR
     request = CheckpointingRequest.parse(value, option=name)
     if request.auto or request.value == "off":
         return request
+    if fingerprint.checkpointing_refused:
+        raise PlanError(f"{name} {request}: {fingerprint.source}: {fingerprint.checkpointing_refused}; "
+                        f"use auto or off")
     if not fingerprint.checkpointable:
         raise PlanError(f"{name} {request}: {fingerprint.source} has no repeated blocks (an "
                         f"nn.ModuleList or nn.Sequential of layers) to checkpoint; use auto or off")
@@ -848,6 +851,7 @@ def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerpr
     model = eager_module(model)  # build_model()'s torch.compile: the blocks are the module's
     params = list(model.parameters())
     blocks = checkpointable_blocks(model)
+    refused = checkpointing_refusal(model) if blocks else None
     trainable = [p for p in params if p.requires_grad]
     optimizer = workload.new_optimizer(trainable) if trainable else None
     lr = optimizer.param_groups[0].get("lr") if optimizer is not None else None
@@ -862,7 +866,8 @@ def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerpr
         optimizer_lr=float(lr) if isinstance(lr, (int, float)) and math.isfinite(lr) else None,
         optimizer_settings=optimizer_settings(optimizer) if optimizer is not None else None,
         batchnorm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
-        checkpointable=bool(blocks),
+        checkpointable=bool(blocks) and refused is None,
+        checkpointing_refused=refused,
         repeated_blocks=len(blocks),
         has_dataset=workload.build_dataset is not None,
     )

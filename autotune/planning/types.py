@@ -91,7 +91,12 @@ class WorkloadFingerprint:
     batchnorm: bool = False
     """Whether the model has BatchNorm layers (they see only the micro-batch)."""
     checkpointable: bool = True
-    """Whether the model has repeated blocks that activation checkpointing can wrap."""
+    """Whether the model has repeated blocks that activation checkpointing can wrap, and can be
+    trained with them recomputed."""
+    checkpointing_refused: str | None = None
+    """Why activation checkpointing cannot train a model that has blocks to wrap (peft's prefix
+    tuning: ``activation_checkpointing.checkpointing_refusal``); None where it can, or where the
+    model has no blocks (absent in older files)."""
     repeated_blocks: int | None = None
     """How many repeated blocks checkpointing can wrap (None: not recorded, older files)."""
     has_dataset: bool | None = None

@@ -25,6 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import WorkloadError
+from .adapters import prefix_tuned
 
 _MARK = "_autotune_checkpointed"
 _HF_MARK = "_autotune_hf_checkpointing"
@@ -67,6 +68,20 @@ def checkpointable_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for b in repeated_blocks(model) if any(True for _ in b.parameters())]
 
 
+def checkpointing_refusal(model: torch.nn.Module) -> str | None:
+    """Why activation checkpointing cannot train ``model`` although it has blocks to wrap, or None.
+
+    peft's prefix tuning hands its learned prefix to every layer through the key-value cache, which
+    each layer extends as it runs: a block recomputed in backward sees the cache its first run
+    left, and its attention's shapes no longer match (peft issue 869; peft 2191 makes peft refuse
+    the pair with gradient checkpointing)."""
+    if prefix_tuned(model):
+        return ("peft's prefix tuning passes its prefix through the key-value cache, which a "
+                "block recomputed in backward extends again (peft issue 869), so activation "
+                "checkpointing cannot train it")
+    return None
+
+
 def spread_evenly(count: int, total: int) -> list[int]:
     """Indices of ``count`` of ``total`` blocks, spread evenly from the first (2 of 6: 0 and 3)."""
     if not 0 <= count <= total:
@@ -85,6 +100,9 @@ def enable_checkpointing(model: torch.nn.Module, *, source: str = "model", block
     them are wrapped. Blocks wrapped before stay wrapped (call ``disable_checkpointing`` first to
     change how many); enabling an already checkpointed model changes nothing.
     """
+    refused = checkpointing_refusal(model)
+    if refused is not None:
+        raise WorkloadError(f"{source}: {refused}; use checkpointing off")
     candidates = checkpointable_blocks(model)
     switched = own_switch_models(model)
     if not candidates and not switched:
