@@ -46,7 +46,7 @@ from ..distributed.sharding.ranks import sharded_step
 from ..memory.cpu import tracking_resizes
 from ..memory.frozen_heap import automatic_collection_off
 from ..memory.cuda_allocator import cublas_workspaces
-from ..memory.fake_build import may_build_elsewhere
+from ..memory.fake_build import build_fake_model, may_build_elsewhere
 from ..memory.fake import EstimateMemoryBackend, fake_tensor_limits, is_hopper, uncounted_sharding_propagation
 from ..units import format_bytes
 from ..workload.activation_checkpointing import (checkpointable_blocks, enable_checkpointing,
@@ -301,8 +301,10 @@ def identical_block_count(workload) -> int | None:
 
 def _identical_block_count(workload) -> int | None:
     try:
+        # As the estimate builds it: a model that fake tensors cannot build (peft's adapters swap
+        # their base layer's weights) is built on the meta device (``fake_build``).
         with fake_tensor_limits(workload), FakeTensorMode(allow_non_fake_inputs=True):
-            model = workload.new_model()
+            model = build_fake_model(workload)
     except EstimateUnavailable:
         return None  # the session's own build says why
     container = _block_container(model)
