@@ -72,8 +72,8 @@ class UserCodeError(WorkloadError):
 class LayoutUnsupported(WorkloadError):
     """The model cannot be split along one degree of a model-parallel layout, whatever its value
     (a pipeline over weights tied across the blocks' two ends, or over blocks it cannot find;
-    context parallelism over a batch without a sequence dimension, or a loss that is a mean):
-    ``degree`` ("pp", "cp") names it. A layout search that chose the degree itself (auto) answers
+    context parallelism over a batch without a sequence dimension, or a loss that is a mean;
+    tensor parallelism over peft's adapter layers): ``degree`` ("tp", "cp", "pp") names it. A layout search that chose the degree itself (auto) answers
     every candidate with it above 1 alike, and plans the others."""
 
     def __init__(self, message: str, *, degree: str):

@@ -280,3 +280,21 @@ def test_a_peft_models_step_time_is_counted_as_the_estimate_builds_it():
     shown = CliRunner().invoke(cli, ["estimate", GPT2_LORA, "--gpu", "h100-80gb", "--time", "--micro-batch", "8"])
     assert shown.exit_code == 0, shown.output
     assert "predicted compute time of one training step on NVIDIA H100" in shown.output
+
+
+def test_tensor_parallelism_over_peft_adapters_is_named_and_a_layout_search_skips_it():
+    # A Hugging Face tp_plan names the base model's layers, and peft's LoRA layers wrap them: --tp 2
+    # said "'lm_head' matches no module of the model", and a layout search tried every tp split.
+    from autotune.errors import LayoutUnsupported
+
+    lora = _from_file("llama_lora")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AutotuneWarning)
+        with pytest.raises(LayoutUnsupported, match="tp=2: peft's adapter layers .*parallelize"):
+            autotune.plan(lora, target_batch=64, world_size=2, tp=2, gpu="h100-80gb", eval_batch=False)
+        planned = autotune.plan(lora, target_batch=256, world_size=4, tp="auto", pp="auto",
+                                gpu="h100-80gb", headroom=0.998, eval_batch=False)
+    assert planned.parallel.trivial and planned.accumulation_steps > 1  # the search ran past data parallel
+    reason = planned.reasons["layout"]
+    assert "tp 2 (not estimated: " in reason and "peft's adapter layers" in reason
+    assert "tp > 1 is not available for this model (tp 2 showed it)" in reason

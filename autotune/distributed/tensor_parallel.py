@@ -26,7 +26,8 @@ import re
 import torch
 from torch import nn
 
-from ..errors import ConfigError, given
+from ..errors import ConfigError, LayoutUnsupported, given
+from ..workload.adapters import peft_adapted
 
 STYLE_NAMES = ("colwise", "rowwise", "sequence_parallel", "colwise_gather_output",
                "embedding_rowwise", "rowwise_split_input", "replicate",
@@ -82,6 +83,14 @@ def resolve_plan(model: nn.Module, namespace: dict | None, tp: int, *, source: s
     if namespace.get("TP_PLAN") is not None:
         styles = _expand(model, namespace["TP_PLAN"], where=f"{source}: TP_PLAN")
         plan = TensorParallelPlan("TP_PLAN", styles)
+    elif peft_adapted(model):
+        # A Hugging Face tp_plan names the base model's layers, and torch's styles shard plain
+        # Linear layers: peft's adapter layers wrap them (a base layer and its adapters).
+        raise LayoutUnsupported(
+            f"{source}: {given('tp', tp)}: peft's adapter layers wrap the Linear layers a "
+            f"tensor-parallel plan shards (a base layer beside its adapters), which autotune does "
+            f"not split; define parallelize(model, mesh) in the model file to shard the adapted "
+            f"model yourself, or train it without --tp (FSDP2 shards it)", degree="tp")
     else:
         hf_plan = _hugging_face_plan(model)
         if hf_plan:

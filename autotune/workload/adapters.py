@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def peft_adapted(model: torch.nn.Module) -> bool:
+    """Whether peft adapts ``model`` (or a module inside it): it carries peft's configs."""
+    return any(isinstance(getattr(module, "peft_config", None), dict) for module in model.modules())
+
+
 def prefix_tuned(model: torch.nn.Module) -> bool:
     """Whether peft's prefix tuning adapts ``model`` (or a module inside it): its learned prefix
     reaches every layer through the key-value cache, which each layer extends as it runs, not
@@ -19,4 +24,4 @@ def prefix_tuned(model: torch.nn.Module) -> bool:
     return False
 
 
-__all__ = ["prefix_tuned"]
+__all__ = ["peft_adapted", "prefix_tuned"]
