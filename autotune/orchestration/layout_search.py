@@ -323,13 +323,14 @@ def _screen(workload, planner, layout: Layout, checkpointable: bool, micro_batch
 
 
 def _unsupported(exc: BaseException) -> LayoutUnsupported | None:
-    """The ``LayoutUnsupported`` that ``exc`` is or was raised from (a step's error wraps it)."""
+    """The ``LayoutUnsupported`` that ``exc`` is or was raised from (``raise ... from``: a step's
+    error wraps it so); not one merely being handled when another error came."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, LayoutUnsupported):
             return exc
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__
     return None
 
 
