@@ -533,7 +533,7 @@ def _why_single(setting, request, workload, on) -> str:
         return "off as requested"
     if not request.checkpointing.auto:
         return f"{setting.checkpointing_label} as requested"
-    if getattr(workload, "checkpointing_refused", None):
+    if workload.checkpointing_refused:
         return f"auto: off; {workload.checkpointing_refused}"
     if not workload.checkpointable:
         return "auto: off; the model has no repeated blocks (ModuleList/Sequential) to checkpoint"
