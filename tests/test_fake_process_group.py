@@ -26,3 +26,29 @@ def test_a_later_group_gets_no_cached_spec_on_an_earlier_groups_mesh():
     assert _sharded_op_in_a_fresh_group()
     assert _sharded_op_in_a_fresh_group()
     assert _sharded_op_in_a_fresh_group()
+
+
+def test_fake_groups_leave_the_processs_excepthook_as_they_found_it():
+    """torch's init_process_group wraps sys.excepthook ("[rank{r}]: " on every traceback line) and
+    never unwraps it: a plan opens a fake group per trial, and a user's traceback after plan()
+    printed "[rank0]: [rank0]: ... [rank4]: " before each line (the pipeline's fake rank 4 in a
+    process that had no ranks)."""
+    import io
+    import sys
+
+    before = sys.excepthook
+    for rank in (0, 3):
+        with fake_process_group(4, rank=rank):
+            pass
+    assert sys.excepthook is before
+    try:
+        raise ValueError("a user's own error")
+    except ValueError:
+        kind, value, tb = sys.exc_info()
+    printed, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        sys.excepthook(kind, value, tb)
+        text = sys.stderr.getvalue()
+    finally:
+        sys.stderr = printed
+    assert "[rank" not in text and "a user's own error" in text

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import sys
 from unittest import mock
 
 import torch.distributed as dist
@@ -31,12 +32,18 @@ def fake_process_group(world_size: int, *, rank: int = 0):
                           f"process group, and one is already initialised (torchrun?); under "
                           f"torchrun the probe measures with the real ranks instead")
     made: list = []
+    # init_process_group wraps sys.excepthook to prefix "[rank{r}]" to tracebacks, and never
+    # unwraps it: one fake group per trial nested it hundreds of times in one plan (a traceback
+    # after plan() printed "[rank0]: [rank0]: ... [rank4]:" on every line, and a long session
+    # of plans would pass the recursion limit printing one).
+    excepthook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         with _recording_meshes(made):
             yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
         _retire_meshes(made)
 
 
