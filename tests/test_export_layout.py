@@ -75,15 +75,21 @@ def test_accelerate_takes_the_exported_sizes():
     assert made.total_size == 16  # what Accelerate checks against the processes it starts
 
 
-def test_runners_without_the_split_get_a_note_and_accelerate_refuses_what_it_cannot_launch():
+def test_runners_without_the_split_get_a_note_or_refuse_what_would_train_another_batch():
+    # DeepSpeed checks train_batch_size against its own data-parallel world: a note. A runner
+    # that would launch every process as a data-parallel rank (Lightning without cp/pp, Trainer
+    # and Accelerate without pp) would train 4× the effective batch here: refused.
     piped = layout_plan(parse_layout(tp=2, pp=2))
-    for target in ("deepspeed", "lightning"):
-        notes = export_plan(piped, target).notes
-        assert any("2 data-parallel rank(s) of 8 take different samples" in n for n in notes)
-        assert any(n.startswith(f"{target.capitalize() if target != 'deepspeed' else 'DeepSpeed'}'s "
-                                f"configuration cannot express tp 2 × pp 2") for n in notes), notes
-    assert any("TrainingArguments's configuration cannot express pp 2" in n
-               for n in export_plan(piped, "hf").notes)
+    deepspeed = export_plan(piped, "deepspeed")
+    assert deepspeed.config["train_batch_size"] == 64
+    assert any("2 data-parallel rank(s) of 8 take different samples" in n for n in deepspeed.notes)
+    assert any(n.startswith("DeepSpeed's configuration cannot express tp 2 × pp 2") for n in deepspeed.notes)
+    for target, runner in (("lightning", "Lightning"), ("hf", "TrainingArguments")):
+        with pytest.raises(ConfigError, match=rf"--to {target}: .* has pp 2, which {runner} cannot set up"
+                                              rf".* 4× the planned effective batch; export --to torchrun"):
+            export_plan(piped, target)
+    with pytest.raises(ConfigError, match="has cp 2, which Lightning cannot set up"):
+        export_plan(layout_plan(Layout(cp=2)), "lightning")
     with pytest.raises(ConfigError, match="has a pipeline, which Accelerate's parallelism config cannot"):
         export_plan(piped, "accelerate")
     with pytest.raises(ConfigError, match="over FSDP2 only, and the plan replicates"):
@@ -110,3 +116,25 @@ def test_show_and_report_carry_the_layout():
     rows = dict(plan_summary(planned))
     assert rows["layout"] == "FSDP 4 × TP 2 on 8 rank(s): auto: FSDP 4 × TP 2: test"
     assert rows["split"].startswith("6 + 5 + 5 per rank × 4 data-parallel rank(s) = 64")
+
+
+def test_a_tensor_parallel_plan_is_not_hybrid_and_lightning_gets_its_2d_strategy():
+    # FSDP 4 × TP 2 shards over all 4 data-parallel ranks: no replicas (it exported as
+    # HYBRID_SHARD over a [2, 4] mesh of 8 data-parallel ranks, 128 samples a step, not 64).
+    planned = layout_plan(Layout(tp=2))
+    assert (planned.data_parallel, planned.shard_group) == (4, 4)
+    for target in ("hf", "deepspeed", "lightning", "accelerate"):
+        exported = export_plan(planned, target)
+        assert not any("hybrid" in n for n in exported.notes), (target, exported.notes)
+    lightning = export_plan(planned, "lightning")
+    assert "fsdp_strategy" not in lightning.config
+    assert lightning.config["model_parallel_strategy"] == {"data_parallel_size": 4, "tensor_parallel_size": 2}
+    assert lightning.config["trainer"]["devices"] == 8 and lightning.config["dataloader"]["batch_size"] == 4
+    assert not any("cannot express" in n for n in lightning.notes)
+    # Shard groups of 2 among 8 data-parallel ranks (16 GPUs, tp 2): 4 replicas.
+    hybrid = layout_plan(Layout(tp=2), world=16, target=64, group=2)
+    assert any("shard within groups of 2 ranks and replicate across 4 groups" in n
+               for n in export_plan(hybrid, "hf").notes)
+    plain = layout_plan(Layout(), world=8, target=64, group=2)
+    flat = export_plan(plain, "lightning").config["fsdp_strategy"]
+    assert flat == {"sharding_strategy": "HYBRID_SHARD", "cpu_offload": False, "device_mesh": [4, 2]}

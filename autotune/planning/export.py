@@ -95,10 +95,10 @@ def _even_notes(plan: Plan, target: str) -> list[str]:
     ]
 
 
-_EXPRESSES = {"TrainingArguments": ("tp", "cp"), "Accelerate": ("tp", "cp")}
+_EXPRESSES = {"TrainingArguments": ("tp", "cp"), "Accelerate": ("tp", "cp"), "Lightning": ("tp",)}
 """The model-parallel degrees each runner's exported configuration carries (Accelerate's
 ``ParallelismConfig``, which TrainingArguments takes as ``parallelism_config``: tp and cp over
-FSDP2; none has pipeline parallelism)."""
+FSDP2; Lightning's ``ModelParallelStrategy``: tp; none has pipeline parallelism)."""
 
 
 def _layout_notes(plan: Plan, target: str) -> list[str]:
@@ -253,6 +253,8 @@ def _hf_checkpointing_field() -> str | None:
 def to_hf(plan: Plan) -> Export:
     """Fields for transformers.TrainingArguments (the checkpointing switch under the name the
     installed transformers takes)."""
+    _refuse_layout(plan, "hf", "TrainingArguments", ("pp",),
+                   "cannot set up (its parallelism_config has no pipeline)")
     even = even_split(plan)
     checkpointing_field = _hf_checkpointing_field()
     config = {
@@ -309,18 +311,44 @@ def to_hf(plan: Plan) -> Export:
     return Export(target="hf", config=config, notes=notes, script=script)
 
 
+def _replicas(plan: Plan) -> int:
+    """Copies of the sharded state among the data-parallel ranks (1: sharded over all of them, or
+    with their context-parallel peers). Tensor, context and pipeline peers hold other parts of
+    the model, not copies: a model-parallel plan over its data-parallel ranks is not hybrid."""
+    group = plan.shard_group
+    if not plan.sharding.sharded or group is None or group >= plan.data_parallel:
+        return 1
+    return plan.data_parallel // group
+
+
 def _sharding_notes(plan: Plan) -> list[str]:
     notes = ["the plan shards with FSDP2 on each repeated block (transformer layer) and the root; "
              "wrap the same layers (transformer-based auto wrap) so the per-rank memory matches"]
-    if plan.shard_group is not None and plan.shard_group != plan.world_size:
+    if _replicas(plan) > 1:
         notes.append(f"the plan is hybrid: shard within groups of {plan.shard_group} ranks and "
-                     f"replicate across {plan.world_size // plan.shard_group} groups "
-                     f"(HYBRID_SHARD / a 2-D device mesh)")
+                     f"replicate across {_replicas(plan)} groups (HYBRID_SHARD / a 2-D device mesh)")
     return notes
 
 
+def _refuse_layout(plan: Plan, target: str, runner: str, degrees: tuple[str, ...], why: str) -> None:
+    """A layout with ``degrees`` the runner cannot set up: its ranks would each take a batch of
+    the per-data-parallel-rank size, training a larger effective batch than planned."""
+    found = [name for name in degrees if getattr(plan.parallel, name) > 1]
+    if found:
+        what = " × ".join(f"{name} {getattr(plan.parallel, name)}" for name in found)
+        raise ConfigError(
+            f"--to {target}: the plan's layout "
+            f"{plan.parallel.describe(plan.world_size, str(plan.sharding).upper())} has {what}, which "
+            f"{runner} {why}: its {plan.world_size} processes would each take a batch of "
+            f"{plan.micro_batch}, {plan.world_size // plan.data_parallel}× the planned effective batch; "
+            f"export --to torchrun (autotune's own loop applies the whole layout), or plan with "
+            + " ".join(f"--{name} 1" for name in found))
+
+
 def to_deepspeed(plan: Plan) -> Export:
-    """A DeepSpeed config; train_batch_size = micro × accumulation × world, as DeepSpeed checks."""
+    """A DeepSpeed config; train_batch_size = micro × accumulation × data-parallel ranks, as
+    DeepSpeed checks it (its data-parallel world: the processes over its model-parallel size, so
+    a model-parallel plan's config is refused unless the script sets up that layout)."""
     even = even_split(plan)
     config = {
         "train_batch_size": even.effective_batch,
@@ -391,13 +419,26 @@ def to_lightning(plan: Plan) -> Export:
         config["val_dataloader"] = {"batch_size": plan.eval_micro_batch}
         notes.append("val_dataloader.batch_size is the largest eval micro-batch (forward only): "
                      "give it to the DataLoader of val_dataloader()")
-    if plan.sharding.sharded:
-        hybrid = plan.shard_group is not None and plan.shard_group != plan.world_size
+    _refuse_layout(plan, "lightning", "Lightning", ("cp", "pp"),
+                   "cannot set up (its ModelParallelStrategy meshes data and tensor parallelism only)")
+    if plan.parallel.tp > 1:
+        # Lightning's 2-D strategy: its data loaders sample per data-parallel rank, and the
+        # LightningModule applies FSDP2 and the tensor-parallel plan on its device mesh.
+        config["model_parallel_strategy"] = {"data_parallel_size": plan.data_parallel,
+                                             "tensor_parallel_size": plan.parallel.tp}
+        notes.append("pass strategy=lightning.pytorch.strategies.ModelParallelStrategy("
+                     "**model_parallel_strategy) to the Trainer, and in configure_model() apply "
+                     "the tensor-parallel plan on self.device_mesh['tensor_parallel']"
+                     + (" and fully_shard on self.device_mesh['data_parallel']"
+                        if plan.sharding.sharded else "") + " (Lightning 2.4 or later)")
+        if plan.sharding.sharded:
+            notes += _sharding_notes(plan)
+    elif plan.sharding.sharded:
+        hybrid = _replicas(plan) > 1
         config["fsdp_strategy"] = {"sharding_strategy": "HYBRID_SHARD" if hybrid else "FULL_SHARD",
                                    "cpu_offload": plan.sharding.offload}
         if hybrid:
-            config["fsdp_strategy"]["device_mesh"] = [plan.world_size // plan.shard_group,
-                                                      plan.shard_group]
+            config["fsdp_strategy"]["device_mesh"] = [_replicas(plan), plan.shard_group]
         notes.append("pass strategy=lightning.pytorch.strategies.FSDPStrategy(**fsdp_strategy, "
                      "auto_wrap_policy={YourBlock}) to the Trainer")
         notes += _sharding_notes(plan)
