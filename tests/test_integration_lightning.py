@@ -145,3 +145,23 @@ def test_callback_trains_at_the_plans_lr(module_type):
         assert group["lr"] == pytest.approx(lr / 3)  # the schedule's factor after 2 steps
     else:
         assert group["lr"] == pytest.approx(lr)
+
+
+class GroupedModule(Module):
+    def configure_optimizers(self):
+        params = list(self.parameters())
+        optimizer = torch.optim.SGD([{"params": [p for p in params if p.ndim >= 2]},
+                                     {"params": [p for p in params if p.ndim < 2], "lr": 0.125}], lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_callback_keeps_each_groups_ratio_to_the_optimizers_lr():
+    # A group at a quarter of the optimizer's LR was set to the plan's LR like every other.
+    workload = real_model("gpt2_varlen")
+    plan = make_plan(8, 4, base_lr=1e-2, base_batch=4)
+    lr = plan.lr.lr
+    trainer = _trainer(plan, AutotuneCallback(plan))
+    trainer.fit(GroupedModule(workload.model()), datamodule=Data(workload))
+    assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == pytest.approx([lr, lr / 4])
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == pytest.approx([lr / 3, lr / 12])

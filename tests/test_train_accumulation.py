@@ -74,3 +74,21 @@ def test_window_mean_loss_is_the_large_batch_loss():
     loss_sum, count = token_loss(model, workload.build_dataset()[window])
     result = train(make_plan([5, 6, 5]), workload, steps=1, progress=False)
     assert result.metrics[0]["loss"] == pytest.approx(float((loss_sum / count).detach()), rel=1e-9)
+
+
+def test_the_plans_lr_rescales_each_parameter_group_alike():
+    # docs/fine-tuning.md's recipe: a no-decay group at a third of the optimizer's LR. The loop
+    # set every group to the plan's LR, training that group at 3× its intended LR.
+    import dataclasses
+
+    def grouped(params):
+        params = list(params)
+        return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
+                                  {"params": [p for p in params if p.ndim < 2], "lr": 1e-4,
+                                   "weight_decay": 0.0}], lr=3e-4)
+
+    workload = dataclasses.replace(mlp_workload(16), build_optimizer=grouped)
+    result = train(make_plan([4, 4], lr=6e-4), workload, steps=1, progress=False)
+    assert [g["lr"] for g in result.optimizer.param_groups] == pytest.approx([6e-4, 2e-4])
+    single = train(make_plan([4, 4], lr=6e-4), mlp_workload(16, optimizer="adamw"), steps=1, progress=False)
+    assert [g["lr"] for g in single.optimizer.param_groups] == pytest.approx([6e-4])

@@ -25,6 +25,7 @@ from ..planning.export import even_split, to_lightning
 from ..planning.types import Plan
 from ..training.checks import load_plan
 from ..workload.activation_checkpointing import checkpointable_blocks, enable_checkpointing
+from ..workload.optimizer_steps import plan_group_lrs
 
 
 def trainer_arguments(plan) -> dict:
@@ -106,7 +107,8 @@ def _planned_blocks(plan: Plan, pl_module) -> int | None:
 
 
 def apply_plan_lr(plan: Plan, trainer) -> None:
-    """Every parameter group of the Trainer's optimizers at the plan's LR (none: left as it is).
+    """Every parameter group of the Trainer's optimizers at the plan's LR (none: left as it is);
+    a group with an LR of its own keeps its ratio to the optimizer's (``plan_group_lrs``).
 
     ``configure_optimizers`` has already made the schedulers, which remember the LR they start
     from: each one is moved to the plan's LR, keeping the factor it has applied so far."""
@@ -115,12 +117,13 @@ def apply_plan_lr(plan: Plan, trainer) -> None:
         return
     schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
     for optimizer in trainer.optimizers:
-        for group in optimizer.param_groups:
+        starts = plan_group_lrs(optimizer, lr)
+        for group, start_lr in zip(optimizer.param_groups, starts):
             start = group.get("initial_lr", group["lr"])
             factor = group["lr"] / start if start else 1.0
-            group["lr"] = lr * factor
+            group["lr"] = start_lr * factor
             if "initial_lr" in group:
-                group["initial_lr"] = lr
+                group["initial_lr"] = start_lr
         for scheduler in schedulers:
             if getattr(scheduler, "optimizer", None) is optimizer and hasattr(scheduler, "base_lrs"):
-                scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+                scheduler.base_lrs = list(starts)

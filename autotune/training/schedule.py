@@ -6,19 +6,20 @@ import torch
 
 from ..errors import WorkloadError
 from ..planning.lr import WARMUP_EPOCHS
-from ..workload.optimizer_steps import set_group_lr
+from ..workload.optimizer_steps import plan_group_lrs, set_group_lr
 
 
 def apply_plan_lr(optimizer: torch.optim.Optimizer, plan) -> None:
-    """Set every parameter group's lr to the plan's (left as the optimizer's when it has none).
+    """Set every parameter group's lr to the plan's (left as the optimizer's when it has none);
+    a group with an lr of its own keeps its ratio to the optimizer's (``plan_group_lrs``).
 
     Done before the scheduler exists, because schedulers remember the lr they start from.
     """
     lr = getattr(plan.lr, "lr", None)
     if lr is None:
         return
-    for group in optimizer.param_groups:
-        set_group_lr(group, lr)
+    for group, group_lr_ in zip(optimizer.param_groups, plan_group_lrs(optimizer, lr)):
+        set_group_lr(group, group_lr_)
 
 
 def build_scheduler(workload, optimizer: torch.optim.Optimizer, plan):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 
+import math
+
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -40,4 +42,22 @@ def group_lr(group: dict) -> float:
     return float(lr) if isinstance(lr, torch.Tensor) else lr
 
 
-__all__ = ["counted_step", "group_lr", "set_group_lr"]
+def plan_group_lrs(optimizer: torch.optim.Optimizer, lr: float) -> list[float]:
+    """Each parameter group's LR under the plan's ``lr``: groups at the optimizer's own LR take
+    ``lr``; a group given its own (a no-decay group at a third of it) keeps its ratio to the
+    optimizer's LR, so the plan rescales every group alike. The ratio is read from the LR the
+    group started from (``initial_lr``, where a scheduler has set it) and is 1 where either LR is
+    not a positive finite number."""
+    default = optimizer.defaults.get("lr")
+    default = float(default) if isinstance(default, (int, float, torch.Tensor)) else None
+    found = []
+    for group in optimizer.param_groups:
+        start = group.get("initial_lr", group.get("lr"))
+        start = float(start) if isinstance(start, (int, float, torch.Tensor)) else None
+        usable = (default is not None and start is not None and math.isfinite(default)
+                  and math.isfinite(start) and default > 0 and start > 0)
+        found.append(lr * start / default if usable else lr)
+    return found
+
+
+__all__ = ["counted_step", "group_lr", "plan_group_lrs", "set_group_lr"]
