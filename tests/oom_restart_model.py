@@ -2,7 +2,9 @@
 
 ``AUTOTUNE_TEST_OOM=RANK:CALL:PHASE`` makes rank RANK run out of memory (torch.OutOfMemoryError,
 what the CUDA allocator and the CPU memory backend raise) in the CALL-th forward of the middle
-block (PHASE ``forward``) or in its backward (``backward``), in torchrun's first attempt only.
+block (PHASE ``forward``) or in its backward (``backward``), or in the CALL-th call of the loss
+function before it calls the model (``before``: a batch's copy to the device, an augmentation on
+it), in torchrun's first attempt only.
 ``AUTOTUNE_TEST_KILL=RANK:CALL`` makes rank RANK SIGKILL itself in its CALL-th forward of the
 model (first attempt only); ``AUTOTUNE_TEST_SLOW=S`` sleeps S seconds in every forward;
 ``AUTOTUNE_TEST_WAIT_FOR=PATH`` holds every forward until PATH exists (at most 120 s).
@@ -13,19 +15,28 @@ import signal
 import time
 
 import torch
-from fsdp_model import build_optimizer, loss_fn  # noqa: F401 - the model-file contract's other two
+from fsdp_model import build_optimizer  # noqa: F401 - the model-file contract's other one
+from fsdp_model import loss_fn as _model_loss
 from torch import nn
 
 _calls = []
 
 
-def _fault():
+def _fault(where=("forward", "backward")):
     spec = os.environ.get("AUTOTUNE_TEST_OOM")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return None
     rank, call, phase = spec.split(":")
+    if phase not in where:
+        return None
     _calls.append(1)
     return phase if int(rank) == int(os.environ.get("RANK", "0")) and len(_calls) == int(call) else None
+
+
+def loss_fn(model, batch):
+    if _fault(where=("before",)) == "before":
+        raise _out_of_memory("the loss function, before the model")
+    return _model_loss(model, batch)
 
 
 def _out_of_memory(where):

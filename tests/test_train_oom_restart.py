@@ -61,6 +61,9 @@ def _saved(path):
     ("fsdp", "1:3:forward", "in a forward or backward of an FSDP2"),   # step 2, first micro-step
     ("ddp", "1:4:backward", "inside the window's last backward"),      # step 2, last micro-step
     ("fsdp", "0:4:backward", "in a forward or backward of an FSDP2"),  # rank 0, reduce-scatters due
+    # Step 2's first micro-step before the model ran: rank 0 waited in DDP's bucket rebuild and
+    # rank 1 in the window's agreement, for good (the hang this test's timeout catches).
+    ("ddp", "1:3:before", "before the model's forward, while the other ranks wait"),
 ])
 def test_oom_inside_a_collective_restarts_with_a_smaller_micro_batch(tmp_path, sharding, oom, where):
     code, log = _torchrun(tmp_path, "oom", _plan([4, 4], sharding), "--checkpoint-dir", tmp_path / "ckpt",

@@ -116,6 +116,14 @@ class StepRunner:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(lambda p: self.host.to_host(p.grad))
         self.skips_in_a_row = 0
+        # DDP's forward runs collectives before the model's own: the buffer broadcast of a
+        # window's first forward, the one-time bucket rebuild. A rank out of memory before its
+        # model ran (the batch's copy to the device, the loss function's own work) never joined
+        # them while the other ranks wait in them: the inner module's pre-hook says it did.
+        self._ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+        self._model_entered = False
+        if self._ddp is not None:
+            self._ddp.module.register_forward_pre_hook(self._entered)
         # BatchNorm updates its running statistics in forward; a window redone after an OOM must
         # start from the statistics it started with, or the redo would count its samples twice.
         self._norm_buffers = [buf for module in model.modules()
@@ -212,9 +220,21 @@ class StepRunner:
             failed = self._micro_step(part, size, scale, final, measure=index == measure_at < last)
         return failed
 
+    def _entered(self, module, args):
+        self._model_entered = True
+
+    def _forward_collectives(self) -> bool:
+        """Whether DDP's next forward runs collectives before the model's (a buffer broadcast, or
+        a bucket rebuild it has not done yet)."""
+        ddp = self._ddp
+        return ddp is not None and (ddp.will_sync_module_buffers()
+                                    or not getattr(ddp, "_has_rebuilt_buckets", False))
+
     def _micro_step(self, part, size: int, scale: float, final: bool, *, measure: bool,
                     padding: bool = False) -> bool:
         out_of_memory = agreed = False
+        self._model_entered = False
+        collectives_first = self.ctx.distributed and self._forward_collectives()
         try:
             if self.workload.seq_len is not None:  # a plan in tokens: no batch past its length
                 check_within_seq_len(part, self.workload.seq_len, source=self.workload.source)
@@ -247,6 +267,10 @@ class StepRunner:
             if agreed:
                 raise _OOMInCollective("inside the window's last backward, which all-reduces "
                                        "DDP's gradients while it runs") from exc
+            if collectives_first and not self._model_entered:
+                raise _OOMInCollective("before the model's forward, while the other ranks wait in "
+                                       "the collectives DDP runs first (its buffer broadcast or "
+                                       "bucket rebuild)") from exc
             out_of_memory = True
         if out_of_memory and final and self.ctx.distributed:
             distributed.any_rank(True, self.ctx)
