@@ -272,12 +272,12 @@ class _StubPlanner:
                           device=device(), created_at="2026-12-01T00:00:00+00:00")
 
 
-@pytest.mark.parametrize("memoized, throughput", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("memoized, throughput", [(True, False), (False, False), (False, True)])
 def test_the_chosen_layout_alone_is_planned_in_detail_where_the_memo_answers_again(memoized, throughput):
     # Smaller shard groups and the sync-on-last window change neither steps nor bytes
     # communicated: with a memo (--gpu), each candidate is planned without them and the winner
-    # again with them; without one (every trial would run twice), or where throughput ranks
-    # (a shard group changes the predicted time), every candidate is planned in detail at once.
+    # again with them; without one (every trial would run twice) every candidate is planned in
+    # detail at once (throughput ranking with a memo: the next test).
     from types import SimpleNamespace
 
     from autotune.orchestration.layout_search import search_layout
@@ -306,6 +306,67 @@ def test_the_chosen_layout_alone_is_planned_in_detail_where_the_memo_answers_aga
     else:
         assert all(details)
         assert [layout for layout, _ in Planner.runs].count(Layout(tp=2)) == 1
+
+
+def test_ranked_by_time_a_layout_gets_its_sync_on_last_window_only_where_it_could_lead():
+    # Ranked by throughput with a memo, data parallel is planned in detail (its shard groups are
+    # ranked); a model-parallel layout first without its sync-on-last window, and again with it
+    # only where the most that window could give passes the fastest planned so far. A layout that
+    # could not keeps its plan (reduce-scattering every micro-step) and prediction; the winner is
+    # always a detailed one.
+    from types import SimpleNamespace
+
+    from autotune.orchestration.layout_search import search_layout
+    from autotune.orchestration.request import PlanOptions
+    from autotune.timing.window import WindowTime
+
+    # (The search plans data parallel, tp 2, then tp 2 × pp 2: tp 2 has as few steps as any.)
+    speeds = {Layout(): 1.0, Layout(tp=2): 2.0, Layout(tp=2, pp=2): 1.9, Layout(tp=4, pp=2): 1.5,
+              Layout(tp=2, pp=4): 2.1, Layout(tp=4, pp=4): 0.5}
+    upper, detailed = 1.1, 1.05  # what sync on last could give, and gives
+    order = []  # (layout, details, its samples/s, the most it could reach, the fastest before it)
+
+    class Planner(_StubPlanner):
+        runs = []
+        memoized = True
+        target = None
+
+        def run(self):
+            layout = self.options.parallel
+            made = super().run()
+            details = self.search_details
+            speed = speeds[layout] * (detailed if details and not layout.trivial else 1.0)
+            made.step_time = WindowTime(step_s=1.0, compute_s=1.0, exposed_comm_s=0.0, bubble_s=0.0,
+                                        recompute_s=0.0, samples_per_s=speed, tokens_per_s=None, mfu=None)
+            self.sync_on_last_upper = speed if details else speed * upper
+            order.append((layout, details, speed, self.sync_on_last_upper))
+            return made
+
+    _StubPlanner.allowed = {Layout(): 2, Layout(tp=2): 4, Layout(tp=4): "unavailable", Layout(pp=2): None,
+                            Layout(tp=2, pp=2): 8, Layout(pp=4): None, Layout(tp=4, pp=2): 8,
+                            Layout(tp=2, pp=4): 8, Layout(tp=4, pp=4): 8, Layout(pp=8): None}
+    options = PlanOptions(target_batch=64, world_size=8, sharding="fsdp", eval_batch=False,
+                          optimize="throughput", gpu="h100-80gb")
+    planned = search_layout(SimpleNamespace(seq_len=None), options, dict(tp="auto", pp="auto"),
+                            make_planner=Planner,
+                            inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True),
+                                       ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)),
+                            screen=lambda *args, **kwargs: None)
+    assert planned.parallel == Layout(tp=2) and planned.step_time.samples_per_s == 2.0 * detailed
+    assert order[0] == (Layout(), True, 1.0, 1.0)
+    fastest, again = 1.0, []
+    for i, (layout, details, speed, most) in enumerate(order[1:], 1):
+        if details:
+            continue
+        if most > fastest:  # it could lead: planned again, in detail, at once
+            assert order[i + 1] == (layout, True, speed * detailed, speed * detailed)
+            fastest, again = max(fastest, speed * detailed), again + [layout]
+        else:
+            assert layout not in [o[0] for o in order[i + 1:]]
+    # tp 2 could pass data parallel (and did); tp 2 × pp 2's 1.9 could reach 2.09 with the
+    # window, not tp 2's 2.1: planned once.
+    assert again == [Layout(tp=2)]
+    assert [o[0] for o in order] == [Layout(), Layout(tp=2), Layout(tp=2), Layout(tp=2, pp=2)]
 
 
 @pytest.mark.slow

@@ -133,3 +133,23 @@ def test_layouts_that_fit_are_ranked_and_the_fastest_is_planned(tmp_path):
     assert plan.reasons["sharding"].startswith(f"{best.layout}: the fastest predicted of ")
     other = next(c for c in plan.predicted if c.layout != best.layout)
     assert f"the next, {other.label()}" in plan.reasons["throughput"]
+
+
+def test_a_ranked_planner_run_again_ranks_the_same_settings():
+    # A layout search runs a layout's planner again for its deferred sync-on-last window. The
+    # ranking built its plan as a request for the winner's settings and kept that request:
+    # run again, checkpointing was no longer "auto", so only "off" was probed, which fits
+    # nowhere here ("no configuration fits": 70B's TP 2 dropped out of its search that way).
+    from autotune.orchestration.planner import _Planner, inspect_workload
+    from autotune.orchestration.request import PlanOptions
+
+    workload = load_workload(str(ROOT / "examples" / "tiny_lm.py"))
+    options = PlanOptions(target_batch=128, world_size=2, gpu="h100-80gb", optimize="throughput",
+                          headroom=0.999, sharding="fsdp", eval_batch=False)
+    planner = _Planner(workload, options, inspected=inspect_workload(workload), estimable=set())
+    first = planner.run()
+    assert first.checkpointing.label == "on" and first.accumulation_steps > 1
+    again = planner.run()
+    assert (again.micro_batches, again.checkpointing, again.step_time) == (
+        first.micro_batches, first.checkpointing, first.step_time)
+    assert again.reasons["checkpointing"] == first.reasons["checkpointing"]

@@ -100,7 +100,10 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         except (ConfigError, PlanError) as exc:  # the layout's own limits (shard group, target)
             return LayoutOutcome(layout, error=f"not planned: {exc}")
         planners[layout] = planner
-        planner.search_details = not deferred
+        # Ranked by time, a model-parallel layout's sync-on-last window (its only detail: no
+        # shard groups) waits until it could lead (below): 8B's CP 2, planned and beaten, ran it.
+        late_details = rank_by_time and planner.memoized and not layout.trivial
+        planner.search_details = not deferred and not late_details
         try:
             short = None  # set where a screen at micro-batch 1 ran out: the layout fits nowhere
             screened = False
@@ -142,6 +145,13 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             # where throughput ranks: fewer blocks checkpointed at smaller micro-batches may win).
             planner.every_block_first = screened and not rank_by_time
             planned = planner.run()
+            if late_details and _could_lead(planner, fastest):
+                # The same planner again, its memo and counts answering what it ran: what it
+                # adds is the sync-on-last window, which may take the lead. A layout that could
+                # not lead even with it keeps its plan (gradients reduce-scattered every
+                # micro-step: fits, and what its probe proved) and its prediction.
+                planner.search_details = True
+                planned = planner.run()
         except PlanError as exc:
             screening.append(layout)
             return LayoutOutcome(layout, error=_first_sentence(exc), fits_nowhere=True)
@@ -198,6 +208,13 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         planned = plan_eval_batch(planned, planner.workload, planner.backend, usable=planner.usable,
                                   extra=planner.extra, upper=options.max_eval_batch, agree=planner.agree)
     return planned
+
+
+def _could_lead(planner, fastest: list[LayoutOutcome]) -> bool:
+    """Whether the plan ``planner`` just made, with the sync-on-last window it did not estimate,
+    could pass the fastest layout planned so far (first planned: it leads)."""
+    upper = getattr(planner, "sync_on_last_upper", None)
+    return not fastest or upper is None or upper > fastest[0].samples_per_s
 
 
 def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, reference, *,

@@ -317,7 +317,12 @@ class _Planner:
         ranks by (steps, bubble, bytes communicated)."""
         self._settings_tried: dict = {}
         self.recorded_steps: dict = {}
-        """Steps the probes counted as they ran, by ``recorded_key`` (``--optimize throughput --gpu``)."""
+        """Steps the probes counted as they ran, and those the ranking counted since, by
+        ``recorded_key`` (``--optimize throughput --gpu``)."""
+        self.sync_on_last_upper: float | None = None
+        """Ranked by predicted throughput, the most samples/s per GPU the last plan could reach
+        with its sync-on-last window, where that was not estimated (``search_details`` off);
+        else its own prediction."""
         self.step_models: list = []
         """(setting, counted steps, StepModel) of each setting the throughput ranking timed: a
         layout search bounds the other layouts by data parallelism's (``timing.bound``)."""

@@ -74,13 +74,18 @@ def fastest_predicted(planner) -> Plan:
     setting, winner = ranked[0]
     chosen = dataclasses.replace(setting, allowed_micro_batch=max(winner.micro_batches))
     precision = winner.precision
+    reason = why_predicted_fastest([c for _, c in ranked], network=network, speed=speed)
+    # Built as a request for the winner's settings; the planner's own request stays as asked,
+    # so that running it again (a layout search's deferred details) ranks the same settings.
     planner.request = dataclasses.replace(
         request, precision=precision, sharding=str(winner.sharding),
         checkpointing=CheckpointingRequest.parse(winner.checkpointing),
         precision_reason=request.precision_reason)
-    reason = why_predicted_fastest([c for _, c in ranked], network=network, speed=speed)
-    plan = planner.build(precision, [chosen], considered=settings,
-                         throughput=ThroughputOutcome(records=[], reason=reason))
+    try:
+        plan = planner.build(precision, [chosen], considered=settings,
+                             throughput=ThroughputOutcome(records=[], reason=reason))
+    finally:
+        planner.request = request
     # The plan's own window: its split and gradient sync as built (the ranking reduced every
     # micro-step, what the probe proved fits). Measuring the planned micro-batch can lower it:
     # sizes not counted yet are counted now.
@@ -89,11 +94,20 @@ def fastest_predicted(planner) -> Plan:
     if missing:
         model = StepModel({**counted, **_count(planner, setting, missing, tokens, profile.name)}, speed,
                           setting.precision)
-    plan.step_time = _in_layout(planner, predict_window(
-        model, plan.micro_batches, network=network, world_size=planner.world_size,
-        sharding=str(plan.sharding), shard_group=plan.shard_group,
-        reduce_every_micro_step=plan.reduce_every_micro_step and not pipelined,
-        gradient_bytes=planner.fingerprint.param_bytes), plan.micro_batches, setting.precision, network)
+    def timed(reduce_every_micro_step: bool):
+        return _in_layout(planner, predict_window(
+            model, plan.micro_batches, network=network, world_size=planner.world_size,
+            sharding=str(plan.sharding), shard_group=plan.shard_group,
+            reduce_every_micro_step=reduce_every_micro_step and not pipelined,
+            gradient_bytes=planner.fingerprint.param_bytes), plan.micro_batches, setting.precision, network)
+
+    plan.step_time = timed(plan.reduce_every_micro_step)
+    # Where the sync-on-last window was not estimated (a layout search defers it), the most this
+    # plan could reach with it: its gradients reduce-scattered once a window instead.
+    planner.sync_on_last_upper = (
+        max(plan.step_time.samples_per_s, timed(False).samples_per_s)
+        if plan.sharding.sharded and plan.reduce_every_micro_step and plan.accumulation_steps > 1
+        and not pipelined and not planner.search_details else plan.step_time.samples_per_s)
     plan.predicted = [c for _, c in ranked]
     layouts = sorted({c.layout for c in plan.predicted})
     plan.reasons["sharding"] = (
@@ -124,16 +138,18 @@ def _in_layout(planner, timed, split: list[int], precision, network):
 
 def _count(planner, setting: SettingTried, sizes, tokens: int | None, gpu: str) -> dict:
     """The setting's steps at ``sizes`` on fake tensors (with tokens per sample): those its probe
-    ran and recorded (``timing.recorded``: no second pass), the others counted now."""
-    recorded = planner.recorded_steps.get(recorded_key(setting), {})
+    ran and recorded (``timing.recorded``: no second pass) or counted before, the others counted
+    now."""
+    recorded = planner.recorded_steps.setdefault(recorded_key(setting), {})
     missing = [n for n in sizes if n not in recorded]
-    counted = {n: recorded[n] for n in sizes if n in recorded}
     if missing:
-        counted.update(count_steps_costs(planner.workload, missing, precision=setting.precision,
-                                         checkpointing=setting.checkpointing, sharding=setting.sharding,
-                                         world_size=planner.world_size, shard_group=setting.shard_group,
-                                         for_gpu=gpu, parallel=setting.parallel))
-    return with_tokens(counted, tokens)
+        # Kept with the probe's records: a layout search that runs this planner again (its
+        # deferred details) counts nothing twice.
+        recorded.update(count_steps_costs(planner.workload, missing, precision=setting.precision,
+                                          checkpointing=setting.checkpointing, sharding=setting.sharding,
+                                          world_size=planner.world_size, shard_group=setting.shard_group,
+                                          for_gpu=gpu, parallel=setting.parallel))
+    return with_tokens({n: recorded[n] for n in sizes}, tokens)
 
 
 def reference_steps(planner) -> list[ReferenceStep]:
