@@ -385,7 +385,7 @@ def shard_batch(batch, mesh, *, source: str = "<batch>"):
 class ContextParallelLoss:
     """``loss_fn(model, batch)`` of a context-parallel workload: the batch sharded over the cp
     ranks, the workload's own loss on this rank's part, and the loss as (sum, token count) so the
-    loop's exact accumulation weighs every rank's tokens (``autotune.training.accumulate``)."""
+    loop's exact accumulation weighs every rank's tokens (``autotune.accumulation``)."""
 
     def __init__(self, workload, mesh, attention: _Attention):
         self.workload = workload

@@ -31,6 +31,7 @@ from ..precision import Precision, autocast, grad_scaler
 from ..compiled import compiled_step_module, eager_module, graphs_compiled, is_compiled, \
     mark_batch_dynamic
 from ..workload.contract import Workload, move_batch
+from ..accumulation import WindowTotals, summed_loss
 from ..workload.optimizer_steps import counted_step
 from .deadline import deadline
 from .fake_optimizers import build_with_real_constants, fake_step
@@ -50,6 +51,8 @@ class TrialSession:
     """Whether the trials run a compiled step (set up from the workload, see ``_setup``)."""
     graphs_compiled = 0
     """Graphs torch.compile compiled during this session's trials (recompilations included)."""
+    _totals = None
+    """The window's loss totals, as the training loop keeps them (set while a window runs)."""
 
     def __init__(self, workload: Workload, backend: MemoryBackend, *, precision: Precision,
                  checkpointing=False, sharded: bool = False, offload: bool = False,
@@ -375,6 +378,8 @@ class TrialSession:
         """The micro-steps (gradients accumulating; sharded, synced on the last, or on every one
         under ``reduce_every_micro_step``), then the optimizer phase; (activation, step) peaks."""
         last = len(sizes) - 1
+        # The loop's window totals (loss sum, items, noise scale), alive through its window.
+        self._totals = WindowTotals(self.device)
         try:
             for index, size in enumerate(sizes):
                 self._gradient_sync(index == last or self.reduce_every_micro_step)
@@ -399,6 +404,7 @@ class TrialSession:
         with self.backend.on_host() if self.offload else contextlib.nullcontext():
             step_peak = self._optimizer_phase()  # the batch is still alive here, as in training
         del batch
+        self._totals = None
         return activation_peak, step_peak
 
     def _gradient_bytes_held(self) -> int:
@@ -417,13 +423,18 @@ class TrialSession:
             set_gradient_sync(self.model, enabled)
 
     def _forward_backward(self, batch) -> int:
-        """Forward under the precision and backward; the peak of the phase."""
+        """Forward under the precision and backward, as the training loop runs them (its summed
+        loss scaled for the window, added to the window's totals after); the peak of the
+        phase."""
         with autocast(self.precision, self.device):
             loss, count = self.workload.loss(self.model, batch)
-        if count is not None:
-            loss = loss / count
-        self.scaler.scale(loss).backward()
-        del loss
+        # The loop's own scalars are part of its peak: a plan measured without them was 32 bytes
+        # short of training's (HF GPT-2 on padded batches). The values do not matter here.
+        loss_sum, items = summed_loss(loss, count, 1)
+        self.scaler.scale(loss_sum * 1.0).backward()
+        if self._totals is not None:
+            self._totals.add(loss_sum, items, counted=count is not None)
+        del loss, loss_sum, items
         return self.backend.peak_bytes()
 
     def _optimizer_phase(self) -> int:

@@ -22,7 +22,7 @@ from . import noise_scale
 from ..distributed import process_group as distributed
 from ..distributed.pipeline import PipelinedModel, pipeline_grad_norm
 from ..distributed.tensor_parallel import clip_grad_norm_
-from .accumulate import COUNTED_RANKS, WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
+from ..accumulation import COUNTED_RANKS, WindowTotals, backward_scale, count_correction, scale_gradients, summed_loss
 from .data import Window, slice_batch, split_micro_batches
 from ..errors import WorkloadError, option, flag
 from .errors import NonFiniteError, TrainError
