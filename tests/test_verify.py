@@ -115,3 +115,22 @@ def test_an_offloaded_plan_is_measured_on_the_cpu_as_it_was_planned():
     fsdp = autotune.plan(lm, target_batch=8, world_size=2, sharding="fsdp", memory_limit="40MiB",
                          device="cpu", precision="fp32", checkpointing="off", micro_batch=plan.micro_batch)
     assert verify_plan(fsdp, device="cpu", steps=1, replan=False).measured_peak_bytes > result.measured_peak_bytes
+
+
+def test_a_changed_model_file_is_refused_naming_the_plan_and_the_whole_re_plan(plan_file, tmp_path):
+    # It said "plan file <plan>" and suggested re-planning without --memory-limit (half the RAM).
+    import json
+    import shutil
+
+    model = tmp_path / "mlp.py"
+    shutil.copy(MLP, model)
+    data = json.loads(plan_file.read_text())
+    data["workload"]["source"] = str(model)
+    changed = tmp_path / "changed.json"
+    changed.write_text(json.dumps(data))
+    model.write_text(model.read_text() + "\n# edited after planning\n")
+    result = run("verify", changed)
+    assert result.exit_code == 1, result.output
+    assert f"plan file {changed} was made for another version of the model" in result.output
+    assert (f"re-plan with autotune plan {model} --target-batch 2048 --memory-limit 64MiB"
+            in " ".join(result.output.split()))

@@ -84,7 +84,8 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
         workload = planned_model_file(plan, plan_path)
         if workload is None and not plan.workload.source.startswith("<"):
             raise model_file_not_found(plan, plan_path)
-    workload = load_planned_workload(plan, workload if workload is not None else plan.workload.source)
+    workload = load_planned_workload(plan, workload if workload is not None else plan.workload.source,
+                                     source=str(plan_path) if plan_path is not None else "<plan>")
     backend = backend_for(device, memory_limit, offload=plan.sharding.offload)
     info = backend.info()
     budget = min(info.budget_bytes, plan.budget_bytes or info.budget_bytes)

@@ -214,10 +214,32 @@ def check_workload(plan: Plan, workload: Workload, *, source: str = "<plan>") ->
 def _check_sha256(plan: Plan, current: str | None, model_source: str, source: str) -> None:
     planned = plan.workload.file_sha256
     if planned is not None and current is not None and planned != current:
+        named = "the plan" if source == "<plan>" else f"plan file {source}"
         raise PlanFileError(
-            f"plan file {source} was made for another version of the model: its workload.file_sha256 "
+            f"{named} was made for another version of the model: its workload.file_sha256 "
             f"is {planned[:12]}…, {model_source} hashes to {current[:12]}… (it was not imported); "
-            f"re-plan with autotune plan {model_source} --target-batch {plan.target_batch}")
+            f"re-plan with {replan_command(plan, model_source)}")
+
+
+def replan_command(plan: Plan, model_source: str) -> str:
+    """``autotune plan`` for ``model_source`` with the options that shaped ``plan`` and that it
+    records: the target, the world, the GPU profile or the memory limit, the headroom."""
+    words = ["autotune plan", model_source]
+    if plan.target_tokens is not None and plan.seq_len is not None:
+        words += ["--target-tokens", str(plan.target_tokens), "--seq-len", str(plan.seq_len)]
+    else:
+        words += ["--target-batch", str(plan.target_batch)]
+    if plan.world_size > 1:
+        words += ["--world-size", str(plan.world_size)]
+    device = plan.device
+    if device is not None and device.budget_source.startswith("GPU profile "):
+        words += ["--gpu", device.budget_source.removeprefix("GPU profile ").split(":", 1)[0]]
+    elif device is not None and device.budget_source.startswith("--memory-limit"):
+        limit = device.budget_bytes
+        words += ["--memory-limit", f"{limit // 2**20}MiB" if limit % 2**20 == 0 else f"{limit}B"]
+    if plan.headroom != 0.1:
+        words += ["--headroom", f"{plan.headroom:g}"]
+    return " ".join(words)
 
 
 def check_device(plan: Plan, device: DeviceInfo, *, source: str = "<plan>") -> None:
