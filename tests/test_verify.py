@@ -88,6 +88,10 @@ def test_cli_exit_1_when_re_planned_and_writes_only_with_o(plan_file, tmp_path):
     result = run("verify", plan_file, "--device", "cpu", "--memory-limit", "56MiB", "--steps", 1)
     assert result.exit_code == 1
     assert "NOT confirmed" in result.output and "re-planned" in result.output
+    # Both splits as plan prints them (uneven ones in parentheses: "43 × 3 = 128" before).
+    line = next(line for line in result.output.splitlines() if line.startswith("re-planned:"))
+    assert "(683 + 683 + 682) over 3 accumulation steps × 1 rank = 2048)" in line, line
+    assert line.startswith("re-planned: (") and " × 1 rank = 2048 (was (" in line, line
     assert "pass -o FILE" in result.output
     out = tmp_path / "new.json"
     result = run("verify", plan_file, "--device", "cpu", "--memory-limit", "56MiB", "--steps", 1,

@@ -318,10 +318,8 @@ def format_verify(result) -> str:
         lines.append("NOT confirmed: the plan's micro-batch does not fit within the limit here")
         new = result.new_plan
         if new is not None:
-            lines.append(f"re-planned: micro-batch {new.micro_batch} × {new.accumulation_steps} "
-                         f"accumulation steps × {new.data_parallel} data-parallel rank(s) = "
-                         f"{new.effective_batch} "
-                         f"(was {plan.micro_batch} × {plan.accumulation_steps}); "
+            # The split as plan and show print it: an uneven one multiplied out said 43 × 3 = 128.
+            lines.append(f"re-planned: {_split_text(new)} (was {_split_text(plan)}); "
                          f"{setting_label(new.precision, new.checkpointing_label)}")
         if result.replan_error is not None:
             lines.append(f"re-plan failed: {result.replan_error}")
