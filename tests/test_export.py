@@ -204,6 +204,8 @@ def test_known_warmup_is_carried():
     scheduler = export_plan(plan, "deepspeed").config["scheduler"]
     assert scheduler["type"] == "WarmupLR" and scheduler["params"]["warmup_num_steps"] == 40
     assert scheduler["params"]["warmup_max_lr"] == pytest.approx(4e-3)
+    # From 0, as the loop and the Trainer export warm up (it started at the base LR, 1e-3).
+    assert scheduler["params"]["warmup_min_lr"] == 0.0
     for target in ("lightning", "accelerate"):
         assert any("over 40 optimizer steps" in n for n in export_plan(plan, target).notes)
 

@@ -363,8 +363,10 @@ def to_deepspeed(plan: Plan) -> Export:
     if optimizer is not None:
         config["optimizer"] = optimizer
     if plan.lr.lr is not None and plan.lr.warmup_steps:
+        # From 0, as autotune's loop (lr × step / warmup) and the Trainer export's
+        # constant_with_warmup ramp: the same plan warms up alike in every runner.
         config["scheduler"] = {"type": "WarmupLR", "params": {
-            "warmup_min_lr": plan.lr.base_lr, "warmup_max_lr": plan.lr.lr,
+            "warmup_min_lr": 0.0, "warmup_max_lr": plan.lr.lr,
             "warmup_num_steps": plan.lr.warmup_steps, "warmup_type": "linear"}}
     if plan.sharding.sharded:
         # ZeRO stage 3 shards parameters, gradients and optimizer state, as FSDP does.
