@@ -339,8 +339,9 @@ def test_a_torchrun_restart_never_resumes_another_runs_checkpoint(tmp_path, monk
     (lambda s: s.update(rng="garbage"), "the field 'rng' is not one random state per rank"),
     (lambda s: s.update(scheduler="garbage"), "the field 'scheduler' cannot be restored"),
     (lambda s: s.update(split={"level": "x"}), "the field 'split' cannot be restored"),
+    (lambda s: s.update(data={}), "the field 'data' cannot be restored"),
 ], ids=["step-text", "step-negative", "step-bool", "skipped-above-step", "rng-tensor", "rng-words", "rng-text",
-        "scheduler", "split"])
+        "scheduler", "split", "data"])
 def test_tampered_checkpoint_fields_are_named(tmp_path, edit, message, sharded):
     plan = _sharded() if sharded else make_plan([4], lr=0.1)
     first = train(plan, mlp_workload(16), steps=1, checkpoint_dir=tmp_path, progress=False)
@@ -349,6 +350,17 @@ def test_tampered_checkpoint_fields_are_named(tmp_path, edit, message, sharded):
     edit(state)
     torch.save(state, path)
     with pytest.raises(TrainError, match=message.replace("(", r"\(")):
+        train(plan, mlp_workload(16), steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)
+
+
+def test_a_tampered_optimizer_state_is_named(tmp_path):
+    # It raised torch's ValueError with a traceback ("a different number of parameter groups").
+    plan = make_plan([4], lr=0.1)
+    first = train(plan, mlp_workload(16), steps=1, checkpoint_dir=tmp_path, progress=False)
+    state = torch.load(first.checkpoint, weights_only=True)
+    state["optimizer"] = {"state": {}, "param_groups": []}
+    torch.save(state, first.checkpoint)
+    with pytest.raises(TrainError, match="the field 'optimizer' cannot be restored .*ValueError.*damaged"):
         train(plan, mlp_workload(16), steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)
 
 

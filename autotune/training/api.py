@@ -485,6 +485,11 @@ class _Session:
             position.update(epoch=window.epoch, window=window.index)
         return position
 
+    def _damaged(self, name: str, why: str) -> TrainError:
+        return TrainError(f"{flag('resume')}: in checkpoint {self.path}, the field {name!r} cannot be "
+                          f"restored ({why}); the checkpoint is damaged or was edited. Start a new "
+                          f"{option('checkpoint_dir')} (or {flag('overwrite')})")
+
     def _restore(self):
         if self.sharding.sharded:
             saved = sharded_checkpoint.load(self.checkpoint_dir, world_size=self.ctx.world_size,
@@ -498,6 +503,8 @@ class _Session:
         for label, name, value in ((option("seed"), "seed", self.seed),
                                    ("the plan's effective batch", "effective_batch", self.plan.effective_batch),
                                    ("the dataset size", "dataset_size", self.dataset_size)):
+            if not isinstance(data, dict) or name not in data:
+                raise self._damaged("data", f"it has no {name!r}")
             if data[name] != value:
                 raise TrainError(
                     f"{flag('resume')}: {label} is {value} but the checkpoint {self.path} was trained with "
@@ -510,7 +517,10 @@ class _Session:
                 raise TrainError(f"{flag('resume')}: the checkpoint {self.path} holds another model's weights "
                                  f"({str(exc).splitlines()[0]} ...); resume with the model it was "
                                  f"trained with, or start a new {option('checkpoint_dir')}") from None
-            self.optimizer.load_state_dict(saved["optimizer"])
+            try:
+                self.optimizer.load_state_dict(saved["optimizer"])
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+                raise self._damaged("optimizer", f"{type(exc).__name__}: {exc}") from None
         for name, restore in (("scaler", self.scaler.load_state_dict),
                                ("scheduler", self.scheduler.load_state_dict),
                                ("split", self.state.split.load_state_dict),
@@ -519,10 +529,7 @@ class _Session:
                 try:
                     restore(saved[name])
                 except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-                    raise TrainError(f"{flag('resume')}: in checkpoint {self.path}, the field {name!r} cannot be "
-                                     f"restored ({type(exc).__name__}: {exc}); the checkpoint is damaged "
-                                     f"or was edited. Start a new {option('checkpoint_dir')} "
-                                     f"(or {flag('overwrite')})") from None
+                    raise self._damaged(name, f"{type(exc).__name__}: {exc}") from None
         self.state.step = self.saved_step = saved["step"]
         self.state.skipped_steps = saved["skipped_steps"]
         ranks = saved["rng"]
