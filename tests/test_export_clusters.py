@@ -169,6 +169,36 @@ def test_torchrun_across_nodes(tmp_path):
     assert done.returncode != 0 and "set HEAD_NODE to the address of the first node" in done.stderr
 
 
+def test_torchrun_lays_a_cuda_plan_out_as_the_cluster_exports_do():
+    # Nodes of up to 8 GPUs by default (docs/clusters.md), as --to slurm: a 16-GPU plan was one
+    # --standalone node of 16 processes.
+    words = shlex.split(export_plan(_plan(world_size=16), "torchrun").config)
+    assert words[:3] == ["torchrun", "--nnodes=2", "--nproc-per-node=8"]
+    assert export_plan(_plan(world_size=8), "torchrun").config.startswith(
+        "torchrun --standalone --nproc_per_node=8 ")
+
+
+def test_an_export_run_elsewhere_names_the_model_file_as_that_folder_reaches_it(tmp_path, monkeypatch):
+    # The plan names models/lm.py from where it was planned: exported from another folder, the
+    # command named it as it was, which does not exist from there.
+    project = tmp_path / "project"
+    (project / "models").mkdir(parents=True)
+    (project / "models" / "lm.py").write_text("# a model file\n")
+    import hashlib
+
+    plan = _plan(world_size=2, kind="cpu")
+    plan.workload.file_sha256 = hashlib.sha256((project / "models" / "lm.py").read_bytes()).hexdigest()
+    save_plan(plan, project / "plan.json")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for target in ("torchrun", "slurm"):
+        result = CliRunner().invoke(cli, ["export", str(project / "plan.json"), "--to", target])
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.output.replace("\\\n", " ").split())  # the script's continued lines
+        assert f"train {project / 'models' / 'lm.py'} --plan {project / 'plan.json'}" in text, (target, text)
+
+
 # -- Kubernetes -----------------------------------------------------------------------------------
 def _schema(name):
     return json.loads((SCHEMAS / name).read_text())

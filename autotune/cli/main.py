@@ -502,11 +502,15 @@ def export(plan_file, target, output, nproc_per_node):
     from ..files.outputs import write_atomic
     from ..files.outputs import check_outputs
     from ..planning.export import export_plan
-    from ..planning.planfile import load_plan
+    from ..planning.planfile import load_plan, planned_model_file
 
     plan = load_plan(plan_file)
     check_outputs({"-o": output}, inputs=_plan_inputs(plan, plan_file))
-    exported = export_plan(plan, target, plan_path=plan_file, nproc_per_node=nproc_per_node)
+    # The model file as this folder reaches it (the plan names it from where it was planned): the
+    # launch command then runs from here, as the plan path it names does.
+    found = planned_model_file(plan, plan_file)
+    exported = export_plan(plan, target, plan_path=plan_file, nproc_per_node=nproc_per_node,
+                           model_file=str(found) if found is not None else None)
     for note in exported.notes:
         click.echo(f"note: {note}", err=True)
     if output is None:

@@ -532,7 +532,9 @@ def to_torchrun(plan: Plan, *, plan_path: str = "plan.json", model_file: str | N
     """The command that launches autotune's own loop (which takes uneven plans as they are): on
     one node (``--standalone``), or on each of world / ``nproc_per_node`` nodes with torchrun's
     c10d rendezvous at the first node."""
-    shape = clusters.layout(plan, nproc_per_node if nproc_per_node is not None else plan.world_size)
+    # The nodes autotune's cluster exports lay out (a CUDA plan: nodes of up to 8 GPUs, as
+    # --to slurm; it put a 16-GPU plan on one --standalone node of 16).
+    shape = clusters.layout(plan, nproc_per_node)
     if shape.nodes > 1:
         command, notes = clusters.torchrun_multinode(plan, shape, plan_path=plan_path, model_file=model_file)
         notes = [f"run this on each of the {shape.nodes} nodes with HEAD_NODE set to the first "
@@ -572,17 +574,21 @@ def _shell_word(word: str) -> str:
     return f'"{word}"' if "${" in word else shlex.quote(word)
 
 
-def to_slurm(plan: Plan, *, plan_path: str = "plan.json", nproc_per_node: int | None = None) -> Export:
+def to_slurm(plan: Plan, *, plan_path: str = "plan.json", nproc_per_node: int | None = None,
+             model_file: str | None = None) -> Export:
     """An sbatch script: srun starts torchrun on every node, c10d rendezvous at the first."""
-    text, notes = clusters.slurm_script(plan, plan_path=plan_path, nproc_per_node=nproc_per_node)
+    text, notes = clusters.slurm_script(plan, plan_path=plan_path, nproc_per_node=nproc_per_node,
+                                        model_file=model_file)
     shebang, rest = text.split("\n", 1)
     return Export(target="slurm", config=text, notes=notes,
                   text=shebang + "\n" + "".join(f"# {n}\n" for n in notes) + rest)
 
 
-def to_submitit(plan: Plan, *, plan_path: str = "plan.json", nproc_per_node: int | None = None) -> Export:
+def to_submitit(plan: Plan, *, plan_path: str = "plan.json", nproc_per_node: int | None = None,
+                model_file: str | None = None) -> Export:
     """A Python launcher with submitit (one SLURM task per process; autotune reads SLURM's ranks)."""
-    text, notes = clusters.submitit_script(plan, plan_path=plan_path, nproc_per_node=nproc_per_node)
+    text, notes = clusters.submitit_script(plan, plan_path=plan_path, nproc_per_node=nproc_per_node,
+                                           model_file=model_file)
     return Export(target="submitit", config=text, notes=notes,
                   text="".join(f"# {n}\n" for n in notes) + text)
 
@@ -606,17 +612,22 @@ def to_ray(plan: Plan, *, plan_path: str = "plan.json") -> Export:
 
 
 def export_plan(plan: Plan, target: str, *, plan_path: str = "plan.json",
-                nproc_per_node: int | None = None) -> Export:
+                nproc_per_node: int | None = None, model_file: str | None = None) -> Export:
     """The export of ``plan`` for ``target`` (one of TARGETS). ``nproc_per_node`` lays the plan's
-    world out as nodes × that many processes for the launchers (CLUSTER_TARGETS)."""
+    world out as nodes × that many processes for the launchers (CLUSTER_TARGETS). ``model_file``:
+    the model file as the launch command names it (default: the plan's ``workload.source``, which
+    is relative to the folder ``autotune plan`` ran in)."""
     if nproc_per_node is not None and target not in CLUSTER_TARGETS:
         raise ConfigError(f"{given('nproc_per_node', nproc_per_node)} lays the world out in nodes "
                           f"for {', '.join(CLUSTER_TARGETS)}; --to {target} takes the world size "
                           f"({plan.world_size}) as it is: drop it")
     launchers = {
-        "torchrun": lambda: to_torchrun(plan, plan_path=plan_path, nproc_per_node=nproc_per_node),
-        "slurm": lambda: to_slurm(plan, plan_path=plan_path, nproc_per_node=nproc_per_node),
-        "submitit": lambda: to_submitit(plan, plan_path=plan_path, nproc_per_node=nproc_per_node),
+        "torchrun": lambda: to_torchrun(plan, plan_path=plan_path, nproc_per_node=nproc_per_node,
+                                        model_file=model_file),
+        "slurm": lambda: to_slurm(plan, plan_path=plan_path, nproc_per_node=nproc_per_node,
+                                  model_file=model_file),
+        "submitit": lambda: to_submitit(plan, plan_path=plan_path, nproc_per_node=nproc_per_node,
+                                        model_file=model_file),
         "kubernetes": lambda: to_kubernetes(plan, plan_path=plan_path, nproc_per_node=nproc_per_node),
         "kubernetes-trainjob": lambda: to_kubernetes(plan, plan_path=plan_path,
                                                      nproc_per_node=nproc_per_node, api="trainjob"),
