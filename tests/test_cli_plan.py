@@ -187,3 +187,24 @@ def test_export_uneven_plan_notes_on_stderr(tmp_path):
     assert result.exit_code == 0
     assert "note: the plan is uneven" in result.stderr
     assert json.loads(result.stdout)["gradient_accumulation_steps"] == 127
+
+
+def test_plan_says_what_it_replaced_and_leaves_a_file_that_is_no_plan(mlp_plan, tmp_path):
+    # -o defaults to plan.json: a second plan replaced the first without a word, and any
+    # plan.json there (another tool's) would have been overwritten.
+    _, first = mlp_plan
+    out = tmp_path / "plan.json"
+    out.write_bytes(first.read_bytes())
+    result = run("plan", EXAMPLES / "mlp.py", "--target-batch", 32, "--memory-limit", "64MiB",
+                 "--precision", "fp32", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert (f"plan written to {out} (it replaced the plan for {load_plan(first).workload.source}, "
+            f"target batch 64, ") in result.output
+    assert load_plan(out).effective_batch == 32
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text('{"not": "an autotune plan"}')
+    result = run("plan", EXAMPLES / "mlp.py", "--target-batch", 32, "--memory-limit", "64MiB", "-o", theirs)
+    assert result.exit_code == 1
+    assert f"-o {theirs}: the file there is not an autotune plan" in result.output
+    assert "settings tried:" not in result.output  # refused before any trial
+    assert theirs.read_text() == '{"not": "an autotune plan"}'

@@ -7,6 +7,7 @@ import functools
 import json
 import sys
 import warnings
+from pathlib import Path
 
 import click
 
@@ -382,7 +383,8 @@ def devices(memory_limit, as_json):
 @click.option("--max-eval-batch", type=click.IntRange(min=1), default=None,
               help="The largest eval micro-batch to plan (a cap on that search).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json",
-              show_default=True, help="Where to write the plan.")
+              show_default=True, help="Where to write the plan (a plan there is replaced, and the "
+                                      "summary says which; a file that is no plan is left and refused).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a summary.")
 @_scaler_options
 @_compile_options
@@ -406,6 +408,7 @@ def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple,
             raise click.UsageError(f"{option} applies to --optimize throughput only; add "
                                    f"--optimize throughput or drop {option}")
     check_outputs({"-o": output}, inputs={"MODEL_FILE": model_file})
+    replaced = _plan_replaced(output)  # before the work: a file there that is no plan is refused
     with _stdout_to_stderr(as_json):
         result = make_plan(model_file, target_batch=target_batch, world_size=world_size, device=device,
                            precision=precision.lower(), checkpointing=checkpointing,
@@ -423,7 +426,26 @@ def plan_command(model_file, target_batch, target_tokens, seq_len, seq_multiple,
         click.echo(plan_to_json(result), nl=False)
     else:
         click.echo(format_plan(result))
-        click.echo(f"\nplan written to {output}")
+        click.echo(f"\nplan written to {output}" + (f" (it replaced {replaced})" if replaced else ""))
+
+
+def _plan_replaced(output) -> str | None:
+    """What the plan file about to be written over held ("the plan for MODEL, target N"); None
+    where there is none. A file there that is no plan (another tool's plan.json) is refused: -o
+    defaults to plan.json, and that file is the user's."""
+    from ..errors import OutputError, PlanFileError
+    from ..planning.planfile import load_plan
+
+    path = Path(output)
+    if not path.exists():
+        return None
+    try:
+        previous = load_plan(path)
+    except PlanFileError as exc:
+        raise OutputError(f"-o {output}: the file there is not an autotune plan ({str(exc).splitlines()[0]}), "
+                          f"so it is left as it is; give another -o") from exc
+    return (f"the plan for {previous.workload.source}, target batch {previous.target_batch}, "
+            f"{previous.split_text} per rank")
 
 
 @cli.command()
