@@ -138,3 +138,10 @@ def test_a_changed_model_file_is_refused_naming_the_plan_and_the_whole_re_plan(p
     assert f"plan file {changed} was made for another version of the model" in result.output
     assert (f"re-plan with autotune plan {model} --target-batch 2048 --memory-limit 64MiB"
             in " ".join(result.output.split()))
+
+
+@pytest.mark.parametrize("steps", [0, -1, 1.5, True])
+def test_verify_plan_refuses_steps_that_measure_nothing(plan_file, steps):
+    # steps=0 measured nothing, so a plan that fits read as not fitting and was re-planned.
+    with pytest.raises(autotune.ConfigError, match="verify runs the plan's window for at least one real step"):
+        verify_plan(plan_file, steps=steps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import PlanError
+from ..errors import ConfigError, PlanError, given
 from ..memory import backend_for
 from ..memory.base import DeviceInfo
 from .planner import plan as make_plan
@@ -78,6 +78,10 @@ def verify_plan(plan, *, workload=None, device=None, memory_limit=None,
     ``PlanFileError``); a relative path is looked for beside the plan file, then from the current
     folder. ``replan=False`` only reports.
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        # Zero steps measured nothing, so the plan read as not fitting and was re-planned.
+        raise ConfigError(f"{given('steps', steps)}: verify runs the plan's window for at least one "
+                          f"real step; give steps >= 1 (default {DEFAULT_STEPS})")
     plan_path = None if isinstance(plan, Plan) else plan
     plan = load_plan(plan) if not isinstance(plan, Plan) else plan
     if workload is None:
