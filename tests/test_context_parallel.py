@@ -312,3 +312,18 @@ def test_the_rings_collectives_are_counted_and_timed_under_its_steps(one_thread)
     assert window.comm_s == pytest.approx(without.comm_s + ring_s)
     last = call_time(ring[-1], network, world_size=4)  # each backward ring's last: exposed whole
     assert window.exposed_comm_s >= without.exposed_comm_s + 2 * last - 1e-15
+
+
+@needs_cpu_ring
+def test_a_model_without_sequences_is_refused_naming_cp_not_its_file():
+    # An MLP's (batch, features) input: its features were split as a sequence, the first Linear
+    # failed, and the error said to fix the model file (--precision, --checkpointing, --sharding).
+    from autotune import plan
+    from autotune.errors import LayoutUnsupported
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    with pytest.raises(LayoutUnsupported, match=r"under context parallelism \(cp 2\) the step failed before any "
+                                                r"attention ran \(RuntimeError: .*plan without --cp") as raised:
+        plan(examples / "mlp.py", target_batch=64, memory_limit="64MiB", cp=2, world_size=2,
+             eval_batch=False)
+    assert raised.value.degree == "cp"

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import autotune
 from autotune import ConfigError, Layout
 from autotune.distributed.tensor_parallel import clip_grad_norm_, resolve_plan, with_sequence_parallel
 from autotune.probing.estimate import estimate_peaks
@@ -342,3 +343,15 @@ def test_plan_with_tp_under_auto_sharding_plans_fsdp_x_tp():
     assert planned.parallel == Layout(tp=2) and planned.sharding.sharded
     assert planned.effective_batch == 16 and sum(planned.micro_batches) == 8  # 2 data-parallel ranks
     assert "model-parallel layouts hold their data-parallel copies with FSDP2 (FSDP 2 × TP 2)" in planned.reasons["sharding"]
+
+
+def test_a_step_that_fails_under_tp_names_the_split_among_the_settings_to_drop():
+    # A derived plan that does not fit a 4-Linear Sequential: the error named --precision,
+    # --checkpointing and --sharding as the settings to plan without, not --tp.
+    from autotune.errors import StepError
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    with pytest.raises(StepError, match=r"\(fp32, checkpointing off, sharded with FSDP2, tp 2\).*plan without "
+                                        r"the setting \(--tp 2, --precision, --checkpointing, --sharding\)"):
+        autotune.plan(examples / "mlp.py", target_batch=64, memory_limit="64MiB", tp=2, world_size=2,
+                      sharding="fsdp", precision="fp32", checkpointing="off", eval_batch=False)

@@ -32,6 +32,7 @@ import sys
 import torch
 
 from ..errors import ConfigError, LayoutUnsupported, given
+from ..memory.oom import is_oom_error
 
 SEQ_DIM = 1
 """A batch tensor's sequence dimension: (batch, sequence, ...), as ``make_batch(n, seq_len)``."""
@@ -405,8 +406,20 @@ class ContextParallelLoss:
         local = shard_batch(batch, self.mesh, source=source)
         _RINGS.active = self.attention  # this step's attention rings over this session's mesh
         calls = self.attention.calls
-        with _no_packed_sequences() if causal_lm else contextlib.nullcontext():
-            loss, count = self.workload.loss(model, local)
+        try:
+            with _no_packed_sequences() if causal_lm else contextlib.nullcontext():
+                loss, count = self.workload.loss(model, local)
+        except Exception as exc:
+            if self.attention.calls != calls or is_oom_error(exc):
+                raise
+            # Failed before any attention: the split itself is the likeliest cause (an MLP's
+            # feature dimension taken for a sequence: "a and b must have same reduction dim").
+            raise LayoutUnsupported(
+                f"{source}: under context parallelism (cp {cp}) the step failed before any "
+                f"attention ran ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
+                f"context parallelism splits every batch tensor's second dimension as a sequence "
+                f"and rings the model's scaled_dot_product_attention, so it takes sequence models "
+                f"only: plan without --cp", degree="cp") from exc
         if self.attention.calls == calls:
             raise ConfigError(
                 f"{source}: the model's forward called no torch.nn.functional."

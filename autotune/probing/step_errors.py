@@ -39,16 +39,25 @@ def step_failed(session, exc: BaseException, micro_batch: int | None) -> StepErr
     if session.sharded:
         setting += ", sharded with " + ("fsdp-offload" if session.offload else "FSDP2")
     when = f"at micro-batch {micro_batch}" if micro_batch is not None else "while setting it up"
+    options = ["--precision", "--checkpointing", "--sharding"]
+    layout = getattr(session, "parallel", None)
+    if layout is not None and not layout.trivial:
+        # The model-parallel split is the likeliest cause in a step that runs without it (a
+        # derived tensor-parallel plan that does not match the model's layers, a "sequence" that
+        # is a feature dimension): name it first.
+        setting += ", " + layout.describe_degrees()
+        options = [f"--{name} {getattr(layout, name)}" for name in ("tp", "cp", "pp")
+                   if getattr(layout, name) > 1] + options
     if isinstance(exc, UserCodeError):
         what = str(exc)  # already names the function, the file and the error
     else:
         text = str(exc).strip()
-        what = f"{type(exc).__name__}{': ' + text.splitlines()[0] if text else ''}"
+        what = f"{type(exc).__name__}{': ' + text.splitlines()[0].rstrip('.') if text else ''}"
     return StepError(
         f"{source}: the training step failed {when} ({setting})"
         f"{failure_site(original(exc), source)}: {what}. This is not out-of-memory but an "
         f"error in the model's step at this setting: fix the model file, or plan without the "
-        f"setting (--precision, --checkpointing, --sharding). From Python, the original exception "
+        f"setting ({', '.join(options)}). From Python, the original exception "
         f"is this error's __cause__."
     )
 
