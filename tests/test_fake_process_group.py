@@ -28,7 +28,7 @@ def test_a_later_group_gets_no_cached_spec_on_an_earlier_groups_mesh():
     assert _sharded_op_in_a_fresh_group()
 
 
-def test_fake_groups_leave_the_processs_excepthook_as_they_found_it():
+def test_fake_groups_leave_the_processs_excepthook_as_they_found_it(monkeypatch):
     """torch's init_process_group wraps sys.excepthook ("[rank{r}]: " on every traceback line) and
     never unwraps it: a plan opens a fake group per trial, and a user's traceback after plan()
     printed "[rank0]: [rank0]: ... [rank4]: " before each line (the pipeline's fake rank 4 in a
@@ -36,6 +36,8 @@ def test_fake_groups_leave_the_processs_excepthook_as_they_found_it():
     import io
     import sys
 
+    # Python's own hook: a real group an earlier test initialised in this process wrapped it.
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     before = sys.excepthook
     for rank in (0, 3):
         with fake_process_group(4, rank=rank):

@@ -63,7 +63,7 @@ def test_no_module_imports_itself_back():
 # orchestration (plan(), verify_plan(): probe, tune, build) sits above the pure planning package.
 PACKAGE_ORDER = ("files", "memory", "workload", "distributed", "probing", "gpus", "timing",
                  "planning", "training", "report", "tuning", "orchestration", "integrations", "cli")
-BASICS = ("errors", "units", "version", "choices", "precision", "progress", "compiled")
+BASICS = ("errors", "units", "version", "choices", "precision", "progress", "compiled", "accumulation")
 """Flat modules at autotune/*.py: cross-cutting basics any package may import; they import only
 one another (and torch)."""
 

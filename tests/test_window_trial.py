@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 import autotune
 from autotune.memory import backend_for
@@ -65,8 +66,13 @@ def test_window_trial_exceeds_one_step_by_about_the_gradients():
     # The claim the cheap window rests on: a first micro-step at n (no gradients yet) never peaks
     # above the measured one (gradients alive), so running the first at 1 loses nothing.
     assert real_first.peak_bytes == window.peak_bytes
-    # The window's baseline is what its measured micro-step starts from: the gradients included.
-    assert window.baseline_bytes == single.baseline_bytes + session.gradient_bytes
+    # The window's baseline is what its measured micro-step starts from: the gradients included,
+    # and the window's loss totals, which the training loop holds through its window as well.
+    from autotune.accumulation import WindowTotals
+
+    totals = WindowTotals(torch.device("cpu"))
+    held = sum(t.nbytes for t in (totals.loss_sum, totals.items, totals.small_sq_norm))
+    assert window.baseline_bytes == single.baseline_bytes + session.gradient_bytes + held
 
 
 def test_an_uneven_split_is_planned_from_its_largest_micro_batch():
