@@ -97,3 +97,17 @@ def test_time_counts_one_rank_of_a_model_parallel_layout(degrees):
         text = CliRunner().invoke(cli, base + ["--tp", "2"])
         assert text.exit_code == 0, text.output
         assert "one rank of FSDP 1 × TP 2; no communication, no pipeline bubble" in text.output
+
+
+def test_a_precision_the_gpu_lacks_is_refused_by_estimate_as_by_plan(tmp_path):
+    # estimate --gpu t4 --precision bf16 printed a peak; plan refused the pair, after loading the
+    # model (17 s for GPT-2): now both refuse, plan before it reads the model file.
+    import autotune
+
+    tiny = ROOT / "examples" / "tiny_lm.py"
+    for command in (["estimate", tiny, "--micro-batch", 4], ["plan", tiny, "--target-batch", 8, "-o", tmp_path / "p.json"]):
+        result = CliRunner().invoke(cli, [str(a) for a in command] + ["--gpu", "t4", "--precision", "bf16"])
+        assert result.exit_code == 2, result.output
+        assert "--precision bf16: the NVIDIA T4 (--gpu t4) does not support bf16" in result.output
+    with pytest.raises(autotune.ConfigError, match="does not support bf16"):
+        autotune.plan(tmp_path / "no_such_model.py", target_batch=8, gpu="t4", precision="bf16")

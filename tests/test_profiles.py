@@ -67,7 +67,7 @@ def test_load_user_profile_by_path(tmp_path):
     profile = load_profile(write(tmp_path, GOOD))
     assert isinstance(profile, GPUProfile)
     assert profile.id == "my-gpu" and profile.name == "Test GPU"
-    assert profile.budget_bytes == 8 * 2**30 - 2**30
+    assert profile.budget_bytes == 8 * 2**30 - 2**29  # less the context alone, as a plan's
     assert load_profile(str(tmp_path / "my-gpu.toml")) == profile
 
 
@@ -130,7 +130,7 @@ def test_cli_lists_every_profile():
 def test_cli_checks_a_user_file(tmp_path):
     result = CliRunner().invoke(cli, ["profiles", str(write(tmp_path, GOOD)), "--json"])
     assert result.exit_code == 0, result.output
-    assert '"name": "Test GPU"' in result.output and '"budget_bytes": 7516192768' in result.output
+    assert '"name": "Test GPU"' in result.output and '"budget_bytes": 8053063680' in result.output
     bad = CliRunner().invoke(cli, ["profiles", str(write(tmp_path, "name = 1\n", "bad.toml"))])
     assert bad.exit_code == 2 and "bad.toml" in bad.output
 
@@ -161,3 +161,12 @@ def test_built_wheel_ships_the_profiles(tmp_path):
     assert "autotune/profiles/README.md" in names
     assert "autotune/gpus/catalog.py" in names
     assert "autotune/planning/schemas/plan.schema.json" in names
+
+
+def test_the_profiles_budget_is_the_one_a_one_rank_plan_uses():
+    # The table took the allocator reserve off too (t4: 13.75 GiB), which plans no longer do (14.75).
+    from autotune.gpus.target import profile_target
+
+    for name in ("t4", "h100-80gb", "a100-40gb"):
+        profile = load_profile(name)
+        assert profile_target(name, world_size=1).backend.info().budget_bytes == profile.budget_bytes

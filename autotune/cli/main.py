@@ -654,6 +654,10 @@ def estimate(model_file, micro_batches, precision, checkpointing, sharding, worl
         warnings.warn(f"--cuda is deprecated; use --gpu NAME (a GPU profile such as h100-80gb, see "
                       f"autotune profiles), which also counts the CUDA context and NCCL buffers",
                       AutotuneWarning)
+    if gpu is not None:
+        from ..gpus.catalog import load_profile
+
+        load_profile(gpu).require(precision.lower())  # as plan refuses it
     if step_time:
         from ..timing.predict import predict_step_time
         from .format import format_step_times
@@ -743,8 +747,10 @@ def profiles(profile, as_json):
                    f"{p.peak_tflops_fp32:>9g} {p.peak_tflops_bf16:>9g} {p.peak_tflops_fp16:>9g} "
                    f"{p.memory_bandwidth_gb_per_s:>6g}  {p.name}")
     if not profile:
-        click.echo("\nbudget = memory - CUDA context - allocator reserve; TF/s are dense peaks. "
-                   "Pass a profile name or your own .toml path to check one.")
+        click.echo("\nbudget = memory - CUDA context, what a one-rank --gpu plan uses (more ranks "
+                   "also leave NCCL's buffers outside; the caching allocator is modelled, so no "
+                   "reserve comes off); TF/s are dense peaks. Pass a profile name or your own .toml "
+                   "path to check one.")
 
 
 @cli.command()

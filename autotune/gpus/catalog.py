@@ -57,8 +57,18 @@ class GPUProfile:
 
     @property
     def budget_bytes(self) -> int:
-        """What a training step may use: memory less the context and the allocator reserve."""
-        return self.memory_bytes - self.cuda_context_bytes - self.allocator_reserve_bytes
+        """What one rank's training step may use, as a ``--gpu`` plan for one rank counts it
+        (``gpus.target``): memory less the CUDA context. The caching allocator is modelled, so the
+        allocator reserve is not taken off; several ranks also leave NCCL's buffers outside."""
+        return self.memory_bytes - self.cuda_context_bytes
+
+    def require(self, precision: str) -> None:
+        """Refuse a precision this GPU does not support ("auto" is always taken)."""
+        if precision == "auto" or self.supports(precision):
+            return
+        usable = ", ".join(x.value for x in Precision if self.supports(x))
+        raise ConfigError(f"--precision {precision}: the {self.name} (--gpu {self.id}) does not "
+                          f"support {precision}; use auto or one of {usable}")
 
     def supports(self, precision) -> bool:
         precision = Precision.parse(precision)
@@ -198,7 +208,7 @@ def _check_consistency(profile: GPUProfile, where: str) -> None:
         if not supported and tflops != 0:
             raise ConfigError(f"GPU profile {where}: {precision} = false, so peak_tflops_{precision} "
                               f"must be 0 (got {tflops})")
-    if profile.budget_bytes <= 0:
+    if profile.cuda_context_bytes + profile.allocator_reserve_bytes >= profile.memory_bytes:
         raise ConfigError(
             f"GPU profile {where}: cuda_context_bytes + allocator_reserve_bytes "
             f"({profile.cuda_context_bytes + profile.allocator_reserve_bytes}) must be less than "

@@ -36,10 +36,7 @@ class ProfileTarget:
         precision the GPU does not support."""
         p = self.profile
         if requested != "auto":
-            if not p.supports(requested):
-                usable = ", ".join(x.value for x in Precision if p.supports(x))
-                raise ConfigError(f"--precision {requested}: the {p.name} (--gpu {p.id}) does not "
-                                  f"support {requested}; use auto or one of {usable}")
+            p.require(requested)
             return Precision.parse(requested), f"{requested} as requested"
         if p.bf16:
             return Precision.BF16, f"auto: the {p.name} profile supports bf16 (no loss scaling needed)"

@@ -40,6 +40,7 @@ from ..workload.model_shape import ModelShape, model_shape
 from .layout_search import search_layout
 from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..precision import Precision, scaler_settings, supports_bf16
+from ..gpus.catalog import load_profile
 from ..gpus.target import profile_target
 from ..probing.api import probe, window_trial
 from ..probing.share import window_steps
@@ -165,6 +166,9 @@ def plan(
     """
     # "auto" degrees: the layout search plans each candidate (orchestration.layout_search).
     degrees = dict(tp=tp, cp=cp, pp=pp, pp_schedule=pp_schedule, stages_per_rank=stages_per_rank)
+    if gpu is not None and isinstance(precision, str):
+        # Before the model is loaded (GPT-2 took 17 s to be told the T4 has no bf16).
+        load_profile(gpu).require(precision.lower())
     searching = any(is_auto(v) for v in (tp, cp, pp))
     parallel = Layout() if searching else parse_layout(**degrees)
     workload = with_compile(load_workload(workload), compile)
