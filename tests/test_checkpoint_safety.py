@@ -464,3 +464,25 @@ def test_a_torchrun_run_holds_its_folder_against_a_second_run(tmp_path):
     assert again.returncode == 1 and "is in use" not in again.stderr  # the plan's 2 ranks, not the lock
     assert "the plan is for world size 2 but this run has 1 process (not started by torchrun or srun)" \
         in again.stderr
+
+
+def test_overwrite_leaves_a_checkpoint_pt_that_autotune_did_not_write(tmp_path):
+    # --overwrite replaced the user's own file of that name (a sharded run's files were refused).
+    from autotune.errors import OutputError
+
+    mine = tmp_path / "checkpoint.pt"
+    mine.write_text("my precious")
+    plan = make_plan([4], lr=0.1)
+    with pytest.raises(OutputError, match="is not an autotune checkpoint .* it is left as it is"):
+        train(plan, mlp_workload(16), steps=1, checkpoint_dir=tmp_path, overwrite=True, progress=False)
+    assert mine.read_text() == "my precious"
+    other = tmp_path / "other"
+    other.mkdir()
+    torch.save({"weights": torch.zeros(2)}, other / "checkpoint.pt")  # a torch file, not ours
+    with pytest.raises(OutputError, match="is not an autotune checkpoint"):
+        train(plan, mlp_workload(16), steps=1, checkpoint_dir=other, overwrite=True, progress=False)
+    # autotune's own checkpoint is started over, as before.
+    train(plan, mlp_workload(16), steps=1, checkpoint_dir=tmp_path / "ours", progress=False)
+    again = train(plan, mlp_workload(16), steps=2, checkpoint_dir=tmp_path / "ours", overwrite=True,
+                  progress=False)
+    assert again.steps == 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
+
 from ..distributed.environment import Launch, launch_environment
 from ..errors import ConfigError, OutputError, PlanFileError, WorkloadError, given, option, flag
 from ..files.outputs import check_outputs as check_all_outputs
@@ -150,3 +152,24 @@ def check_outputs(*, checkpoint_dir, resume: bool, overwrite: bool, metrics_path
         raise OutputError(
             f"{option('checkpoint_dir')} {checkpoint_dir} already holds a checkpoint ({found}); continue it "
             f"with {flag('resume')}, start over with {flag('overwrite')}, or choose another folder")
+    if found == path and overwrite and not resume and not _is_autotune_checkpoint(path):
+        # --overwrite starts autotune's checkpoint over; a file of that name that is not one is
+        # the user's (a sharded run's files carry a marker and are refused alike).
+        raise OutputError(
+            f"{flag('overwrite')}: {path} is not an autotune checkpoint (no training state in it), "
+            f"so it is left as it is; move it, or choose another {option('checkpoint_dir')}")
+
+
+def _is_autotune_checkpoint(path) -> bool:
+    """Whether ``path`` holds a checkpoint autotune wrote: a torch archive (read with
+    ``weights_only``, memory-mapped: nothing executed, nothing copied) of a dict with a step."""
+    import pickle
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        return False
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError):
+        return False
+    return isinstance(state, dict) and "step" in state and "model" in state
