@@ -65,6 +65,15 @@ def test_builtin_validator_agrees_with_jsonschema_on_a_broken_plan(saved):
     assert not jsonschema.Draft202012Validator(plan_schema()).is_valid(data)
 
 
+def test_a_negative_byte_count_is_refused(saved):
+    # predicted_peak_bytes -5 loaded, and show printed "peak: -5 B".
+    data = json.loads(saved.read_text())
+    data["predicted_peak_bytes"] = -5
+    saved.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match="field predicted_peak_bytes must be at least 0, got -5"):
+        load_plan(saved)
+
+
 def test_corrupt_file(saved):
     saved.write_text('{"schema_version": 1, "target_')
     with pytest.raises(PlanFileError) as info:
