@@ -232,3 +232,12 @@ def test_max_seq_len_says_when_the_state_alone_does_not_fit():
     workload = autotune.Workload(model=build_llama, make_batch=make_batch)
     with pytest.raises(autotune.ProbeError, match="optimizer state alone pass the 300.00 KiB budget"):
         autotune.probe_seq_len(workload, memory_limit="300KiB", device="cpu", use_estimate=False)
+
+
+def test_a_seq_multiple_past_the_models_positions_is_named_as_the_cause():
+    # No length was tried, and the error blamed the parameters and optimizer state ("pass the
+    # 8.00 MiB budget, whatever the length") for a model of 0.4 MiB.
+    model = Path(__file__).resolve().parent.parent / "examples" / "real" / "llama_packed.py"
+    with pytest.raises(autotune.ConfigError, match=r"seq_multiple=5000 is past the model's "
+                                                   r"max_position_embeddings \(4096\).*at most 4096"):
+        autotune.probe_seq_len(model, seq_multiple=5000, device="cpu", memory_limit="8MiB")

@@ -139,6 +139,14 @@ def probe_seq_len(workload, *, micro_batch: int = 1, seq_multiple: int = 1,
     upper = limit // seq_multiple if limit is not None else None
     if limit_name is not None:
         notes.append(f"the search stops at the model's {limit_name} ({limit})")
+    if best == 0 and upper == 0:
+        # No length was tried: the first multiple is past the longest the model takes.
+        raise ConfigError(
+            f"{given('seq_multiple', seq_multiple)} is past "
+            + (f"the model's {limit_name} ({limit})" if limit_name is not None else
+               f"{given('max_seq_len', limit)}")
+            + f": no multiple of it is a length the model takes; use a {option('seq_multiple')} "
+              f"of at most {limit}")
     if best == 0:
         first = trials[0] if trials else None
         raise ProbeError(
