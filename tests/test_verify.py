@@ -81,6 +81,11 @@ def test_cli_exit_0_when_confirmed(plan_file):
     result = run("verify", plan_file, "--device", "cpu", "--memory-limit", "64MiB", "--steps", 1)
     assert result.exit_code == 0, result.output
     assert "confirmed" in result.output and "off by" in result.output
+    # Without --memory-limit the device offers half the RAM, and the check runs within the
+    # plan's 64 MiB: the device line said "budget 10.67 GiB" and nothing of the plan's.
+    result = run("verify", plan_file, "--device", "cpu", "--steps", 1)
+    assert result.exit_code == 0, result.output
+    assert "(checked within the plan's budget of 64.00 MiB; this device's is " in result.output
 
 
 @pytest.mark.slow  # 15-30 s: the fast suite is at its 10 minutes

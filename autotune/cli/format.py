@@ -295,7 +295,12 @@ def _split_text(plan) -> str:
 def format_verify(result) -> str:
     """The report of ``autotune verify`` (a ``VerifyResult``)."""
     plan, info = result.plan, result.device
-    lines = [f"device:     {info.name} (budget {format_bytes(info.budget_bytes)}, {info.budget_source})",
+    # The check runs within the plan's budget where the device has more (verify_plan: the smaller).
+    budget = (f"budget {format_bytes(info.budget_bytes)}, {info.budget_source}"
+              if result.budget_bytes >= info.budget_bytes else
+              f"checked within the plan's budget of {format_bytes(result.budget_bytes)}; this device's "
+              f"is {format_bytes(info.budget_bytes)}, {info.budget_source}")
+    lines = [f"device:     {info.name} ({budget})",
              f"checked:    micro-batch {plan.micro_batch}, "
              f"{setting_label(plan.precision, plan.checkpointing_label)}, {result.steps} real steps",
              f"limit:      {format_bytes(result.usable_bytes)} = {format_bytes(result.budget_bytes)} "
