@@ -1,6 +1,7 @@
 """Planning for a GPU profile without the device (--gpu): budget, precision, estimate, errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -109,3 +110,16 @@ def test_a_profile_that_nccl_leaves_nothing_of_is_refused_naming_the_sizes(monke
     with pytest.raises(ConfigError, match=r"--gpu t4: .*16(\.00)? GiB less .*NCCL buffers \(for 2 ranks\) "
                                           r"leaves nothing for training.*NCCL_BUFFSIZE"):
         autotune.plan(EXAMPLES / "mlp.py", target_batch=64, world_size=2, gpu="t4")
+
+
+def test_gpu_with_a_memory_limit_is_refused_naming_the_limit_as_typed():
+    # The CLI passes the limit on in bytes: the error read "--memory-limit 67108864".
+    from click.testing import CliRunner
+
+    from autotune.cli.main import cli
+
+    mlp = Path(__file__).resolve().parent.parent / "examples" / "mlp.py"
+    result = CliRunner().invoke(cli, ["plan", str(mlp), "--target-batch", "64", "--memory-limit", "64MiB",
+                                      "--gpu", "h100-80gb"])
+    assert result.exit_code == 2, result.output
+    assert "--memory-limit 64MiB and --gpu h100-80gb both name the device to plan for" in result.output

@@ -61,6 +61,9 @@ def profile_target(gpu, *, device=None, memory_limit=None, world_size: int | Non
     (more than one: NCCL's buffers are kept out of the budget)."""
     for option, value in (("--device", device), ("--memory-limit", memory_limit)):
         if value is not None:
+            if option == "--memory-limit" and isinstance(value, int) and not isinstance(value, bool):
+                # The CLI hands the limit on in bytes: say it as it was likely typed.
+                value = f"{value // 2**20}MiB" if value % 2**20 == 0 else f"{value}B"
             raise ConfigError(f"{option} {value} and --gpu {gpu} both name the device to plan for; "
                               f"drop {option} (--gpu plans for the profile, without the device)")
     profile = load_profile(gpu)
