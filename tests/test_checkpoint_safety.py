@@ -388,8 +388,11 @@ def test_resume_at_or_past_the_steps_asked_for_says_there_is_nothing_to_train(tm
                "--save", tmp_path / "final.pt", "--metrics", tmp_path / "m.jsonl")
     assert out.exit_code == 0, out.output
     assert "nan" not in out.output
-    assert (f"nothing to train: the checkpoint is at step 2, which --steps {steps} already reach; give "
-            f"more to train on; its model saved to") in out.output
+    # Said once (the loop, on stderr) with the fix, and the summary line says what was done.
+    assert out.output.count("nothing to train") == 1, out.output
+    assert (f"nothing to train: the checkpoint in {folder} is at step 2 and this run asks for {steps} "
+            f"steps in all; give --steps (or --epochs) beyond 2 to train on") in out.output
+    assert "trained 0 optimizer steps (the checkpoint is at step 2); its model saved to" in out.output
     assert (folder / "checkpoint.pt").stat().st_mtime_ns == written  # not rewritten
     saved = torch.load(tmp_path / "final.pt", weights_only=True)
     checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)

@@ -369,7 +369,7 @@ def test_the_sbatch_script_trains_on_two_nodes_and_a_resubmission_resumes(tmp_pa
         '"gpu[07-$(printf %02d $((6 + nodes)))]"', "localhost,localhost")
     (tmp_path / "bin" / "sbatch").write_text(_STUB.format(name="sbatch", body=sbatch))
     env["OMP_NUM_THREADS"] = "1"
-    for run, expected in ((1, "trained 3 optimizer steps"), (2, "nothing to train: the checkpoint is at step 3")):
+    for run, expected in ((1, "trained 3 optimizer steps"), (2, "trained 0 optimizer steps (the checkpoint is at step 3)")):
         done = subprocess.run(["sbatch", str(script)], env=env, capture_output=True, text=True, timeout=100)
         output = "\n".join(p.read_text() for p in sorted(log.glob("node*.out")))
         assert done.returncode == 0, output[-6000:]

@@ -593,10 +593,8 @@ def train_command(model_file, plan_file, steps, epochs, checkpoint_dir, checkpoi
         click.echo(f"trained {result.steps} optimizer steps (skipped {result.skipped_steps}, "
                    f"out-of-memory recoveries {result.oom_recoveries}){last}"
                    + (f"; model saved to {save_path}" if save_path else ""))
-    else:  # resumed at or past the steps asked for
-        click.echo(f"nothing to train: the checkpoint is at step {result.steps}, which "
-                   f"{'--steps ' + str(steps) if steps is not None else 'the epochs asked for'} "
-                   f"already reach; give more to train on"
+    else:  # resumed at or past the steps asked for: the loop said why on stderr
+        click.echo(f"trained 0 optimizer steps (the checkpoint is at step {result.steps})"
                    + (f"; its model saved to {save_path}" if save_path else ""))
     if result.interrupted:
         click.echo(f"interrupted at step {result.steps}; continue with --resume", err=True)
