@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+from ..accumulation import WindowTotals, summed_loss
 from ..errors import ConfigError, given, option
 from ..workload.contract import move_batch
 
@@ -56,11 +57,14 @@ class PipelineSessionMixin:
         sizes = self.window_micro_batches(max(sizes), len(sizes))
         self._window_base = self.backend.current_bytes()  # before the window: the search's rays start here
         batches = [move_batch(self.workload.batch(n), self.device) for n in sizes]
+        totals = WindowTotals(self.device)  # the loop's, alive through its window
 
         def weigh(loss, count, index):
-            if count is not None:
-                loss = loss / count
-            return self.scaler.scale(loss)
+            # As the loop weighs each micro-batch (its summed loss into the window's totals, then
+            # scaled): the values do not matter here, the tensors it keeps do.
+            loss_sum, items = summed_loss(loss, count, 1)
+            totals.add(loss_sum, items, counted=count is not None)
+            return self.scaler.scale(loss_sum * 1.0)
 
         first_peak = 0
         if self.model.prepare(batches):
@@ -78,7 +82,7 @@ class PipelineSessionMixin:
             activation_peak = max(first_peak, self.backend.peak_bytes())
             self.backend.reset_peak()
             step_peak = self._optimizer_phase()  # the window's batches are still alive, as in training
-        del batches
+        del batches, totals
         return activation_peak, step_peak
 
 
