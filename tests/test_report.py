@@ -1,6 +1,7 @@
 """Plots (memory, throughput, metrics), the HTML report and the notebook views of results."""
 
 import builtins
+import json
 import shutil
 import subprocess
 import sys
@@ -109,6 +110,12 @@ def test_cli_show_plots_plans_and_metrics(plan, metrics_files, tmp_path):
     assert "loss-1" in svg_ids(tmp_path / "l.svg")
     table = runner.invoke(cli, ["show", *map(str, metrics_files)])
     assert table.exit_code == 0 and "big.jsonl" in table.stdout and "last loss" in table.stdout
+    # --json on metrics files printed the table too.
+    shown_json = runner.invoke(cli, ["show", *map(str, metrics_files), "--json"])
+    assert shown_json.exit_code == 0, shown_json.output
+    records = json.loads(shown_json.stdout)
+    assert list(records) == list(map(str, metrics_files))
+    assert [r["step"] for r in records[str(metrics_files[0])]] == [1, 2, 3, 4]
     two_plans = runner.invoke(cli, ["show", str(tmp_path / "plan.json"), str(tmp_path / "plan.json")])
     assert two_plans.exit_code == 2 and "one plan file" in two_plans.output
     bad = runner.invoke(cli, ["show", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "m.gif")])

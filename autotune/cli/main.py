@@ -469,6 +469,8 @@ def show(files, as_json, plot_path):
         if plot_path is not None:
             plot_metrics(files, plot_path)
             click.echo(f"plot written to {plot_path}", err=True)
+        elif as_json:  # the records as read, checked, by file (it printed the table)
+            click.echo(json.dumps({f: load_metrics(f) for f in files}, indent=2))
         else:
             click.echo(format_metrics({f: load_metrics(f) for f in files}))
         return
