@@ -38,6 +38,11 @@ def parse_bytes(value, *, option=None) -> int:
     return result
 
 
+def option_bytes(n: int) -> str:
+    """``n`` bytes as an option would be typed (``parse_bytes`` reads it back): "64MiB", "123B"."""
+    return f"{n // 2**20}MiB" if n % 2**20 == 0 else f"{n}B"
+
+
 def format_bytes(n: int | float | None) -> str:
     """Human-readable IEC size, e.g. 1536 -> '1.50 KiB'."""
     if n is None:

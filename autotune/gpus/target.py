@@ -23,7 +23,7 @@ from ..probing.estimate import estimate_peak
 from ..precision import Precision
 from .catalog import GPUProfile, load_profile
 from .fixed_costs import nccl_buffer_bytes, outside_torch_bytes
-from ..units import format_bytes
+from ..units import format_bytes, option_bytes
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def profile_target(gpu, *, device=None, memory_limit=None, world_size: int | Non
         if value is not None:
             if option == "--memory-limit" and isinstance(value, int) and not isinstance(value, bool):
                 # The CLI hands the limit on in bytes: say it as it was likely typed.
-                value = f"{value // 2**20}MiB" if value % 2**20 == 0 else f"{value}B"
+                value = option_bytes(value)
             raise ConfigError(f"{option} {value} and --gpu {gpu} both name the device to plan for; "
                               f"drop {option} (--gpu plans for the profile, without the device)")
     profile = load_profile(gpu)

@@ -23,6 +23,7 @@ from ..memory.base import DeviceInfo
 from ..files.outputs import check_outputs
 from .types import READABLE_SCHEMA_VERSIONS, Plan
 from ..compiled import with_compile
+from ..units import option_bytes
 from ..workload.contract import Workload, load_workload
 
 
@@ -235,8 +236,7 @@ def replan_command(plan: Plan, model_source: str) -> str:
     if device is not None and device.budget_source.startswith("GPU profile "):
         words += ["--gpu", device.budget_source.removeprefix("GPU profile ").split(":", 1)[0]]
     elif device is not None and device.budget_source.startswith("--memory-limit"):
-        limit = device.budget_bytes
-        words += ["--memory-limit", f"{limit // 2**20}MiB" if limit % 2**20 == 0 else f"{limit}B"]
+        words += ["--memory-limit", option_bytes(device.budget_bytes)]
     if plan.headroom != 0.1:
         words += ["--headroom", f"{plan.headroom:g}"]
     return " ".join(words)
