@@ -21,6 +21,7 @@ from autotune.workload.contract import load_workload
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 TINY_LM = ROOT / "examples" / "tiny_lm.py"
+MLP = ROOT / "examples" / "mlp.py"
 LLAMA = ROOT / "examples" / "real" / "llama.py"
 SP_DECODER = TESTS / "sp_decoder_model.py"
 SP_DECODER_LP = TESTS / "sp_decoder_lp_model.py"
@@ -38,6 +39,14 @@ def test_derived_plan_shards_the_examples_mlp_pairs_and_leaves_packed_attention_
     assert plan.source == "derived"
     assert plan.styles == {f"blocks.{i}.mlp.{j}": style for i in range(4)
                            for j, style in ((0, "colwise"), (2, "rowwise"))}
+
+
+def test_a_deeper_sequential_mlp_is_split_in_pairs_that_do_not_overlap():
+    # examples/mlp.py: Linear, ReLU, Linear, ReLU, Linear, ReLU, Linear. Overlapping triples made
+    # the middle Linears rowwise twice over (col, row, row, row), whose step failed on a shape.
+    model, names = _model_and_names(MLP)
+    plan = resolve_plan(model, names, 2, source="mlp")
+    assert plan.styles == {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}
 
 
 def test_hugging_face_plan_is_the_architectures_own():
@@ -267,16 +276,17 @@ def test_estimate_matches_a_real_gloo_tensor_parallel_run(world, tmp_path, monke
 @pytest.mark.slow
 def test_tensor_parallel_training_ends_where_one_process_ends(tmp_path):
     """The same windows on 1 process, TP 2 (2 ranks) and FSDP 2 x TP 2 (4 ranks), fp32; with loss
-    parallel too (the models' own cross-entropy on logits split by vocabulary)."""
+    parallel too (the models' own cross-entropy on logits split by vocabulary), and the derived
+    plan of examples/mlp.py (two colwise-rowwise pairs in one Sequential)."""
     pytest.importorskip("transformers")
     script = TESTS / "tp_train_script.py"
     runs = {}
     for world, tp in ((1, 1), (2, 2), (4, 2)):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        _torchrun(world, script, out, "equal", tp, *MODELS, *LOSS_PARALLEL_MODELS)
+        _torchrun(world, script, out, "equal", tp, *MODELS, *LOSS_PARALLEL_MODELS, MLP)
         runs[world] = out
-    for path in MODELS + LOSS_PARALLEL_MODELS:
+    for path in MODELS + LOSS_PARALLEL_MODELS + [MLP]:
         single = torch.load(runs[1] / f"{path.stem}.pt", weights_only=True)["model"]
         reference = json.loads((runs[1] / f"{path.stem}.json").read_text())
         whole = torch.cat([t.flatten() for t in single.values()])
@@ -345,13 +355,14 @@ def test_plan_with_tp_under_auto_sharding_plans_fsdp_x_tp():
     assert "model-parallel layouts hold their data-parallel copies with FSDP2 (FSDP 2 × TP 2)" in planned.reasons["sharding"]
 
 
-def test_a_step_that_fails_under_tp_names_the_split_among_the_settings_to_drop():
-    # A derived plan that does not fit a 4-Linear Sequential: the error named --precision,
-    # --checkpointing and --sharding as the settings to plan without, not --tp.
+def test_a_step_that_fails_under_tp_names_the_split_among_the_settings_to_drop(tmp_path):
+    # A TP_PLAN whose second colwise Linear takes the first one's split output: the error named
+    # --precision, --checkpointing and --sharding as the settings to plan without, not --tp.
     from autotune.errors import StepError
 
-    examples = Path(__file__).resolve().parent.parent / "examples"
+    model_file = tmp_path / "mlp_bad_plan.py"
+    model_file.write_text(MLP.read_text() + '\nTP_PLAN = {"0": "colwise", "2": "colwise"}\n')
     with pytest.raises(StepError, match=r"\(fp32, checkpointing off, sharded with FSDP2, tp 2\).*plan without "
                                         r"the setting \(--tp 2, --precision, --checkpointing, --sharding\)"):
-        autotune.plan(examples / "mlp.py", target_batch=64, memory_limit="64MiB", tp=2, world_size=2,
+        autotune.plan(model_file, target_batch=64, memory_limit="64MiB", tp=2, world_size=2,
                       sharding="fsdp", precision="fp32", checkpointing="off", eval_batch=False)

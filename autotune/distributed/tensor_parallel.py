@@ -168,13 +168,21 @@ def _derive(model: nn.Module) -> dict:
             styles[name] = "rowwise"
     for name, module in model.named_modules():
         if isinstance(module, nn.Sequential):
+            prefix = f"{name}." if name else ""
             children = list(module.named_children())
-            for (first, a), (_, act), (second, b) in zip(children, children[1:], children[2:]):
+            # Pairs do not overlap: a row-wise Linear's output is whole again, so a Linear after
+            # it starts the next pair (a deeper MLP is colwise, rowwise, colwise, rowwise, ...).
+            i = 0
+            while i + 2 < len(children):
+                (first, a), (_, act), (second, b) = children[i:i + 3]
                 if (isinstance(a, nn.Linear) and isinstance(b, nn.Linear) and not _has_params(act)
-                        and a.out_features == b.in_features):
-                    prefix = f"{name}." if name else ""
-                    styles.setdefault(prefix + first, "colwise")
-                    styles.setdefault(prefix + second, "rowwise")
+                        and a.out_features == b.in_features
+                        and prefix + first not in styles and prefix + second not in styles):
+                    styles[prefix + first] = "colwise"
+                    styles[prefix + second] = "rowwise"
+                    i += 3
+                else:
+                    i += 1
     _check_pairs(model, styles)
     return styles
 
