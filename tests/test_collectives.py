@@ -39,6 +39,28 @@ def test_settle_runs_one_collective_per_worker_thread(gloo_group, monkeypatch):
     assert len(seen) == collectives._worker_threads() == 2  # gloo's default
 
 
+def test_settle_waits_until_every_worker_thread_sleeps(gloo_group, monkeypatch):
+    # A worker the others beat to settle's collectives may still hold a tensor of an earlier one,
+    # runnable but not yet scheduled: CI saw a rank of a 4-rank FSDP run abort at exit so. Settle
+    # returns after two polls in a row that find every worker asleep.
+    states = iter([["R", "S"], ["S", "S"], ["S", "D"], ["S", "S"], ["S", "S"], ["R", "R"]])
+    polls = []
+    monkeypatch.setattr(collectives, "_worker_states", lambda: polls.append(1) or next(states))
+    collectives.settle()
+    assert len(polls) == 5
+
+
+def test_the_worker_threads_are_found_by_name():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        collectives.all_reduce(torch.zeros(1))
+        assert len(collectives._worker_states()) == collectives._worker_threads()
+        collectives.settle()
+        assert collectives._worker_states() == ["S"] * collectives._worker_threads()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_settle_without_a_process_group_does_nothing():
     assert not dist.is_initialized()
     collectives.settle()

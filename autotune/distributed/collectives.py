@@ -12,6 +12,7 @@ tensor handed to a collective here stays alive in Python until the worker has le
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -46,9 +47,49 @@ def settle() -> None:
     if not (dist.is_available() and dist.is_initialized()) or "gloo" not in dist.get_backend():
         return
     # Each worker lets go of its last work before it takes the next: one small collective per
-    # worker thread, each waited for until released, leaves none of them holding an older one.
+    # worker thread, each waited for until released, leaves none of them holding an older one,
+    # unless a worker never took one of them: the others can take them all while it waits to be
+    # scheduled (a loaded machine) between finishing its work and letting go of it.
     for _ in range(_worker_threads()):
         all_reduce(torch.zeros(1, device=collective_device()))
+    _wait_workers_asleep()
+
+
+def _wait_workers_asleep() -> None:
+    """Until every gloo worker thread of this process sleeps (Linux: its state in /proc), twice
+    in a row: an idle worker waits for work, and one still to let go of a tensor is runnable (or
+    wakes for the GIL, which this thread leaves free while it sleeps here)."""
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        states = _worker_states()
+        if states is None:
+            return  # not Linux, or /proc unreadable: the collectives above are all there is
+        quiet = quiet + 1 if all(state in _ASLEEP for state in states) else 0
+        time.sleep(_POLL_S)
+
+
+_WORKER_NAME = "pt_gloo_runloop"
+_ASLEEP = ("S",)  # waiting in the kernel (a condition variable); R: running or about to
+
+
+def _worker_states() -> list[str] | None:
+    """The scheduler state letter of each of this process's gloo worker threads."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    states = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat", "rb") as handle:
+                stat = handle.read()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        name, _, rest = stat.partition(b"(")[2].rpartition(b")")
+        if name == _WORKER_NAME.encode():
+            states.append(rest.split()[0].decode())
+    return states
 
 
 def _wait_released(tensor: torch.Tensor) -> None:
