@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -271,6 +272,29 @@ def test_the_lock_is_held_while_training(tmp_path):
           progress=False)
     assert seen and seen[0]["pid"] == os.getpid() and seen[0]["host"] == socket.gethostname().replace(".", "_")
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+def test_a_checkpoint_written_by_a_run_started_beside_this_one_is_refused_under_the_lock(tmp_path, sharded):
+    # Two runs started together: both found the folder empty, the other one trained, wrote its
+    # checkpoint and let go of the lock while this one built its dataset; this one then took the
+    # lock and started over on top of that checkpoint, without --overwrite.
+    plan = _sharded() if sharded else make_plan([4], lr=0.1)
+    folder, other = tmp_path / "shared", tmp_path / "other"
+    train(plan, mlp_workload(16), steps=1, checkpoint_dir=other, progress=False)
+    workload = mlp_workload(16)
+    build_dataset = workload.build_dataset
+
+    def other_run_ends_meanwhile():
+        shutil.copytree(other, folder, dirs_exist_ok=True)
+        return build_dataset()
+
+    workload.build_dataset = other_run_ends_meanwhile
+    before = {p.relative_to(other): p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    with pytest.raises(OutputError, match=f"checkpoint_dir {folder} already holds a checkpoint"):
+        train(plan, workload, steps=2, checkpoint_dir=folder, progress=False)
+    assert {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    assert not (folder / LOCK_NAME).exists()
 
 
 # -- 5. torchrun's restart continues what its run wrote ------------------------------------------

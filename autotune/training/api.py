@@ -128,9 +128,9 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
         overwrite = overwrite and not resume
     elif overwrite:
         oom_record = None
-    checks.check_outputs(checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
-                         metrics_path=metrics_path, save_path=save_path,
-                         inputs=_inputs(plan, plan_source, workload))
+    outputs = dict(checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite,
+                   metrics_path=metrics_path, save_path=save_path, inputs=_inputs(plan, plan_source, workload))
+    checks.check_outputs(**outputs)
     precision = Precision.parse(plan.precision, option="plan precision")
     scaler = scaler_settings(grad_scaler, plan.grad_scaler)
     dataset = workload.build_dataset() if workload.build_dataset is not None else None
@@ -147,6 +147,10 @@ def train(plan, workload, *, steps: int | None = None, epochs: int | None = None
     lock = checkpoint_lock.acquire(checkpoint_dir, restarts) if checkpoint_dir is not None and main_process else None
     ctx = None
     try:
+        if lock is not None:
+            # Checked again under the lock: a run started beside this one may have written its
+            # checkpoint here (and let go of the lock) since the check above.
+            checks.check_outputs(**outputs)
         if overwrite and not restarted:
             restart.remove_record(checkpoint_dir)
         ctx = distributed.setup(device, sharded=sharding.sharded)
