@@ -281,6 +281,32 @@ def test_real_measurement_and_a_real_out_of_memory():
     assert big.out_of_memory and big.samples_per_s is None
 
 
+def test_a_measured_window_counts_the_micro_batch_a_step_holds_not_the_whole_windows_samples():
+    # Wide inputs (64 KiB a sample) into a small model: the warm-up counted the whole window's
+    # samples (each micro-batch a view of them), so 8 micro-batches of 8 measured 3 MiB more
+    # than 2 of 8, and more than the plan's window trial, which makes one micro-batch at a time.
+    from autotune.probing.api import window_trial
+
+    def wide():
+        return Workload(model=lambda: torch.nn.Sequential(torch.nn.Linear(16384, 8), torch.nn.ReLU(),
+                                                          torch.nn.Linear(8, 1)),
+                        make_batch=lambda n: torch.randn(n, 16384),
+                        loss_fn=lambda m, b: m(b).pow(2).mean(), source="wide")
+
+    peaks = {}
+    for steps in (2, 8):
+        measured = measure_configuration(wide(), CPUMemoryBackend(memory_limit="64MiB"), Configuration(
+            precision="fp32", checkpointing=False, micro_batches=(8,) * steps), windows=1, min_seconds=0)
+        planned = window_trial(wide(), CPUMemoryBackend(memory_limit="64MiB"), micro_batch=8, window=steps,
+                               precision="fp32", checkpointing="off")
+        peaks[steps] = measured.peak_bytes
+        # The trial holds its last micro-batch through the optimizer phase (the plan's peak is
+        # at most that much over); the measured micro-steps are the trial's.
+        assert planned.activation_peak_bytes - 1024 <= measured.peak_bytes <= planned.peak_bytes, (
+            steps, measured.peak_bytes, planned)
+    assert abs(peaks[8] - peaks[2]) <= 1024
+
+
 def test_real_side_by_side_comparison():
     backend = CPUMemoryBackend(memory_limit="64MiB")
     configs = [Configuration(precision="fp32", checkpointing=False, micro_batches=(8, 8)),
