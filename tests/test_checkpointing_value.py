@@ -127,3 +127,32 @@ def test_file_forms():
     assert Checkpointing.from_file(True, None, 4) == Checkpointing.every_block(4)
     assert Checkpointing.from_file(True, 2, 4).label == "2 of 4 blocks"
     assert Checkpointing.from_file(True, 2, None).label == "2 blocks"
+
+
+# --- blocks checkpointing cannot make smaller -----------------------------------------------------
+
+def test_single_layer_blocks_are_named_and_transformer_blocks_are_not():
+    from torch import nn
+
+    from autotune.workload.activation_checkpointing import checkpointing_futile
+
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.LayerNorm(16))
+    assert checkpointing_futile(mlp).startswith("its repeated blocks are single layers (2 Linear, 1 LayerNorm)")
+    blocks = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(3)))
+    assert checkpointing_futile(blocks) is None  # each block holds activations its input does not
+    assert checkpointing_futile(nn.Sequential(nn.LSTM(8, 8), nn.LSTM(8, 8))) is None  # many steps each
+
+
+def test_checkpointing_asked_for_on_single_layers_warns_and_auto_does_not(examples_dir):
+    # examples/mlp.py: four Linears in one Sequential. Its plan with checkpointing on peaked at
+    # 48.33 MiB, as with it off, and said nothing.
+    common = dict(target_batch=64, memory_limit="64MiB", precision="fp32", eval_batch=False)
+    asked = autotune.plan(examples_dir / "mlp.py", checkpointing="on", **common)
+    assert asked.workload.checkpointing_futile is not None
+    assert [w for w in asked.warnings if w.startswith("checkpointing='on': ") and "4 Linear" in w
+            and "frees next to nothing" in w and "checkpointing='auto'" in w]
+    auto = autotune.plan(examples_dir / "mlp.py", checkpointing="auto", **common)
+    assert not [w for w in auto.warnings if "frees next to nothing" in w]
+    lm = autotune.plan(examples_dir / "tiny_lm.py", checkpointing="on", **common)
+    assert lm.workload.checkpointing_futile is None
+    assert not [w for w in lm.warnings if "frees next to nothing" in w]

@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from ..workload.activation_checkpointing import checkpointable_blocks, checkpointing_refusal
+from ..workload.activation_checkpointing import (checkpointable_blocks, checkpointing_futile,
+                                                 checkpointing_refusal)
 from ..workload.checkpoint_count import Checkpointing, CheckpointingRequest
 from ..version import __version__
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -216,8 +217,24 @@ def plan(
     caveat = estimate_caveat(workload)
     if planned.estimated and caveat is not None:  # real trials would have measured it
         planned.warnings.append(caveat)
+    futile = _futile_checkpointing(checkpointing, planned)
+    if futile is not None:
+        planned.warnings.append(futile)
     planned.reasons["batch_shapes"] = tokens.batch_shapes(workload, planned.micro_batch)
     return planned if token_request is None else tokens.with_tokens(planned, token_request)
+
+
+def _futile_checkpointing(requested, planned) -> str | None:
+    """A warning where checkpointing was asked for (not chosen by auto) on blocks it cannot make
+    smaller: the plan's peak and step are then what checkpointing off gives, with recomputation."""
+    request = CheckpointingRequest.parse(requested, option=option("checkpointing"))
+    futile = planned.workload.checkpointing_futile
+    if request.auto or request.value == "off" or futile is None or not planned.checkpointing.blocks:
+        return None
+    return (f"{given('checkpointing', str(request))}: {planned.workload.source}: {futile}; it still "
+            f"recomputes every checkpointed block in backward. Plan with {given('checkpointing', 'auto')} "
+            f"(it keeps checkpointing only where a larger micro-batch then fits) or "
+            f"{given('checkpointing', 'off')}")
 
 
 def _longest_at_one(workload, *, device, memory_limit, gpu, precision, checkpointing,
@@ -877,6 +894,7 @@ def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerpr
         batchnorm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         checkpointable=bool(blocks) and refused is None,
         checkpointing_refused=refused,
+        checkpointing_futile=checkpointing_futile(model) if blocks and refused is None else None,
         repeated_blocks=len(blocks),
         has_dataset=workload.build_dataset is not None,
     )

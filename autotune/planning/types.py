@@ -97,6 +97,9 @@ class WorkloadFingerprint:
     """Why activation checkpointing cannot train a model that has blocks to wrap (peft's prefix
     tuning: ``activation_checkpointing.checkpointing_refusal``); None where it can, or where the
     model has no blocks (absent in older files)."""
+    checkpointing_futile: str | None = None
+    """Why checkpointing the model's blocks frees next to nothing (they are single layers:
+    ``activation_checkpointing.checkpointing_futile``); None otherwise, and in older files."""
     repeated_blocks: int | None = None
     """How many repeated blocks checkpointing can wrap (None: not recorded, older files)."""
     has_dataset: bool | None = None

@@ -82,6 +82,29 @@ def checkpointing_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
+_SINGLE_OP_LAYERS = (torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd, torch.nn.Embedding,
+                     torch.nn.EmbeddingBag, torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm,
+                     torch.nn.modules.batchnorm._NormBase)
+"""torch's layers that run one op on their input: what their backward keeps is their input (and,
+for the norms, a statistic per row or channel)."""
+
+
+def checkpointing_futile(model: torch.nn.Module) -> str | None:
+    """Why checkpointing ``model``'s blocks frees next to nothing, or None: every block is one of
+    torch's single-op layers (an MLP as a Sequential of Linear and activation layers). A checkpoint
+    keeps its block's input, which such a layer keeps for its own backward anyway."""
+    blocks = checkpointable_blocks(model)
+    if not blocks or own_switch_models(model) or not all(
+            isinstance(b, _SINGLE_OP_LAYERS) and not any(True for _ in b.children()) for b in blocks):
+        return None
+    kinds: dict[str, int] = {}
+    for block in blocks:
+        kinds[type(block).__name__] = kinds.get(type(block).__name__, 0) + 1
+    layers = ", ".join(f"{count} {name}" for name, count in kinds.items())
+    return (f"its repeated blocks are single layers ({layers}): a checkpoint keeps each one's input, "
+            f"which the layer keeps for its own backward anyway, so checkpointing frees next to nothing")
+
+
 def spread_evenly(count: int, total: int) -> list[int]:
     """Indices of ``count`` of ``total`` blocks, spread evenly from the first (2 of 6: 0 and 3)."""
     if not 0 <= count <= total:
