@@ -282,6 +282,7 @@ def test_a_peft_models_step_time_is_counted_as_the_estimate_builds_it():
     assert "predicted compute time of one training step on NVIDIA H100" in shown.output
 
 
+@pytest.mark.slow  # a layout search over a peft model, about 20 s here
 def test_tensor_parallelism_over_peft_adapters_is_named_and_a_layout_search_skips_it():
     # A Hugging Face tp_plan names the base model's layers, and peft's LoRA layers wrap them: --tp 2
     # said "'lm_head' matches no module of the model", and a layout search tried every tp split.

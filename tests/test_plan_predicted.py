@@ -135,6 +135,7 @@ def test_layouts_that_fit_are_ranked_and_the_fastest_is_planned(tmp_path):
     assert f"the next, {other.label()}" in plan.reasons["throughput"]
 
 
+@pytest.mark.slow  # two ranked GPU-profile searches, about 25 s here
 def test_a_ranked_planner_run_again_ranks_the_same_settings():
     # A layout search runs a layout's planner again for its deferred sync-on-last window. The
     # ranking built its plan as a request for the winner's settings and kept that request:
