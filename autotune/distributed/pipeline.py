@@ -26,6 +26,7 @@ import contextlib
 import copy
 import inspect
 import math
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -223,7 +224,7 @@ class _ShapeModel:
     the shape of each stage's output for a micro-batch, allocating nothing."""
 
     def __init__(self, model, container_path: str, ends: list[int], loss):
-        self.model = copy.deepcopy(model, fake_modes_kept(model))
+        self.model = _deepcopy(model, fake_modes_kept(model))
         for name, _ in list(self.model.named_parameters()):
             _replace_with_placeholder(self.model, name)
         self.container = self.model.get_submodule(container_path) if container_path else self.model
@@ -497,7 +498,18 @@ def _copy_model(model: torch.nn.Module) -> torch.nn.Module:
             clone = tensor.detach().clone()
         memo[id(tensor)] = (torch.nn.Parameter(clone, requires_grad=tensor.requires_grad)
                             if isinstance(tensor, torch.nn.Parameter) else clone)
-    return copy.deepcopy(model, memo)
+    return _deepcopy(model, memo)
+
+
+def _deepcopy(model: torch.nn.Module, memo: dict) -> torch.nn.Module:
+    """``copy.deepcopy(model, memo)`` without torch's warning about a FakeTensor's data pointer:
+    ``Tensor.__deepcopy__`` reads it only to tell a storage-less tensor apart, and the warning
+    ("almost definitely a bug in your code") reached the user's terminal from every pipeline
+    estimate, about no code of theirs."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor",
+                                category=UserWarning)
+        return copy.deepcopy(model, memo)
 
 
 def fake_modes_kept(model: torch.nn.Module) -> dict:
