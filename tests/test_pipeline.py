@@ -106,6 +106,7 @@ def test_the_estimate_is_the_worst_pipeline_rank():
     assert peaks[0] != peaks[1]  # the ranks hold different stages
 
 
+@needs_fake_pipeline
 def test_a_pipeline_estimate_shows_no_warning_about_the_users_code():
     # Deep-copying the fake model for the stages' shapes made torch warn, on every pipeline
     # estimate, that accessing a FakeTensor's data pointer "is almost definitely a bug in your code".
