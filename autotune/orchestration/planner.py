@@ -894,7 +894,7 @@ def _fingerprint(workload: Workload, model: torch.nn.Module) -> WorkloadFingerpr
         batchnorm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         checkpointable=bool(blocks) and refused is None,
         checkpointing_refused=refused,
-        checkpointing_futile=checkpointing_futile(model) if blocks and refused is None else None,
+        checkpointing_futile=checkpointing_futile(model, blocks) if blocks and refused is None else None,
         repeated_blocks=len(blocks),
         has_dataset=workload.build_dataset is not None,
     )

@@ -18,6 +18,7 @@ running statistics a second time, so their buffers are put back after each recom
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 
@@ -89,17 +90,16 @@ _SINGLE_OP_LAYERS = (torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._
 for the norms, a statistic per row or channel)."""
 
 
-def checkpointing_futile(model: torch.nn.Module) -> str | None:
-    """Why checkpointing ``model``'s blocks frees next to nothing, or None: every block is one of
-    torch's single-op layers (an MLP as a Sequential of Linear and activation layers). A checkpoint
-    keeps its block's input, which such a layer keeps for its own backward anyway."""
-    blocks = checkpointable_blocks(model)
+def checkpointing_futile(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> str | None:
+    """Why checkpointing ``model``'s blocks (``checkpointable_blocks``, where the caller has them)
+    frees next to nothing, or None: every block is one of torch's single-op layers (an MLP as a
+    Sequential of Linear and activation layers). A checkpoint keeps its block's input, which such
+    a layer keeps for its own backward anyway."""
+    blocks = checkpointable_blocks(model) if blocks is None else blocks
     if not blocks or own_switch_models(model) or not all(
             isinstance(b, _SINGLE_OP_LAYERS) and not any(True for _ in b.children()) for b in blocks):
         return None
-    kinds: dict[str, int] = {}
-    for block in blocks:
-        kinds[type(block).__name__] = kinds.get(type(block).__name__, 0) + 1
+    kinds = collections.Counter(type(block).__name__ for block in blocks)
     layers = ", ".join(f"{count} {name}" for name, count in kinds.items())
     return (f"its repeated blocks are single layers ({layers}): a checkpoint keeps each one's input, "
             f"which the layer keeps for its own backward anyway, so checkpointing frees next to nothing")
