@@ -81,6 +81,29 @@ def test_only_an_every_block_reference_gives_the_recompute_floor_and_the_least_r
                          blocks=1, activation_bytes=2)
 
 
+def test_a_layouts_floor_steps_are_exact_where_counted_and_below_its_count_elsewhere():
+    from autotune.timing.bound import FloorSteps
+
+    def small(n: int) -> StepCosts:
+        # A micro-batch of one skips a copy (a dimension of one): 1 and 2 draw more ops and bytes
+        # per sample than the sizes beyond take, and a line through them is above 8's count.
+        ops = [OpCost("matmul", "forward", 2e9 * n, 4e5 * n + 1e6, 6), OpCost("matmul", "backward", 4e9 * n, 8e5 * n + 2e6, 12),
+               OpCost("elementwise", "forward", 0.0, 2e4 * n, 20), OpCost("attention", "recompute", 1e7 * n, 1e4 * n, 2)]
+        if n > 1:
+            ops.append(OpCost("elementwise", "backward", 0.0, 4e5 * n, 12))
+        return StepCosts(ops=tuple(ops), collectives=(), micro_batch=n, tokens=16 * n, module_calls={"forward": 10})
+
+    counted = {n: small(n) for n in (1, 2)}
+    floor = FloorSteps(counted, SPEED, "bf16")
+    line = StepModel(counted, SPEED, "bf16")
+    assert floor.at(2).seconds == line.at(2).seconds
+    exact = StepModel({8: small(8)}, SPEED, "bf16").at(8).seconds
+    assert sum(line.at(8).seconds.values()) > sum(exact.values())  # the line is no floor here
+    for phase, seconds in floor.at(8).seconds.items():
+        assert seconds <= exact[phase]
+    assert sum(floor.at(8).seconds.values()) > 0.75 * sum(exact.values())  # not a trivial floor
+
+
 def test_fsdp_gathers_bound_each_phase_over_the_layouts_group_and_scatter_on_the_last_micro_step():
     from autotune.timing.bound import sharded_seconds
     from autotune.timing.comm import Link, Network, collective_time
@@ -141,10 +164,11 @@ def test_the_checkpointing_settings_a_layouts_plan_may_take():
     assert _checkpointing_choices(planner("2", Checkpointing.of(2, 4)), checkpointable=True, sharded=True) is None
 
 
-def _search(monkeypatch, *, bound=None, screen=None, **kwargs):
-    """tests/sp_decoder_model.py on 2 GPUs, tp and cp auto, ranked by throughput; ``bound`` and
-    ``screen`` replace the search's where given. Returns the plan, the layouts whose planners
-    ran, and the screens asked (layout, micro-batch, checkpointing)."""
+def _search(monkeypatch, *, bound=None, screen=None, own=None, **kwargs):
+    """tests/sp_decoder_model.py on 2 GPUs, tp and cp auto, ranked by throughput; ``bound`` (data
+    parallelism's), ``own`` (the layout's own step's) and ``screen`` replace the search's where
+    given. Returns the plan, the layouts whose planners ran, and the screens asked (layout,
+    micro-batch, checkpointing)."""
     from autotune import plan
     from autotune.orchestration import layout_search, planner
 
@@ -158,6 +182,8 @@ def _search(monkeypatch, *, bound=None, screen=None, **kwargs):
     monkeypatch.setattr(planner._Planner, "run", run)
     if bound is not None:
         monkeypatch.setattr(layout_search, "fastest_possible", lambda *args, **kw: bound)
+    if own is not None:
+        monkeypatch.setattr(layout_search, "own_bound", lambda *args, **kw: own)
     real_screen = layout_search._screen
 
     def screening(workload, planner_, layout, checkpointable, micro_batch=1, checkpointing=None):
@@ -195,11 +221,22 @@ def test_a_layout_that_could_win_is_screened_at_its_least_memory_and_ruled_out_t
     assert planned.reasons["layout"].count("nothing fits: runs out (stub)") == 2
 
 
-def test_a_layout_whose_screen_fits_is_planned_whole(monkeypatch, one_thread):
-    planned, ran, screens = _search(monkeypatch)
-    # This model is mostly kernel launches, which a split does not divide: the bound leaves each
-    # layout a chance at its larger micro-batches only, the screen there without checkpointing
-    # fits, and each layout is planned whole (ranked in the reason with its predicted samples/s).
+def test_a_layout_whose_screen_fits_and_own_step_could_win_is_planned_whole(monkeypatch, one_thread):
+    from autotune.orchestration import predicted
+
+    counted = []
+    real_count = predicted.count_steps_costs
+
+    def count(workload, sizes, **kwargs):
+        counted.extend((kwargs["parallel"], kwargs["checkpointing"].blocks, n) for n in sizes)
+        return real_count(workload, sizes, **kwargs)
+
+    monkeypatch.setattr(predicted, "count_steps_costs", count)
+    planned, ran, screens = _search(monkeypatch, own=float("inf"))
+    # This model is mostly kernel launches, which a split does not divide: data parallelism's
+    # bound leaves each layout a chance at its larger micro-batches only, the screen there
+    # without checkpointing fits, its own step (stubbed) could win, and each layout is planned
+    # whole (ranked in the reason with its predicted samples/s).
     # Context parallel's CPU ring needs torch 2.14's hooks: before, its screen is refused.
     ring = [Layout(cp=2)] if cpu_ring_available() else []
     assert ran == [Layout(), Layout(tp=2), *ring]
@@ -209,6 +246,23 @@ def test_a_layout_whose_screen_fits_is_planned_whole(monkeypatch, one_thread):
     reason = planned.reasons["layout"]
     assert "cannot beat" not in reason and "FSDP 1 × TP 2 (1 accumulation step" in reason
     assert ("FSDP 1 × CP 2 (1 accumulation step" in reason) == bool(ring)
+    # The own step counted for the bound (micro-batches 1 and 2) is what its planner ranks with:
+    # nothing is counted twice.
+    assert (Layout(tp=2), 0, 1) in counted and (Layout(tp=2), 0, 2) in counted
+    assert len(counted) == len(set(counted))
+
+
+def test_a_layout_whose_own_step_cannot_win_is_not_planned(monkeypatch, one_thread):
+    planned, ran, screens = _search(monkeypatch)
+    # Its screen fits where data parallelism's bound leaves it a chance, but its own step,
+    # counted at micro-batches 1 and 2, says it cannot pass DDP 2 (TP 2 and CP 2 predict a third
+    # slower planned whole): no planner's search.
+    ring = [Layout(cp=2)] if cpu_ring_available() else []
+    assert ran == [Layout()] and planned.parallel == Layout()
+    assert [layout for layout, _, _ in screens] == [Layout(tp=2), Layout(cp=2)]
+    reason = planned.reasons["layout"]
+    assert reason.count("checkpointing off at most") == 1 + len(ring)
+    assert reason.count("(its own step counted)") == 2 * (1 + len(ring))
 
 
 def test_where_data_parallelism_fits_nowhere_its_step_is_counted_for_the_bound(monkeypatch, one_thread):
@@ -246,6 +300,36 @@ def test_where_data_parallelism_fits_nowhere_its_step_is_counted_for_the_bound(m
     assert "cp 2 (cannot beat FSDP 1 × TP 2's" in planned.reasons["layout"]
 
 
+def test_a_layouts_own_step_bounds_every_configuration_its_plan_ranks(monkeypatch, one_thread):
+    """Planned whole (no bound), each model-parallel layout's ranked configurations, and its plan,
+    predict no more than the bound from its own step counted at micro-batches 1 and 2 (every
+    block checkpointed for the configurations with every block, else none). A line through
+    those two is not a floor: on this launch-bound model it drew TP 2's micro-batch 8 at 946
+    samples/s against 1026 counted (an op's rate grows with its size); nor are every-block steps
+    less their recompute a floor for none (879: the recompute's DTensor work is in backward)."""
+    from autotune.orchestration.predicted import own_bound, own_steps
+    from autotune.orchestration import layout_search
+
+    monkeypatch.setattr(layout_search, "_cannot_win", lambda *args, **kwargs: None)
+    planners = _recording_planners(monkeypatch)
+    _search(monkeypatch)
+    checked = set()
+    for planner_, made in planners:
+        layout = planner_.options.parallel
+        if layout.trivial:
+            continue
+        network = network_from_profile(planner_.target.profile)
+        ranked = [(c.checkpointing, c.micro_batches, c.step_time.samples_per_s) for c in made.predicted]
+        for blocks, split, predicted in [*ranked, (made.checkpointing, made.micro_batches,
+                                                   made.step_time.samples_per_s)]:
+            every = bool(blocks.blocks) and blocks.blocks == blocks.total
+            bound = own_bound(planner_, own_steps(planner_, every_block=every), split, network=network)
+            assert predicted <= bound * (1 + 1e-9), (layout, blocks, split)
+            checked.add((layout, every))
+    assert (Layout(tp=2), False) in checked
+    assert ((Layout(cp=2), False) in checked) == cpu_ring_available()
+
+
 WIDE = dict(world_size=4, target_batch=16, seq_len=4096, headroom=0.6, tp="auto", cp="auto", pp="auto")
 """tests/wide_decoder_model.py on 4 H100s with 40% of each usable: data parallel leads (DDP 4),
 pp 2 cannot beat it, tp 2 is planned."""
@@ -254,21 +338,29 @@ WIDE_FSDP_BETWEEN_HOSTS = dict(WIDE, sharding="fsdp", gpus_per_node=2, network_g
 hosts (its FSDP2 bounds the layouts'), as do cp 2's; tp 2's stay inside a host."""
 
 
-def _ranked_search(monkeypatch, *, prune: bool, options: dict):
-    """tests/wide_decoder_model.py ranked by throughput: the plan, and each planned layout's
-    planner and plan."""
-    from autotune import plan
-    from autotune.orchestration import layout_search, planner
+def _recording_planners(monkeypatch) -> list:
+    """Each planner ranked by predicted throughput from now on, with its plan, as it plans."""
+    from autotune.orchestration import planner
 
-    planned_layouts = []
+    planned = []
     original = planner.fastest_predicted
 
     def recording(planner_):
         made = original(planner_)
-        planned_layouts.append((planner_, made))
+        planned.append((planner_, made))
         return made
 
     monkeypatch.setattr(planner, "fastest_predicted", recording)
+    return planned
+
+
+def _ranked_search(monkeypatch, *, prune: bool, options: dict):
+    """tests/wide_decoder_model.py ranked by throughput: the plan, and each planned layout's
+    planner and plan."""
+    from autotune import plan
+    from autotune.orchestration import layout_search
+
+    planned_layouts = _recording_planners(monkeypatch)
     if not prune:
         monkeypatch.setattr(layout_search, "_cannot_win", lambda *args, **kwargs: None)
     monkeypatch.syspath_prepend(str(TESTS))
@@ -284,8 +376,8 @@ def test_the_bound_is_never_below_a_layout_planned_whole_and_skipping_changes_no
     """Planned whole, every configuration each model-parallel layout ranked predicts no more than
     the bound from data parallelism's counted steps at its own split and checkpointing (with
     FSDP2's gathers where data parallelism's plan sharded), from its ranked settings and from its
-    step counted as where it fits nowhere; with the bound, the search chooses the same plan,
-    planning no more layouts."""
+    step counted as where it fits nowhere, nor than the bound from its own step; with the
+    bounds, the search chooses the same plan, planning no more layouts."""
     from autotune.orchestration.predicted import _counted_reference, reference_steps
 
     whole, planned = _ranked_search(monkeypatch, prune=False, options=options)
@@ -303,13 +395,14 @@ def test_the_bound_is_never_below_a_layout_planned_whole_and_skipping_changes_no
 
 
 def _check_bounds(planned, references, options):
+    from autotune.orchestration.predicted import own_bound, own_steps
     from autotune.precision import Precision
 
     network = network_from_profile(load_profile("h100-80gb"), gpus_per_node=options.get("gpus_per_node"),
                                    network_gbps=options.get("network_gbps"))
     if options.get("sharding") == "fsdp":  # its gathers bound the layouts' (auto may rank FSDP2 too)
         assert any(r.sharded_calls for r in references)
-    checked, gathers_bind = set(), False
+    checked, own_checked, gathers_bind = set(), set(), False
     for planner_, made in planned:
         layout = planner_.options.parallel
         if layout.trivial:
@@ -322,9 +415,17 @@ def _check_bounds(planned, references, options):
             bound = fastest_possible(references, layout, configuration.micro_batches,
                                      sharded_group=layout.data_parallel(4) * layout.cp, **kwargs)
             assert configuration.step_time.samples_per_s <= bound, (layout, configuration.label())
+            every = kwargs["recompute"]
+            if layout.pp > 1:  # no own-step bound for a pipeline (its stage's count is the probe's)
+                continue
+            own = own_bound(planner_, own_steps(planner_, every_block=every), configuration.micro_batches,
+                            network=network)
+            assert configuration.step_time.samples_per_s <= own * (1 + 1e-9), (layout, configuration.label())
             checked.add(layout.describe_degrees())
+            own_checked.add(every)
             gathers_bind |= bound < fastest_possible(references, layout, configuration.micro_batches, **kwargs)
     assert "tp 2" in checked
+    assert own_checked == {False, True}  # the layouts' own steps bound with and without checkpointing
     # Between hosts of 2 at 25 Gb/s, FSDP2's gathers bound at least one layout tighter than compute:
     # cp 2's, over all 4 ranks (tp 2's group of 2 stays inside a host; torch 2.13 has no CPU ring).
     assert gathers_bind or options is WIDE or not cpu_ring_available()

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..distributed.sharding.settings import Sharding
+from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..errors import EstimateUnavailable, PlanError
 from ..planning.policy import split_for
 from ..planning.types import ConfigurationPredicted, Plan, SettingTried, ThroughputOutcome
 from ..precision import Precision
-from ..timing.bound import ReferenceStep
+from ..timing.bound import FloorSteps, ReferenceStep
 from ..timing.comm import network_from_profile
 from ..timing.layout import with_layout
 from ..timing.count import count_steps_costs
@@ -180,6 +180,41 @@ def reference_steps(planner) -> list[ReferenceStep]:
     return found
 
 
+def own_steps(planner, *, every_block: bool) -> dict:
+    """``planner``'s layout's own step (``{micro_batch: StepCosts}``) at micro-batches 1 and 2 (1
+    where its share is 1), every block checkpointed where ``every_block``, else as its first
+    setting: counted as its ranking counts a setting (``_count``), and kept with its recorded
+    steps, so that a layout planned whole after all counts these sizes once. Its layouts'
+    sharding as ``planner._probe_layouts`` probes them (FSDP2 under auto, over all data-parallel
+    ranks unless a shard group is asked for)."""
+    options = planner.options
+    sharding = Sharding.FSDP if options.sharding == "auto" else Sharding.parse(options.sharding)
+    group = resolve_shard_group(options.shard_group, planner.request.data_parallel) if sharding.sharded else None
+    setting = SettingTried(precision=planner.chosen,
+                           checkpointing=planner.every_block if every_block else planner.first,
+                           sharding=sharding, shard_group=group, parallel=options.parallel)
+    sizes = [1, 2] if planner.request.share > 1 else [1]
+    return _count(planner, setting, sizes, tokens_per_sample(planner.workload), planner.target.profile.name)
+
+
+def own_bound(planner, steps: dict, split: list[int], *, network) -> float:
+    """The most samples/s per GPU ``planner``'s layout could be predicted at with ``split`` (one
+    data-parallel rank's micro-batches) from ``steps``, its step counted at one and two
+    micro-batches (``own_steps``; each other size at its floor, ``timing.bound.FloorSteps``), its
+    gradients reduce-scattered every micro-step or once a window, whichever predicts faster."""
+    precision = planner.chosen
+    model = FloorSteps(steps, speed_for_profile(planner.target.profile), precision)
+    sharding = (Sharding.FSDP if planner.options.sharding == "auto" else Sharding.parse(planner.options.sharding))
+    group = (resolve_shard_group(planner.options.shard_group, planner.request.data_parallel)
+             if sharding.sharded else None)
+    pipelined = planner.options.parallel.pp > 1
+    return max(_in_layout(planner, predict_window(
+        model, split, network=network, world_size=planner.world_size, sharding=str(sharding),
+        shard_group=group, reduce_every_micro_step=every and not pipelined,
+        gradient_bytes=planner.fingerprint.param_bytes), split, precision, network).samples_per_s
+        for every in (True, False))
+
+
 def _counted_reference(planner) -> list[ReferenceStep]:
     blocks = planner.fingerprint.repeated_blocks
     checkpointing = (Checkpointing.every_block(blocks) if planner.fingerprint.checkpointable
@@ -240,4 +275,4 @@ def _why_none(settings: list[SettingTried]) -> str:
                      f"{s.error or 'no micro-batch fits'}" for s in settings[:6])
 
 
-__all__ = ["fastest_predicted", "recorded_key", "reference_steps", "why_predicted_fastest"]
+__all__ = ["fastest_predicted", "own_bound", "own_steps", "recorded_key", "reference_steps", "why_predicted_fastest"]

@@ -33,14 +33,16 @@ and above it only between them, by a hair; ``SLACK`` covers that.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from ..distributed.layout import Layout
+from ..precision import Precision
 from .comm import Network, collective_time
-from .costs import CollectiveCall
+from .costs import CollectiveCall, StepCosts
 from .layout import with_layout
-from .window import StepModel, WindowTime
+from .roofline import DeviceSpeed, python_seconds
+from .window import MicroStep, StepModel, WindowTime
 
 SLACK = 0.97
 """The share of the drawn compute the bound keeps. Between two counted micro-batches the line lies
@@ -130,4 +132,92 @@ def fastest_possible(references: list[ReferenceStep], layout: Layout, split: lis
                        activation_bytes=activation_bytes, network=network).samples_per_s
 
 
-__all__ = ["ReferenceStep", "SLACK", "fastest_possible", "micro_step_floor", "phase_floors", "sharded_seconds"]
+class FloorSteps(StepModel):
+    """A layout's own step at any micro-batch, never slower than its count there: exact where
+    counted; elsewhere each phase's ops, grouped by class, at their FLOPs and bytes drawn through
+    the counted sizes (affine in the micro-batch) and the fastest rates the device reaches at any
+    size, and the fewest ops and Python of the counted sizes, less ``SLACK``. A line through
+    two counted micro-batches is not a floor: a micro-batch of 1 skips some copies (a dimension
+    of one), so the ops and bytes of 1 and 2 draw more per sample than the sizes beyond take
+    (through 1 and 2, tests/sp_decoder_model.py's TP 2 step drew micro-batch 8 at 946 samples/s
+    per GPU, where its count there predicts 1026; its bytes 3% above those counted), and where a
+    device's rates grow with an op's size (a measured curve) a small op's time rises slower than
+    its FLOPs. The collectives
+    of the largest counted size below (activations' grow with the micro-batch, parameters' do
+    not), and context parallelism's ring collectives hidden whole under its attention."""
+
+    def __init__(self, costs: dict[int, StepCosts], speed: DeviceSpeed, precision):
+        super().__init__(costs, speed, precision)
+        self._costs = costs
+        self._groups = {n: _phase_groups(c) for n, c in costs.items()}
+
+    def at(self, n: int) -> MicroStep:
+        if n in self.counted:
+            return self.counted[n]
+        lo, hi, t = self._around(n)
+
+        def line(x, y):
+            return max(0.0, x + t * (y - x))
+
+        seconds: dict[str, float] = defaultdict(float)
+        for key in self._groups[lo].keys() | self._groups[hi].keys():
+            a, b = self._groups[lo].get(key, (0, 0.0, 0.0)), self._groups[hi].get(key, (0, 0.0, 0.0))
+            phase, op_class = key
+            flops, moved = line(a[1], b[1]), line(a[2], b[2])
+            seconds[phase] += SLACK * (min(a[0], b[0]) * _overhead(self.speed, phase) + max(
+                flops / _best_flop_rate(self.speed, self.precision, op_class) if flops else 0.0,
+                moved / _best_byte_rate(self.speed)))
+        python = [dict(_summed(python_seconds(self._costs[s], self.speed))) for s in (lo, hi)]
+        for phase in python[0].keys() & python[1].keys():
+            seconds[phase] += min(python[0][phase], python[1][phase])
+        below = max((s for s in self.counted if s <= n), default=lo)
+        a, b = self.counted[lo], self.counted[hi]
+        return MicroStep(seconds=dict(seconds), model_flops=line(a.model_flops, b.model_flops),
+                         tokens=None if a.tokens is None or b.tokens is None else line(a.tokens, b.tokens),
+                         collectives=self.counted[below].collectives,
+                         attention_kernel_s={p: float("inf") for p in a.attention_kernel_s})
+
+
+def _phase_groups(costs: StepCosts) -> dict[tuple[str, str], tuple[int, float, float]]:
+    groups: dict = defaultdict(lambda: [0, 0.0, 0.0])
+    for op in costs.ops:
+        group = groups[(op.phase, op.op_class)]
+        group[0] += op.count
+        group[1] += op.flops
+        group[2] += op.bytes
+    return {key: tuple(value) for key, value in groups.items()}
+
+
+def _summed(pairs) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for phase, seconds in pairs:
+        out[phase] += seconds
+    return out
+
+
+def _overhead(speed: DeviceSpeed, phase: str) -> float:
+    if phase == "recompute" and speed.recompute_op_overhead_s:
+        return speed.recompute_op_overhead_s
+    if phase == "optimizer" and speed.optimizer_op_overhead_s:
+        return speed.optimizer_op_overhead_s
+    return speed.op_overhead_s
+
+
+def _best_flop_rate(speed: DeviceSpeed, precision: Precision, op_class: str) -> float:
+    """The most FLOP/s any op of ``op_class`` reaches on ``speed`` (``DeviceSpeed.flop_rate``)."""
+    peak = speed.peak_flops.get(precision.value) or speed.peak_flops["fp32"]
+    fractions = [speed.fractions.get(op_class, speed.fractions["matmul"])]
+    if op_class in ("matmul", "attention"):
+        fractions += [y for curve in (*speed.kernel_curves.values(), *speed.matmul_curve.values())
+                      for _, y in curve]
+    return peak * max(fractions)
+
+
+def _best_byte_rate(speed: DeviceSpeed) -> float:
+    """The most bytes/s any op reaches on ``speed`` (``DeviceSpeed.byte_rate``)."""
+    fractions = [speed.fractions["memory"]] + [y for curve in (speed.memory_curve, *speed.kernel_byte_curves.values())
+                                               for _, y in curve]
+    return speed.memory_bandwidth * max(fractions)
+
+
+__all__ = ["FloorSteps", "ReferenceStep", "SLACK", "fastest_possible", "micro_step_floor", "phase_floors", "sharded_seconds"]

@@ -145,12 +145,8 @@ class StepModel:
     def at(self, n: int) -> MicroStep:
         if n in self.counted:
             return self.counted[n]
-        sizes = sorted(self.counted)
-        if len(sizes) == 1:
-            raise ValueError(f"micro-batch {n} was not counted (only {sizes[0]})")
-        lo, hi = _bracket(sizes, n)
+        lo, hi, t = self._around(n)
         a, b = self.counted[lo], self.counted[hi]
-        t = (n - lo) / (hi - lo)
 
         def line(x, y):
             return max(0.0, x + t * (y - x))
@@ -164,6 +160,16 @@ class StepModel:
             collectives=(a if abs(n - lo) <= abs(n - hi) else b).collectives,
             attention_kernel_s={p: line(a.attention_kernel_s.get(p, 0.0), b.attention_kernel_s.get(p, 0.0))
                                 for p in kernels})
+
+
+    def _around(self, n: int) -> tuple[int, int, float]:
+        """The two counted sizes a line to ``n`` is drawn through, and ``n``'s place on it (0 at
+        the first, 1 at the second)."""
+        sizes = sorted(self.counted)
+        if len(sizes) == 1:
+            raise ValueError(f"micro-batch {n} was not counted (only {sizes[0]})")
+        lo, hi = _bracket(sizes, n)
+        return lo, hi, (n - lo) / (hi - lo)
 
 
 def _attention_kernel_seconds(costs: StepCosts, speed, precision) -> dict:
