@@ -10,8 +10,13 @@ from autotune.workload.contract import Workload
 from plan_helpers import linear_probe
 
 
-def _workload(batchnorm=False):
+def _workload(batchnorm=False, blocks=False):
+    """A Sequential of single layers (whose checkpointing frees nothing, ``checkpointing_futile``),
+    or with ``blocks`` of two blocks of Linear and ReLU each."""
     def build():
+        if blocks:
+            return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+                                         for _ in range(2)))
         layers = [torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)]
         return torch.nn.Sequential(*layers, *( [torch.nn.BatchNorm1d(4)] if batchnorm else []))
 
@@ -34,11 +39,22 @@ def probes(monkeypatch):
 
 
 def test_auto_checkpointing_probes_both_and_records_why(probes):
-    plan = autotune.plan(_workload(), target_batch=64, device="cpu", precision="fp32", headroom=0.0)
+    plan = autotune.plan(_workload(blocks=True), target_batch=64, device="cpu", precision="fp32", headroom=0.0)
     assert probes == [("fp32", False, 64), ("fp32", True, 64)]
     assert plan.checkpointing.enabled and plan.micro_batches == [64]
     assert [s.allowed_micro_batch for s in plan.settings] == [10, 64]
     assert "from 7 to 1" in plan.reasons["checkpointing"]
+
+
+def test_auto_checkpointing_does_not_probe_blocks_that_are_single_layers(probes):
+    # Checkpointing a Linear keeps its input, which the Linear keeps for its backward anyway:
+    # nothing to probe (the stub probe would have claimed 64).
+    plan = autotune.plan(_workload(), target_batch=64, device="cpu", precision="fp32", headroom=0.0)
+    assert probes == [("fp32", False, 64)]
+    assert not plan.checkpointing.enabled and len(plan.micro_batches) == 7 and max(plan.micro_batches) == 10
+    why = plan.reasons["checkpointing"]
+    assert why.startswith("auto: off, not probed: its repeated blocks are single layers (2 Linear)")
+    assert plan.workload.checkpointing_futile in why
 
 
 def test_auto_checkpointing_skips_the_second_probe_when_the_share_fits(probes):

@@ -425,7 +425,7 @@ class _Planner:
         request_ = dataclasses.replace(self.request, precision=precision_)
         if ((self.every_block_first or self.sharded_every_block_first and layout[0].sharded)
                 and known_first is None and self.checkpointing.auto
-                and self.fingerprint.checkpointable):
+                and self.fingerprint.checkpointable and not self.fingerprint.checkpointing_futile):
             return self._every_block_first(layout, upper, precision_, hint=hints[1], least=least)
         found = [known_first or self.try_setting(self.first, precision_, layout=layout, upper=upper,
                                                  hint=hints[0], least=least)]

@@ -271,7 +271,8 @@ def checkpointing_worth_probing(off: SettingTried, request: PlanRequest,
                                 workload: WorkloadFingerprint, *, upper: int | None = None) -> bool:
     """Under "auto": probe with checkpointing only where it might buy what the plan needs (up to
     ``upper`` samples per micro-batch; default: the share or the pinned micro-batch)."""
-    if not request.checkpointing.auto or not workload.checkpointable or not off.state_fits:
+    if (not request.checkpointing.auto or not workload.checkpointable or not off.state_fits
+            or workload.checkpointing_futile):
         return False
     if request.even and request.micro_batch is None:
         return largest_divisor_at_most(request.share, off.allowed_micro_batch) < request.share
@@ -537,6 +538,8 @@ def _why_single(setting, request, workload, on) -> str:
         return f"auto: off; {workload.checkpointing_refused}"
     if not workload.checkpointable:
         return "auto: off; the model has no repeated blocks (ModuleList/Sequential) to checkpoint"
+    if workload.checkpointing_futile and on is None and setting.allowed_micro_batch < request.wanted_micro_batch:
+        return f"auto: off, not probed: {workload.checkpointing_futile}"
     if on is not None:
         return "auto: off; checkpointing was probed and allowed no larger micro-batch"
     return (f"auto: off; micro-batch {setting.allowed_micro_batch} already fits without it, "
