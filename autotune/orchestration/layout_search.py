@@ -289,8 +289,8 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
                 return None
             # It fits where data parallelism's step lets it win: its own step, counted at
             # micro-batches 1 and 2, bounds the splits that could closer (a count costs about a
-            # screen; its planner's search a probe per setting and micro-batch: 8B's CP 2 was
-            # ruled out in 17 CPU s, planned whole in 24).
+            # screen; its planner's search a probe per setting and micro-batch: 8B's CP 2 is
+            # ruled out in 18 CPU s, planned whole in 28).
             try:
                 steps = own_steps(planner, every_block=recompute)
             except EstimateUnavailable:

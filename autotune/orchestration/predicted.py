@@ -184,17 +184,10 @@ def own_steps(planner, *, every_block: bool) -> dict:
     """``planner``'s layout's own step (``{micro_batch: StepCosts}``) at micro-batches 1 and 2 (1
     where its share is 1), every block checkpointed where ``every_block``, else as its first
     setting: counted as its ranking counts a setting (``_count``), and kept with its recorded
-    steps, so that a layout planned whole after all counts these sizes once. Its layouts'
-    sharding as ``planner._probe_layouts`` probes them (FSDP2 under auto, over all data-parallel
-    ranks unless a shard group is asked for)."""
-    options = planner.options
-    sharding = Sharding.FSDP if options.sharding == "auto" else Sharding.parse(options.sharding)
-    group = resolve_shard_group(options.shard_group, planner.request.data_parallel) if sharding.sharded else None
-    setting = SettingTried(precision=planner.chosen,
-                           checkpointing=planner.every_block if every_block else planner.first,
-                           sharding=sharding, shard_group=group, parallel=options.parallel)
+    steps, so that a layout planned whole after all counts these sizes once."""
     sizes = [1, 2] if planner.request.share > 1 else [1]
-    return _count(planner, setting, sizes, tokens_per_sample(planner.workload), planner.target.profile.name)
+    return _count(planner, _own_setting(planner, every_block=every_block), sizes,
+                  tokens_per_sample(planner.workload), planner.target.profile.name)
 
 
 def own_bound(planner, steps: dict, split: list[int], *, network) -> float:
@@ -202,17 +195,24 @@ def own_bound(planner, steps: dict, split: list[int], *, network) -> float:
     data-parallel rank's micro-batches) from ``steps``, its step counted at one and two
     micro-batches (``own_steps``; each other size at its floor, ``timing.bound.FloorSteps``), its
     gradients reduce-scattered every micro-step or once a window, whichever predicts faster."""
-    precision = planner.chosen
-    model = FloorSteps(steps, speed_for_profile(planner.target.profile), precision)
-    sharding = (Sharding.FSDP if planner.options.sharding == "auto" else Sharding.parse(planner.options.sharding))
-    group = (resolve_shard_group(planner.options.shard_group, planner.request.data_parallel)
-             if sharding.sharded else None)
+    setting = _own_setting(planner, every_block=False)
+    model = FloorSteps(steps, speed_for_profile(planner.target.profile), setting.precision)
     pipelined = planner.options.parallel.pp > 1
     return max(_in_layout(planner, predict_window(
-        model, split, network=network, world_size=planner.world_size, sharding=str(sharding),
-        shard_group=group, reduce_every_micro_step=every and not pipelined,
-        gradient_bytes=planner.fingerprint.param_bytes), split, precision, network).samples_per_s
+        model, split, network=network, world_size=planner.world_size, sharding=str(setting.sharding),
+        shard_group=setting.shard_group, reduce_every_micro_step=every and not pipelined,
+        gradient_bytes=planner.fingerprint.param_bytes), split, setting.precision, network).samples_per_s
         for every in (True, False))
+
+
+def _own_setting(planner, *, every_block: bool) -> SettingTried:
+    """The setting a model-parallel ``planner`` probes and counts (``planner._probe_layouts``):
+    FSDP2 under auto, over all data-parallel ranks unless a shard group is asked for."""
+    options = planner.options
+    sharding = Sharding.FSDP if options.sharding == "auto" else Sharding.parse(options.sharding)
+    group = resolve_shard_group(options.shard_group, planner.request.data_parallel) if sharding.sharded else None
+    return SettingTried(precision=planner.chosen, checkpointing=planner.every_block if every_block else planner.first,
+                        sharding=sharding, shard_group=group, parallel=options.parallel)
 
 
 def _counted_reference(planner) -> list[ReferenceStep]:

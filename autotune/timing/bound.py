@@ -142,9 +142,9 @@ class FloorSteps(StepModel):
     (through 1 and 2, tests/sp_decoder_model.py's TP 2 step drew micro-batch 8 at 946 samples/s
     per GPU, where its count there predicts 1026; its bytes 3% above those counted), and where a
     device's rates grow with an op's size (a measured curve) a small op's time rises slower than
-    its FLOPs. The collectives
-    of the largest counted size below (activations' grow with the micro-batch, parameters' do
-    not), and context parallelism's ring collectives hidden whole under its attention."""
+    its FLOPs. Its collectives are the largest counted size's at or below it (activations' grow
+    with the micro-batch, parameters' do not), context parallelism's ring hidden whole under its
+    attention."""
 
     def __init__(self, costs: dict[int, StepCosts], speed: DeviceSpeed, precision):
         super().__init__(costs, speed, precision)
