@@ -248,7 +248,8 @@ LOSS_PARALLEL_MODELS = [LLAMA_LP, SP_DECODER_LP]  # and loss parallel
 @pytest.mark.parametrize("world", [2, 4])
 def test_estimate_matches_a_real_gloo_tensor_parallel_run(world, tmp_path, monkeypatch):
     """TP 2 (world 2) and FSDP 2 x TP 2 (world 4): the fake-process-group estimate against the
-    real per-rank peaks (CPU memory backend). gloo's worker thread sometimes lets go of a
+    real per-rank peaks (CPU memory backend), the Hugging Face plans and the one derived for
+    examples/mlp.py. gloo's worker thread sometimes lets go of a
     collective's buffers after the main thread has gone on (the Llama head's logits all-gather:
     up to +11%, one repeat in five); the estimate holds them until the next collective, as it
     does a reduce-scatter's, so it covers the peak most repeats reach, and without that late
@@ -261,7 +262,7 @@ def test_estimate_matches_a_real_gloo_tensor_parallel_run(world, tmp_path, monke
     from fsdp_helpers import real_fsdp_peaks, typical_peak, worst_peak
 
     sizes = [1, 2, 4]
-    for path in MODELS:
+    for path in [*MODELS, MLP]:  # MLP: the plan derived for a Sequential (colwise, rowwise pairs)
         estimated = estimate_peaks(path, sizes, sharding="fsdp", world_size=world, parallel=Layout(tp=2))
         with monkeypatch.context() as patch:
             patch.setattr(_GlooCollectiveBuffers, "released_late", False)
