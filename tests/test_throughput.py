@@ -351,6 +351,38 @@ def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path)
     jsonschema.validate(json.loads(text), plan_schema())
 
 
+def test_a_winner_below_the_probes_trial_states_the_peak_it_trains_at(monkeypatch):
+    """Where the whole share fits, the probe's one trial draws a line from the baseline, which
+    cannot tell what a step holds whatever its micro-batch (bf16 autocast's copy of each weight)
+    from what grows with it: the measured winner's smaller micro-batch was predicted off both
+    ways (gpt2 at 16 x 2: 21.64 MB planned, 21.75 trained; this model at 4 x 8: 10.03 planned,
+    8.42 trained). The plan's own micro-batch is measured, as the memory rule's is."""
+    import autotune.training.metrics as metrics
+    from autotune.training import train
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                   torch.nn.ReLU(), torch.nn.Linear(512, 1))
+
+    workload = Workload(model=build, make_batch=lambda n: torch.randn(n, 256),
+                        loss_fn=lambda m, b: m(b).float().pow(2).mean(), source="weights")
+    speeds = {("bf16", False, m): (500.0 if m == 4 else 100.0) for m in split_choices(32)}
+    fake = FakeMeasure(speeds)
+    monkeypatch.setattr("autotune.orchestration.planner.measure_configuration",
+                        lambda workload, backend, config: fake(config))
+    monkeypatch.setattr("autotune.orchestration.planner.compare_configurations",
+                        lambda workload, backend, configs, seconds: fake.compare(configs, seconds))
+    plan = autotune.plan(workload, target_batch=32, device="cpu", memory_limit="64MiB", precision="bf16",
+                         checkpointing="off", optimize="throughput", budget="10s", eval_batch=False)
+    assert plan.micro_batches == [4] * 8
+    assert [t.micro_batch for t in plan.chosen_setting.probe.trials] == [32, 4]  # the share, then its own
+    monkeypatch.setattr(metrics, "COUNT_EVERY", 1)
+    done = train(plan, workload, steps=3, progress=False)
+    trained = max(m["peak_memory_bytes"] for m in done.metrics if m.get("peak_memory_bytes"))
+    assert trained <= plan.predicted_peak_bytes <= trained * 1.01
+
+
 @pytest.mark.slow
 def test_cli_optimize_throughput_end_to_end(examples_dir, tmp_path):
     out = tmp_path / "plan.json"
