@@ -183,7 +183,8 @@ def _search(monkeypatch, *, bound=None, screen=None, own=None, **kwargs):
     if bound is not None:
         monkeypatch.setattr(layout_search, "fastest_possible", lambda *args, **kw: bound)
     if own is not None:
-        monkeypatch.setattr(layout_search, "own_bound", lambda *args, **kw: own)
+        monkeypatch.setattr(layout_search, "own_bounds",
+                            lambda planner_, steps, splits, **kw: {tuple(split): own for split in splits})
     real_screen = layout_search._screen
 
     def screening(workload, planner_, layout, checkpointable, micro_batch=1, checkpointing=None):
@@ -307,7 +308,7 @@ def test_a_layouts_own_step_bounds_every_configuration_its_plan_ranks(monkeypatc
     those two is not a floor: on this launch-bound model it drew TP 2's micro-batch 8 at 946
     samples/s against 1026 counted (an op's rate grows with its size); nor are every-block steps
     less their recompute a floor for none (879: the recompute's DTensor work is in backward)."""
-    from autotune.orchestration.predicted import own_bound, own_steps
+    from autotune.orchestration.predicted import own_bounds, own_steps
     from autotune.orchestration import layout_search
 
     monkeypatch.setattr(layout_search, "_cannot_win", lambda *args, **kwargs: None)
@@ -323,7 +324,7 @@ def test_a_layouts_own_step_bounds_every_configuration_its_plan_ranks(monkeypatc
         for blocks, split, predicted in [*ranked, (made.checkpointing, made.micro_batches,
                                                    made.step_time.samples_per_s)]:
             every = bool(blocks.blocks) and blocks.blocks == blocks.total
-            bound = own_bound(planner_, own_steps(planner_, every_block=every), split, network=network)
+            bound = own_bounds(planner_, own_steps(planner_, every_block=every), [split], network=network)[tuple(split)]
             assert predicted <= bound * (1 + 1e-9), (layout, blocks, split)
             checked.add((layout, every))
     assert (Layout(tp=2), False) in checked
@@ -395,7 +396,7 @@ def test_the_bound_is_never_below_a_layout_planned_whole_and_skipping_changes_no
 
 
 def _check_bounds(planned, references, options):
-    from autotune.orchestration.predicted import own_bound, own_steps
+    from autotune.orchestration.predicted import own_bounds, own_steps
     from autotune.precision import Precision
 
     network = network_from_profile(load_profile("h100-80gb"), gpus_per_node=options.get("gpus_per_node"),
@@ -418,8 +419,8 @@ def _check_bounds(planned, references, options):
             every = kwargs["recompute"]
             if layout.pp > 1:  # no own-step bound for a pipeline (its stage's count is the probe's)
                 continue
-            own = own_bound(planner_, own_steps(planner_, every_block=every), configuration.micro_batches,
-                            network=network)
+            own = own_bounds(planner_, own_steps(planner_, every_block=every), [configuration.micro_batches],
+                             network=network)[tuple(configuration.micro_batches)]
             assert configuration.step_time.samples_per_s <= own * (1 + 1e-9), (layout, configuration.label())
             checked.add(layout.describe_degrees())
             own_checked.add(every)

@@ -32,7 +32,7 @@ from ..timing.comm import network_from_profile
 from ..timing.window import tokens_per_sample
 from ..units import format_bytes
 from .eval_batch import plan_eval_batch
-from .predicted import own_bound, own_steps, reference_steps
+from .predicted import own_bounds, own_steps, reference_steps
 
 
 def search_layout(workload, options, degrees: dict, *, make_planner, inspected, screen=None) -> Plan:
@@ -231,7 +231,7 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
     needs; a pipeline's at a window of pp micro-batches, less than its own) says whether any fits.
     Where one does, the layout's own step, counted at micro-batches 1 and 2 for that setting
     (``predicted.own_steps``, kept for its planner), bounds those splits again
-    (``predicted.own_bound``), and a screen at the smallest that still could win decides.
+    (``predicted.own_bounds``), and a screen at the smallest that still could win decides.
     Every block's recompute is a floor only where that is the one checkpointed setting ranked
     (a sharded layout's; a replica's planner also ranks fewer blocks: its own step is counted
     without checkpointing then)."""
@@ -296,8 +296,8 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
             except EstimateUnavailable:
                 return None
             counted = True
-            bounds = {split: min(b, own_bound(planner, steps, list(split), network=network))
-                      for split, b in bounds.items() if split in winning}
+            own = own_bounds(planner, steps, winning, network=network)
+            bounds = {split: min(bounds[split], own[split]) for split in winning}
     why = (f"cannot beat {leader.name}'s {leader.samples_per_s:.4g} samples/s per GPU (bounded from data "
            f"parallelism's counted step, or its own where said): {'; '.join(words)}")
     if least_short is not None:  # its least memory at micro-batch 1 does not fit

@@ -190,19 +190,24 @@ def own_steps(planner, *, every_block: bool) -> dict:
                   tokens_per_sample(planner.workload), planner.target.profile.name)
 
 
-def own_bound(planner, steps: dict, split: list[int], *, network) -> float:
-    """The most samples/s per GPU ``planner``'s layout could be predicted at with ``split`` (one
-    data-parallel rank's micro-batches) from ``steps``, its step counted at one and two
-    micro-batches (``own_steps``; each other size at its floor, ``timing.bound.FloorSteps``), its
-    gradients reduce-scattered every micro-step or once a window, whichever predicts faster."""
+def own_bounds(planner, steps: dict, splits, *, network) -> dict:
+    """The most samples/s per GPU ``planner``'s layout could be predicted at with each of
+    ``splits`` (one data-parallel rank's micro-batches), from ``steps``, its step counted at one
+    and two micro-batches (``own_steps``; each other size at its floor,
+    ``timing.bound.FloorSteps``), its gradients reduce-scattered every micro-step or once a
+    window, whichever predicts faster."""
     setting = _own_setting(planner, every_block=False)
     model = FloorSteps(steps, speed_for_profile(planner.target.profile), setting.precision)
     pipelined = planner.options.parallel.pp > 1
-    return max(_in_layout(planner, predict_window(
-        model, split, network=network, world_size=planner.world_size, sharding=str(setting.sharding),
-        shard_group=setting.shard_group, reduce_every_micro_step=every and not pipelined,
-        gradient_bytes=planner.fingerprint.param_bytes), split, setting.precision, network).samples_per_s
-        for every in (True, False))
+
+    def bound(split: list[int]) -> float:
+        return max(_in_layout(planner, predict_window(
+            model, split, network=network, world_size=planner.world_size, sharding=str(setting.sharding),
+            shard_group=setting.shard_group, reduce_every_micro_step=every and not pipelined,
+            gradient_bytes=planner.fingerprint.param_bytes), split, setting.precision, network).samples_per_s
+            for every in (True, False))
+
+    return {tuple(split): bound(list(split)) for split in splits}
 
 
 def _own_setting(planner, *, every_block: bool) -> SettingTried:
@@ -275,4 +280,4 @@ def _why_none(settings: list[SettingTried]) -> str:
                      f"{s.error or 'no micro-batch fits'}" for s in settings[:6])
 
 
-__all__ = ["fastest_predicted", "own_bound", "own_steps", "recorded_key", "reference_steps", "why_predicted_fastest"]
+__all__ = ["fastest_predicted", "own_bounds", "own_steps", "recorded_key", "reference_steps", "why_predicted_fastest"]

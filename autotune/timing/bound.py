@@ -37,7 +37,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from ..distributed.layout import Layout
-from ..precision import Precision
 from .comm import Network, collective_time
 from .costs import CollectiveCall, StepCosts
 from .layout import with_layout
@@ -164,9 +163,9 @@ class FloorSteps(StepModel):
             a, b = self._groups[lo].get(key, (0, 0.0, 0.0)), self._groups[hi].get(key, (0, 0.0, 0.0))
             phase, op_class = key
             flops, moved = line(a[1], b[1]), line(a[2], b[2])
-            seconds[phase] += SLACK * (min(a[0], b[0]) * _overhead(self.speed, phase) + max(
-                flops / _best_flop_rate(self.speed, self.precision, op_class) if flops else 0.0,
-                moved / _best_byte_rate(self.speed)))
+            seconds[phase] += SLACK * (min(a[0], b[0]) * self.speed.op_overhead(phase) + max(
+                flops / self.speed.best_flop_rate(self.precision, op_class) if flops else 0.0,
+                moved / self.speed.best_byte_rate()))
         python = [dict(_summed(python_seconds(self._costs[s], self.speed))) for s in (lo, hi)]
         for phase in python[0].keys() & python[1].keys():
             seconds[phase] += min(python[0][phase], python[1][phase])
@@ -193,31 +192,6 @@ def _summed(pairs) -> dict[str, float]:
     for phase, seconds in pairs:
         out[phase] += seconds
     return out
-
-
-def _overhead(speed: DeviceSpeed, phase: str) -> float:
-    if phase == "recompute" and speed.recompute_op_overhead_s:
-        return speed.recompute_op_overhead_s
-    if phase == "optimizer" and speed.optimizer_op_overhead_s:
-        return speed.optimizer_op_overhead_s
-    return speed.op_overhead_s
-
-
-def _best_flop_rate(speed: DeviceSpeed, precision: Precision, op_class: str) -> float:
-    """The most FLOP/s any op of ``op_class`` reaches on ``speed`` (``DeviceSpeed.flop_rate``)."""
-    peak = speed.peak_flops.get(precision.value) or speed.peak_flops["fp32"]
-    fractions = [speed.fractions.get(op_class, speed.fractions["matmul"])]
-    if op_class in ("matmul", "attention"):
-        fractions += [y for curve in (*speed.kernel_curves.values(), *speed.matmul_curve.values())
-                      for _, y in curve]
-    return peak * max(fractions)
-
-
-def _best_byte_rate(speed: DeviceSpeed) -> float:
-    """The most bytes/s any op reaches on ``speed`` (``DeviceSpeed.byte_rate``)."""
-    fractions = [speed.fractions["memory"]] + [y for curve in (speed.memory_curve, *speed.kernel_byte_curves.values())
-                                               for _, y in curve]
-    return speed.memory_bandwidth * max(fractions)
 
 
 __all__ = ["FloorSteps", "ReferenceStep", "SLACK", "fastest_possible", "micro_step_floor", "phase_floors", "sharded_seconds"]

@@ -141,6 +141,29 @@ class DeviceSpeed:
             return self.memory_bandwidth * _interpolate(self.memory_curve, bytes_per_op)
         return self.memory_bandwidth * self.fractions["memory"]
 
+    def best_flop_rate(self, precision: Precision, op_class: str) -> float:
+        """The most FLOP/s ``flop_rate`` gives an op of ``op_class`` at any size or kernel."""
+        peak = self.peak_flops.get(precision.value) or self.peak_flops["fp32"]
+        fractions = [self.fractions.get(op_class, self.fractions["matmul"])]
+        if op_class in ("matmul", "attention"):
+            fractions += [y for curve in (*self.kernel_curves.values(), *self.matmul_curve.values())
+                          for _, y in curve]
+        return peak * max(fractions)
+
+    def best_byte_rate(self) -> float:
+        """The most bytes/s ``byte_rate`` gives an op at any size or kernel."""
+        fractions = [self.fractions["memory"]] + [y for curve in (self.memory_curve, *self.kernel_byte_curves.values())
+                                                  for _, y in curve]
+        return self.memory_bandwidth * max(fractions)
+
+    def op_overhead(self, phase: str) -> float:
+        """The fixed cost of one op in ``phase``."""
+        if phase == "recompute" and self.recompute_op_overhead_s:
+            return self.recompute_op_overhead_s
+        if phase == "optimizer" and self.optimizer_op_overhead_s:
+            return self.optimizer_op_overhead_s
+        return self.op_overhead_s
+
 
 def compute_time(costs: StepCosts, speed: DeviceSpeed, precision="fp32") -> dict[str, float]:
     """Seconds of the step's compute, split as ``BREAKDOWN`` (plus "total"): per op, the longer
@@ -175,11 +198,7 @@ def phase_time(costs: StepCosts, speed: DeviceSpeed, precision="fp32") -> dict[s
 def op_seconds(op, speed: DeviceSpeed, precision: Precision) -> float:
     """All ``op.count`` calls of one counted op: each its overhead and its roofline."""
     flops, moved = op.flops / op.count, op.bytes / op.count
-    seconds = speed.op_overhead_s
-    if op.phase == "recompute" and speed.recompute_op_overhead_s:
-        seconds = speed.recompute_op_overhead_s
-    elif op.phase == "optimizer" and speed.optimizer_op_overhead_s:
-        seconds = speed.optimizer_op_overhead_s
+    seconds = speed.op_overhead(op.phase)
     if flops:
         seconds += max(flops / speed.flop_rate(precision, op.op_class, flops, op.kernel),
                        moved / speed.byte_rate(moved))
