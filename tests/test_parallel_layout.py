@@ -83,6 +83,21 @@ def test_schedule_and_stages_per_rank_must_agree():
             Layout(tp=bad)
 
 
+def test_plan_checks_a_fixed_degree_beside_a_searched_one_before_loading_the_model(monkeypatch):
+    """plan(tp="auto", cp="2") raised a TypeError from deep in the layout search, after loading the
+    model: a search took its fixed degrees as given."""
+    import autotune
+    from autotune.orchestration import planner
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before its degrees were checked")
+
+    monkeypatch.setattr(planner, "load_workload", not_loaded)
+    for degrees in (dict(tp="auto", cp="2"), dict(tp="auto", pp=0), dict(cp="auto", tp=1.0), dict(tp="2")):
+        with pytest.raises(ConfigError, match='is not a number of ranks; give a positive int .* or "auto"'):
+            autotune.plan("model.py", target_batch=8, world_size=4, **degrees)
+
+
 def test_descriptions():
     layout = parse_layout(tp=8, pp=8, pp_schedule="interleaved-1f1b")
     assert layout.describe(512, "FSDP") == "FSDP 8 × TP 8 × PP 8 (interleaved-1f1b, 2 stages per rank)"

@@ -59,10 +59,7 @@ class Layout:
 
     def __post_init__(self):
         for name in ("tp", "cp", "pp", "stages_per_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{given(name, value)} is not a number of ranks; give a positive int "
-                                  f"(1: not split this way)")
+            check_degree(name, getattr(self, name))
         object.__setattr__(self, "pp_schedule", PipelineSchedule.parse(self.pp_schedule,
                                                                        option=option("pp_schedule")))
         if self.pp == 1 and (self.stages_per_rank != 1 or self.pp_schedule.interleaved):
@@ -192,6 +189,15 @@ class Layout:
         return cls(**(data or {}))
 
 
+def check_degree(name: str, value, *, auto_taken: bool = False) -> None:
+    """Raises ``ConfigError`` unless ``value`` is a positive int (``auto_taken``: where "auto" is
+    also taken, the message says so)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        also = ' or "auto" to search it' if auto_taken else ""
+        raise ConfigError(f"{given(name, value)} is not a number of ranks; give a positive int "
+                          f"(1: not split this way){also}")
+
+
 def parse_layout(*, tp=1, cp=1, pp=1, pp_schedule=None, stages_per_rank=None) -> Layout:
     """A ``Layout`` from options; an interleaved schedule without ``stages_per_rank`` gets 2."""
     schedule = PipelineSchedule.parse(pp_schedule or PipelineSchedule.ONE_F_ONE_B, option=option("pp_schedule"))
@@ -200,4 +206,4 @@ def parse_layout(*, tp=1, cp=1, pp=1, pp_schedule=None, stages_per_rank=None) ->
     return Layout(tp=tp, cp=cp, pp=pp, pp_schedule=schedule, stages_per_rank=stages_per_rank)
 
 
-__all__ = ["Layout", "MESH_ORDER", "PipelineSchedule", "parse_layout"]
+__all__ = ["Layout", "MESH_ORDER", "PipelineSchedule", "check_degree", "parse_layout"]

@@ -35,7 +35,7 @@ from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointin
                       first_shard_group, predicted_blocks, predicted_group_max, setting_extra_bytes,
                       settings_below_fewest,
                       sharding_worth_estimating, split_for, usable_bytes)
-from ..distributed.layout import Layout, parse_layout
+from ..distributed.layout import Layout, check_degree, parse_layout
 from ..planning.layouts import is_auto
 from ..workload.model_shape import ModelShape, model_shape
 from .layout_search import search_layout
@@ -171,6 +171,9 @@ def plan(
         # Before the model is loaded (GPT-2 took 17 s to be told the T4 has no bf16).
         load_profile(gpu).require(precision.lower())
     searching = any(is_auto(v) for v in (tp, cp, pp))
+    for name, value in dict(tp=tp, cp=cp, pp=pp).items():  # before the model loads
+        if not is_auto(value):
+            check_degree(name, value, auto_taken=True)
     parallel = Layout() if searching else parse_layout(**degrees)
     workload = with_compile(load_workload(workload), compile)
     if searching and workload.compile is not None:
