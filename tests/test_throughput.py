@@ -15,6 +15,7 @@ from autotune.errors import ConfigError
 from autotune.memory import CPUMemoryBackend
 from autotune.planning.planfile import plan_from_json, plan_schema, plan_to_json
 from autotune.cli.format import format_throughput
+from autotune.units import format_bytes
 from autotune.planning.policy import split_share
 from autotune.tuning.search import (Candidate, build_candidates, parse_duration,
                                         search_throughput, split_choices, why_fastest)
@@ -377,6 +378,11 @@ def test_a_winner_below_the_probes_trial_states_the_peak_it_trains_at(monkeypatc
                          checkpointing="off", optimize="throughput", budget="10s", eval_batch=False)
     assert plan.micro_batches == [4] * 8
     assert [t.micro_batch for t in plan.chosen_setting.probe.trials] == [32, 4]  # the share, then its own
+    # The search's table states that peak on the plan's row, not the line's (which it was pruned by).
+    row, = [c for c in plan.throughput if c.micro_batches == plan.micro_batches and c.fits]
+    assert row.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert format_bytes(plan.predicted_peak_bytes) in next(
+        line for line in format_throughput(plan).splitlines() if line.endswith("<- plan"))
     monkeypatch.setattr(metrics, "COUNT_EVERY", 1)
     done = train(plan, workload, steps=3, progress=False)
     trained = max(m["peak_memory_bytes"] for m in done.metrics if m.get("peak_memory_bytes"))

@@ -668,7 +668,14 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
     # The winner's micro-batch is often below the probe's trials (a smaller one ran faster),
     # where the probe's model may miss either way: measured as the memory rule's plan is (gpt2
     # in bf16 at 16 x 2 trained at 21.75 MB where the line from its one trial at 32 drew 21.64).
-    return _measure_planned(made(), made, workload, backend, request.world_size, usable, fingerprint.param_bytes)
+    planned = _measure_planned(made(), made, workload, backend, request.world_size, usable,
+                               fingerprint.param_bytes)
+    for record in planned.throughput:
+        # Its row states the plan's peak (the table read 20.64 MiB beside the plan's 20.75).
+        if (record.fits and (record.precision, record.checkpointing, record.micro_batches)
+                == (planned.precision, planned.checkpointing, list(planned.micro_batches))):
+            record.predicted_peak_bytes = planned.predicted_peak_bytes
+    return planned
 
 
 MEASURE_PLANNED = 4

@@ -247,7 +247,8 @@ class ConfigurationMeasured(SplitArithmetic):
     peak_bytes: int | None = None
     """Measured peak of the warm-up window (None: not run)."""
     predicted_peak_bytes: int | None = None
-    """The probe's memory model at the largest micro-batch, with DDP buckets."""
+    """The probe's memory model at the largest micro-batch, with DDP buckets; the plan's own
+    configuration: the plan's peak (its micro-batch measured where the model drew it)."""
     fits: bool = True
     status: str = "measured"
     """"measured" or "pruned" (predicted not to fit, ran out of memory, or past the headroom)."""
