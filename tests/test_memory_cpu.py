@@ -78,6 +78,24 @@ def test_default_budget_comes_from_available_ram():
     assert "psutil" in info.budget_source
 
 
+def test_the_device_name_says_how_many_threads_torch_runs_on():
+    """A throughput study is keyed by the device's name: under OMP_NUM_THREADS=1 the name read
+    "2 threads" as at two, and a study timed at one thread was taken as this one's."""
+    import psutil
+
+    saved = torch.get_num_threads()
+    try:
+        logical = psutil.cpu_count(logical=True)
+        torch.set_num_threads(logical)
+        everything = CPUMemoryBackend(memory_limit="1GiB").info().name
+        assert "torch uses" not in everything
+        torch.set_num_threads(logical - 1 if logical > 1 else 2)
+        fewer = CPUMemoryBackend(memory_limit="1GiB").info().name
+        assert f"torch uses {torch.get_num_threads()})" in fewer and fewer != everything
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_device_resolution():
     assert resolve_device("cpu").type == "cpu"
     assert isinstance(backend_for("cpu", "64MiB"), CPUMemoryBackend)

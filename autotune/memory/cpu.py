@@ -423,4 +423,8 @@ def _cpu_name() -> str:
     import platform
 
     name = platform.processor() or platform.machine() or "cpu"
-    return f"CPU ({name}, {psutil.cpu_count(logical=True)} threads)"
+    threads = psutil.cpu_count(logical=True)
+    # Where torch runs on fewer (OMP_NUM_THREADS, torch.set_num_threads), the name says so: a
+    # throughput study keyed by it is not reused at another thread count.
+    used = torch.get_num_threads()
+    return f"CPU ({name}, {threads} threads" + (f"; torch uses {used})" if used != threads else ")")
