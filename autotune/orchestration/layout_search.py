@@ -231,7 +231,8 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
     needs; a pipeline's at a window of pp micro-batches, less than its own) says whether any fits.
     Where one does, the layout's own step, counted at micro-batches 1 and 2 for that setting
     (``predicted.own_steps``, kept for its planner), bounds those splits again
-    (``predicted.own_bounds``), and a screen at the smallest that still could win decides.
+    (``predicted.own_bounds``), and a screen at the smallest that still could win decides; a
+    setting that holds less than one a screen saw fit is counted without that first screen.
     Every block's recompute is a floor only where that is the one checkpointed setting ranked
     (a sharded layout's; a replica's planner also ranks fewer blocks: its own step is counted
     without checkpointing then)."""
@@ -273,7 +274,12 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
                 words.append(said)
                 break
             micro_batch = min(max(split) for split in winning)
-            if micro_batch > fits_at:
+            # A setting holding less than one a screen saw fit (every block checkpointed, after
+            # none fitted at ``fits_at``) is counted before it is screened: its own step moves
+            # the smallest micro-batch that could win up, and one screen there decides (8B's CP 2:
+            # the screen at micro-batch 2 fitted, its own count then asked for 16; 8.5 CPU s saved).
+            count_first = bool(fits_at) and not counted and layout.pp == 1
+            if micro_batch > fits_at and not count_first:
                 short = screen(workload, planner, layout, checkpointable, micro_batch=micro_batch,
                                checkpointing=checkpointing)
                 if short is not None:
