@@ -189,6 +189,8 @@ def _search(monkeypatch, *, bound=None, screen=None, own=None, **kwargs):
 
     def screening(workload, planner_, layout, checkpointable, micro_batch=1, checkpointing=None):
         screens.append((layout, micro_batch, checkpointing))
+        if callable(screen):
+            return screen(layout, micro_batch, checkpointing)
         if screen is not None:
             return screen
         return real_screen(workload, planner_, layout, checkpointable, micro_batch=micro_batch,
@@ -264,6 +266,33 @@ def test_a_layout_whose_own_step_cannot_win_is_not_planned(monkeypatch, one_thre
     reason = planned.reasons["layout"]
     assert reason.count("checkpointing off at most") == 1 + len(ring)
     assert reason.count("(its own step counted)") == 2 * (1 + len(ring))
+
+
+def test_a_setting_holding_less_than_one_that_fitted_is_counted_before_it_is_screened(monkeypatch, one_thread):
+    """Without checkpointing the layout fits at micro-batch 1 and its own step cannot win; every
+    block checkpointed holds less, so it fits there too: its own step is counted first and moves
+    the smallest micro-batch that could win from 2 (data parallelism's bound) to 4, where one
+    screen rules it out. Before, a screen at 2 came first (8B's CP 2: 8.5 CPU s)."""
+    from autotune.orchestration import layout_search
+
+    monkeypatch.setattr(layout_search, "fastest_possible",
+                        lambda *args, recompute, **kw: float("inf") if not recompute or max(args[2]) >= 2 else 0.0)
+    owns = []
+
+    def own_bounds(planner_, steps, splits, **kw):
+        owns.append(planner_.options.parallel)
+        first = owns.count(planner_.options.parallel) == 1  # without checkpointing, then with
+        return {tuple(split): 0.0 if first or max(split) < 4 else float("inf") for split in splits}
+
+    monkeypatch.setattr(layout_search, "own_bounds", own_bounds)
+    planned, ran, screens = _search(monkeypatch, screen=lambda layout, micro_batch, checkpointing: (
+        None if checkpointing == "off" else "runs out (stub)"))
+    ring = [Layout(cp=2)] if cpu_ring_available() else []
+    assert ran == [Layout()] and planned.parallel == Layout()
+    assert screens == [s for layout in [Layout(tp=2), *ring] for s in ((layout, 1, "off"), (layout, 4, "on"))]
+    reason = planned.reasons["layout"]
+    assert reason.count("every block checkpointed up to inf (its own step counted), from micro-batch 4: "
+                        "runs out (stub)") == 1 + len(ring)
 
 
 def test_where_data_parallelism_fits_nowhere_its_step_is_counted_for_the_bound(monkeypatch, one_thread):
