@@ -289,7 +289,10 @@ def test_a_setting_holding_less_than_one_that_fitted_is_counted_before_it_is_scr
         None if checkpointing == "off" else "runs out (stub)"))
     ring = [Layout(cp=2)] if cpu_ring_available() else []
     assert ran == [Layout()] and planned.parallel == Layout()
-    assert screens == [s for layout in [Layout(tp=2), *ring] for s in ((layout, 1, "off"), (layout, 4, "on"))]
+    # Before torch 2.14 context parallel's CPU ring is refused once its screen fits: its own step
+    # is not counted.
+    assert screens == [s for layout in [Layout(tp=2), *ring] for s in ((layout, 1, "off"), (layout, 4, "on"))] + (
+        [] if ring else [(Layout(cp=2), 1, "off")])
     reason = planned.reasons["layout"]
     assert reason.count("every block checkpointed up to inf (its own step counted), from micro-batch 4: "
                         "runs out (stub)") == 1 + len(ring)
