@@ -243,6 +243,7 @@ class _StubPlanner:
     allowed = {}
     memoized = False
     runs = []  # (layout, search_details) of every run
+    step_models = []  # no setting counted: no smaller shard group's bound
 
     def __init__(self, workload, options, *, inspected):
         from autotune.planning.policy import PlanRequest
@@ -308,16 +309,34 @@ def test_the_chosen_layout_alone_is_planned_in_detail_where_the_memo_answers_aga
         assert [layout for layout, _ in Planner.runs].count(Layout(tp=2)) == 1
 
 
-def test_ranked_by_time_a_layout_gets_its_sync_on_last_window_only_where_it_could_lead():
-    # Ranked by throughput with a memo, data parallel is planned in detail (its shard groups are
-    # ranked); a model-parallel layout first without its sync-on-last window, and again with it
-    # only where the most that window could give passes the fastest planned so far. A layout that
-    # could not keeps its plan (reduce-scattering every micro-step) and prediction; the winner is
-    # always a detailed one.
+def _ranked_stub_search(planner_type):
+    """search_layout ranked by throughput (--gpu) over tp and pp on 8 GPUs, target 64, with
+    ``planner_type`` (a ``_StubPlanner`` whose runs set their predicted samples/s)."""
     from types import SimpleNamespace
 
     from autotune.orchestration.layout_search import search_layout
     from autotune.orchestration.request import PlanOptions
+
+    _StubPlanner.allowed = {Layout(): 2, Layout(tp=2): 4, Layout(tp=4): "unavailable", Layout(pp=2): None,
+                            Layout(tp=2, pp=2): 8, Layout(pp=4): None, Layout(tp=4, pp=2): 8,
+                            Layout(tp=2, pp=4): 8, Layout(tp=4, pp=4): 8, Layout(pp=8): None}
+    options = PlanOptions(target_batch=64, world_size=8, sharding="fsdp", eval_batch=False,
+                          optimize="throughput", gpu="h100-80gb")
+    return search_layout(SimpleNamespace(seq_len=None), options, dict(tp="auto", pp="auto"),
+                         make_planner=planner_type,
+                         inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True),
+                                    ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)),
+                         screen=lambda *args, **kwargs: None)
+
+
+def test_ranked_by_time_a_layout_gets_its_sync_on_last_window_only_where_it_could_lead():
+    # Ranked by throughput with a memo, data parallel is planned without its details (its
+    # smaller shard groups, its sync-on-last window), and again with them only where they could
+    # pass the winner (here its window's 1.1 cannot pass tp 2's 2.1); a model-parallel layout
+    # first without its sync-on-last window, and again with it only where the most that window
+    # could give passes the fastest planned so far. A layout that could not keeps its plan
+    # (reduce-scattering every micro-step) and prediction; the winner is always a detailed one,
+    # planned once so.
     from autotune.timing.window import WindowTime
 
     # (The search plans data parallel, tp 2, then tp 2 × pp 2: tp 2 has as few steps as any.)
@@ -342,18 +361,9 @@ def test_ranked_by_time_a_layout_gets_its_sync_on_last_window_only_where_it_coul
             order.append((layout, details, speed, self.sync_on_last_upper))
             return made
 
-    _StubPlanner.allowed = {Layout(): 2, Layout(tp=2): 4, Layout(tp=4): "unavailable", Layout(pp=2): None,
-                            Layout(tp=2, pp=2): 8, Layout(pp=4): None, Layout(tp=4, pp=2): 8,
-                            Layout(tp=2, pp=4): 8, Layout(tp=4, pp=4): 8, Layout(pp=8): None}
-    options = PlanOptions(target_batch=64, world_size=8, sharding="fsdp", eval_batch=False,
-                          optimize="throughput", gpu="h100-80gb")
-    planned = search_layout(SimpleNamespace(seq_len=None), options, dict(tp="auto", pp="auto"),
-                            make_planner=Planner,
-                            inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True),
-                                       ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)),
-                            screen=lambda *args, **kwargs: None)
+    planned = _ranked_stub_search(Planner)
     assert planned.parallel == Layout(tp=2) and planned.step_time.samples_per_s == 2.0 * detailed
-    assert order[0] == (Layout(), True, 1.0, 1.0)
+    assert order[0] == (Layout(), False, 1.0, 1.0 * upper)
     fastest, again = 1.0, []
     for i, (layout, details, speed, most) in enumerate(order[1:], 1):
         if details:
@@ -367,6 +377,36 @@ def test_ranked_by_time_a_layout_gets_its_sync_on_last_window_only_where_it_coul
     # window, not tp 2's 2.1: planned once.
     assert again == [Layout(tp=2)]
     assert [o[0] for o in order] == [Layout(), Layout(tp=2), Layout(tp=2), Layout(tp=2, pp=2)]
+
+
+@pytest.mark.parametrize("replicas_upper, again", [(2.0, False), (2.2, True)])
+def test_ranked_by_time_data_parallels_details_are_planned_only_where_they_could_pass_the_winner(
+        replicas_upper, again):
+    # Data parallel is planned first without its details (smaller shard groups, its sync-on-last
+    # window); tp 2 wins at 2.0. Where those details could give data parallel more than that
+    # (``details_upper``), it is planned again in detail, and the choice made again.
+    from autotune.timing.window import WindowTime
+
+    speeds = {Layout(): 1.5, Layout(tp=2): 2.0, Layout(tp=2, pp=2): 1.0, Layout(tp=4, pp=2): 1.0,
+              Layout(tp=2, pp=4): 1.0, Layout(tp=4, pp=4): 0.5}
+
+    class Planner(_StubPlanner):
+        runs = []
+        memoized = True
+        target = None
+
+        def run(self):
+            made = super().run()
+            speed = speeds[self.options.parallel]
+            made.step_time = WindowTime(step_s=1.0, compute_s=1.0, exposed_comm_s=0.0, bubble_s=0.0,
+                                        recompute_s=0.0, samples_per_s=speed, tokens_per_s=None, mfu=None)
+            self.sync_on_last_upper = replicas_upper if self.options.parallel.trivial else speed
+            return made
+
+    planned = _ranked_stub_search(Planner)
+    assert planned.parallel == Layout(tp=2)
+    replicas = [details for layout, details in Planner.runs if layout.trivial]
+    assert replicas == ([False, True] if again else [False])
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from ..timing.comm import network_from_profile
 from ..timing.window import tokens_per_sample
 from ..units import format_bytes
 from .eval_batch import plan_eval_batch
-from .predicted import own_bounds, own_steps, reference_steps
+from .predicted import details_upper, own_bounds, own_steps, reference_steps
 
 
 def search_layout(workload, options, degrees: dict, *, make_planner, inspected, screen=None) -> Plan:
@@ -54,10 +54,11 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
     # offload's probes cost 405B's plan 19 CPU s.
     first.offload_last_resort = False
     # The chosen layout's details (smaller shard groups, the sync-on-last window) wait for the
-    # choice where the planner's memo answers the trials it ran (a --gpu estimate's) and the
-    # ranking does not read them (it does where throughput ranks: a shard group's time).
+    # choice where the planner's memo answers the trials it ran (a --gpu estimate's). Ranked by
+    # throughput they can change the choice: data parallelism's are planned after it where
+    # they could pass the winner (``details_upper``; 70B's shard groups cost 57 CPU s before it).
     rank_by_time = options.optimize == "throughput" and options.gpu is not None
-    deferred = first.memoized and not rank_by_time
+    deferred = first.memoized
     first.search_details = not deferred
     gpus_per_node = options.gpus_per_node or (first.target.profile.gpus_per_node if first.target else None)
     world = first.world_size
@@ -194,14 +195,23 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         first.offload_last_resort = True
         outcomes = [evaluate(o.layout) if o.layout == Layout() else o for o in outcomes]
     winner, reason = choose_layout(outcomes, rank_by_time=rank_by_time)
-    if deferred and winner.plan is not None:
+
+    def in_detail(outcome: LayoutOutcome) -> None:
         # The same planner again, its memo answering every trial it ran: what it adds is the
         # deferred search. The steps and bytes communicated it ranked by stay as they were.
-        planner = planners[winner.layout]
+        nonlocal outcomes, winner, reason
+        planner = planners[outcome.layout]
         planner.search_details = True
-        detailed = planned_outcome(winner.layout, planner.run())
-        outcomes = [detailed if o is winner else o for o in outcomes]
+        detailed = planned_outcome(outcome.layout, planner.run())
+        outcomes = [detailed if o is outcome else o for o in outcomes]
         winner, reason = choose_layout(outcomes, rank_by_time=rank_by_time)
+
+    if deferred and rank_by_time and winner.plan is not None and winner.layout != Layout():
+        replicas = next((o for o in outcomes if o.layout == Layout() and o.plan is not None), None)
+        if replicas is not None and details_upper(first) > (winner.samples_per_s or 0.0):
+            in_detail(replicas)
+    if deferred and winner.plan is not None and not planners[winner.layout].search_details:
+        in_detail(winner)
     planned: Plan = winner.plan
     planned.reasons["layout"] = reason + "".join(f"; {note}" for note in notes)
     if options.eval_batch:

@@ -22,7 +22,7 @@ from ..errors import EstimateUnavailable, PlanError
 from ..planning.policy import split_for
 from ..planning.types import ConfigurationPredicted, Plan, SettingTried, ThroughputOutcome
 from ..precision import Precision
-from ..timing.bound import FloorSteps, ReferenceStep
+from ..timing.bound import SLACK, FloorSteps, ReferenceStep
 from ..timing.comm import network_from_profile
 from ..timing.layout import with_layout
 from ..timing.count import count_steps_costs
@@ -117,6 +117,98 @@ def fastest_predicted(planner) -> Plan:
         f"accumulation steps to save or fits nowhere; --sharding fsdp ranks it anyway)"
         if options.sharding == "auto" else f"{plan.chosen_layout} as requested")
     return plan
+
+
+def details_upper(planner) -> float:
+    """The most samples/s per GPU data parallelism's ranked plan could reach with the details a
+    layout search defers (``search_details`` off): its sync-on-last window
+    (``sync_on_last_upper``), or a smaller shard group that reaches as few steps
+    (``_shard_groups_upper``)."""
+    own = planner.sync_on_last_upper or 0.0
+    return max(own, _shard_groups_upper(planner)) if not planner.search_details else own
+
+
+SHARD_PADDING_BYTES = 1 << 20
+"""What a rank's parameter shards on the whole world may hold beyond their share: FSDP2 pads each
+parameter to a multiple of the group, at most one element per tensor and rank (1 MiB: 262,144
+fp32 tensors)."""
+
+
+def _shard_groups_upper(planner) -> float:
+    """``shard_group_bounds``' most; 0.0 where no group is searched or none can fit."""
+    return max(shard_group_bounds(planner).values(), default=0.0)
+
+
+def shard_group_bounds(planner) -> dict[int, float]:
+    """{g: the most samples/s per GPU shard group g's settings could be predicted at}, from the
+    whole world's ranked settings, for each smaller group that may fit (none where no group is
+    searched).
+
+    A group is probed at one micro-batch, the one that reaches the world's fewest steps
+    (``planner._probe_layouts``), for each checkpointing setting the world's reaches it with. A
+    rank of group g holds what the world's rank holds there (the same gathered blocks and
+    activations) and parameter and optimizer-state shards world/g times larger
+    (``_states_per_parameter``): where the world's tensors at that micro-batch plus that growth
+    pass the budget left, g does not fit (70B on 256: groups 4, 8 and 16). Else its step is the
+    world's counted one with FSDP2's gathers and scatters over g ranks (the same forward and
+    backward; larger shards to copy and step, and its replicas' all-reduce, left out, only add),
+    each size not counted at ``FloorSteps``' floor, its gradients reduce-scattered each
+    micro-step or once a window, less ``SLACK``."""
+    options, request = planner.options, planner.request
+    world = request.data_parallel
+    groups = [g for g in range(2, world) if world % g == 0]
+    if options.sharding != "auto" or options.shard_group is not None or not groups:
+        return {}
+    whole = [(setting, counted) for setting, counted, _ in planner.step_models
+             if setting.sharding is Sharding.FSDP and setting.shard_group in (None, world)]
+    if not whole:
+        return {}
+    best = min(len(split_for(setting.allowed_micro_batch, request)) for setting, _ in whole)
+    needed = min(request.wanted_micro_batch, -(-request.share // best))
+    split = split_for(needed, request)
+    speed = speed_for_profile(planner.target.profile)
+    network = network_from_profile(planner.target.profile, gpus_per_node=options.gpus_per_node,
+                                   network_gbps=options.network_gbps)
+    states = _states_per_parameter(planner.fingerprint)
+    sharded = planner.fingerprint.param_bytes * (1 + states)
+    most: dict[int, float] = {}
+    for setting, counted in whole:
+        if setting.allowed_micro_batch < needed:
+            continue  # a group's rank holds more: it cannot reach it either
+        at = setting.probe.trial_at(needed) if setting.probe is not None else None
+        held = (at.allocated_peak_bytes or at.peak_bytes) if at is not None else None
+        for group in groups:
+            grows = sharded * (1 / group - 1 / world) - SHARD_PADDING_BYTES * (1 + states)
+            if held is not None and held + grows > planner.usable:
+                continue
+            model = FloorSteps({n: _regrouped(c, world, group) for n, c in counted.items()}, speed,
+                               setting.precision)
+            for every in (True, False):
+                most[group] = max(most.get(group, 0.0), predict_window(
+                    model, split, network=network, world_size=world, sharding="fsdp", shard_group=group,
+                    reduce_every_micro_step=every, gradient_bytes=planner.fingerprint.param_bytes
+                ).samples_per_s / SLACK)
+    return most
+
+
+def _states_per_parameter(fingerprint) -> int:
+    """Tensors of a parameter's size and dtype the optimizer keeps for each trainable parameter,
+    at least: torch's Adam and AdamW two (``exp_avg``, ``exp_avg_sq``), SGD with momentum one
+    (``momentum_buffer``); 0 for any other (bitsandbytes' 8-bit states are smaller)."""
+    settings = fingerprint.optimizer_settings or {}
+    if fingerprint.optimizer in ("Adam", "AdamW"):
+        return 2
+    if fingerprint.optimizer == "SGD" and (settings.get("momentum") or 0) > 0:
+        return 1
+    return 0
+
+
+def _regrouped(costs, world: int, group: int):
+    """``costs`` with FSDP2's gathers and scatters over the whole ``world`` over ``group`` ranks."""
+    calls = tuple(dataclasses.replace(c, group_size=group)
+                  if c.kind in ("all_gather", "reduce_scatter") and c.group_size == world and not c.ring else c
+                  for c in costs.collectives)
+    return dataclasses.replace(costs, collectives=calls)
 
 
 def _in_layout(planner, timed, split: list[int], precision, network):
@@ -280,4 +372,4 @@ def _why_none(settings: list[SettingTried]) -> str:
                      f"{s.error or 'no micro-batch fits'}" for s in settings[:6])
 
 
-__all__ = ["fastest_predicted", "own_bounds", "own_steps", "recorded_key", "reference_steps", "why_predicted_fastest"]
+__all__ = ["details_upper", "fastest_predicted", "own_bounds", "own_steps", "recorded_key", "reference_steps", "why_predicted_fastest"]
