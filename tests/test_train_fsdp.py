@@ -172,8 +172,12 @@ def test_fsdp_trains_real_models_as_one_process(two_ranks, name):
     model.load_state_dict(torch.load(two_ranks / f"{name}.pt", weights_only=True)["model"])
     assert relative_error(params_of(model), params_of(single.model)) <= 1e-5
     start = initial_params(workload)
-    # The update itself, not only the parameters (which 3 small AdamW steps barely move).
-    assert relative_error(params_of(model) - start, params_of(single.model) - start) <= 1e-4
+    # The update itself, not only the parameters (which 3 small AdamW steps barely move). Two
+    # ranks' halves sum their gradients in another order than one batch does, and AdamW's
+    # m / sqrt(v) magnifies that where a gradient is near zero: gpt_varlen's update differed by
+    # 1.11e-4 on an AMD EPYC (2026-12-06, the same on the previous day's commit), under 1e-4 on
+    # the Intel machines before. A scaling or accumulation error is of order 1.
+    assert relative_error(params_of(model) - start, params_of(single.model) - start) <= 2e-4
     assert report["loss"] == pytest.approx([m["loss"] for m in single.metrics], rel=1e-5)
 
 
