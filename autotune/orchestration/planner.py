@@ -33,7 +33,7 @@ from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFing
 from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointing_worth_probing,
                       choose_precision, cpu_precision, ddp_bucket_bytes, evaluate_setting, fewest_steps,
                       first_shard_group, predicted_blocks, predicted_group_max, setting_extra_bytes,
-                      settings_below_fewest,
+                      settings_below_fewest, shard_group_micro_batch,
                       sharding_worth_estimating, split_for, usable_bytes)
 from ..distributed.layout import Layout, check_degree, parse_layout
 from ..planning.layouts import is_auto
@@ -549,7 +549,7 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
     if smaller_groups and best is not None and best < (fewest_steps(settings, request) or math.inf):
         # A smaller group is only worth it at the micro-batch that reaches as few steps: the
         # probe need not look further.
-        needed = min(request.wanted_micro_batch, math.ceil(request.share / best))
+        needed = shard_group_micro_batch(request, best)
 
         def reaches(group: int) -> bool:
             # Each probe starts where the whole world's probe of the same checkpointing predicts.

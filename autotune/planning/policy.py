@@ -325,6 +325,12 @@ def first_shard_group(settings: list[SettingTried], groups: list[int], *, micro_
     return len(groups) - 1
 
 
+def shard_group_micro_batch(request: PlanRequest, steps: int) -> int:
+    """The micro-batch a smaller shard group is probed at: the one that takes the share in
+    ``steps`` (the whole world's fewest), no larger than the request wants."""
+    return min(request.wanted_micro_batch, math.ceil(request.share / steps))
+
+
 def fewest_steps(settings: list[SettingTried], request: PlanRequest) -> int | None:
     """The fewest accumulation steps any of ``settings`` allows (None: none fits)."""
     splits = [split_for(s.allowed_micro_batch, request) for s in settings]
