@@ -70,7 +70,7 @@ def _autotune_words(command):
 def test_the_ci_test_command_and_the_cpu_torch_install_are_there():
     # .ci/run runs the first line like this as CI's fast suite: it must install and run pytest
     ci = [line for line in README.splitlines() if re.match(r'^pip install -e "\.\[test\]"', line)]
-    assert ci and ci[0] == 'pip install -e ".[test]" && python -m pytest -q -m "not slow"'
+    assert ci and ci[0] == 'pip install -e ".[test]" && python -m pytest -q -m "not slow" -n 2'
     install = "\n".join(_blocks("bash"))
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in install
     from autotune.version import TORCH_FLOOR
