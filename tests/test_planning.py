@@ -81,17 +81,48 @@ def test_auto_precision_on_cpu_is_fp32_when_bf16_buys_nothing(probes, monkeypatc
     assert "no fewer" in plan.reasons["precision"]
 
 
-def test_auto_precision_on_cpu_is_bf16_where_it_buys_accumulation_steps(monkeypatch):
+def _precision_probes(monkeypatch, largest):
+    """Probes that honour ``least`` (one trial at the upper bound: it or nothing) and record
+    (precision, upper, least); ``largest``: {precision: the largest micro-batch that fits}."""
+    calls = []
     monkeypatch.setattr("autotune.orchestration.planner.supports_bf16", lambda device: True)
 
-    def fake(workload, *, precision, checkpointing, max_micro_batch, backend, **_):
-        found = min(20 if precision == "bf16" else 10, max_micro_batch)
+    def fake(workload, *, precision, checkpointing, max_micro_batch, backend, least=None, **_):
+        calls.append((str(precision), max_micro_batch, least))
+        found = min(largest[str(precision)], max_micro_batch)
+        if least is not None and found < least:
+            found = 0
         return linear_probe(found, precision=precision, checkpointing=checkpointing, upper=max_micro_batch)
 
     monkeypatch.setattr("autotune.orchestration.planner.probe", fake)
+    return calls
+
+
+def test_auto_precision_on_cpu_is_bf16_where_it_buys_accumulation_steps(monkeypatch):
+    calls = _precision_probes(monkeypatch, {"fp32": 10, "bf16": 20})
     plan = autotune.plan(_workload(), target_batch=40, device="cpu", checkpointing="off", headroom=0.0)
     assert plan.precision == "bf16" and plan.micro_batches == [20, 20]
     assert "fp32 needs 4 accumulation steps and bf16 needs 2" in plan.reasons["precision"]
+    # fp32 takes 4 steps; bf16 is first asked whether it fits 14 (3 steps), then searched.
+    assert calls == [("fp32", 40, None), ("bf16", 14, 14), ("bf16", 40, None)]
+
+
+def test_auto_precision_on_cpu_asks_bf16_one_trial_where_it_cannot_buy_a_step(monkeypatch):
+    # The README's quickstart searched bf16 in full (estimates, real trials, the fewest blocks) to
+    # learn that it needed fp32's steps: 104 s of planning on a CPU where bf16 is slow, 25 s now.
+    calls = _precision_probes(monkeypatch, {"fp32": 10, "bf16": 13})
+    plan = autotune.plan(_workload(), target_batch=40, device="cpu", checkpointing="off", headroom=0.0)
+    assert plan.precision == "fp32" and plan.micro_batches == [10] * 4
+    assert calls == [("fp32", 40, None), ("bf16", 14, 14)]
+    assert plan.reasons["precision"] == (
+        "auto: fp32 on the CPU (bf16 autocast is usually much slower on the CPU, and bf16 buys no "
+        "fewer than fp32's 4 accumulation steps: in bf16, micro-batch 14 (3 steps) does not fit the "
+        "budget less headroom)")
+    # A pinned micro-batch: bf16 cannot change the steps, nor is it asked one trial.
+    calls.clear()
+    plan = autotune.plan(_workload(), target_batch=40, device="cpu", checkpointing="off", headroom=0.0,
+                         micro_batch=10)
+    assert plan.precision == "fp32" and ("bf16", 14, 14) not in calls
 
 
 def test_fingerprint_and_base_lr_from_options(probes):

@@ -33,7 +33,7 @@ from ..planning.types import Plan, SettingTried, ThroughputOutcome, WorkloadFing
 from ..planning.policy import (PlanRequest, SyncOnLast, build_plan, checkpointing_worth_probing,
                       choose_precision, cpu_precision, ddp_bucket_bytes, evaluate_setting, fewest_steps,
                       first_shard_group, predicted_blocks, predicted_group_max, setting_extra_bytes,
-                      settings_below_fewest, shard_group_micro_batch,
+                      settings_below_fewest, micro_batch_for_steps,
                       sharding_worth_estimating, split_for, usable_bytes)
 from ..distributed.layout import Layout, check_degree, parse_layout
 from ..planning.layouts import is_auto
@@ -366,7 +366,8 @@ class _Planner:
         if options.optimize == "throughput":
             result = self._fastest() if self.target is None else fastest_predicted(self)
         elif options.precision == "auto" and self.target is None and self.backend.device.type == "cpu":
-            result = _cpu_auto_precision(self.settings_in, self.build, bf16=supports_bf16(self.backend.device))
+            result = _cpu_auto_precision(self.settings_in, self.build, bf16=supports_bf16(self.backend.device),
+                                         reaches_fewer=self.reaches_fewer_steps)
         else:
             result = self.build(self.chosen, self.settings_in(self.chosen))
         if options.eval_batch:
@@ -464,6 +465,19 @@ class _Planner:
         off.only_micro_batch = micro_batch
         return [off, on]
 
+    def reaches_fewer_steps(self, precision_: Precision, steps: int) -> tuple[bool, int] | None:
+        """Whether ``precision_`` plans fewer than ``steps`` accumulation steps, asked as one trial
+        per checkpointing setting at the micro-batch that takes ``steps`` - 1 (that micro-batch
+        too); None where a search answers instead (several ranks, a pinned micro-batch)."""
+        request = self.request
+        if (steps < 2 or self.distributed or self.world_size > 1 or request.micro_batch is not None
+                or request.even or self.options.sharding not in ("auto", "ddp")):
+            return None
+        needed = micro_batch_for_steps(request, steps - 1)
+        found = self.try_layout((Sharding.DDP, None), upper=needed, precision_=precision_, least=needed)
+        fewest = fewest_steps(found, dataclasses.replace(request, precision=precision_))
+        return fewest is not None and fewest < steps, needed
+
     def settings_in(self, precision_: Precision) -> list[SettingTried]:
         return _probe_layouts(functools.partial(self.try_layout, precision_=precision_),
                               dataclasses.replace(self.request, precision=precision_),
@@ -501,14 +515,25 @@ class _Planner:
         return made(self.sync_estimates[key])
 
 
-def _cpu_auto_precision(settings_in, build, *, bf16: bool) -> Plan:
-    """fp32, or bf16 where it plans fewer accumulation steps (see policy.cpu_precision)."""
+def _cpu_auto_precision(settings_in, build, *, bf16: bool, reaches_fewer=None) -> Plan:
+    """fp32, or bf16 where it plans fewer accumulation steps (see policy.cpu_precision).
+
+    Where fp32 planned, bf16 is first asked only whether it reaches one step fewer
+    (``reaches_fewer``, one trial per checkpointing setting): bf16's own search runs only where
+    it does. The README's quickstart searched bf16 in full, about 40% of its planning time on a
+    CPU where bf16 autocast is slow, to learn that bf16 needed as many steps."""
     tried = {Precision.FP32: settings_in(Precision.FP32)}
     plans = {}
     try:
         plans[Precision.FP32] = build(Precision.FP32, tried[Precision.FP32])
     except PlanError as exc:
         fp32_error = exc
+    if bf16 and Precision.FP32 in plans and plans[Precision.FP32].accumulation_steps > 1 and reaches_fewer:
+        fp32_steps = plans[Precision.FP32].accumulation_steps
+        asked = reaches_fewer(Precision.BF16, fp32_steps)
+        if asked is not None and not asked[0]:
+            _, reason = cpu_precision(fp32_steps, None, bf16_short_of=asked[1])
+            return build(Precision.FP32, tried[Precision.FP32], reason)
     if bf16 and (Precision.FP32 not in plans or plans[Precision.FP32].accumulation_steps > 1):
         tried[Precision.BF16] = settings_in(Precision.BF16)
         try:
@@ -549,7 +574,7 @@ def _probe_layouts(try_layout, request: PlanRequest, sharding: str, shard_group,
     if smaller_groups and best is not None and best < (fewest_steps(settings, request) or math.inf):
         # A smaller group is only worth it at the micro-batch that reaches as few steps: the
         # probe need not look further.
-        needed = shard_group_micro_batch(request, best)
+        needed = micro_batch_for_steps(request, best)
 
         def reaches(group: int) -> bool:
             # Each probe starts where the whole world's probe of the same checkpointing predicts.

@@ -19,7 +19,7 @@ import dataclasses
 
 from ..distributed.sharding.settings import Sharding, resolve_shard_group
 from ..errors import EstimateUnavailable, PlanError
-from ..planning.policy import shard_group_micro_batch, split_for
+from ..planning.policy import micro_batch_for_steps, split_for
 from ..planning.types import ConfigurationPredicted, Plan, SettingTried, ThroughputOutcome
 from ..precision import Precision
 from ..timing.bound import SLACK, FloorSteps, ReferenceStep
@@ -164,7 +164,7 @@ def shard_group_bounds(planner) -> dict[int, float]:
     if not whole:
         return {}
     best = min(len(split_for(setting.allowed_micro_batch, request)) for setting, _ in whole)
-    needed = shard_group_micro_batch(request, best)
+    needed = micro_batch_for_steps(request, best)
     split = split_for(needed, request)
     speed = speed_for_profile(planner.target.profile)
     network = network_from_profile(planner.target.profile, gpus_per_node=options.gpus_per_node,

@@ -251,10 +251,17 @@ def choose_precision(requested: str, *, device_kind: str, bf16_supported: bool) 
     return Precision.FP32, f"auto: the {device_kind} device supports neither bf16 nor fp16 training well"
 
 
-def cpu_precision(fp32_steps: int | None, bf16_steps: int | None) -> tuple[str, str]:
+def cpu_precision(fp32_steps: int | None, bf16_steps: int | None, *,
+                  bf16_short_of: int | None = None) -> tuple[str, str]:
     """Under "auto" on the CPU: fp32 unless bf16 plans fewer accumulation steps (None: the
-    precision does not fit at all), and why."""
+    precision does not fit at all), and why. ``bf16_short_of``: bf16 was not searched, only
+    tried at the micro-batch one step fewer than fp32's needs, where it did not fit."""
     slow = "bf16 autocast is usually much slower on the CPU"
+    if bf16_short_of is not None:
+        return "fp32", (f"auto: fp32 on the CPU ({slow}, and bf16 buys no fewer than fp32's "
+                        f"{fp32_steps} accumulation steps: in bf16, micro-batch {bf16_short_of} "
+                        f"({fp32_steps - 1} step{'s' if fp32_steps > 2 else ''}) does not fit the budget "
+                        f"less headroom)")
     if bf16_steps is not None and (fp32_steps is None or bf16_steps < fp32_steps):
         fp32_text = "does not fit" if fp32_steps is None else f"needs {fp32_steps} accumulation steps"
         return "bf16", (f"auto: bf16, although {slow}, because fp32 {fp32_text} and bf16 needs "
@@ -325,9 +332,10 @@ def first_shard_group(settings: list[SettingTried], groups: list[int], *, micro_
     return len(groups) - 1
 
 
-def shard_group_micro_batch(request: PlanRequest, steps: int) -> int:
-    """The micro-batch a smaller shard group is probed at: the one that takes the share in
-    ``steps`` (the whole world's fewest), no larger than the request wants."""
+def micro_batch_for_steps(request: PlanRequest, steps: int) -> int:
+    """The micro-batch that takes the share in ``steps``, no larger than the request wants: where
+    a smaller shard group is probed (at the whole world's fewest steps), and where CPU auto
+    precision asks whether bf16 reaches one step fewer than fp32."""
     return min(request.wanted_micro_batch, math.ceil(request.share / steps))
 
 

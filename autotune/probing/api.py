@@ -112,7 +112,10 @@ def probe(
     started = time.perf_counter()
     estimating = isinstance(backend, EstimateMemoryBackend)
     seed = None
-    if use_estimate and not estimating and not sharding.sharded and (parallel is None or parallel.trivial):
+    one_trial = least is not None and max_micro_batch is not None and least >= max_micro_batch
+    # One trial asks all there is to ask (search_with_share): an estimate's search would only seed it.
+    if (use_estimate and not estimating and not one_trial and not sharding.sharded
+            and (parallel is None or parallel.trivial)):
         seed = (seed_in_child if isolated(workload) else estimate_seed)(
             workload, backend, precision=precision, checkpointing=checkpointing,
             upper=max_micro_batch, share=share)
