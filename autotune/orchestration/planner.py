@@ -515,7 +515,7 @@ class _Planner:
         return made(self.sync_estimates[key])
 
 
-def _cpu_auto_precision(settings_in, build, *, bf16: bool, reaches_fewer=None) -> Plan:
+def _cpu_auto_precision(settings_in, build, *, bf16: bool, reaches_fewer) -> Plan:
     """fp32, or bf16 where it plans fewer accumulation steps (see policy.cpu_precision).
 
     Where fp32 planned, bf16 is first asked only whether it reaches one step fewer
@@ -528,7 +528,7 @@ def _cpu_auto_precision(settings_in, build, *, bf16: bool, reaches_fewer=None) -
         plans[Precision.FP32] = build(Precision.FP32, tried[Precision.FP32])
     except PlanError as exc:
         fp32_error = exc
-    if bf16 and Precision.FP32 in plans and plans[Precision.FP32].accumulation_steps > 1 and reaches_fewer:
+    if bf16 and Precision.FP32 in plans and plans[Precision.FP32].accumulation_steps > 1:
         fp32_steps = plans[Precision.FP32].accumulation_steps
         asked = reaches_fewer(Precision.BF16, fp32_steps)
         if asked is not None and not asked[0]:

@@ -257,11 +257,10 @@ def cpu_precision(fp32_steps: int | None, bf16_steps: int | None, *,
     precision does not fit at all), and why. ``bf16_short_of``: bf16 was not searched, only
     tried at the micro-batch one step fewer than fp32's needs, where it did not fit."""
     slow = "bf16 autocast is usually much slower on the CPU"
+    no_fewer = f"auto: fp32 on the CPU ({slow}, and bf16 buys no fewer than fp32's {fp32_steps} accumulation steps"
     if bf16_short_of is not None:
-        return "fp32", (f"auto: fp32 on the CPU ({slow}, and bf16 buys no fewer than fp32's "
-                        f"{fp32_steps} accumulation steps: in bf16, micro-batch {bf16_short_of} "
-                        f"({fp32_steps - 1} step{'s' if fp32_steps > 2 else ''}) does not fit the budget "
-                        f"less headroom)")
+        return "fp32", (f"{no_fewer}: in bf16, micro-batch {bf16_short_of} ({fp32_steps - 1} "
+                        f"step{'s' if fp32_steps > 2 else ''}) does not fit the budget less headroom)")
     if bf16_steps is not None and (fp32_steps is None or bf16_steps < fp32_steps):
         fp32_text = "does not fit" if fp32_steps is None else f"needs {fp32_steps} accumulation steps"
         return "bf16", (f"auto: bf16, although {slow}, because fp32 {fp32_text} and bf16 needs "
@@ -269,8 +268,7 @@ def cpu_precision(fp32_steps: int | None, bf16_steps: int | None, *,
     if bf16_steps is None and fp32_steps is not None and fp32_steps > 1:
         return "fp32", f"auto: fp32 on the CPU ({slow}, and bf16 fits no better)"
     if bf16_steps is not None:
-        return "fp32", (f"auto: fp32 on the CPU ({slow}, and bf16 buys no fewer than fp32's "
-                        f"{fp32_steps} accumulation steps)")
+        return "fp32", f"{no_fewer})"
     return "fp32", f"auto: fp32 on the CPU ({slow}; fp32 needs no accumulation)"
 
 
