@@ -80,6 +80,7 @@ def test_steps_that_lose_calls_as_blocks_are_added_do_not_extend():
 @pytest.mark.parametrize("sharding, world, layout, checkpointing", [
     ("fsdp", 4, {}, "on"), ("ddp", 2, {}, "off"),
     pytest.param("fsdp-offload", 2, {}, "off", marks=pytest.mark.slow),
+    pytest.param("fsdp", 4, {}, 6, marks=pytest.mark.slow),  # half the blocks: units of two
     pytest.param("fsdp", 4, dict(tp=2), "on", marks=pytest.mark.slow),  # about 10 s each
     pytest.param("fsdp", 4, dict(cp=2), "on", marks=[pytest.mark.slow, NEEDS_CPU_RING]),
     pytest.param("fsdp", 8, dict(tp=2, cp=2), "on", marks=[pytest.mark.slow, NEEDS_CPU_RING]),
@@ -97,7 +98,7 @@ def test_a_count_on_three_small_builds_extends_to_the_whole_models_count(
     monkeypatch.setattr(count, "extend_step_costs", spy)
     settings = dict(precision="bf16", checkpointing=checkpointing, sharding=sharding, world_size=world,
                     for_gpu=H100, parallel=parse_layout(**layout))
-    with synthesized_traces(True, max_share=None):  # twelve blocks: builds of 4, 5 and 6
+    with synthesized_traces(True, max_share=None):  # twelve blocks: builds of 2, 3 and 4
         small = count_steps_costs(LLAMA12, [2], **settings)
     assert extended == [True]
     whole = count_steps_costs(LLAMA12, [2], few_blocks=False, **settings)
@@ -106,14 +107,17 @@ def test_a_count_on_three_small_builds_extends_to_the_whole_models_count(
 
 def test_only_models_whose_small_builds_cost_well_below_the_whole_are_counted_on_them():
     workload = load_workload(LLAMA12)
-    # Twelve blocks: builds of 4, 5 and 6 hold more than half the blocks (SYNTHESIS_MAX_SHARE).
+    # Twelve blocks: builds of 2, 3 and 4 hold more than half the blocks (SYNTHESIS_MAX_SHARE).
     assert small_builds(workload, "on") is None
     with synthesized_traces(True, max_share=None):
         pattern, builds = small_builds(workload, "on")
-        assert [b.blocks for b in builds] == [4, 5, 6] and builds[0].checkpointed == (0, 1, 2, 3)
-        assert pattern.repeats == 12
-        # Half the blocks checkpointed: units of two blocks, builds of 8, 10 and 12, not smaller.
-        assert small_builds(workload, 6) is None
+        assert [b.blocks for b in builds] == [2, 3, 4] and builds[0].checkpointed == (0, 1)
+        assert [b.units for b in builds] == [2, 3, 4] and pattern.repeats == 12
+        # Half the blocks checkpointed: units of two blocks, builds of 4, 6 and 8.
+        pattern, builds = small_builds(workload, 6)
+        assert [b.blocks for b in builds] == [4, 6, 8] and builds[1].checkpointed == (0, 2, 4)
+        # Four blocks checkpointed in twelve: units of three, and a build of 12 is the model.
+        assert small_builds(workload, 4) is None
         pattern, builds = small_builds(workload, "off")
         assert builds[2].checkpointed == ()
         assert small_builds(workload, "on", parallel=parse_layout(tp=2, pp=2)) is None  # pipelines

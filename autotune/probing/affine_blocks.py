@@ -62,6 +62,14 @@ EDGE = 2
 """Units of the block pattern told apart at each end of the stack (see ``_Timeline``); the
 smaller build repeats the unit twice that often, the larger once more."""
 
+COUNT_UNITS = (2, 3, 4)
+"""The units of the three small builds a step count extends from (``small_builds``). A count
+needs no timeline's ends, only the ops each added unit adds: a unit between the first and the
+last runs what every middle unit runs. Builds of 1, 2 and 3 units do not extend under FSDP2 (the
+third is off the line through the first two, a lone block being the stack's first and last too);
+2, 3 and 4 counted every layout of tests/test_extend_costs.py exactly as the whole model, at 9
+blocks of work where the memory trials' 4, 5 and 6 take 15."""
+
 _enabled = True
 
 TRACE_SYNTHESIS = True
@@ -215,12 +223,16 @@ def _resolved(checkpointing, total: int, source: str) -> Checkpointing:
     return Checkpointing.every_block(total) if request.value == "on" else request.resolve(total, source=source)
 
 
-def _in_three_builds(pattern: BlockPattern | None, total: int) -> bool:
-    """Whether ``pattern`` repeats in three small builds (no prefix) that are smaller than the
-    model and, together, hold at most ``SYNTHESIS_MAX_SHARE`` of its blocks."""
-    if pattern is None or pattern.prefix or pattern.blocks(pattern.small[1] + 1) >= total:
+def _in_three_builds(pattern: BlockPattern | None, total: int, units: tuple[int, ...] | None = None) -> bool:
+    """Whether ``pattern`` repeats in three small builds (no prefix; of ``units`` repetitions,
+    default the memory trials') that are smaller than the model and, together, hold at most
+    ``SYNTHESIS_MAX_SHARE`` of its blocks."""
+    if pattern is None or pattern.prefix:
         return False
-    sizes = [pattern.blocks(m) for m in (*pattern.small, pattern.small[1] + 1)]
+    units = units or (*pattern.small, pattern.small[1] + 1)
+    if pattern.blocks(units[-1]) >= total:
+        return False
+    sizes = [pattern.blocks(m) for m in units]
     return SYNTHESIS_MAX_SHARE is None or sum(sizes) <= SYNTHESIS_MAX_SHARE * total
 
 
@@ -240,11 +252,13 @@ class SmallBuild:
 
     blocks: int
     checkpointed: tuple[int, ...]
+    units: int
+    """The block pattern's units it repeats."""
 
 
 def small_builds(workload, checkpointing, *, parallel=None) -> tuple[BlockPattern, list[SmallBuild]] | None:
-    """The three small builds (``units``, ``units + 1`` and ``units + 2`` units of the block
-    pattern) that a count of the step extends to the whole model (``timing.count``,
+    """The three small builds (``COUNT_UNITS`` units of the block pattern) that a count of the
+    step extends to the whole model (``timing.count``,
     ``timing.extend``), with the pattern; None where the model's step is counted whole: its
     blocks differ or are too few, the checkpointed blocks do not repeat from the first, the
     layout's few-block estimates are not proven, or the small builds would hold more than
@@ -255,10 +269,9 @@ def small_builds(workload, checkpointing, *, parallel=None) -> tuple[BlockPatter
     if total is None:
         return None
     pattern = block_pattern(_resolved(checkpointing, total, workload.source).count or 0, total)
-    if not _in_three_builds(pattern, total):
+    if not _in_three_builds(pattern, total, COUNT_UNITS):
         return None
-    return pattern, [SmallBuild(pattern.blocks(m), tuple(pattern.checkpointed(m)))
-                     for m in (*pattern.small, pattern.small[1] + 1)]
+    return pattern, [SmallBuild(pattern.blocks(m), tuple(pattern.checkpointed(m)), m) for m in COUNT_UNITS]
 
 
 def first_blocks(workload, build: SmallBuild):

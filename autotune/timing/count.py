@@ -98,7 +98,7 @@ def _extended_from_small_builds(workload, sizes, settings) -> dict[int, StepCost
         if not built_whole_instead(exc):
             raise
         return None
-    extended = {n: extend_step_costs([c[n] for c in counted], units=pattern.small[0], repeats=pattern.repeats)
+    extended = {n: extend_step_costs([c[n] for c in counted], units=builds[0].units, repeats=pattern.repeats)
                 for n in sizes}
     return None if any(c is None for c in extended.values()) else extended
 
