@@ -215,14 +215,37 @@ def test_a_layout_the_bound_puts_below_the_fastest_is_neither_screened_nor_plann
     assert "checkpointing off at most 0" in reason and "every block checkpointed at most 0" in reason
 
 
-def test_a_layout_that_could_win_is_screened_at_its_least_memory_and_ruled_out_there(monkeypatch, one_thread):
-    planned, ran, screens = _search(monkeypatch, bound=float("inf"), screen="runs out (stub)")
-    assert ran == [Layout()] and planned.parallel == Layout()
-    # Every split could win: each setting screened at micro-batch 1, off first, then every block.
-    assert screens == [(Layout(tp=2), 1, "off"), (Layout(tp=2), 1, "on"),
-                       (Layout(cp=2), 1, "off"), (Layout(cp=2), 1, "on")]
-    # Its least memory (every block checkpointed, micro-batch 1) does not fit: it fits nowhere.
-    assert planned.reasons["layout"].count("nothing fits: runs out (stub)") == 2
+def test_a_layout_whose_least_memory_could_win_at_micro_batch_1_is_counted_not_screened_there(
+        monkeypatch, one_thread):
+    planned, ran, screens = _search(monkeypatch, bound=float("inf"), own=float("inf"),
+                                    screen="runs out (stub)")
+    # Every split could win: without checkpointing screened at micro-batch 1 (out of memory, stub);
+    # every block checkpointed, the least memory, counted first and, still winning at 1, planned
+    # whole without a screen (its planner's probe says what fits; a screen only that it fits).
+    ring = [Layout(cp=2)] if cpu_ring_available() else []
+    assert screens == [(Layout(tp=2), 1, "off"), (Layout(cp=2), 1, "off")]
+    assert ran == [Layout(), Layout(tp=2), *ring]
+    assert "runs out (stub)" not in planned.reasons["layout"]
+
+
+def test_a_layout_planned_unscreened_that_fits_nowhere_is_answered_by_its_planners_probe(monkeypatch, one_thread):
+    from autotune.errors import PlanError
+    from autotune.orchestration import planner
+
+    original_run = planner._Planner.run
+
+    def fits_nowhere(self):
+        if not self.options.parallel.trivial:
+            raise PlanError("stub: fits nowhere")
+        return original_run(self)
+
+    monkeypatch.setattr(planner._Planner, "run", fits_nowhere)
+    planned, ran, screens = _search(monkeypatch, bound=float("inf"), own=float("inf"),
+                                    screen="runs out (stub)")
+    # Its planner's probe (stubbed) fits nowhere: the layout fits nowhere, as a screen at its
+    # least memory would have said.
+    assert planned.parallel == Layout()
+    assert "tp 2 (stub: fits nowhere)" in planned.reasons["layout"]
 
 
 def test_a_layout_whose_screen_fits_and_own_step_could_win_is_planned_whole(monkeypatch, one_thread):

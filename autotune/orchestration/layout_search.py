@@ -108,13 +108,16 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
         planner.search_details = not deferred and not late_details
         try:
             short = None  # set where a screen at micro-batch 1 ran out: the layout fits nowhere
-            screened = False
+            screened = unscreened = False
             if rank_by_time and fastest and not layout.trivial and not screen_only:
                 # Ranked by throughput, a layout is planned whole where a bound from data
                 # parallelism's counted step leaves it a chance against the fastest so far.
                 lost = _cannot_win(workload, planner, layout, fastest[0], planners.get(Layout()),
                                    checkpointable=fingerprint.checkpointable, sharding=sharding,
                                    screen=screen)
+                unscreened = lost is _UNSCREENED  # its planner's probe says what fits
+                if unscreened:
+                    lost = None
                 if lost is not None:
                     if lost.fits_nowhere:
                         screening.append(layout)
@@ -134,7 +137,7 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                     return LayoutOutcome(layout, beaten=steps + 1, screened=True, error=(
                         f"{why}: its share of {share} samples in {_steps_words(steps)} needs "
                         f"micro-batch {needed}; {short}"))
-            elif (screening or screen_only) and not layout.trivial:
+            elif (screening or screen_only) and not layout.trivial and not unscreened:
                 short = screen(workload, planner, layout, fingerprint.checkpointable)
                 screened = True
             if short is None and screen_only:
@@ -228,8 +231,12 @@ def _could_lead(planner, fastest: list[LayoutOutcome]) -> bool:
     return not fastest or upper is None or upper > fastest[0].samples_per_s
 
 
+_UNSCREENED = object()
+"""``_cannot_win``'s answer for a layout to plan whole without a screen first."""
+
+
 def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, reference, *,
-                checkpointable: bool, sharding: str, screen) -> LayoutOutcome | None:
+                checkpointable: bool, sharding: str, screen) -> LayoutOutcome | object | None:
     """``layout``'s outcome where it cannot beat ``leader``'s predicted samples/s per GPU
     without a planner's search; None where it might (it is planned whole then).
 
@@ -242,7 +249,9 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
     Where one does, the layout's own step, counted at micro-batches 1 and 2 for that setting
     (``predicted.own_steps``, kept for its planner), bounds those splits again
     (``predicted.own_bounds``), and a screen at the smallest that still could win decides; a
-    setting that holds less than one a screen saw fit is counted without that first screen.
+    setting that holds less than one a screen saw fit is counted without that first screen, and
+    so is the least memory where a screen would be at micro-batch 1: still winning there after its
+    count, the layout is planned whole unscreened (``_UNSCREENED``).
     Every block's recompute is a floor only where that is the one checkpointed setting ranked
     (a sharded layout's; a replica's planner also ranks fewer blocks: its own step is counted
     without checkpointing then)."""
@@ -288,7 +297,14 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
             # none fitted at ``fits_at``) is counted before it is screened: its own step moves
             # the smallest micro-batch that could win up, and one screen there decides (8B's CP 2:
             # the screen at micro-batch 2 fitted, its own count then asked for 16; 8.5 CPU s saved).
-            count_first = bool(fits_at) and not counted and layout.pp == 1
+            # The least memory at micro-batch 1 is counted before it is screened too, and planned
+            # whole unscreened where its own step still lets it win there: a screen would only say
+            # it fits, which the planner's probe finds anyway (70B's TP 2: 11 CPU s); one that fits
+            # nowhere fails that probe instead (no pipeline here: 70B's and 405B's fit nowhere).
+            least = checkpointing == choices[-1][0] and micro_batch == 1
+            count_first = not counted and layout.pp == 1 and (bool(fits_at) or least)
+            if counted and least:
+                return _UNSCREENED
             if micro_batch > fits_at and not count_first:
                 short = screen(workload, planner, layout, checkpointable, micro_batch=micro_batch,
                                checkpointing=checkpointing)
