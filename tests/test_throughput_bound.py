@@ -228,6 +228,15 @@ def test_a_layout_whose_least_memory_could_win_at_micro_batch_1_is_counted_not_s
     assert "runs out (stub)" not in planned.reasons["layout"]
 
 
+def test_a_pipeline_whose_least_memory_could_win_at_micro_batch_1_is_screened_there_first(monkeypatch, one_thread):
+    planned, ran, screens = _search(monkeypatch, bound=float("inf"), screen="runs out (stub)", pp="auto")
+    piped = [(micro_batch, checkpointing) for layout, micro_batch, checkpointing in screens if layout.pp > 1]
+    # Every block checkpointed, its least memory, is screened first: it runs out (stub), so the
+    # pipeline fits nowhere, without a screen of the setting holding more (before: off, then on).
+    assert piped == [(1, "on")]
+    assert planned.parallel == Layout() and "pp 2 (1f1b) (nothing fits: runs out (stub))" in planned.reasons["layout"]
+
+
 def test_a_layout_planned_unscreened_that_fits_nowhere_is_answered_by_its_planners_probe(monkeypatch, one_thread):
     from autotune.errors import PlanError
     from autotune.orchestration import planner

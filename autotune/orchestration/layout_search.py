@@ -251,7 +251,8 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
     (``predicted.own_bounds``), and a screen at the smallest that still could win decides; a
     setting that holds less than one a screen saw fit is counted without that first screen, and
     so is the least memory where a screen would be at micro-batch 1: still winning there after its
-    count, the layout is planned whole unscreened (``_UNSCREENED``).
+    count, the layout is planned whole unscreened (``_UNSCREENED``). A pipeline whose least memory
+    could win at micro-batch 1 is screened there first: where that does not fit, it fits nowhere.
     Every block's recompute is a floor only where that is the one checkpointed setting ranked
     (a sharded layout's; a replica's planner also ranks fewer blocks: its own step is counted
     without checkpointing then)."""
@@ -278,11 +279,22 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
              if Sharding.parse(sharding) is Sharding.FSDP and options.shard_group is None else None)
     words, least_short = [], None
     fits_at = 0  # the largest micro-batch a screen without checkpointing fitted (with it, less is held)
+    drawn = {checkpointing: {split: fastest_possible(
+        references, layout, list(split), recompute=recompute, network=network, seq_len=seq_len,
+        hidden=shape.hidden, blocks=shape.blocks, activation_bytes=activation_bytes, sharded_group=group)
+        for split in sorted(splits)} for checkpointing, recompute in choices}
+    least_memory = choices[-1][0]
+    if layout.pp > 1 and len(choices) > 1 and any(
+            b > leader.samples_per_s and max(split) == 1 for split, b in drawn[least_memory].items()):
+        # A pipeline (no count of its own) whose least memory could win at micro-batch 1 is screened
+        # there first: where that runs out it fits nowhere, without the screen of a setting
+        # holding more (70B's and 405B's pipelines: 7 CPU s each); where it fits, the same
+        # screen answers its setting's turn below.
+        short = screen(workload, planner, layout, checkpointable, micro_batch=1, checkpointing=least_memory)
+        if short is not None:
+            return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True, screened=True)
     for checkpointing, recompute in choices:
-        bounds = {split: fastest_possible(references, layout, list(split), recompute=recompute, network=network,
-                                          seq_len=seq_len, hidden=shape.hidden, blocks=shape.blocks,
-                                          activation_bytes=activation_bytes, sharded_group=group)
-                  for split in sorted(splits)}
+        bounds = drawn[checkpointing]
         label = "every block checkpointed" if checkpointing == "on" else "checkpointing off"
         counted = False  # bounded by the layout's own step too
         while True:
