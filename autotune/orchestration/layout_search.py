@@ -313,7 +313,7 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
             # whole unscreened where its own step still lets it win there: a screen would only say
             # it fits, which the planner's probe finds anyway (70B's TP 2: 11 CPU s); one that fits
             # nowhere fails that probe instead (no pipeline here: 70B's and 405B's fit nowhere).
-            least = checkpointing == choices[-1][0] and micro_batch == 1
+            least = checkpointing == least_memory and micro_batch == 1
             count_first = not counted and layout.pp == 1 and (bool(fits_at) or least)
             if counted and least:
                 return _UNSCREENED
