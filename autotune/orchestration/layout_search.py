@@ -144,8 +144,7 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
                 return LayoutOutcome(layout, screened=True, error="fits at micro-batch 1 (screened)")
             if short is not None:
                 screening.append(layout)
-                return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True,
-                                     screened=True)
+                return _fits_nowhere(layout, short)
             # A screen that fitted ran every block checkpointed: the planner starts there (not
             # where throughput ranks: fewer blocks checkpointed at smaller micro-batches may win).
             planner.every_block_first = screened and not rank_by_time
@@ -277,22 +276,23 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
     # context-parallel ones, unless a shard group is asked for (planner._probe_layouts).
     group = (layout.data_parallel(planner.world_size) * layout.cp
              if Sharding.parse(sharding) is Sharding.FSDP and options.shard_group is None else None)
-    words, least_short = [], None
+    words = []
     fits_at = 0  # the largest micro-batch a screen without checkpointing fitted (with it, less is held)
     drawn = {checkpointing: {split: fastest_possible(
         references, layout, list(split), recompute=recompute, network=network, seq_len=seq_len,
         hidden=shape.hidden, blocks=shape.blocks, activation_bytes=activation_bytes, sharded_group=group)
         for split in sorted(splits)} for checkpointing, recompute in choices}
     least_memory = choices[-1][0]
-    if layout.pp > 1 and len(choices) > 1 and any(
+    if layout.pp > 1 and any(
             b > leader.samples_per_s and max(split) == 1 for split, b in drawn[least_memory].items()):
         # A pipeline (no count of its own) whose least memory could win at micro-batch 1 is screened
         # there first: where that runs out it fits nowhere, without the screen of a setting
         # holding more (70B's and 405B's pipelines: 7 CPU s each); where it fits, the same
-        # screen answers its setting's turn below.
+        # screen answers its setting's turn below. (Any other layout's least memory at 1 is
+        # counted, never screened, below.)
         short = screen(workload, planner, layout, checkpointable, micro_batch=1, checkpointing=least_memory)
         if short is not None:
-            return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True, screened=True)
+            return _fits_nowhere(layout, short)
     for checkpointing, recompute in choices:
         bounds = drawn[checkpointing]
         label = "every block checkpointed" if checkpointing == "on" else "checkpointing off"
@@ -321,8 +321,6 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
                 short = screen(workload, planner, layout, checkpointable, micro_batch=micro_batch,
                                checkpointing=checkpointing)
                 if short is not None:
-                    if micro_batch == 1 and checkpointing == choices[-1][0]:
-                        least_short = short
                     words.append(f"{said}, from micro-batch {micro_batch}: {short}")
                     break
                 if checkpointing == "off":
@@ -344,9 +342,12 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
             bounds = {split: min(bounds[split], own[split]) for split in winning}
     why = (f"cannot beat {leader.name}'s {leader.samples_per_s:.4g} samples/s per GPU (bounded from data "
            f"parallelism's counted step, or its own where said): {'; '.join(words)}")
-    if least_short is not None:  # its least memory at micro-batch 1 does not fit
-        return LayoutOutcome(layout, error=f"nothing fits: {least_short}", fits_nowhere=True, screened=True)
     return LayoutOutcome(layout, beaten=1, screened=True, error=why)
+
+
+def _fits_nowhere(layout: Layout, short: str) -> LayoutOutcome:
+    """``layout``'s outcome where its screen at micro-batch 1, of its least memory, said ``short``."""
+    return LayoutOutcome(layout, error=f"nothing fits: {short}", fits_nowhere=True, screened=True)
 
 
 def _checkpointing_choices(planner, *, checkpointable: bool, sharded: bool) -> list[tuple[str, bool]] | None:
