@@ -44,6 +44,16 @@ def test_import_autotune_leaves_optuna_out_of_sys_modules():
     assert result.stdout.strip() == "False"
 
 
+def test_the_cli_loads_no_distributed_checkpoint_dtensor_nor_sympy_until_a_step_needs_them():
+    # About 1.8 CPU s of every process's start (each CLI call, each DDP rank) before they were
+    # left to the sharded checkpoint's save and load.
+    result = _run("import sys, autotune.cli.main\n"
+                  "print(sorted(m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor', "
+                  "'sympy') if m in sys.modules))")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_the_search_still_finds_optuna_when_it_runs():
     from autotune.tuning import search
 

@@ -29,14 +29,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..files.outputs import fsync_directory, write_atomic
 from ..errors import OutputError, option, flag
-from .dcp_reader import METADATA_NAME, SafeLoadPlanner, SafeReader, UnsafeCheckpoint, read_metadata
 from .errors import TrainError
+
+# torch.distributed.checkpoint (and with it DTensor and sympy) is imported by the functions that
+# save and load: importing it costs every process about 1 CPU s (a plan on one device, each DDP
+# rank, every CLI call), and only a sharded run's checkpoint uses it.
 
 POINTER_NAME = "checkpoint.json"
 STATE_NAME = "train_state.pt"
@@ -96,6 +96,10 @@ def save(directory, *, step: int, world_size: int, model, optimizer, train_state
         temporary.mkdir()
         (temporary / MARKER_NAME).write_text("written by autotune; removed with its folder\n")
     _barrier()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
     try:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
@@ -142,6 +146,12 @@ def load(directory, *, world_size: int, model, optimizer) -> dict:
 
     Nothing in the folder can run code: DCP's metadata is unpickled against an allow-list, the
     non-tensor values and the train state with ``weights_only=True``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from .dcp_reader import METADATA_NAME, SafeLoadPlanner, SafeReader, UnsafeCheckpoint, read_metadata
+
     folder = _checkpoint_folder(Path(directory), world_size)
     metadata = folder / METADATA_NAME
     try:  # first, alone: a refusal is one clear error, not DCP's fallbacks and logged traces
@@ -178,7 +188,7 @@ def load(directory, *, world_size: int, model, optimizer) -> dict:
                          f"{option('checkpoint_dir')}") from None
 
 
-def _unsafe(path: Path, exc: UnsafeCheckpoint) -> TrainError:
+def _unsafe(path: Path, exc) -> TrainError:
     return TrainError(f"{flag('resume')}: {path} holds objects other than the ones torch.distributed.checkpoint "
                       f"writes ({exc}); it was not loaded, so none of its code ran. Start a new "
                       f"{option('checkpoint_dir')}")
@@ -186,6 +196,8 @@ def _unsafe(path: Path, exc: UnsafeCheckpoint) -> TrainError:
 
 def _failures(exc: BaseException) -> list[BaseException]:
     """The exceptions of every rank inside a ``CheckpointException`` (else ``exc`` itself)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if not isinstance(exc, CheckpointException):
         return [exc]
     found = []
@@ -196,6 +208,8 @@ def _failures(exc: BaseException) -> list[BaseException]:
 
 
 def _failure_summary(exc: BaseException) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(exc, CheckpointException):
         ranks = ", ".join(f"rank {rank}: {_one_line(e)}" for rank, e in zip(exc.failures, _failures(exc)))
         return ranks or "CheckpointException"
