@@ -81,6 +81,50 @@ def test_only_an_every_block_reference_gives_the_recompute_floor_and_the_least_r
                          blocks=1, activation_bytes=2)
 
 
+
+def test_data_parallelisms_settings_counted_at_one_size_draw_one_reference_not_each(monkeypatch):
+    """Each ranked setting alone bounds a layout: where none was counted at two sizes, one more
+    size is counted for the setting with every block checkpointed and FSDP2 over the whole world
+    only (the wide decoder's four settings, each at one size: one count instead of four)."""
+    from autotune.distributed.sharding.settings import Sharding
+    from autotune.orchestration import predicted
+    from autotune.planning.types import SettingTried
+    from autotune.workload.checkpoint_count import Checkpointing
+
+    def setting(sharding, blocks):
+        return SettingTried(precision="bf16", checkpointing=Checkpointing(blocks, 4), sharding=sharding,
+                            shard_group=None, parallel=Layout())
+
+    settings = [setting(Sharding.DDP, 0), setting(Sharding.DDP, 4), setting(Sharding.FSDP, 0),
+                setting(Sharding.FSDP, 4)]
+    counted = []
+
+    def count(planner, setting_, sizes, tokens, gpu):
+        counted.append((setting_, tuple(sizes)))
+        return {n: _costs(n, recompute=bool(setting_.checkpointing.blocks)) for n in sizes}
+
+    monkeypatch.setattr(predicted, "_count", count)
+    monkeypatch.setattr(predicted, "tokens_per_sample", lambda workload: 64)
+
+    def planner(settings_):
+        return SimpleNamespace(
+            world_size=4, workload=None, target=SimpleNamespace(profile=SimpleNamespace(name="h100-80gb")),
+            step_models=[(s, {2: _costs(2, recompute=bool(s.checkpointing.blocks))},
+                          StepModel({2: _costs(2, recompute=bool(s.checkpointing.blocks))}, SPEED, "bf16"))
+                         for s in settings_])
+
+    (only,) = predicted.reference_steps(planner(settings))
+    assert counted == [(settings[3], (3,))]
+    assert only.every_block and set(only.model.counted) == {2, 3}
+    # Where the settings drawn through two sizes lack every block, that one is drawn too.
+    counted.clear()
+    mixed = planner(settings[2:])
+    off_model = StepModel({n: _costs(n, recompute=False) for n in (2, 3)}, SPEED, "bf16")
+    mixed.step_models[0] = (settings[2], dict(off_model.counted), off_model)
+    found = predicted.reference_steps(mixed)
+    assert counted == [(settings[3], (3,))]
+    assert [r.every_block for r in found] == [False, True]
+
 def test_a_layouts_floor_steps_are_exact_where_counted_and_below_its_count_elsewhere():
     from autotune.timing.bound import FloorSteps
 
@@ -451,6 +495,11 @@ def test_the_bound_is_never_below_a_layout_planned_whole_and_skipping_changes_no
     # Its ranked settings, and its step counted as where it fits nowhere: each bounds alike.
     for references in (reference_steps(reference), _counted_reference(reference)):
         _check_bounds(planned, references, options)
+    # And each ranked setting alone (reference_steps draws one where none was counted at two sizes).
+    singles = _every_ranked_setting(reference)
+    assert len(singles) == len(reference.step_models) >= 2
+    for single in singles:
+        _check_bounds(planned, [single], options, alone=True)
     monkeypatch.undo()
     bounded, planned_bounded = _ranked_search(monkeypatch, prune=True, options=options)
     assert len(planned_bounded) <= len(planned)
@@ -460,13 +509,33 @@ def test_the_bound_is_never_below_a_layout_planned_whole_and_skipping_changes_no
         assert len(planned_bounded) < len(planned) and "cannot beat" in bounded.reasons["layout"]
 
 
-def _check_bounds(planned, references, options):
+def _every_ranked_setting(reference) -> list:
+    """Each of data parallelism's ranked settings as a reference of its own, drawn through two
+    counted sizes."""
+    from autotune.orchestration.predicted import _count, _sharded_calls, _every_block, _sharded_over_world
+    from autotune.timing.bound import ReferenceStep
+    from autotune.timing.window import StepModel, tokens_per_sample
+
+    found = []
+    for setting, counted, model in reference.step_models:
+        if len(counted) < 2:
+            counted = {**counted, **_count(reference, setting, [max(counted) + 1],
+                                           tokens_per_sample(reference.workload), reference.target.profile.name)}
+            model = StepModel(counted, model.speed, setting.precision)
+        calls = (_sharded_calls(model.at(min(counted)).collectives)
+                 if _sharded_over_world(setting, reference.world_size) else ())
+        found.append(ReferenceStep(model, every_block=_every_block(setting), sharded_calls=calls))
+    return found
+
+
+def _check_bounds(planned, references, options, alone=False):
+    """``alone``: one reference by itself, which need not shard (nor bind through its gathers)."""
     from autotune.orchestration.predicted import own_bounds, own_steps
     from autotune.precision import Precision
 
     network = network_from_profile(load_profile("h100-80gb"), gpus_per_node=options.get("gpus_per_node"),
                                    network_gbps=options.get("network_gbps"))
-    if options.get("sharding") == "fsdp":  # its gathers bound the layouts' (auto may rank FSDP2 too)
+    if options.get("sharding") == "fsdp" and not alone:  # its gathers bound the layouts' (auto may rank FSDP2 too)
         assert any(r.sharded_calls for r in references)
     checked, own_checked, gathers_bind = set(), set(), False
     for planner_, made in planned:
@@ -494,7 +563,7 @@ def _check_bounds(planned, references, options):
     assert own_checked == {False, True}  # the layouts' own steps bound with and without checkpointing
     # Between hosts of 2 at 25 Gb/s, FSDP2's gathers bound at least one layout tighter than compute:
     # cp 2's, over all 4 ranks (tp 2's group of 2 stays inside a host; torch 2.13 has no CPU ring).
-    assert gathers_bind or options is WIDE or not cpu_ring_available()
+    assert gathers_bind or options is WIDE or not cpu_ring_available() or alone
 
 
 @pytest.mark.slow

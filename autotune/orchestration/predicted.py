@@ -246,30 +246,50 @@ def _count(planner, setting: SettingTried, sizes, tokens: int | None, gpu: str) 
 
 def reference_steps(planner) -> list[ReferenceStep]:
     """A data-parallel planner's ranked settings as steps at any micro-batch
-    (``timing.bound``): each drawn through two counted micro-batches, one more counted now where
-    its split had one size (the line needs two). Where none was ranked (data parallelism fits
-    nowhere), its step counted at micro-batches 1 and 2 all the same (a count needs no memory):
-    FSDP2 over the whole world, every block checkpointed where the model has blocks (the
-    forward and backward of none, and the recompute of every one)."""
+    (``timing.bound``), each drawn through two counted micro-batches. Each alone bounds a layout
+    (a rank of it runs at least 1/d of every op data parallelism runs), so those its ranking
+    counted at two sizes serve as they are, and where none was, one more size is counted for one
+    setting only (every block checkpointed, FSDP2 over the whole world where ranked: its
+    recompute and gathers bound the most), and the one it still lacks where the setting with
+    every block is another (the wide decoder's four settings at one size each: one count, not
+    four). Where none was ranked (data parallelism fits nowhere), its step counted at
+    micro-batches 1 and 2 all the same (a count needs no memory): FSDP2 over the whole world,
+    every block checkpointed where the model has blocks (the forward and backward of none, and
+    the recompute of every one)."""
     if not planner.step_models:
         if getattr(planner, "counted_reference", None) is None:
             planner.counted_reference = _counted_reference(planner)
         return planner.counted_reference
+    models = planner.step_models
+    every = [_every_block(setting) for setting, _, _ in models]
+    whole = [_sharded_over_world(setting, planner.world_size) for setting, _, _ in models]
+    drawn = [i for i, (_, counted, _) in enumerate(models) if len(counted) >= 2]
+    if not drawn:
+        drawn = [max(range(len(models)), key=lambda i: (every[i], whole[i]))]
+    if any(every) and not any(every[i] for i in drawn):
+        drawn.append(max((i for i in range(len(models)) if every[i]), key=lambda i: whole[i]))
     found = []
-    for i, (setting, counted, model) in enumerate(planner.step_models):
+    for i in drawn:
+        setting, counted, model = models[i]
         if len(counted) < 2:
             extra = max(counted) + 1
             counted = {**counted, **_count(planner, setting, [extra], tokens_per_sample(planner.workload),
                                            planner.target.profile.name)}
             model = StepModel(counted, model.speed, setting.precision)
-            planner.step_models[i] = (setting, counted, model)
-        blocks = setting.checkpointing
+            models[i] = (setting, counted, model)
         # FSDP2 over the whole world: its gathers are what a layout's FSDP2 gathers, over tp.
-        whole = setting.sharding is Sharding.FSDP and setting.shard_group in (None, planner.world_size)
-        calls = _sharded_calls(model.at(min(counted)).collectives) if whole else ()
-        found.append(ReferenceStep(model, every_block=bool(blocks.blocks) and blocks.blocks == blocks.total,
-                                   sharded_calls=calls))
+        calls = _sharded_calls(model.at(min(counted)).collectives) if whole[i] else ()
+        found.append(ReferenceStep(model, every_block=every[i], sharded_calls=calls))
     return found
+
+
+def _every_block(setting: SettingTried) -> bool:
+    blocks = setting.checkpointing
+    return bool(blocks.blocks) and blocks.blocks == blocks.total
+
+
+def _sharded_over_world(setting: SettingTried, world: int) -> bool:
+    return setting.sharding is Sharding.FSDP and setting.shard_group in (None, world)
 
 
 def own_steps(planner, *, every_block: bool) -> dict:
