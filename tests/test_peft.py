@@ -283,19 +283,40 @@ def test_a_peft_models_step_time_is_counted_as_the_estimate_builds_it():
 
 
 @pytest.mark.slow  # a layout search over a peft model, about 20 s here
-def test_tensor_parallelism_over_peft_adapters_is_named_and_a_layout_search_skips_it():
-    # A Hugging Face tp_plan names the base model's layers, and peft's LoRA layers wrap them: --tp 2
-    # said "'lm_head' matches no module of the model", and a layout search tried every tp split.
-    from autotune.errors import LayoutUnsupported
-
+def test_tensor_parallelism_splits_lora_adapters_with_their_layers():
+    # A Hugging Face tp_plan names the base model's layers, and peft's LoRA layers wrap them: the
+    # plan is the base model's, each adapted projection split with its adapters
+    # (tests/test_tensor_parallel.py checks the styles, the slow tests train it against one process).
     lora = _from_file("llama_lora")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", AutotuneWarning)
-        with pytest.raises(LayoutUnsupported, match="tp=2: peft's adapter layers .*parallelize"):
-            autotune.plan(lora, target_batch=64, world_size=2, tp=2, gpu="h100-80gb", eval_batch=False)
-        planned = autotune.plan(lora, target_batch=256, world_size=4, tp="auto", pp="auto",
+        planned = autotune.plan(lora, target_batch=64, world_size=2, tp=2, gpu="h100-80gb", eval_batch=False)
+    assert planned.parallel.tp == 2 and str(planned.sharding) == "fsdp"
+
+
+def test_tensor_parallelism_over_dora_is_named_and_a_layout_search_skips_it():
+    # DoRA's magnitude vectors are not split: --tp 2 names them and the way out; a layout search
+    # skips tensor parallelism for this model and plans the others.
+    from peft import LoraConfig, get_peft_model
+
+    from autotune.errors import LayoutUnsupported
+
+    base = load_workload(REAL / "llama_lora.py")
+
+    def build_dora():
+        config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, use_dora=True,
+                            target_modules=base.namespace["PROJECTIONS"])
+        return get_peft_model(base.namespace["build_base"](), config)
+
+    dora = dataclasses.replace(base, model=build_dora, source="llama DoRA")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AutotuneWarning)
+        with pytest.raises(LayoutUnsupported, match="tp=2: autotune splits LoRA adapters .* not DoRA's "
+                                                    "magnitude vectors; define parallelize"):
+            autotune.plan(dora, target_batch=64, world_size=2, tp=2, gpu="h100-80gb", eval_batch=False)
+        planned = autotune.plan(dora, target_batch=256, world_size=4, tp="auto", pp="auto",
                                 gpu="h100-80gb", headroom=0.998, eval_batch=False)
-    assert planned.parallel.trivial and planned.accumulation_steps > 1  # the search ran past data parallel
+    assert planned.parallel.tp == 1
     reason = planned.reasons["layout"]
-    assert "tp 2 (not estimated: " in reason and "peft's adapter layers" in reason
+    assert "tp 2 (not estimated: " in reason and "DoRA's magnitude vectors" in reason
     assert "tp > 1 is not available for this model (tp 2 showed it)" in reason

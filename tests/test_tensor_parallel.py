@@ -26,6 +26,7 @@ LLAMA = ROOT / "examples" / "real" / "llama.py"
 SP_DECODER = TESTS / "sp_decoder_model.py"
 SP_DECODER_LP = TESTS / "sp_decoder_lp_model.py"
 LLAMA_LP = TESTS / "hf_llama_lp_model.py"
+LLAMA_LORA = ROOT / "examples" / "real" / "llama_lora.py"
 
 
 def _model_and_names(path):
@@ -190,6 +191,32 @@ def test_a_bad_tp_plan_names_the_entry(tp_plan, message):
         resolve_plan(_q_k_v_o(), {"TP_PLAN": tp_plan}, 2, source="m")
 
 
+
+def test_lora_adapters_are_split_with_the_layers_they_adapt():
+    """peft's LoRA layers wrap the Linear layers the base model's plan names: a column-wise base
+    layer's lora_B is column-wise (the update comes out split as the base output) and its lora_A
+    replicated; a row-wise one's lora_A is row-wise (it reads the base layer's share of the input)
+    and its lora_B replicated (huggingface/peft#3079's split). No sequence parallel then."""
+    pytest.importorskip("peft")
+    model, names = _model_and_names(LLAMA_LORA)
+    plan = resolve_plan(model, names, 2, source="llama_lora.py")
+    styles = {k.replace("base_model.model.model.layers.0.", ""): v for k, v in plan.styles.items()
+              if ".layers.0." in k}
+    assert styles["self_attn.q_proj.base_layer"] == styles["mlp.up_proj.base_layer"] == "colwise"
+    assert styles["self_attn.q_proj.lora_A.default"] == "replicate"
+    assert styles["self_attn.q_proj.lora_B.default"] == "colwise"
+    assert styles["mlp.down_proj.base_layer"] == styles["mlp.down_proj.lora_A.default"] == "rowwise"
+    assert styles["mlp.down_proj.lora_B.default"] == "replicate"
+    assert not [k for k in styles if k.endswith(("q_proj", "down_proj"))]  # never the wrapper itself
+    assert plan.styles["base_model.model.lm_head"] == "colwise_gather_output"  # the base plan's own
+    assert with_sequence_parallel(model, plan, 2, source="llama_lora.py") is plan
+    # GPT-2's LoRA adapts Conv1D layers, which no style splits: named, with the ways out.
+    from autotune.errors import LayoutUnsupported
+
+    gpt2, gpt2_names = _model_and_names(ROOT / "examples" / "real" / "gpt2_lora.py")
+    with pytest.raises(LayoutUnsupported, match="not LoRA on Conv1D layers; define parallelize"):
+        resolve_plan(gpt2, gpt2_names, 2, source="gpt2_lora.py")
+
 def test_a_model_without_a_plan_gets_the_three_ways():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
     with pytest.raises(ConfigError, match="parallelize\\(model, mesh\\).*TP_PLAN.*base_model_tp_plan"):
@@ -283,7 +310,9 @@ def test_estimate_matches_a_real_gloo_tensor_parallel_run(world, tmp_path, monke
     from fsdp_helpers import real_fsdp_peaks, typical_peak, worst_peak
 
     sizes = [1, 2, 4]
-    for path in [*MODELS, MLP]:  # MLP: the plan derived for a Sequential (colwise, rowwise pairs)
+    # MLP: the plan derived for a Sequential (colwise, rowwise pairs); LLAMA_LORA: adapters split with
+    # their layers.
+    for path in [*MODELS, MLP, LLAMA_LORA]:
         estimated = estimate_peaks(path, sizes, sharding="fsdp", world_size=world, parallel=Layout(tp=2))
         with monkeypatch.context() as patch:
             patch.setattr(_GlooCollectiveBuffers, "released_late", False)
@@ -298,24 +327,27 @@ def test_estimate_matches_a_real_gloo_tensor_parallel_run(world, tmp_path, monke
 @pytest.mark.slow
 def test_tensor_parallel_training_ends_where_one_process_ends(tmp_path):
     """The same windows on 1 process, TP 2 (2 ranks) and FSDP 2 x TP 2 (4 ranks), fp32; with loss
-    parallel too (the models' own cross-entropy on logits split by vocabulary), and the derived
-    plan of examples/mlp.py (two colwise-rowwise pairs in one Sequential)."""
+    parallel too (the models' own cross-entropy on logits split by vocabulary), the derived
+    plan of examples/mlp.py (two colwise-rowwise pairs in one Sequential), and LoRA adapters
+    split with the layers they adapt (examples/real/llama_lora.py: its adapters compared)."""
     pytest.importorskip("transformers")
     script = TESTS / "tp_train_script.py"
     runs = {}
     for world, tp in ((1, 1), (2, 2), (4, 2)):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        _torchrun(world, script, out, "equal", tp, *MODELS, *LOSS_PARALLEL_MODELS, MLP)
+        _torchrun(world, script, out, "equal", tp, *MODELS, *LOSS_PARALLEL_MODELS, MLP, LLAMA_LORA)
         runs[world] = out
-    for path in MODELS + LOSS_PARALLEL_MODELS + [MLP]:
+    for path in MODELS + LOSS_PARALLEL_MODELS + [MLP, LLAMA_LORA]:
         single = torch.load(runs[1] / f"{path.stem}.pt", weights_only=True)["model"]
         reference = json.loads((runs[1] / f"{path.stem}.json").read_text())
-        whole = torch.cat([t.flatten() for t in single.values()])
+        # LoRA: the adapters alone (the frozen base, the same everywhere, would hide them)
+        trained = [k for k in single if "lora_" in k] if path is LLAMA_LORA else list(single)
+        whole = torch.cat([single[k].flatten() for k in trained])
         for world in (2, 4):
             state = torch.load(runs[world] / f"{path.stem}.pt", weights_only=True)["model"]
             assert state.keys() == single.keys()
-            other = torch.cat([state[k].flatten() for k in single])
+            other = torch.cat([state[k].flatten() for k in trained])
             assert float((other - whole).norm() / whole.norm()) <= 1e-5, (path.stem, world)
             report = json.loads((runs[world] / f"{path.stem}.json").read_text())
             assert report["loss"] == pytest.approx(reference["loss"], rel=1e-5)

@@ -85,13 +85,7 @@ def resolve_plan(model: nn.Module, namespace: dict | None, tp: int, *, source: s
         styles = _expand(model, namespace["TP_PLAN"], where=f"{source}: TP_PLAN")
         plan = TensorParallelPlan("TP_PLAN", styles)
     elif peft_adapted(model):
-        # A Hugging Face tp_plan names the base model's layers, and torch's styles shard plain
-        # Linear layers: peft's adapter layers wrap them (a base layer and its adapters).
-        raise LayoutUnsupported(
-            f"{source}: {given('tp', tp)}: peft's adapter layers wrap the Linear layers a "
-            f"tensor-parallel plan shards (a base layer beside its adapters), which autotune does "
-            f"not split; define parallelize(model, mesh) in the model file to shard the adapted "
-            f"model yourself, or train it without --tp (FSDP2 shards it)", degree="tp")
+        plan = _adapted_plan(model, tp, source=source)
     else:
         hf_plan = _hugging_face_plan(model)
         if hf_plan:
@@ -105,6 +99,85 @@ def resolve_plan(model: nn.Module, namespace: dict | None, tp: int, *, source: s
                           f"Linear-activation-Linear MLP); {_WAYS}")
     check_divisible(model, plan.styles, tp, source=source)
     return plan
+
+
+def _adapted_plan(model: nn.Module, tp: int, *, source: str) -> TensorParallelPlan:
+    """The plan of a model peft adapts with LoRA: the base model's own (its Hugging Face tp_plan,
+    else the derived one), each adapted projection split as peft's tensor-parallel LoRA splits it
+    (huggingface/peft#3079): a column-wise base layer's ``lora_A`` replicated and ``lora_B``
+    column-wise, so that the update comes out split as the base output does; a row-wise base
+    layer's ``lora_A`` row-wise (its input is the base layer's share, its small output summed over
+    the ranks) and ``lora_B`` replicated. A replicated adapter's gradient is the same on every
+    tensor-parallel rank (its input's or output's gradient is made whole first), as a norm's is.
+    Other adapters (DoRA's magnitude, IA3, LoHa, ...) are refused, naming the way out."""
+    unsupported = sorted({_adapter_words(m) for m in model.modules() if _is_peft_layer(m) and not _is_lora_linear(m)})
+    dora = any(_is_lora_linear(m) and any(bool(v) for v in getattr(m, "use_dora", {}).values())
+               for m in model.modules())
+    if unsupported or dora:
+        what = "DoRA's magnitude vectors" if dora else ", ".join(unsupported)
+        raise LayoutUnsupported(
+            f"{source}: {given('tp', tp)}: autotune splits LoRA adapters on Linear layers over "
+            f"tensor-parallel ranks, not {what}; define parallelize(model, mesh) in the model file "
+            f"to shard the adapted model yourself, or train it without --tp (FSDP2 shards it)",
+            degree="tp")
+    inner_name, inner = _adapted_base(model)
+    prefix = f"{inner_name}." if inner_name else ""
+    hf_plan = _hugging_face_plan(inner)
+    if hf_plan:
+        base = {prefix + name: style for name, style in
+                _expand(inner, hf_plan, where=f"{source}: the model's tp_plan").items()}
+        kind = "Hugging Face tp_plan"
+    else:
+        base = _derive(model)
+        kind = "derived"
+    modules = dict(model.named_modules())
+    styles = {}
+    for name, style in base.items():
+        module = modules[name]
+        if not _is_lora_linear(module):
+            styles[name] = style
+            continue
+        label = _style_label(style)
+        if label not in ("colwise", "rowwise"):
+            raise LayoutUnsupported(
+                f"{source}: {given('tp', tp)}: {name} carries LoRA adapters and its plan's style is "
+                f"{label}; autotune splits adapters beside colwise and rowwise layers only: leave "
+                f"{name} out of the adapters' target_modules, or define parallelize(model, mesh)",
+                degree="tp")
+        styles[f"{name}.base_layer"] = label
+        for adapter in module.lora_A:
+            colwise = label == "colwise"
+            styles[f"{name}.lora_A.{adapter}"] = "replicate" if colwise else "rowwise"
+            styles[f"{name}.lora_B.{adapter}"] = "colwise" if colwise else "replicate"
+    return TensorParallelPlan(f"{kind}, LoRA adapters split with their layers", styles)
+
+
+def _adapter_words(module: nn.Module) -> str:
+    base = type(module.base_layer).__name__
+    if hasattr(module, "lora_A"):
+        return f"LoRA on {base} layers"
+    return f"peft's {type(module).__name__} adapters on {base} layers"
+
+
+def _is_peft_layer(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("peft.tuners.") and hasattr(module, "base_layer")
+
+
+def _is_lora_linear(module: nn.Module) -> bool:
+    return (_is_peft_layer(module) and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+            and isinstance(module.base_layer, nn.Linear)
+            and all(isinstance(m, nn.Linear) for m in [*module.lora_A.values(), *module.lora_B.values()])
+            and not getattr(module, "lora_embedding_A", None))
+
+
+def _adapted_base(model: nn.Module) -> tuple[str, nn.Module]:
+    """(name, module) of the model peft adapted inside ``model`` (a ``PeftModel`` holds it as
+    ``base_model.model``): the outermost Hugging Face model (peft's wrappers forward its config
+    and prefix as their own), else ``model``."""
+    for name, module in model.named_modules():
+        if type(module).__module__.startswith("transformers.") and hasattr(module, "base_model_prefix"):
+            return name, module
+    return "", model
 
 
 def _shards(style) -> bool:
@@ -160,7 +233,8 @@ def _derive(model: nn.Module) -> dict:
     """The common transformer block's plan: named projections, and Linear-activation-Linear MLPs."""
     styles = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or not name:
+        # A LoRA-adapted projection: its name is the projection's, its Linear the base layer.
+        if not (isinstance(module, nn.Linear) or _is_lora_linear(module)) or not name:
             continue
         leaf = name.rsplit(".", 1)[-1]
         if leaf in _COLWISE_NAMES:
@@ -502,7 +576,7 @@ def clip_grad_norm_(params, max_norm: float | None) -> torch.Tensor:
 
     params = [p for p in params if p.grad is not None]
     groups = _by_mesh(params)
-    with _one_norm_per_mesh_dim():
+    with quiet_redistribution():
         if len(groups) <= 1:
             norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm is not None
                     else torch.nn.utils.get_total_norm([p.grad for p in params]))
@@ -519,10 +593,12 @@ def clip_grad_norm_(params, max_norm: float | None) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _one_norm_per_mesh_dim():
-    """Without DTensor's warning that a norm partial over a 2-D mesh (FSDP x TP) is made whole
-    by one all-reduce per mesh dim: the user can do nothing about it, and the second all-reduce
-    of one value costs nothing worth a line on every rank (nor in every estimate of the layout)."""
+def quiet_redistribution():
+    """Without DTensor's advice, logged on every rank, that a DTensor on a 2-D mesh (FSDP x TP) is
+    made whole by one collective per mesh dim and that flattening the mesh would merge them (the
+    gradient norm, partial over both dims; a full state dict's gather of the 2-D shards): the
+    user can do nothing about it, and the extra collective of a norm's one value, or of a
+    gather done once at the end, costs nothing worth a line per rank (nor one per estimate)."""
     logger = logging.getLogger("torch.distributed.tensor._redistribute")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -548,5 +624,5 @@ def grads_by_mesh(params) -> list[list[torch.Tensor]]:
 
 
 __all__ = ["STYLE_NAMES", "TensorParallelPlan", "apply_plan", "apply_tensor_parallel", "check_divisible",
-           "clip_grad_norm_", "grads_by_mesh", "held_part", "layout_plan", "resolve_plan", "torch_style",
-           "tensor_parallel_step", "with_sequence_parallel"]
+           "clip_grad_norm_", "grads_by_mesh", "held_part", "layout_plan", "quiet_redistribution", "resolve_plan",
+           "tensor_parallel_step", "torch_style", "with_sequence_parallel"]

@@ -205,7 +205,10 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from ..tensor_parallel import quiet_redistribution
+
+    with quiet_redistribution():
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 __all__ = ["build_mesh", "data_parallel_mesh", "layout_fsdp_mesh", "drop_unsharded_grads", "fsdp_policies", "full_state_dict", "is_sharded",
