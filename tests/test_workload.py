@@ -132,3 +132,35 @@ def test_model_files_can_import_their_neighbours(tmp_path):
     text = "from helpers_for_model import WIDTH\n" + GOOD.replace("Linear(4, 1)", "Linear(WIDTH, 1)")
     workload = load_workload(write(tmp_path, text))
     assert workload.new_model().in_features == 6
+
+
+def test_a_model_file_importing_torchao_shows_no_note_to_torchaos_developers(tmp_path):
+    # peft imports torchao, whose Enum pytree constants made torch log two deprecation lines on
+    # every rank for every such model file; a record that says anything else still shows.
+    import logging
+
+    source = tmp_path / "enum_model.py"
+    source.write_text(
+        "import enum, logging, torch\n"
+        "class Mode(str, enum.Enum):\n"
+        "    A = 'a'\n"
+        "torch.utils._pytree.register_constant(Mode)\n"
+        "logging.getLogger('torch.utils._pytree').warning('something else')\n"
+        "def build_model():\n"
+        "    return torch.nn.Linear(2, 2)\n"
+        "def make_batch(n):\n"
+        "    return torch.zeros(n, 2)\n")
+    records = []
+
+    class Kept(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("torch.utils._pytree")
+    kept = Kept(level=logging.DEBUG)
+    logger.addHandler(kept)
+    try:
+        load_workload(source)
+    finally:
+        logger.removeHandler(kept)
+    assert records == ["something else"], records

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import importlib.util
 import inspect
+import logging
 import math
 import os
 import sys
@@ -348,6 +349,25 @@ def load_workload(spec, *, check_sha256: Callable[[str, str], None] | None = Non
     )
 
 
+class _EnumConstantNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _no_enum_constant_notes():
+    """Without torch's note, on importing torchao (peft imports it), that registering an Enum as a
+    pytree constant is deprecated: two log lines on every rank for every model file with peft,
+    addressed to torchao's developers, not to the user."""
+    logger = logging.getLogger("torch.utils._pytree")
+    note = _EnumConstantNote()
+    logger.addFilter(note)
+    try:
+        yield
+    finally:
+        logger.removeFilter(note)
+
+
 def _load_file(path: Path, check_sha256=None) -> Workload:
     source = str(path)
     if not path.is_file():
@@ -362,7 +382,7 @@ def _load_file(path: Path, check_sha256=None) -> Workload:
         raise WorkloadError(f"model file {source} cannot be imported as Python (expected a .py file)")
     module = importlib.util.module_from_spec(spec)
     # The file may import helpers that sit beside it, as it would when run directly.
-    with _prepended_sys_path(str(path.resolve().parent)):
+    with _prepended_sys_path(str(path.resolve().parent)), _no_enum_constant_notes():
         try:
             # The bytes hashed above, not a second read: the file could change in between.
             exec(compile(data, str(path), "exec"), module.__dict__)
