@@ -1,3 +1,5 @@
+import contextlib
+import logging
 import pathlib
 
 import pytest
@@ -29,3 +31,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@contextlib.contextmanager
+def logged(name: str):
+    """The messages logger ``name`` records while the block runs (a list, filled as they come),
+    whatever its level and handlers (torch's loggers do not propagate to pytest's caplog)."""
+    records = []
+
+    class Kept(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger(name)
+    kept = Kept(level=logging.DEBUG)
+    logger.addHandler(kept)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(kept)

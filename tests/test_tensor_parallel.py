@@ -257,28 +257,11 @@ def test_clip_grad_norm_across_plain_tensors_matches_torch():
 def test_an_fsdp_x_tp_estimate_logs_no_redistribution_advice_about_the_gradient_norm():
     # The norm is partial over both mesh dims; DTensor advised, on every rank and in every
     # estimate, flattening a mesh the user never made (two all-reduces of one value).
-    import logging
+    from conftest import logged
 
-    records = []
-
-    class Kept(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
-    kept = Kept(level=logging.DEBUG)
-    logger.addHandler(kept)
-    try:
+    with logged("torch.distributed.tensor._redistribute") as records:
         estimate_peaks(TINY_LM, [2], world_size=4, sharding="fsdp", parallel=Layout(tp=2))
-    finally:
-        logger.removeHandler(kept)
     assert not [r for r in records if "redistributing" in r], records
-
-# --- under torchrun (gloo) ---------------------------------------------------------------------
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
 
 
 def _torchrun(nproc, *args):

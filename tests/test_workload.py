@@ -137,7 +137,7 @@ def test_model_files_can_import_their_neighbours(tmp_path):
 def test_a_model_file_importing_torchao_shows_no_note_to_torchaos_developers(tmp_path):
     # peft imports torchao, whose Enum pytree constants made torch log two deprecation lines on
     # every rank for every such model file; a record that says anything else still shows.
-    import logging
+    from conftest import logged
 
     source = tmp_path / "enum_model.py"
     source.write_text(
@@ -150,17 +150,6 @@ def test_a_model_file_importing_torchao_shows_no_note_to_torchaos_developers(tmp
         "    return torch.nn.Linear(2, 2)\n"
         "def make_batch(n):\n"
         "    return torch.zeros(n, 2)\n")
-    records = []
-
-    class Kept(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logger = logging.getLogger("torch.utils._pytree")
-    kept = Kept(level=logging.DEBUG)
-    logger.addHandler(kept)
-    try:
+    with logged("torch.utils._pytree") as records:
         load_workload(source)
-    finally:
-        logger.removeHandler(kept)
     assert records == ["something else"], records
