@@ -216,6 +216,13 @@ def test_lora_adapters_are_split_with_the_layers_they_adapt():
     gpt2, gpt2_names = _model_and_names(ROOT / "examples" / "real" / "gpt2_lora.py")
     with pytest.raises(LayoutUnsupported, match="not LoRA on Conv1D layers; define parallelize"):
         resolve_plan(gpt2, gpt2_names, 2, source="gpt2_lora.py")
+    # A trainable copy of the head (modules_to_save) wraps a layer the plan splits: named too.
+    from peft import LoraConfig, get_peft_model
+
+    saved = get_peft_model(names["build_base"](), LoraConfig(r=8, target_modules=names["PROJECTIONS"],
+                                                             modules_to_save=["lm_head"]))
+    with pytest.raises(LayoutUnsupported, match="ModulesToSaveWrapper wraps base_model.model.lm_head"):
+        resolve_plan(saved, names, 2, source="llama_lora.py")
 
 def test_a_model_without_a_plan_gets_the_three_ways():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))

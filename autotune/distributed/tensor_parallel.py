@@ -135,6 +135,12 @@ def _adapted_plan(model: nn.Module, tp: int, *, source: str) -> TensorParallelPl
     for name, style in base.items():
         module = modules[name]
         if not _is_lora_linear(module):
+            if type(module).__module__.startswith("peft."):  # modules_to_save's copies, ...
+                raise LayoutUnsupported(
+                    f"{source}: {given('tp', tp)}: peft's {type(module).__name__} wraps {name}, which "
+                    f"the plan splits; autotune splits LoRA adapters on Linear layers only: define "
+                    f"parallelize(model, mesh) in the model file, or train it without --tp (FSDP2 "
+                    f"shards it)", degree="tp")
             styles[name] = style
             continue
         label = _style_label(style)
