@@ -151,10 +151,10 @@ def _adapted_plan(model: nn.Module, tp: int, *, source: str) -> TensorParallelPl
                 f"{name} out of the adapters' target_modules, or define parallelize(model, mesh)",
                 degree="tp")
         styles[f"{name}.base_layer"] = label
+        lora_a, lora_b = ("replicate", "colwise") if label == "colwise" else ("rowwise", "replicate")
         for adapter in module.lora_A:
-            colwise = label == "colwise"
-            styles[f"{name}.lora_A.{adapter}"] = "replicate" if colwise else "rowwise"
-            styles[f"{name}.lora_B.{adapter}"] = "colwise" if colwise else "replicate"
+            styles[f"{name}.lora_A.{adapter}"] = lora_a
+            styles[f"{name}.lora_B.{adapter}"] = lora_b
     return TensorParallelPlan(f"{kind}, LoRA adapters split with their layers", styles)
 
 
