@@ -270,6 +270,12 @@ def test_an_fsdp_x_tp_estimate_logs_no_redistribution_advice_about_the_gradient_
         estimate_peaks(TINY_LM, [2], world_size=4, sharding="fsdp", parallel=Layout(tp=2))
     assert not [r for r in records if "redistributing" in r], records
 
+# --- under torchrun (gloo) ---------------------------------------------------------------------
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+
 
 def _torchrun(nproc, *args):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
