@@ -3,7 +3,6 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -32,9 +31,10 @@ def _run(model_file, world_size, sizes, out_dir, precision, checkpointing, **ext
                           f"-tp{extra_env.get('FSDP_TP', 1)}.json")
     env = dict(os.environ, OMP_NUM_THREADS="1", **extra_env,
                PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-               "--standalone", str(TESTS / "fsdp_peak_script.py"), str(model_file), str(out),
-               precision, "on" if checkpointing else "off", *map(str, sizes)]
+    from conftest import rank_command
+
+    command = rank_command(world_size, TESTS / "fsdp_peak_script.py", model_file, out, precision,
+                           "on" if checkpointing else "off", *sizes)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise RuntimeError(done.stderr[-4000:])

@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -79,9 +78,10 @@ def real_pipeline_peaks(model_file, out: Path, *, pp, schedule, sharding, world,
     path = Path(out) / f"peaks-{Path(model_file).stem}-{schedule}-{world}-tp{tp}-cp{cp}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PP_REPEATS=str(repeats), PP_TP=str(tp), PP_CP=str(cp),
                PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--standalone",
-               str(TESTS / "pp_peak_script.py"), str(model_file), str(path), str(pp), schedule, sharding,
-               str(window), *map(str, sizes)]
+    from conftest import rank_command
+
+    command = rank_command(world, TESTS / "pp_peak_script.py", model_file, path, pp, schedule, sharding,
+                           window, *sizes)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise RuntimeError(done.stderr[-4000:])

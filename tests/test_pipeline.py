@@ -26,6 +26,7 @@ from autotune.distributed.pipeline import (block_container, fake_pipeline_suppor
 from autotune.errors import ConfigError, WorkloadError
 from autotune.probing.estimate import estimate_peaks
 from autotune.workload.contract import load_workload
+from conftest import rank_command
 from pp_plans import estimated_rank_peaks, real_pipeline_peaks
 
 needs_fake_pipeline = pytest.mark.skipif(not fake_pipeline_supported(), reason=(
@@ -368,7 +369,7 @@ def test_a_pipeline_plan_states_its_worst_ranks_peak_and_gloo_reaches_it(tmp_pat
 
 def _train(nproc, out, *args, **env):
     with open(out / f"log-{len(list(out.iterdir()))}.txt", "w") as log:
-        done = subprocess.run(_torchrun(nproc, TESTS / "pp_train_script.py", out, *args), env=_env(**env),
+        done = subprocess.run(rank_command(nproc, TESTS / "pp_train_script.py", out, *args), env=_env(**env),
                               stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT)
     assert done.returncode == 0, Path(log.name).read_text()[-4000:]
 
@@ -556,7 +557,7 @@ def test_sigterm_then_resume_continues_exactly(tmp_path, tp, cp):
     degrees = dict(PP_TP=str(tp), PP_CP=str(cp))
     _train(world, full, model_file, 2, "1f1b", "fsdp", 6, full / "checkpoints", **degrees)
     with open(stopped / "log-sigterm.txt", "w") as log:
-        child = subprocess.Popen(_torchrun(world, TESTS / "pp_train_script.py", stopped, model_file, 2, "1f1b",
+        child = subprocess.Popen(rank_command(world, TESTS / "pp_train_script.py", stopped, model_file, 2, "1f1b",
                                            "fsdp", 6, stopped / "checkpoints"),
                                  env=_env(PP_SLOW="1", **degrees), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + TIMEOUT

@@ -213,13 +213,13 @@ def _plan_under_torchrun(model_file, out):
     """fsdp_plan_script.py on 2 gloo ranks: every rank's plan (rank 0's at ``out``)."""
     import os
     import subprocess
-    import sys
+
+    from conftest import rank_command
 
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-               str(tests / "fsdp_plan_script.py"), str(model_file), str(out)]
+    command = rank_command(2, tests / "fsdp_plan_script.py", model_file, out)
     # A timeout here is ranks left waiting in each other's collectives.
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -17,6 +17,7 @@ from autotune import ConfigError, Layout
 from autotune.distributed.tensor_parallel import clip_grad_norm_, resolve_plan, with_sequence_parallel
 from autotune.probing.estimate import estimate_peaks
 from autotune.workload.contract import load_workload
+from conftest import rank_command
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -270,18 +271,25 @@ def test_an_fsdp_x_tp_estimate_logs_no_redistribution_advice_about_the_gradient_
         estimate_peaks(TINY_LM, [2], world_size=4, sharding="fsdp", parallel=Layout(tp=2))
     assert not [r for r in records if "redistributing" in r], records
 
-# --- under torchrun (gloo) ---------------------------------------------------------------------
+# --- on gloo ranks: the tests' scripts forked (conftest.rank_command), the CLI under torchrun ----
 
 def _env():
     return dict(os.environ, OMP_NUM_THREADS="1",
                 PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
 
 
-def _torchrun(nproc, *args):
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", str(nproc), *map(str, args)],
-                          env=_env(), capture_output=True, text=True, timeout=600)
+def _run(command):
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def _ranks(nproc, script, *args):
+    _run(rank_command(nproc, script, *args))
+
+
+def _torchrun(nproc, *args):
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+          *map(str, args)])
 
 
 MODELS = [TINY_LM, LLAMA, SP_DECODER]  # LLAMA and SP_DECODER: with sequence parallel
@@ -332,7 +340,7 @@ def test_tensor_parallel_training_ends_where_one_process_ends(tmp_path):
     for world, tp in ((1, 1), (2, 2), (4, 2)):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        _torchrun(world, script, out, "equal", tp, *MODELS, *LOSS_PARALLEL_MODELS, MLP, LLAMA_LORA)
+        _ranks(world, script, out, "equal", tp, *MODELS, *LOSS_PARALLEL_MODELS, MLP, LLAMA_LORA)
         runs[world] = out
     for path in MODELS + LOSS_PARALLEL_MODELS + [MLP, LLAMA_LORA]:
         single = torch.load(runs[1] / f"{path.stem}.pt", weights_only=True)["model"]
@@ -361,7 +369,7 @@ def test_sigterm_then_resume_continues_an_fsdp_x_tp_run_exactly(tmp_path):
     from tp_train_script import RESUME_STEPS
 
     script = TESTS / "tp_train_script.py"
-    _torchrun(4, script, tmp_path, "reference", 2, TINY_LM)
+    _ranks(4, script, tmp_path, "reference", 2, TINY_LM)
     log = open(tmp_path / "sigterm.log", "w")
     child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                               "--nproc_per_node", "4", str(script), str(tmp_path), "sigterm", "2",

@@ -88,8 +88,9 @@ def trained_peaks(plan_paths: dict[str, Path], world_size: int, out: Path) -> di
     spec.write_text(json.dumps({name: str(path) for name, path in plan_paths.items()}))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           str(world_size), "--standalone", __file__, "--train", str(spec)],
+    from conftest import rank_command
+
+    done = subprocess.run(rank_command(world_size, __file__, "--train", spec),
                           env=env, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise RuntimeError(done.stderr[-4000:])
