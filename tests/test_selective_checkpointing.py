@@ -284,7 +284,7 @@ class _Speeds:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, config):
+    def __call__(self, config, seconds=None):
         key = (config.checkpointing.setting, config.micro_batch)
         self.calls.append(key)
         from autotune.tuning.measure import Measurement

@@ -1,6 +1,7 @@
 """Throughput search: pruning for memory (predicted and on OOM), the winner, study resume, --budget,
 and `autotune plan --optimize throughput` end to end on a tiny model."""
 
+import dataclasses
 import json
 import statistics
 
@@ -32,11 +33,12 @@ class FakeMeasure:
     """Deterministic samples/s per (precision, checkpointing, micro-batch); counts measurements."""
 
     def __init__(self, speeds=SPEEDS, oom=()):
-        self.speeds, self.oom, self.calls, self.compared = speeds, set(oom), [], []
+        self.speeds, self.oom, self.calls, self.compared, self.seconds_left = speeds, set(oom), [], [], []
 
-    def __call__(self, config: Configuration) -> Measurement:
+    def __call__(self, config: Configuration, seconds: float | None = None) -> Measurement:
         key = (config.precision, config.checkpointing.enabled, config.micro_batch)
         self.calls.append(key)
+        self.seconds_left.append(seconds)
         if key in self.oom:
             return Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True)
         speed = self.speeds[key]
@@ -152,9 +154,9 @@ def test_the_comparison_stays_within_the_budget():
     clock = [0.0]
 
     class Slow(FakeMeasure):
-        def __call__(self, config):
+        def __call__(self, config, seconds=None):
             clock[0] += 1.0  # every measurement takes a second
-            return super().__call__(config)
+            return super().__call__(config, seconds)
 
         def compare(self, configs, seconds):
             self.compared.append((configs, seconds))
@@ -166,6 +168,8 @@ def test_the_comparison_stays_within_the_budget():
     result = _search(measure, budget_s=10, clock=lambda: clock[0])
     # 6 to explore (a seventh would end past 70% of the budget), then the comparison in the rest.
     assert len(measure.calls) == 6 and len(measure.compared) == 1
+    # Each measurement is told what the exploration (70% of the budget) has left.
+    assert measure.seconds_left == pytest.approx([7.0, 6.0, 5.0, 4.0, 3.0, 2.0])
     assert measure.compared[0][1] == pytest.approx(10 - 6 - 1) and result.seconds <= 10
     short = Slow()
     _search(short, budget_s=4.5, name="short", clock=lambda: clock[0])  # 3 explored, 1.5 s left: less than two measurements
@@ -282,6 +286,41 @@ def test_real_measurement_and_a_real_out_of_memory():
     assert big.out_of_memory and big.samples_per_s is None
 
 
+def test_no_timed_window_starts_that_would_end_past_the_seconds_left():
+    # Each window sleeps 0.2 s: of 20 windows asked for, those that end within the 2 s left
+    # (after the set-up and the warm-up) run; with nothing left, the warm-up's time stands.
+    import time
+
+    slow = dataclasses.replace(_tiny_workload(), loss_fn=lambda m, b: (time.sleep(0.2), m(b).pow(2).mean())[1])
+    config = Configuration(precision="fp32", checkpointing=False, micro_batches=(8,))
+    backend = CPUMemoryBackend(memory_limit="2MiB")
+    unbounded = measure_configuration(slow, backend, config, windows=3, min_seconds=0)
+    assert len(unbounded.window_seconds) == 3 and not unbounded.warm_up_only
+    bounded = measure_configuration(slow, backend, config, windows=20, min_seconds=0, seconds=2.0)
+    assert 1 <= len(bounded.window_seconds) < 10 and not bounded.warm_up_only
+    assert bounded.seconds <= 2.0 + 0.2 + 0.3  # at most one window's overrun (slack for a busy machine)
+    none_left = measure_configuration(slow, backend, config, windows=20, min_seconds=0, seconds=0.0)
+    assert none_left.warm_up_only and none_left.window_seconds == ()
+    assert 0 < none_left.samples_per_s <= 8 / 0.2 and none_left.peak_bytes == bounded.peak_bytes
+
+
+def test_a_configuration_timed_by_its_warm_up_alone_says_so_and_is_measured_again_by_a_rerun(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+
+    class WarmUpOnly(FakeMeasure):
+        def __call__(self, config, seconds=None):
+            measured = super().__call__(config, seconds)
+            measured.warm_up_only = config.precision == "bf16"
+            return measured
+
+    first = _search(WarmUpOnly(), storage, confirm_top=0)
+    assert all(r.warm_up_only == (r.precision == "bf16") for r in first.records if r.status == "measured")
+    assert "3 by their warm-up window alone: the budget left no timed window" in why_fastest(first)
+    again = FakeMeasure()
+    _search(again, storage, confirm_top=0)
+    assert sorted(again.calls) == [("bf16", False, 8), ("bf16", False, 16), ("bf16", False, 32)]
+
+
 def test_a_measured_window_counts_the_micro_batch_a_step_holds_not_the_whole_windows_samples():
     # Wide inputs (64 KiB a sample) into a small model: the warm-up counted the whole window's
     # samples (each micro-batch a view of them), so 8 micro-batches of 8 measured 3 MiB more
@@ -335,7 +374,7 @@ def test_plan_api_picks_the_fastest_and_records_the_table(monkeypatch, tmp_path)
     monkeypatch.setattr("autotune.orchestration.planner.probe", fake_probe)
     fake = FakeMeasure(speeds)
     monkeypatch.setattr("autotune.orchestration.planner.measure_configuration",
-                        lambda workload, backend, config: fake(config))
+                        lambda workload, backend, config, seconds=None: fake(config, seconds))
     monkeypatch.setattr("autotune.orchestration.planner.compare_configurations",
                         lambda workload, backend, configs, seconds: fake.compare(configs, seconds))
     plan = autotune.plan(_tiny_workload(), target_batch=64, device="cpu", headroom=0.0,
@@ -371,7 +410,7 @@ def test_a_winner_below_the_probes_trial_states_the_peak_it_trains_at(monkeypatc
     speeds = {("bf16", False, m): (500.0 if m == 4 else 100.0) for m in split_choices(32)}
     fake = FakeMeasure(speeds)
     monkeypatch.setattr("autotune.orchestration.planner.measure_configuration",
-                        lambda workload, backend, config: fake(config))
+                        lambda workload, backend, config, seconds=None: fake(config, seconds))
     monkeypatch.setattr("autotune.orchestration.planner.compare_configurations",
                         lambda workload, backend, configs, seconds: fake.compare(configs, seconds))
     plan = autotune.plan(workload, target_batch=32, device="cpu", memory_limit="64MiB", precision="bf16",

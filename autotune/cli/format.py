@@ -268,6 +268,8 @@ def format_throughput(plan) -> str:
         speed = f"{c.samples_per_s:.1f}" if c.samples_per_s is not None else "-"
         if c.compared:
             speed += " (side by side)"
+        elif c.warm_up_only and c.samples_per_s is not None:
+            speed += " (warm-up only)"
         status = "<- plan" if chosen else ("reused" if c.reused and c.fits else
                                            "" if c.fits else f"pruned: {c.note}")
         rows.append([c.precision, blocks if isinstance(blocks, str) else f"{blocks} blocks", c.micro_batch,

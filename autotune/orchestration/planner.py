@@ -666,7 +666,7 @@ def _fastest_plan(workload, backend, request, fingerprint, settings, info, *, us
                       target_batch=request.target_batch, world_size=request.world_size,
                       device=f"{info.kind}-{info.name}", pinned_micro_batch=request.micro_batch)
     result = search_throughput(
-        candidates, lambda config: measure_configuration(workload, backend, config),
+        candidates, lambda config, seconds: measure_configuration(workload, backend, config, seconds=seconds),
         lambda configs, seconds: compare_configurations(workload, backend, configs, seconds=seconds),
         budget_s=budget_s, usable_bytes=usable, study_name=name, storage=storage)
     if result.winner is None:

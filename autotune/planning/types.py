@@ -255,6 +255,9 @@ class ConfigurationMeasured(SplitArithmetic):
     note: str = ""
     reused: bool = False
     """Measured by an earlier run of the same stored study, not re-measured."""
+    warm_up_only: bool = False
+    """samples_per_s is the warm-up window's: the budget left no timed window (slower than the
+    configuration runs: the first window does one-time work)."""
     compared: bool = False
     """Among the fastest, timed again side by side with the others (window by window); samples_per_s
     is then from that comparison, and the winner is the fastest of those compared."""

@@ -72,23 +72,32 @@ class Measurement:
     within_budget: bool = True
     """False when the backend saw the window pass its budget without raising (CUDA reserved)."""
     window_seconds: tuple[float, ...] = ()
+    warm_up_only: bool = False
+    """The time left allowed no timed window: samples/s is the warm-up window's, which includes the
+    first step's one-time work (slower than the configuration runs, never faster)."""
     seconds: float = 0.0
     """Wall time of the whole measurement: set-up, warm-up and timed windows."""
 
 
 def measure_configuration(workload: Workload, backend: MemoryBackend, config: Configuration, *,
                           windows: int = TIMED_WINDOWS, min_seconds: float = MIN_TIMED_S,
-                          clock=time.perf_counter) -> Measurement:
+                          clock=time.perf_counter, seconds: float | None = None) -> Measurement:
     """Run one warm-up window, then timed windows of ``config``: at least ``windows``, and more
     until they add up to ``min_seconds`` (at most ``MAX_TIMED_WINDOWS``). ``clock`` times each
     window (wall time; ``time.thread_time`` for the work of a one-thread CPU step alone, without
-    the time slices a shared machine gives other processes)."""
+    the time slices a shared machine gives other processes).
+
+    ``seconds``: what the caller's budget has left. No timed window starts that would end past it
+    (each expected to last as long as the one before): a configuration many times slower than the
+    rest (bf16 on a CPU without bf16 units) would otherwise spend several budgets on its windows.
+    Where not even one fits, the warm-up window's time stands (``warm_up_only``)."""
     started = time.perf_counter()
+    until = None if seconds is None else started + seconds
     session = TrialSession(workload, backend, precision=Precision.parse(config.precision),
                            checkpointing=config.checkpointing)
     try:
         with session:
-            result = _measure_in(session, config, windows, min_seconds, clock)
+            result = _measure_in(session, config, windows, min_seconds, clock, until)
     except SetupOutOfMemory:
         result = Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True)
     result.seconds = time.perf_counter() - started
@@ -124,7 +133,7 @@ def _window(config: Configuration) -> Window:
 
 
 def _measure_in(session: TrialSession, config: Configuration, windows: int,
-                min_seconds: float, clock=time.perf_counter) -> Measurement:
+                min_seconds: float, clock=time.perf_counter, until: float | None = None) -> Measurement:
     backend = session.backend
     runner = _runner(session, session.precision, session.scaler)
     window = _window(config)
@@ -132,21 +141,30 @@ def _measure_in(session: TrialSession, config: Configuration, windows: int,
         batch = session.workload.batch(config.share)
     backend.release()
     backend.reset_peak()
+    warm_up_started = time.perf_counter()
     if not _run_window(runner, window, _counted_micro_batches(batch, backend)):
         peak = backend.peak_bytes()
         free_memory()
         return Measurement(samples_per_s=None, peak_bytes=peak, out_of_memory=True)
+    warm_up_s = last_s = time.perf_counter() - warm_up_started
     peak, within = backend.peak_bytes(), backend.within_budget()
     times = []
     # As timeit does: a collection that happens to fall into one configuration's windows would
     # be charged to that configuration alone. What is left to collect waits for the next one.
     with _untracked(backend), automatic_collection_off():
         while len(times) < windows or (sum(times) < min_seconds and len(times) < MAX_TIMED_WINDOWS):
+            window_started = time.perf_counter()
+            if until is not None and window_started + last_s > until:
+                break
             seconds = _timed_window(runner, window, batch, session.device, clock)
             if seconds is None:  # possible on CUDA (fragmentation) even after the warm-up fitted
                 return Measurement(samples_per_s=None, peak_bytes=peak, out_of_memory=True)
             times.append(seconds)
-    return Measurement(samples_per_s=config.share / min(times) if times else None, peak_bytes=peak,
+            last_s = time.perf_counter() - window_started
+    if not times:
+        return Measurement(samples_per_s=config.share / warm_up_s, peak_bytes=peak, within_budget=within,
+                           warm_up_only=True)
+    return Measurement(samples_per_s=config.share / min(times), peak_bytes=peak,
                        within_budget=within, window_seconds=tuple(times))
 
 

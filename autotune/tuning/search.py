@@ -192,15 +192,15 @@ class SearchResult:
     study_name: str
 
 
-def search_throughput(candidates: list[Candidate], measure: Callable[[Configuration], Measurement],
+def search_throughput(candidates: list[Candidate], measure: Callable[[Configuration, float], Measurement],
                       compare: Callable[[list[Configuration], float], list[Measurement]], *,
                       budget_s: float, usable_bytes: int, study_name: str, storage: str | None = None,
                       seed: int = 0, verbose: bool = False, confirm_top: int = CONFIRM_TOP,
                       clock: Callable[[], float] = time.perf_counter) -> SearchResult:
     """Measure candidates under ``budget_s`` seconds and return every result and the fastest.
 
-    ``measure(config)`` measures one configuration (its peak and samples/s); ``compare(configs,
-    seconds)`` times several side by side (``throughput.compare_configurations``). The search
+    ``measure(config, seconds)`` measures one configuration (its peak and samples/s) in about
+    the ``seconds`` the exploration has left; ``compare(configs, seconds)`` times several side by side (``throughput.compare_configurations``). The search
     explores with ``measure``; then the ``confirm_top`` fastest, and the memory plan (largest
     micro-batch) of each of their settings, are compared window by window in what is left of the
     budget, and the fastest of that comparison wins. Measured one after the other,
@@ -358,11 +358,12 @@ class _Run:
             record.fits, record.status, record.note = False, "pruned", candidate.why_not
             return record
         started = self.clock()
-        result = self.measure(config)
+        result = self.measure(config, max(0.0, self.deadline - started))
         self.measured += 1
         self.measuring_s += self.clock() - started
         record.peak_bytes = result.peak_bytes
         record.samples_per_s = result.samples_per_s
+        record.warm_up_only = result.warm_up_only
         self._show(record)
         if result.out_of_memory or result.samples_per_s is None:
             record.fits, record.status = False, "pruned"
@@ -477,8 +478,8 @@ def _known_results(study: optuna.Study, by_key: dict, usable: int, total_blocks:
             total_blocks=total_blocks or None)
         record.reused = True
         if trial.state == optuna.trial.TrialState.COMPLETE:
-            if (record.peak_bytes or 0) > usable:
-                continue  # measured on a larger budget: re-check here
+            if (record.peak_bytes or 0) > usable or record.warm_up_only:
+                continue  # measured on a larger budget, or by a warm-up alone: measure it here
             known[key] = record
         elif (trial.state == optuna.trial.TrialState.PRUNED and record.note.startswith("out of memory")
               and attrs.get("usable_bytes", 0) >= usable and key not in known):
@@ -550,7 +551,11 @@ def why_fastest(result: SearchResult) -> str:
         text += f", {ratio:.2f}x the runner-up ({runner_up.label()}, {runner_up.samples_per_s:.1f}/s)"
         if ratio < 1.03:
             text += " (within timing noise: either is as good)"
+    warm_up_only = sum(r.warm_up_only for r in measured)
     text += (f"; {len(measured)} configuration(s) fit and were measured ({result.reused} reused from "
-             f"the study), {len(pruned)} pruned for memory; {result.sampler}, {result.seconds:.0f}s "
+             f"the study"
+             + (f", {warm_up_only} by their warm-up window alone: the budget left no timed window"
+                if warm_up_only else "")
+             + f"), {len(pruned)} pruned for memory; {result.sampler}, {result.seconds:.0f}s "
              f"of a {result.budget_s:.0f}s budget, study {result.study_name}")
     return text
