@@ -11,6 +11,7 @@ imports: each rank's state is its script's, as under torchrun.
 Tests that check autotune *as a user launches it* (the CLI under torchrun, restarts, signals sent
 to torchrun, rendezvous across nodes) keep torchrun itself."""
 
+import contextlib
 import os
 import runpy
 import signal
@@ -49,7 +50,21 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _die_with_the_launcher() -> None:
+    """A rank outlives a launcher killed by a test's timeout (SIGKILL) and would wait in its
+    collective for ever, on cores the next tests need: Linux kills it with its parent."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: as under torchrun, whose ranks outlive a killed agent too
+
+
 def _rank(rank: int, world: int, port: int, run_id: str, script: str, args: list[str]) -> int:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _die_with_the_launcher()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world),
                       ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -84,6 +99,14 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     ranks = {}
+
+    def forward(signum, _frame):  # as torchrun's agent: a signal to the launcher goes to every rank
+        for pid in list(ranks):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
@@ -95,8 +118,7 @@ def main(argv: list[str]) -> int:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             if deadline is not None and time.monotonic() > deadline:
-                for other in ranks:
-                    os.kill(other, signal.SIGKILL)
+                forward(signal.SIGKILL, None)
                 deadline = None
             time.sleep(POLL_S)
             continue
@@ -106,8 +128,7 @@ def main(argv: list[str]) -> int:
             # As torchrun: one rank's failure stops the others (they would wait in a collective).
             print(f"fork_ranks: rank {rank} exited with {code}; stopping the others", file=sys.stderr)
             failed = code if code > 0 else 1
-            for other in ranks:
-                os.kill(other, signal.SIGTERM)
+            forward(signal.SIGTERM, None)
             deadline = time.monotonic() + GRACE_S
     return failed
 
