@@ -324,18 +324,19 @@ def test_spearman_and_the_profile_named_like_the_device():
 
 
 def test_step_time_rows_and_the_ranking_on_the_cpu_fake(tmp_path, one_thread):
-    config = _tiny_config(time_cases=[gpu_proof.TimeCase("tiny_lm", "bf16", sizes=(1, 4))])
+    # fp32: bf16 on a CPU without bf16 units runs tiny_lm's steps about 20x slower (14 s here).
+    config = _tiny_config(time_cases=[gpu_proof.TimeCase("tiny_lm", "fp32", sizes=(1, 4))])
     report = gpu_proof.Report(tmp_path, {})
     report.current = "step_time"
     ctx = gpu_proof.Context(CPUDevice(), config, report, log=lambda *a, **k: None)
     outcome = gpu_proof.check_step_time(ctx)
     timed = [r for r in outcome.rows if "measured_ms" in r]
     assert [(r["case"], r["micro_batch"]) for r in timed] == [
-        ("tiny_lm bf16 ckpt off", 1), ("tiny_lm bf16 ckpt off", 4),
-        ("tiny_lm bf16 ckpt on", 1), ("tiny_lm bf16 ckpt on", 4)]
+        ("tiny_lm fp32 ckpt off", 1), ("tiny_lm fp32 ckpt off", 4),
+        ("tiny_lm fp32 ckpt on", 1), ("tiny_lm fp32 ckpt on", 4)]
     assert outcome.rows[-1]["settings"] == 4 and "Spearman" in outcome.summary
     # The measurements are cached: the reserved check's reference steps are not run again.
-    assert set(ctx._measured) == {("tiny_lm", "bf16", c, n) for c in (False, True) for n in (1, 4)}
+    assert set(ctx._measured) == {("tiny_lm", "fp32", c, n) for c in (False, True) for n in (1, 4)}
     unknown = gpu_proof.check_step_time(gpu_proof.Context(
         CPUDevice(), _tiny_config(time_profile=None), gpu_proof.Report(tmp_path, {})))
     assert unknown.status == "skip" and "no bundled GPU profile" in unknown.summary
