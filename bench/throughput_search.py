@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     candidates = build_candidates(settings, share=args.target_batch, usable=usable)
     feasible = [c for c in candidates if c.predicted_fits]
 
-    def measure(config):
-        return measure_configuration(workload, backend, config)
+    def measure(config, seconds=None):
+        return measure_configuration(workload, backend, config, seconds=seconds)
 
     started = time.perf_counter()
     exhaustive = {}

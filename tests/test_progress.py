@@ -142,7 +142,7 @@ def test_throughput_search_bar_counts_seconds_and_shows_the_best(terminal):
                             predicted_peak_bytes=m << 20, predicted_fits=True) for m in speeds]
     seconds = iter(range(0, 10_000))
     result = search_throughput(
-        candidates, lambda c: Measurement(samples_per_s=speeds[c.micro_batch], peak_bytes=1),
+        candidates, lambda c, _seconds: Measurement(samples_per_s=speeds[c.micro_batch], peak_bytes=1),
         lambda configs, s: [Measurement(samples_per_s=speeds[c.micro_batch], peak_bytes=1) for c in configs],
         budget_s=60, usable_bytes=1 << 30, study_name="progress", clock=lambda: float(next(seconds)))
     assert result.winner.micro_batch == 16
