@@ -1,6 +1,7 @@
 import contextlib
 import logging
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -56,6 +57,4 @@ def rank_command(nproc: int, script, *args) -> list[str]:
     """The command that runs one of the tests' own scripts on ``nproc`` ranks with torchrun's
     environment, the ranks forked after torch and autotune are imported once (tests/fork_ranks.py).
     Tests of autotune as a user launches it (the CLI, signals to torchrun, restarts) use torchrun."""
-    import sys
-
     return [sys.executable, str(ROOT / "tests" / "fork_ranks.py"), str(nproc), str(script), *map(str, args)]

@@ -7,12 +7,10 @@ which reads ``del x`` followed by a later use in another branch or closure as un
 import ast
 from pathlib import Path
 
-import pytest
+from pyflakes import api as pyflakes_api, messages, reporter  # a test dependency: never skipped
 
-pyflakes_api = pytest.importorskip("pyflakes.api")
-from pyflakes import messages, reporter  # noqa: E402
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("autotune", "tests", "bench", "examples", "profiles")
 
 

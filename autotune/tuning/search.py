@@ -200,10 +200,11 @@ def search_throughput(candidates: list[Candidate], measure: Callable[[Configurat
     """Measure candidates under ``budget_s`` seconds and return every result and the fastest.
 
     ``measure(config, seconds)`` measures one configuration (its peak and samples/s) in about
-    the ``seconds`` the exploration has left; ``compare(configs, seconds)`` times several side by side (``throughput.compare_configurations``). The search
-    explores with ``measure``; then the ``confirm_top`` fastest, and the memory plan (largest
-    micro-batch) of each of their settings, are compared window by window in what is left of the
-    budget, and the fastest of that comparison wins. Measured one after the other,
+    the ``seconds`` the exploration has left; ``compare(configs, seconds)`` times several side by
+    side (``throughput.compare_configurations``). The search explores with ``measure``; then the
+    ``confirm_top`` fastest, and the memory plan (largest micro-batch) of each of their settings,
+    are compared window by window in what is left of the budget, and the fastest of that
+    comparison wins. Measured one after the other,
     configurations meet different moments of a machine whose speed drifts, and one pass crowns
     whichever was luckiest (the winner's curse); side by side they meet the same.
     ``clock`` reads seconds (tests pass a fake one).
