@@ -155,12 +155,12 @@ def test_the_comparison_stays_within_the_budget():
 
     class Slow(FakeMeasure):
         def __call__(self, config, seconds=None):
-            clock[0] += 1.0  # every measurement takes a second
-            return super().__call__(config, seconds)
+            clock[0] += 1.0  # every measurement takes a second, its set-up 0.5
+            return dataclasses.replace(super().__call__(config, seconds), setup_seconds=0.5)
 
         def compare(self, configs, seconds):
             self.compared.append((configs, seconds))
-            clock[0] += 1.0 + seconds  # set-up and warm-up, then the seconds it was given
+            clock[0] += seconds  # set-up and rounds: the seconds it was given
             return [Measurement(samples_per_s=self.speeds[(c.precision, c.checkpointing.enabled, c.micro_batch)],
                                 peak_bytes=None) for c in configs]
 
@@ -170,10 +170,31 @@ def test_the_comparison_stays_within_the_budget():
     assert len(measure.calls) == 6 and len(measure.compared) == 1
     # Each measurement is told what the exploration (70% of the budget) has left.
     assert measure.seconds_left == pytest.approx([7.0, 6.0, 5.0, 4.0, 3.0, 2.0])
-    assert measure.compared[0][1] == pytest.approx(10 - 6 - 1) and result.seconds <= 10
+    assert measure.compared[0][1] == pytest.approx(10 - 6) and result.seconds <= 10
+    # Its warm-up and fixed rounds run a window of each contender 4 times (64 samples at 210, 200,
+    # 180 and 150/s: 1.22, 2.50, 3.92, 5.62 s for the fastest 1 to 4): the two fastest fit the 3.5 s
+    # its set-up leaves.
+    assert [(c.precision, c.micro_batch) for c in measure.compared[0][0]] == [("bf16", 16), ("bf16", 32)]
+    assert [r.compared for r in result.records[:3]] == [True, True, False]
     short = Slow()
-    _search(short, budget_s=4.5, name="short", clock=lambda: clock[0])  # 3 explored, 1.5 s left: less than two measurements
+    _search(short, budget_s=4.5, name="short", clock=lambda: clock[0])  # 3 explored, 1 s left after a set-up
     assert short.compared == []
+
+
+def test_no_comparison_where_the_time_left_holds_the_fixed_rounds_of_fewer_than_two():
+    clock = [0.0]
+    slow = {key: speed / 10 for key, speed in SPEEDS.items()}  # windows of 3-5 s
+
+    class Slow(FakeMeasure):
+        def __call__(self, config, seconds=None):
+            clock[0] += 1.0
+            return super().__call__(config, seconds)
+
+    measure = Slow(slow)
+    result = _search(measure, budget_s=20, clock=lambda: clock[0])
+    # 14 s left after 6 measurements: 4 windows of the fastest take 12.2 s, of the two fastest 25.
+    assert len(measure.calls) == 6 and measure.compared == []
+    assert not any(r.compared for r in result.records) and result.winner.samples_per_s == 21.0
 
 
 def test_a_memory_plan_past_the_budget_gives_way_to_the_next_split_at_once():
@@ -361,6 +382,15 @@ def test_real_side_by_side_comparison():
     assert all(m.samples_per_s == 16 / statistics.median(m.window_seconds) and not m.out_of_memory
                for m in found)
     assert backend.current_bytes() == 0  # nothing left behind, checkpointing undone with the model
+    # Past the fixed rounds, no round starts that would end past the seconds given: two windows
+    # that sleep 0.3 s each, 2.9 s given. The warm-up round and the three timed ones end after
+    # 2.4 s and more; a fifth would end past 3.0 (it ran before: the round started in time).
+    import time
+
+    slow = dataclasses.replace(_tiny_workload(), loss_fn=lambda m, b: (time.sleep(0.3), m(b).pow(2).mean())[1])
+    single = [Configuration(precision="fp32", checkpointing=on, micro_batches=(16,)) for on in (False, True)]
+    bounded = compare_configurations(slow, backend, single, seconds=2.9)
+    assert [len(m.window_seconds) for m in bounded] == [COMPARE_MIN_ROUNDS] * 2
     with pytest.raises(ValueError, match="same share"):
         compare_configurations(_tiny_workload(), backend, [configs[0], Configuration(
             precision="fp32", checkpointing=False, micro_batches=(8,))], seconds=0.01)

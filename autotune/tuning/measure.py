@@ -77,6 +77,9 @@ class Measurement:
     first step's one-time work (slower than the configuration runs, never faster)."""
     seconds: float = 0.0
     """Wall time of the whole measurement: set-up, warm-up and timed windows."""
+    setup_seconds: float = 0.0
+    """Wall time before the warm-up window: the model built, its optimizer state allocated and the
+    window's samples made (what a side-by-side comparison pays once before its rounds)."""
 
 
 def measure_configuration(workload: Workload, backend: MemoryBackend, config: Configuration, *,
@@ -97,7 +100,7 @@ def measure_configuration(workload: Workload, backend: MemoryBackend, config: Co
                            checkpointing=config.checkpointing)
     try:
         with session:
-            result = _measure_in(session, config, windows, min_seconds, clock, until)
+            result = _measure_in(session, config, windows, min_seconds, clock, until, started)
     except SetupOutOfMemory:
         result = Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True)
     result.seconds = time.perf_counter() - started
@@ -132,8 +135,8 @@ def _window(config: Configuration) -> Window:
                   micro_batches=config.micro_batches)
 
 
-def _measure_in(session: TrialSession, config: Configuration, windows: int,
-                min_seconds: float, clock=time.perf_counter, until: float | None = None) -> Measurement:
+def _measure_in(session: TrialSession, config: Configuration, windows: int, min_seconds: float,
+                clock=time.perf_counter, until: float | None = None, started: float = 0.0) -> Measurement:
     backend = session.backend
     runner = _runner(session, session.precision, session.scaler)
     window = _window(config)
@@ -142,6 +145,7 @@ def _measure_in(session: TrialSession, config: Configuration, windows: int,
     backend.release()
     backend.reset_peak()
     warm_up_started = time.perf_counter()
+    setup_s = warm_up_started - started
     if not _run_window(runner, window, _counted_micro_batches(batch, backend)):
         peak = backend.peak_bytes()
         free_memory()
@@ -163,9 +167,9 @@ def _measure_in(session: TrialSession, config: Configuration, windows: int,
             last_s = time.perf_counter() - window_started
     if not times:
         return Measurement(samples_per_s=config.share / warm_up_s, peak_bytes=peak, within_budget=within,
-                           warm_up_only=True)
+                           warm_up_only=True, setup_seconds=setup_s)
     return Measurement(samples_per_s=config.share / min(times), peak_bytes=peak,
-                       within_budget=within, window_seconds=tuple(times))
+                       within_budget=within, window_seconds=tuple(times), setup_seconds=setup_s)
 
 
 COMPARE_MIN_ROUNDS = 3
@@ -174,8 +178,8 @@ COMPARE_MIN_ROUNDS = 3
 def compare_configurations(workload: Workload, backend: MemoryBackend, configs: list[Configuration], *,
                            seconds: float) -> list[Measurement]:
     """Time configurations side by side: one model, their windows interleaved round by round for
-    about ``seconds`` (at least ``COMPARE_MIN_ROUNDS`` rounds), samples/s from each one's median
-    window.
+    at most about ``seconds`` (at least ``COMPARE_MIN_ROUNDS`` rounds after a warm-up round; no
+    later round starts that would end past them), samples/s from each one's median window.
 
     A machine's speed drifts from one second to the next, so configurations measured one after
     the other are compared across different moments; interleaved, every configuration sees the
@@ -210,9 +214,13 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
     times: list = [[] for _ in configs]
     try:
         with _untracked(session.backend), automatic_collection_off():  # as above
-            # Round 0 is the warm-up: each configuration's first window after set-up.
+            # Round 0 is the warm-up: each configuration's first window after set-up. Past the
+            # fixed rounds, none starts that would end past the deadline (each expected to last
+            # as long as the one before), as a measurement's timed windows.
+            round_s = 0.0
             for round_ in range(MAX_TIMED_WINDOWS + 1):
-                if round_ > COMPARE_MIN_ROUNDS and time.perf_counter() >= deadline:
+                round_started = time.perf_counter()
+                if round_ > COMPARE_MIN_ROUNDS and round_started + round_s > deadline:
                     break
                 for i, config in enumerate(configs):
                     if times[i] is None:
@@ -223,6 +231,7 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
                         times[i] = None
                     elif round_:
                         times[i].append(seconds)
+                round_s = time.perf_counter() - round_started
     finally:
         disable_checkpointing(session.model)
     return times

@@ -43,7 +43,7 @@ from ..precision import Precision
 from ..planning.types import ConfigurationMeasured, SettingTried
 from ..workload.checkpoint_count import Checkpointing
 from ..planning.policy import predicted_peak, split_pinned, split_share
-from .measure import Configuration, Measurement
+from .measure import COMPARE_MIN_ROUNDS, Configuration, Measurement
 from ..units import format_bytes
 from .. import progress
 
@@ -254,6 +254,7 @@ class _Run:
         self.results: dict[tuple, ConfigurationMeasured] = dict(known)
         self.measured = 0
         self.measuring_s = 0.0
+        self.setup_s = 0.0  # the longest set-up a measurement reported: a comparison pays one
         self.stale = 0
         self.started = clock()
         self.deadline = self.started + budget_s
@@ -322,8 +323,12 @@ class _Run:
     def confirm(self, top: int, *, deadline: float) -> None:
         """Time the ``top`` fastest side by side in what is left of the budget. Only when this
         run measured one of them: a rerun that reuses every result of a stored study measures
-        nothing. A set-up and a warm-up round cost about one measurement; with less left than
-        two measurements, the single measurements stand."""
+        nothing. After a set-up (as long as the longest a measurement had), the comparison runs a
+        warm-up round and ``COMPARE_MIN_ROUNDS`` rounds whatever time is left, each round a window
+        of every contender (its length known from its measurement): the slowest contenders stay
+        out until those rounds fit the time left, and with fewer than two left the single
+        measurements stand. README's tiny_lm at ``--budget 20s`` compared four contenders, whose
+        16 windows took 11 s where 5 were left: 24 s of the 20."""
         measured = [r for r in sorted(self.results.values(), key=_speed, reverse=True)
                     if r.fits and r.status == "measured"]
         contenders = measured[:top]
@@ -336,12 +341,11 @@ class _Run:
                 contenders.append(largest)
         if len(contenders) < 2 or all(r.reused for r in contenders):
             return
-        typical = self.measuring_s / self.measured if self.measured else 0.0
-        seconds = deadline - self.clock() - typical
-        if seconds < typical:
+        contenders = _affordable(contenders, self.share, deadline - self.clock() - self.setup_s)
+        if len(contenders) < 2:
             return
         configs = [self.by_key[(*_setting(r), r.micro_batch)].config for r in contenders]
-        for record, result in zip(contenders, self.compare(configs, seconds)):
+        for record, result in zip(contenders, self.compare(configs, deadline - self.clock())):
             record.compared = True
             if result.out_of_memory or result.samples_per_s is None:
                 # Possible on CUDA (fragmentation): a plan that fails now and then is no winner.
@@ -362,6 +366,7 @@ class _Run:
         result = self.measure(config, max(0.0, self.deadline - started))
         self.measured += 1
         self.measuring_s += self.clock() - started
+        self.setup_s = max(self.setup_s, result.setup_seconds)
         record.peak_bytes = result.peak_bytes
         record.samples_per_s = result.samples_per_s
         record.warm_up_only = result.warm_up_only
@@ -387,6 +392,18 @@ class _Run:
             f"{self.measured} measured; {record.precision} checkpointing "
             f"{'on' if record.checkpointing else 'off'} micro-batch {record.micro_batch}: "
             f"{speed} samples/s" + (f"; best so far {best:.1f}" if best else ""), refresh=True)
+
+
+def _affordable(contenders: list[ConfigurationMeasured], share: int, seconds: float) -> list[ConfigurationMeasured]:
+    """The fastest of ``contenders`` whose comparison's fixed rounds fit ``seconds`` (in their
+    order): each round runs a window of each, ``share`` samples at its measured samples/s."""
+    kept, round_s = [], 0.0
+    for record in sorted(contenders, key=lambda r: r.samples_per_s, reverse=True):
+        round_s += share / record.samples_per_s
+        if (COMPARE_MIN_ROUNDS + 1) * round_s > seconds:
+            break
+        kept.append(record)
+    return [r for r in contenders if any(r is k for k in kept)]
 
 
 def _speed(record: ConfigurationMeasured) -> tuple:
