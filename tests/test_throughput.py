@@ -23,7 +23,7 @@ from autotune.tuning.search import (Candidate, build_candidates, parse_duration,
 from autotune.tuning.measure import (COMPARE_MIN_ROUNDS, Configuration, Measurement,
                                  compare_configurations, measure_configuration)
 from autotune.workload.contract import Workload
-from plan_helpers import MiB, linear_probe, setting
+from plan_helpers import MiB, linear_probe, make_plan, setting
 
 SPEEDS = {("fp32", False, 8): 100.0, ("fp32", False, 16): 180.0, ("fp32", False, 32): 150.0,
           ("bf16", False, 8): 120.0, ("bf16", False, 16): 210.0, ("bf16", False, 32): 200.0}
@@ -272,6 +272,50 @@ def test_candidates_are_exact_splits_with_predictions():
     assert fitting == [m for m in split_choices(64) if m <= 20]
     beyond = [c for c in candidates if not c.predicted_fits]
     assert [c.config.micro_batch for c in beyond] == [22] and "not run" in beyond[0].why_not
+    # A warm-up window of 64 samples at the fastest rate of the probe's fitting trials (0.01 s at
+    # micro-batch 1 and at 20): 64 x 0.01 / 20 s.
+    assert [c.warm_up_s for c in candidates if c.predicted_fits] == pytest.approx([64 * 0.01 / 20] * len(fitting))
+
+
+def test_a_configuration_whose_warm_up_would_end_past_the_budget_is_not_started(tmp_path):
+    # bf16's windows are 20 s at the probe's rate (a CPU without bf16 units), the budget 10 s:
+    # fp32 is measured, bf16 is not started and says why; the first measurement always runs.
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    clock = [0.0]
+
+    class Slow(FakeMeasure):
+        def __call__(self, config, seconds=None):
+            clock[0] += 1.0
+            return super().__call__(config, seconds)
+
+    slow_bf16 = [dataclasses.replace(c, warm_up_s=20.0 if c.config.precision == "bf16" else 0.5)
+                 for c in _candidates()]
+    measure = Slow()
+    result = _search(measure, storage, candidates=slow_bf16, budget_s=10, clock=lambda: clock[0],
+                     confirm_top=0)
+    assert {precision for precision, _, _ in measure.calls} == {"fp32"} and len(measure.calls) == 3
+    skipped = [r for r in result.records if r.status == "skipped"]
+    assert sorted(r.micro_batch for r in skipped) == [8, 16, 32]
+    assert all(r.precision == "bf16" and r.samples_per_s is None and "warm-up window would take 20.0s"
+               in r.note for r in skipped)
+    assert result.winner.precision == "fp32"
+    assert "3 not measured: their warm-up window alone would end past the budget" in why_fastest(result)
+    # In the table and the plan file as such.
+    plan = make_plan(target=64)
+    plan.throughput = result.records
+    assert "skipped: not measured: its warm-up window would take 20.0s" in format_throughput(plan)
+    text = plan_to_json(plan)
+    assert [r.status for r in plan_from_json(text).throughput] == [r.status for r in result.records]
+    pytest.importorskip("jsonschema").validate(json.loads(text), plan_schema())
+    # A rerun with the time for them measures them (a skip is not a result).
+    again = FakeMeasure()
+    _search(again, storage, candidates=slow_bf16, budget_s=100, confirm_top=0)
+    assert sorted(again.calls) == [("bf16", False, 8), ("bf16", False, 16), ("bf16", False, 32)]
+    # Nothing measured yet: the first configuration runs whatever its warm-up.
+    first = Slow()
+    _search(first, candidates=[dataclasses.replace(c, warm_up_s=20.0) for c in _candidates()],
+            budget_s=10, name="first", clock=lambda: clock[0], confirm_top=0)
+    assert len(first.calls) == 1
 
 
 def _tiny_workload():

@@ -270,8 +270,8 @@ def format_throughput(plan) -> str:
             speed += " (side by side)"
         elif c.warm_up_only and c.samples_per_s is not None:
             speed += " (warm-up only)"
-        status = "<- plan" if chosen else ("reused" if c.reused and c.fits else
-                                           "" if c.fits else f"pruned: {c.note}")
+        status = ("<- plan" if chosen else f"skipped: {c.note}" if c.status == "skipped" else
+                  "reused" if c.reused and c.fits else "" if c.fits else f"pruned: {c.note}")
         rows.append([c.precision, blocks if isinstance(blocks, str) else f"{blocks} blocks", c.micro_batch,
                      c.accumulation_steps, speed, format_bytes(c.peak_bytes),
                      format_bytes(c.predicted_peak_bytes), status])

@@ -251,7 +251,8 @@ class ConfigurationMeasured(SplitArithmetic):
     configuration: the plan's peak (its micro-batch measured where the model drew it)."""
     fits: bool = True
     status: str = "measured"
-    """"measured" or "pruned" (predicted not to fit, ran out of memory, or past the headroom)."""
+    """"measured", "pruned" (predicted not to fit, ran out of memory, or past the headroom) or
+    "skipped" (not measured: its warm-up window alone would have ended past the budget)."""
     note: str = ""
     reused: bool = False
     """Measured by an earlier run of the same stored study, not re-measured."""

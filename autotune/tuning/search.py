@@ -149,11 +149,21 @@ def _candidate(setting: SettingTried, config: Configuration, usable: int, extra:
     peak = int(predicted_peak(setting.probe, config.micro_batch, extra))
     if config.micro_batch <= setting.allowed_micro_batch:
         return Candidate(config=config, predicted_peak_bytes=peak, predicted_fits=True,
-                         total_blocks=total_blocks)
+                         total_blocks=total_blocks, warm_up_s=_warm_up_s(setting, config.share))
     return Candidate(config=config, predicted_peak_bytes=peak, predicted_fits=False,
                      total_blocks=total_blocks,
                      why_not=f"predicted {format_bytes(peak)} > {format_bytes(usable)} usable "
                              f"(probe max {setting.raw_max_micro_batch}); not run")
+
+
+def _warm_up_s(setting: SettingTried, share: int) -> float | None:
+    """``share`` samples at the fastest rate per sample of ``setting``'s fitting probe trials (each
+    a whole step or window, timed with its bytes counted, as a warm-up window is): the per-sample
+    rate rises at smaller micro-batches and a first window does one-time work, so the warm-up takes
+    about this or more."""
+    rates = [t.seconds / sum(t.micro_steps or [t.micro_batch]) for t in setting.probe.trials
+             if t.fits and t.seconds > 0]
+    return share * min(rates) if rates else None
 
 
 def study_name(*, workload_key: str, target_batch: int, world_size: int, device: str,
@@ -176,6 +186,10 @@ class Candidate:
     """For a configuration predicted not to fit: why."""
     total_blocks: int | None = None
     """The model's repeated blocks, N (None: not known)."""
+    warm_up_s: float | None = None
+    """About the least its warm-up window can take: its samples at the fastest rate per sample of
+    its setting's probe trials (real steps, bytes counted as the warm-up counts them; None: no
+    real trial)."""
 
 
 @dataclass(kw_only=True)
@@ -302,6 +316,8 @@ class _Run:
             if candidate.predicted_fits:
                 self._queue_next_memory_plan(trial.study, candidate)
             raise optuna.TrialPruned(record.note)
+        if record.status == "skipped":  # a rerun measures it (only out-of-memory prunes are kept)
+            raise optuna.TrialPruned(record.note)
         return record.samples_per_s
 
     def _queue_next_memory_plan(self, study: optuna.Study, failed: Candidate) -> None:
@@ -363,6 +379,15 @@ class _Run:
             record.fits, record.status, record.note = False, "pruned", candidate.why_not
             return record
         started = self.clock()
+        left = self.deadline - started
+        if (candidate.warm_up_s is not None and candidate.warm_up_s > left
+                and any(r.fits and r.status == "measured" for r in self.results.values())):
+            # Its warm-up window always runs (it gives the peak): one that would end past the
+            # budget is not started, once something fits and was measured (a plan needs one).
+            record.status = "skipped"
+            record.note = (f"not measured: its warm-up window would take {candidate.warm_up_s:.1f}s or "
+                           f"more (its probe's trials), {left:.1f}s of the budget left")
+            return record
         result = self.measure(config, max(0.0, self.deadline - started))
         self.measured += 1
         self.measuring_s += self.clock() - started
@@ -558,6 +583,7 @@ def why_fastest(result: SearchResult) -> str:
     winner = result.winner
     measured = [r for r in result.records if r.status == "measured" and r.fits]
     pruned = [r for r in result.records if r.status == "pruned"]
+    skipped = sum(r.status == "skipped" for r in result.records)
     text = (f"fastest measured: {winner.label()} at {winner.samples_per_s:.1f} samples/s over full "
             f"windows")
     compared = [r for r in result.records if r.compared and r.fits]
@@ -574,6 +600,9 @@ def why_fastest(result: SearchResult) -> str:
              f"the study"
              + (f", {warm_up_only} by their warm-up window alone: the budget left no timed window"
                 if warm_up_only else "")
-             + f"), {len(pruned)} pruned for memory; {result.sampler}, {result.seconds:.0f}s "
+             + f"), {len(pruned)} pruned for memory"
+             + (f", {skipped} not measured: their warm-up window alone would end past the budget"
+                if skipped else "")
+             + f"; {result.sampler}, {result.seconds:.0f}s "
              f"of a {result.budget_s:.0f}s budget, study {result.study_name}")
     return text
