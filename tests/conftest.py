@@ -1,5 +1,6 @@
 import contextlib
 import logging
+import os
 import pathlib
 import sys
 
@@ -51,6 +52,20 @@ def logged(name: str):
         yield records
     finally:
         logger.removeHandler(kept)
+
+
+def rank_env(**extra) -> dict:
+    """The environment of a test's ranks, or of its torchrun launcher: one torch thread a rank (the
+    ranks share CI's two cores), the checkout and tests/ importable (the tests' scripts and model
+    files import their helpers), and ``extra``."""
+    return dict(os.environ, OMP_NUM_THREADS="1", **extra,
+                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+
+
+def torchrun_command(nproc: int, *args) -> list[str]:
+    """torchrun ``--standalone`` of ``nproc`` ranks on ``args``, as a user launches autotune."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            *map(str, args)]
 
 
 def rank_command(nproc: int, script, *args) -> list[str]:

@@ -5,7 +5,6 @@ c10d rendezvous on localhost, gloo) train a world-size-4 plan to the parameters 
 naming both worlds."""
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from autotune.planning.planfile import save_plan
+from conftest import rank_env
 from train_helpers import make_plan
 
 TESTS = Path(__file__).resolve().parent
@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 
 def _env(**extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env = rank_env(**extra)
     for name in ("AUTOTUNE_TEST_KILL_ONCE", "AUTOTUNE_TEST_SLOW"):
         if name not in extra:
             env.pop(name, None)

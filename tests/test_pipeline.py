@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from autotune.distributed.pipeline import (block_container, fake_pipeline_suppor
 from autotune.errors import ConfigError, WorkloadError
 from autotune.probing.estimate import estimate_peaks
 from autotune.workload.contract import load_workload
-from conftest import rank_command
+from conftest import rank_command, rank_env, torchrun_command
 from pp_plans import estimated_rank_peaks, real_pipeline_peaks
 
 needs_fake_pipeline = pytest.mark.skipif(not fake_pipeline_supported(), reason=(
@@ -309,16 +308,6 @@ def test_cli_estimate_takes_the_pipeline_and_its_window():
 
 # -- slow: real gloo ranks ---------------------------------------------------------------------
 
-def _env(**extra):
-    return dict(os.environ, OMP_NUM_THREADS="1", **extra,
-                PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-
-
-def _torchrun(nproc, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-            *map(str, args)]
-
-
 # (example, schedule, sharding, world, how far above the real peak the estimate may be). Below it
 # by at most 3% everywhere. A known gap (bench/README.md, "pp_estimate_accuracy.py"): FSDP 2 × PP 2
 # on mlp depends on when gloo's worker thread lets go of a collective's buffer (−18% to +3.8% at
@@ -360,16 +349,16 @@ def test_a_pipeline_plan_states_its_worst_ranks_peak_and_gloo_reaches_it(tmp_pat
     worst = max(max(peaks) for peaks in real)
     assert max(real[1]) == worst  # gloo's last stage is the worst rank too
     assert -0.03 * worst <= plan["predicted_peak_bytes"] - worst <= 0.03 * worst, (plan, real)
-    done = subprocess.run(_torchrun(2, "-m", "autotune.cli.main", "train", BIG_HEAD, "--plan", plan_file,
+    done = subprocess.run(torchrun_command(2, "-m", "autotune.cli.main", "train", BIG_HEAD, "--plan", plan_file,
                                     "--steps", "2"),
-                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+                          env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "above the plan's predicted" not in done.stdout + done.stderr
 
 
 def _train(nproc, out, *args, **env):
     with open(out / f"log-{len(list(out.iterdir()))}.txt", "w") as log:
-        done = subprocess.run(rank_command(nproc, TESTS / "pp_train_script.py", out, *args), env=_env(**env),
+        done = subprocess.run(rank_command(nproc, TESTS / "pp_train_script.py", out, *args), env=rank_env(**env),
                               stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT)
     assert done.returncode == 0, Path(log.name).read_text()[-4000:]
 
@@ -524,9 +513,9 @@ def test_autotune_train_runs_a_sequence_split_pipeline_plan_within_its_peak(tmp_
     assert result.exit_code == 0, result.output
     plan = json.loads(plan_file.read_text())
     assert len(plan["micro_batches"]) >= 2 and plan["parallel"][degree[2:]] == plan["parallel"]["pp"] == 2
-    done = subprocess.run(_torchrun(4, "-m", "autotune.cli.main", "train", model_file, "--plan", plan_file,
+    done = subprocess.run(torchrun_command(4, "-m", "autotune.cli.main", "train", model_file, "--plan", plan_file,
                                     "--steps", "3"),
-                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+                          env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "above the plan's predicted" not in output
@@ -559,7 +548,7 @@ def test_sigterm_then_resume_continues_exactly(tmp_path, tp, cp):
     with open(stopped / "log-sigterm.txt", "w") as log:
         child = subprocess.Popen(rank_command(world, TESTS / "pp_train_script.py", stopped, model_file, 2, "1f1b",
                                            "fsdp", 6, stopped / "checkpoints"),
-                                 env=_env(PP_SLOW="1", **degrees), stdout=log, stderr=subprocess.STDOUT)
+                                 env=rank_env(PP_SLOW="1", **degrees), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + TIMEOUT
         while not (stopped / "pid-1").exists():
             assert child.poll() is None and time.monotonic() < deadline

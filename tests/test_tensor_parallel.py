@@ -17,7 +17,7 @@ from autotune import ConfigError, Layout
 from autotune.distributed.tensor_parallel import clip_grad_norm_, resolve_plan, with_sequence_parallel
 from autotune.probing.estimate import estimate_peaks
 from autotune.workload.contract import load_workload
-from conftest import rank_command
+from conftest import rank_command, rank_env, torchrun_command
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -273,13 +273,8 @@ def test_an_fsdp_x_tp_estimate_logs_no_redistribution_advice_about_the_gradient_
 
 # --- on gloo ranks: the tests' scripts forked (conftest.rank_command), the CLI under torchrun ----
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-
-
 def _run(command):
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, env=rank_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
@@ -288,8 +283,7 @@ def _ranks(nproc, script, *args):
 
 
 def _torchrun(nproc, *args):
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-          *map(str, args)])
+    _run(torchrun_command(nproc, *args))
 
 
 MODELS = [TINY_LM, LLAMA, SP_DECODER]  # LLAMA and SP_DECODER: with sequence parallel
@@ -373,7 +367,7 @@ def test_sigterm_then_resume_continues_an_fsdp_x_tp_run_exactly(tmp_path):
     log = open(tmp_path / "sigterm.log", "w")
     child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                               "--nproc_per_node", "4", str(script), str(tmp_path), "sigterm", "2",
-                              str(TINY_LM)], env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                              str(TINY_LM)], env=rank_env(), stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
     try:
         deadline = time.monotonic() + 600

@@ -23,6 +23,7 @@ import torch
 from autotune.planning.planfile import save_plan
 from autotune.training import TrainError, train
 from autotune.workload.contract import load_workload
+from conftest import rank_env, torchrun_command
 from fsdp_train_script import EFFECTIVE, REAL_MODELS, SAMPLES, STEPS, model_file_plan
 from train_helpers import (build_mlp, initial_params, make_plan, mlp_workload, params_of, relative_error,
                            token_workload)
@@ -33,26 +34,16 @@ TIMEOUT = 300
 LINEAR_LAYERS = 2  # build_mlp: the FSDP2 units that hold parameters, one reduce-scatter each
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-
-
-def _torchrun(nproc, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-            *map(str, args)]
-
-
 def _run(nproc, out, label, *args):
     with open(out / f"log-{label}.txt", "w") as log:
-        done = subprocess.run(_torchrun(nproc, *args), env=_env(), stdout=log, stderr=subprocess.STDOUT,
+        done = subprocess.run(torchrun_command(nproc, *args), env=rank_env(), stdout=log, stderr=subprocess.STDOUT,
                               timeout=TIMEOUT)
     assert done.returncode == 0, Path(log.name).read_text()[-4000:]
 
 
 def _start(nproc, out, label, *args):
     log = open(out / f"log-{label}.txt", "w")
-    child = subprocess.Popen(_torchrun(nproc, *args), env=_env(), stdout=log, stderr=subprocess.STDOUT,
+    child = subprocess.Popen(torchrun_command(nproc, *args), env=rank_env(), stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
     return child, log
 
