@@ -385,8 +385,8 @@ class _Run:
             # Its warm-up window always runs (it gives the peak): one that would end past the
             # budget is not started, once something fits and was measured (a plan needs one).
             record.status = "skipped"
-            record.note = (f"not measured: its warm-up window would take {candidate.warm_up_s:.1f}s or "
-                           f"more (its probe's trials), {left:.1f}s of the budget left")
+            record.note = (f"its warm-up window would take {candidate.warm_up_s:.1f}s or more (its "
+                           f"probe's trials), {left:.1f}s of the budget left")
             return record
         result = self.measure(config, max(0.0, self.deadline - started))
         self.measured += 1
