@@ -365,7 +365,10 @@ def test_no_timed_window_starts_that_would_end_past_the_seconds_left():
     assert len(unbounded.window_seconds) == 3 and not unbounded.warm_up_only
     bounded = measure_configuration(slow, backend, config, windows=30, min_seconds=0, seconds=3.0)
     assert 1 <= len(bounded.window_seconds) < 15 and not bounded.warm_up_only
-    assert bounded.seconds < 3.0 + 3 * max(bounded.window_seconds)
+    # The timed windows, after the set-up and the warm-up, end within the 3 s but for the last one
+    # running longer than the one before. (Not the whole measurement's time: its teardown took
+    # 1 s on CI's loaded cores, 4.07 s in all.)
+    assert sum(bounded.window_seconds) < 3.0 + max(bounded.window_seconds)
     none_left = measure_configuration(slow, backend, config, windows=30, min_seconds=0, seconds=0.0)
     assert none_left.warm_up_only and none_left.window_seconds == ()
     assert 0 < none_left.samples_per_s <= 8 / 0.2 and none_left.peak_bytes == bounded.peak_bytes
