@@ -332,25 +332,68 @@ def test_a_layout_whose_screen_fits_and_own_step_could_win_is_planned_whole(monk
     assert len(counted) == len(set(counted))
 
 
-def test_a_layout_whose_own_step_cannot_win_is_not_planned(monkeypatch, one_thread):
+@pytest.mark.parametrize("likely", [True, False], ids=["likely-fits", "guess-unknown"])
+def test_a_layout_whose_own_step_cannot_win_is_not_planned(monkeypatch, one_thread, likely):
+    from autotune.orchestration import layout_search
+
+    if not likely:
+        monkeypatch.setattr(layout_search, "_likely_without_checkpointing", lambda *args: 0)
     planned, ran, screens = _search(monkeypatch)
-    # Its screen fits where data parallelism's bound leaves it a chance, but its own step,
-    # counted at micro-batches 1 and 2, says it cannot pass DDP 2 (TP 2 and CP 2 predict a third
-    # slower planned whole): no planner's search.
+    # Data parallelism's bound leaves it a chance, but its own step, counted at micro-batches 1
+    # and 2, says it cannot pass DDP 2 (TP 2 and CP 2 predict a third slower planned whole): no
+    # planner's search. Where data parallelism's trials say it likely fits without checkpointing
+    # there, its step is counted first and nothing is screened; where they say nothing, a screen
+    # (which fits) comes first, as before.
     ring = [Layout(cp=2)] if cpu_ring_available() else []
     assert ran == [Layout()] and planned.parallel == Layout()
-    assert [layout for layout, _, _ in screens] == [Layout(tp=2), Layout(cp=2)]
+    assert [layout for layout, _, _ in screens] == ([] if likely else [Layout(tp=2), Layout(cp=2)])
     reason = planned.reasons["layout"]
     assert reason.count("checkpointing off at most") == 1 + len(ring)
     assert reason.count("(its own step counted)") == 2 * (1 + len(ring))
+
+
+def test_data_parallelisms_trials_guess_where_a_layout_fits_without_checkpointing():
+    from types import SimpleNamespace
+
+    from autotune.orchestration.layout_search import _likely_without_checkpointing
+    from autotune.probing.result import Trial
+
+    GiB = 1 << 30
+
+    def key(parallel="None", checkpointing="off", n=1):
+        return ("session", (("parallel", parallel), ("sharding", "fsdp")), (), checkpointing, n, 1, None)
+
+    def trial(n, peak, *, fits=False, past_limit=None):
+        return Trial(micro_batch=n, fits=fits, peak_bytes=int(peak * GiB), seconds=0.0,
+                     baseline_bytes=int(15 * GiB), past_limit=past_limit)
+
+    memo = {key(n=1): trial(1, 82.0),  # a floor past the 78 GiB budget: the whole step's tensors
+            ("tensor floor", key(n=2)): trial(2, 147.0),
+            key(n=4): trial(4, 70.0),  # out of memory below the budget: stopped early, not counted
+            key(checkpointing="on", n=3): trial(3, 60.0, fits=True),
+            key(parallel="Layout(tp=2)", n=8): trial(8, 20.0, fits=True)}
+    backend = SimpleNamespace(trials_memo=memo, info=lambda: SimpleNamespace(budget_bytes=int(78 * GiB)))
+    reference = SimpleNamespace(backend=backend)
+    usable = int(70 * GiB)
+    # CP 2 (or TP 2): 15 + 67 / 2 = 48.5 GiB at micro-batch 1, 15 + 132 / 2 = 81 at 2.
+    assert _likely_without_checkpointing(reference, Layout(cp=2), usable) == 1
+    assert _likely_without_checkpointing(reference, Layout(tp=2, cp=2), usable) == 2  # 48 at 2
+    assert _likely_without_checkpointing(reference, Layout(tp=1), usable) == 0
+    assert _likely_without_checkpointing(reference, Layout(pp=2), usable) == 0  # a pipeline: no guess
+    assert _likely_without_checkpointing(SimpleNamespace(backend=SimpleNamespace(trials_memo=None)),
+                                         Layout(cp=2), usable) == 0
 
 
 def test_a_setting_holding_less_than_one_that_fitted_is_counted_before_it_is_screened(monkeypatch, one_thread):
     """Without checkpointing the layout fits at micro-batch 1 and its own step cannot win; every
     block checkpointed holds less, so it fits there too: its own step is counted first and moves
     the smallest micro-batch that could win from 2 (data parallelism's bound) to 4, where one
-    screen rules it out. Before, a screen at 2 came first (8B's CP 2: 8.5 CPU s)."""
+    screen rules it out. Before, a screen at 2 came first (8B's CP 2: 8.5 CPU s). (Data
+    parallelism's trials say nothing of where it fits here, or its step would be counted before
+    any screen: ``test_a_layout_whose_own_step_cannot_win_is_not_planned``.)"""
     from autotune.orchestration import layout_search
+
+    monkeypatch.setattr(layout_search, "_likely_without_checkpointing", lambda *args: 0)
 
     monkeypatch.setattr(layout_search, "fastest_possible",
                         lambda *args, recompute, **kw: float("inf") if not recompute or max(args[2]) >= 2 else 0.0)

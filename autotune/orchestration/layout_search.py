@@ -26,6 +26,7 @@ from ..planning.policy import split_for
 from ..planning.types import Plan
 from ..precision import Precision
 from ..probing.api import window_trial
+from ..probing.fresh_trials import remembered_trials
 from ..probing.share import window_steps
 from ..timing.bound import fastest_possible
 from ..timing.comm import network_from_profile
@@ -278,6 +279,7 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
              if Sharding.parse(sharding) is Sharding.FSDP and options.shard_group is None else None)
     words = []
     fits_at = 0  # the largest micro-batch a screen without checkpointing fitted (with it, less is held)
+    likely = _likely_without_checkpointing(reference, layout, planner.usable)
     drawn = {checkpointing: {split: fastest_possible(
         references, layout, list(split), recompute=recompute, network=network, seq_len=seq_len,
         hidden=shape.hidden, blocks=shape.blocks, activation_bytes=activation_bytes, sharded_group=group)
@@ -313,8 +315,13 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
             # whole unscreened where its own step still lets it win there: a screen would only say
             # it fits, which the planner's probe finds anyway (70B's TP 2: 11 CPU s); one that fits
             # nowhere fails that probe instead (no pipeline here: 70B's and 405B's fit nowhere).
+            # So is a setting that data parallelism's trials say likely fits there (without
+            # checkpointing at that micro-batch; with it, anywhere one without does): a screen
+            # that fits only sends it to its count (8B's CP 2 screened micro-batch 1 without
+            # checkpointing, 3.0 CPU s, to count its step and screen micro-batch 2 next).
             least = checkpointing == least_memory and micro_batch == 1
-            count_first = not counted and layout.pp == 1 and (bool(fits_at) or least)
+            guessed = likely >= micro_batch if checkpointing == "off" else bool(likely)
+            count_first = not counted and layout.pp == 1 and (bool(fits_at) or guessed or least)
             if counted and least:
                 return _UNSCREENED
             if micro_batch > fits_at and not count_first:
@@ -343,6 +350,30 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
     why = (f"cannot beat {leader.name}'s {leader.samples_per_s:.4g} samples/s per GPU (bounded from data "
            f"parallelism's counted step, or its own where said): {'; '.join(words)}")
     return LayoutOutcome(layout, beaten=1, screened=True, error=why)
+
+
+def _likely_without_checkpointing(reference, layout: Layout, usable: int) -> int:
+    """The largest micro-batch at which ``layout`` (not a pipeline) likely fits ``usable`` without
+    checkpointing, guessed from the trials data parallelism's planner (``reference``) ran of that
+    (its memo): a rank that splits each sample over d = tp × cp GPUs holds about the parameter,
+    gradient and optimizer-state shards data parallelism's FSDP2 rank holds (the same number of
+    ranks share them) and 1/d of the rest. Only trials that saw the whole step count (one that
+    fitted, or a floor of its tensors: an out-of-memory step stops early). 0: none says so. A
+    guess that orders the search's work, never its answer: 8B's CP 2 (82.0 GiB at micro-batch 1,
+    14.96 of it held before the step: 48.5 guessed, fits) and 70B's TP 2 (283.1 and 4.11: 143.6
+    guessed, 159.5 its own floor)."""
+    memo = getattr(getattr(reference, "backend", None), "trials_memo", None)
+    if not memo or layout.pp > 1:
+        return 0
+    budget = reference.backend.info().budget_bytes
+    split = layout.tp * layout.cp
+    most = 0
+    for trial in remembered_trials(memo, checkpointing="off"):
+        peak, held = trial.budgeted_peak_bytes, trial.baseline_bytes
+        whole = trial.fits or trial.past_limit is not None or (budget and peak > budget)
+        if whole and held is not None and held + (peak - held) / split <= usable:
+            most = max(most, trial.micro_batch)
+    return most
 
 
 def _fits_nowhere(layout: Layout, short: str) -> LayoutOutcome:

@@ -140,4 +140,17 @@ class FreshTrialsSession:
                 str(self._asked), n, window, tuple(micro_batches) if micro_batches else None)
 
 
-__all__ = ["FreshTrialsSession"]
+def remembered_trials(memo: dict, *, checkpointing: str) -> list:
+    """The trials ``memo`` (a planner's ``trials_memo``: ``FreshTrialsSession._memo_key``'s keys, a
+    tensor floor's under ``("tensor floor", key)``) holds of a step without model parallelism,
+    ``checkpointing`` ("off", "on") asked."""
+    found = []
+    for key, trial in memo.items():
+        if key[0] == "tensor floor":
+            key = key[1]
+        if key[3] == checkpointing and dict(key[1]).get("parallel") in (None, "None"):
+            found.append(trial)
+    return found
+
+
+__all__ = ["FreshTrialsSession", "remembered_trials"]
