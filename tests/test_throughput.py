@@ -318,6 +318,25 @@ def test_a_configuration_whose_warm_up_would_end_past_the_budget_is_not_started(
     assert len(first.calls) == 1
 
 
+def test_a_skipped_configuration_sampled_again_is_not_evaluated_again(tmp_path):
+    # In a space too large to queue whole, TPE repeats itself: one stored result per skipped
+    # configuration (before, each repeat was evaluated and stored again, and reset the count of
+    # trials that proposed nothing new). bf16's warm-up (20 s) passes the 15 s budget throughout.
+    found, speeds = [], {}
+    for precision in ("fp32", "bf16"):
+        for m in split_choices(64):
+            config = Configuration(precision=precision, checkpointing=False, micro_batches=tuple(split_share(64, m)))
+            found.append(Candidate(config=config, predicted_peak_bytes=m * MiB, predicted_fits=True,
+                                   warm_up_s=20.0 if precision == "bf16" else 0.1))
+            speeds[(precision, False, m)] = 100.0 + m
+    large = f"sqlite:///{tmp_path / 'large.db'}"
+    _search(FakeMeasure(speeds), large, candidates=found, budget_s=15, name="large", clock=lambda: 0.0,
+            confirm_top=0)
+    stored = [t for t in optuna.load_study(study_name="large", storage=large).trials
+              if t.user_attrs.get("status") == "skipped"]
+    assert stored and len(stored) == len({max(t.user_attrs["micro_batches"]) for t in stored})
+
+
 def _tiny_workload():
     def build():
         torch.manual_seed(0)

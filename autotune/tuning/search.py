@@ -306,6 +306,8 @@ class _Run:
         if known is not None and known.status == "measured":
             # Sampled again (TPE may repeat itself): the result stands, nothing is re-run.
             return known.samples_per_s
+        if known is not None and known.status == "skipped":
+            raise optuna.TrialPruned(known.note)  # less time is left now: nothing new
         self.stale = 0
         record = self._evaluate(candidate)
         self.results[key] = record
