@@ -53,6 +53,28 @@ class FakeMeasure:
                             out_of_memory=m.out_of_memory) for m in map(self, configs)]
 
 
+class Ticking(FakeMeasure):
+    """``FakeMeasure`` on a fake clock (``now``): each measurement takes a second, ``setup_s`` of it
+    its set-up; a comparison takes the seconds it is given."""
+
+    def __init__(self, speeds=SPEEDS, *, setup_s=0.0):
+        super().__init__(speeds)
+        self.clock, self.setup_s = 0.0, setup_s
+
+    def now(self) -> float:
+        return self.clock
+
+    def __call__(self, config, seconds=None):
+        self.clock += 1.0
+        return dataclasses.replace(super().__call__(config, seconds), setup_seconds=self.setup_s)
+
+    def compare(self, configs, seconds):
+        self.compared.append((configs, seconds))
+        self.clock += seconds
+        return [Measurement(samples_per_s=self.speeds[(c.precision, c.checkpointing.enabled, c.micro_batch)],
+                            peak_bytes=None) for c in configs]
+
+
 def _candidates(fits_up_to=32, precisions=("fp32", "bf16")):
     found = []
     for precision in precisions:
@@ -151,21 +173,8 @@ def test_a_contender_out_of_memory_beside_the_others_is_no_winner():
 
 
 def test_the_comparison_stays_within_the_budget():
-    clock = [0.0]
-
-    class Slow(FakeMeasure):
-        def __call__(self, config, seconds=None):
-            clock[0] += 1.0  # every measurement takes a second, its set-up 0.5
-            return dataclasses.replace(super().__call__(config, seconds), setup_seconds=0.5)
-
-        def compare(self, configs, seconds):
-            self.compared.append((configs, seconds))
-            clock[0] += seconds  # set-up and rounds: the seconds it was given
-            return [Measurement(samples_per_s=self.speeds[(c.precision, c.checkpointing.enabled, c.micro_batch)],
-                                peak_bytes=None) for c in configs]
-
-    measure = Slow()
-    result = _search(measure, budget_s=10, clock=lambda: clock[0])
+    measure = Ticking(setup_s=0.5)
+    result = _search(measure, budget_s=10, clock=measure.now)
     # 6 to explore (a seventh would end past 70% of the budget), then the comparison in the rest.
     assert len(measure.calls) == 6 and len(measure.compared) == 1
     # Each measurement is told what the exploration (70% of the budget) has left.
@@ -176,22 +185,14 @@ def test_the_comparison_stays_within_the_budget():
     # its set-up leaves.
     assert [(c.precision, c.micro_batch) for c in measure.compared[0][0]] == [("bf16", 16), ("bf16", 32)]
     assert [r.compared for r in result.records[:3]] == [True, True, False]
-    short = Slow()
-    _search(short, budget_s=4.5, name="short", clock=lambda: clock[0])  # 3 explored, 1 s left after a set-up
+    short = Ticking(setup_s=0.5)
+    _search(short, budget_s=4.5, name="short", clock=short.now)  # 3 explored, 1 s left after a set-up
     assert short.compared == []
 
 
 def test_no_comparison_where_the_time_left_holds_the_fixed_rounds_of_fewer_than_two():
-    clock = [0.0]
-    slow = {key: speed / 10 for key, speed in SPEEDS.items()}  # windows of 3-5 s
-
-    class Slow(FakeMeasure):
-        def __call__(self, config, seconds=None):
-            clock[0] += 1.0
-            return super().__call__(config, seconds)
-
-    measure = Slow(slow)
-    result = _search(measure, budget_s=20, clock=lambda: clock[0])
+    measure = Ticking({key: speed / 10 for key, speed in SPEEDS.items()})  # windows of 3-5 s
+    result = _search(measure, budget_s=20, clock=measure.now)
     # 14 s left after 6 measurements: 4 windows of the fastest take 12.2 s, of the two fastest 25.
     assert len(measure.calls) == 6 and measure.compared == []
     assert not any(r.compared for r in result.records) and result.winner.samples_per_s == 21.0
@@ -281,18 +282,10 @@ def test_a_configuration_whose_warm_up_would_end_past_the_budget_is_not_started(
     # bf16's windows are 20 s at the probe's rate (a CPU without bf16 units), the budget 10 s:
     # fp32 is measured, bf16 is not started and says why; the first measurement always runs.
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    clock = [0.0]
-
-    class Slow(FakeMeasure):
-        def __call__(self, config, seconds=None):
-            clock[0] += 1.0
-            return super().__call__(config, seconds)
-
     slow_bf16 = [dataclasses.replace(c, warm_up_s=20.0 if c.config.precision == "bf16" else 0.5)
                  for c in _candidates()]
-    measure = Slow()
-    result = _search(measure, storage, candidates=slow_bf16, budget_s=10, clock=lambda: clock[0],
-                     confirm_top=0)
+    measure = Ticking()
+    result = _search(measure, storage, candidates=slow_bf16, budget_s=10, clock=measure.now, confirm_top=0)
     assert {precision for precision, _, _ in measure.calls} == {"fp32"} and len(measure.calls) == 3
     skipped = [r for r in result.records if r.status == "skipped"]
     assert sorted(r.micro_batch for r in skipped) == [8, 16, 32]
@@ -312,9 +305,9 @@ def test_a_configuration_whose_warm_up_would_end_past_the_budget_is_not_started(
     _search(again, storage, candidates=slow_bf16, budget_s=100, confirm_top=0)
     assert sorted(again.calls) == [("bf16", False, 8), ("bf16", False, 16), ("bf16", False, 32)]
     # Nothing measured yet: the first configuration runs whatever its warm-up.
-    first = Slow()
+    first = Ticking()
     _search(first, candidates=[dataclasses.replace(c, warm_up_s=20.0) for c in _candidates()],
-            budget_s=10, name="first", clock=lambda: clock[0], confirm_top=0)
+            budget_s=10, name="first", clock=first.now, confirm_top=0)
     assert len(first.calls) == 1
 
 
