@@ -335,6 +335,39 @@ def test_a_layout_whose_screen_fits_and_own_step_could_win_is_planned_whole(monk
     assert len(counted) == len(set(counted))
 
 
+@pytest.mark.parametrize("likely", [True, False], ids=["likely-fits-its-share", "guess-unknown"])
+def test_a_model_parallel_layout_ranked_by_throughput_is_probed_every_block_first(monkeypatch, one_thread, likely):
+    from autotune.orchestration import layout_search, planner
+
+    probes = []
+    real_probe = planner._probe_setting
+
+    def probing(workload, backend, precision, checkpoint, upper, **kwargs):
+        tried = real_probe(workload, backend, precision, checkpoint, upper, **kwargs)
+        found = tried.probe.max_micro_batch if tried.probe is not None else 0
+        probes.append((kwargs["parallel"], tried.checkpointing.blocks, upper, found))
+        return tried
+
+    monkeypatch.setattr(planner, "_probe_setting", probing)
+    if not likely:  # data parallelism's trials say nothing of where TP 2 fits
+        monkeypatch.setattr(layout_search, "_split_trials", lambda *args: iter(()))
+    planned, ran, _ = _search(monkeypatch, own=float("inf"))
+    assert Layout(tp=2) in ran
+    tp = [(blocks, upper, found) for layout, blocks, upper, found in probes if layout == Layout(tp=2)]
+    if likely:
+        # Data parallelism's trials say TP 2 fits its whole share (8) without checkpointing:
+        # that probe alone answers (it reaches 8; every block is not worth a probe).
+        assert tp == [(0, 8, 8)]
+    else:
+        # Every block checkpointed first (the least it holds), then none, searched only up to
+        # the micro-batch every block reached: without checkpointing it holds more, so fits no
+        # higher.
+        (on_blocks, _, on_found), (off_blocks, off_upper, off_found) = tp
+        assert on_blocks > 0 and off_blocks == 0
+        assert 1 <= off_upper <= on_found and off_found <= on_found
+    assert "FSDP 1 × TP 2 (" in planned.reasons["layout"]
+
+
 @pytest.mark.parametrize("likely", [True, False], ids=["likely-fits", "guess-unknown"])
 def test_a_layout_whose_own_step_cannot_win_is_not_planned(monkeypatch, one_thread, likely):
     from autotune.orchestration import layout_search
