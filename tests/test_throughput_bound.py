@@ -374,18 +374,29 @@ def test_a_layout_whose_own_step_cannot_win_is_not_planned(monkeypatch, one_thre
 
     if not likely:
         monkeypatch.setattr(layout_search, "_likely_without_checkpointing", lambda *args: 0)
+    counted = []
+    real_own_steps = layout_search.own_steps
+
+    def own_steps(planner_, *, every_block):
+        counted.append((planner_.options.parallel, every_block))
+        return real_own_steps(planner_, every_block=every_block)
+
+    monkeypatch.setattr(layout_search, "own_steps", own_steps)
     planned, ran, screens = _search(monkeypatch)
     # Data parallelism's bound leaves it a chance, but its own step, counted at micro-batches 1
     # and 2, says it cannot pass DDP 2 (TP 2 and CP 2 predict a third slower planned whole): no
     # planner's search. Where data parallelism's trials say it likely fits without checkpointing
     # there, its step is counted first and nothing is screened; where they say nothing, a screen
-    # (which fits) comes first, as before.
+    # (which fits) comes first, as before. Every block checkpointed runs every op of that step and
+    # more: that count rules it out too, without a count of its own.
     ring = [Layout(cp=2)] if cpu_ring_available() else []
     assert ran == [Layout()] and planned.parallel == Layout()
     assert [layout for layout, _, _ in screens] == ([] if likely else [Layout(tp=2), Layout(cp=2)])
     reason = planned.reasons["layout"]
     assert reason.count("checkpointing off at most") == 1 + len(ring)
-    assert reason.count("(its own step counted)") == 2 * (1 + len(ring))
+    assert reason.count("(its own step counted)") == 1 + len(ring)
+    assert reason.count("(its own step without checkpointing counted)") == 1 + len(ring)
+    assert counted == [(layout, False) for layout in [Layout(tp=2), *ring]]
 
 
 def test_data_parallelisms_trials_guess_where_a_layout_fits_without_checkpointing():
@@ -421,12 +432,13 @@ def test_data_parallelisms_trials_guess_where_a_layout_fits_without_checkpointin
 
 
 def test_a_setting_holding_less_than_one_that_fitted_is_counted_before_it_is_screened(monkeypatch, one_thread):
-    """Without checkpointing the layout fits at micro-batch 1 and its own step cannot win; every
-    block checkpointed holds less, so it fits there too: its own step is counted first and moves
-    the smallest micro-batch that could win from 2 (data parallelism's bound) to 4, where one
-    screen rules it out. Before, a screen at 2 came first (8B's CP 2: 8.5 CPU s). (Data
-    parallelism's trials say nothing of where it fits here, or its step would be counted before
-    any screen: ``test_a_layout_whose_own_step_cannot_win_is_not_planned``.)"""
+    """Without checkpointing the layout fits at micro-batch 1, where its own step cannot win, and
+    runs out at 2; every block checkpointed holds less, so it fits at 1 too: its own step is
+    counted first and moves the smallest micro-batch that could win from 2 (data parallelism's
+    bound, and the step without checkpointing's) to 4, where one screen rules it out. Before, a
+    screen at 2 came first (8B's CP 2: 8.5 CPU s). (Data parallelism's trials say nothing of where
+    it fits here, or its step would be counted before any screen:
+    ``test_a_layout_whose_own_step_cannot_win_is_not_planned``.)"""
     from autotune.orchestration import layout_search
 
     monkeypatch.setattr(layout_search, "_likely_without_checkpointing", lambda *args: 0)
@@ -437,17 +449,18 @@ def test_a_setting_holding_less_than_one_that_fitted_is_counted_before_it_is_scr
 
     def own_bounds(planner_, steps, splits, **kw):
         owns.append(planner_.options.parallel)
-        first = owns.count(planner_.options.parallel) == 1  # without checkpointing, then with
-        return {tuple(split): 0.0 if first or max(split) < 4 else float("inf") for split in splits}
+        least = 2 if owns.count(planner_.options.parallel) == 1 else 4  # without checkpointing, then with
+        return {tuple(split): 0.0 if max(split) < least else float("inf") for split in splits}
 
     monkeypatch.setattr(layout_search, "own_bounds", own_bounds)
     planned, ran, screens = _search(monkeypatch, screen=lambda layout, micro_batch, checkpointing: (
-        None if checkpointing == "off" else "runs out (stub)"))
+        None if checkpointing == "off" and micro_batch == 1 else "runs out (stub)"))
     ring = [Layout(cp=2)] if cpu_ring_available() else []
     assert ran == [Layout()] and planned.parallel == Layout()
     # Before torch 2.14 context parallel's CPU ring is refused once its screen fits: its own step
     # is not counted.
-    assert screens == [s for layout in [Layout(tp=2), *ring] for s in ((layout, 1, "off"), (layout, 4, "on"))] + (
+    assert screens == [s for layout in [Layout(tp=2), *ring]
+                       for s in ((layout, 1, "off"), (layout, 2, "off"), (layout, 4, "on"))] + (
         [] if ring else [(Layout(cp=2), 1, "off")])
     reason = planned.reasons["layout"]
     assert reason.count("every block checkpointed up to inf (its own step counted), from micro-batch 4: "
@@ -565,8 +578,8 @@ def test_the_bound_is_never_below_a_layout_planned_whole_and_skipping_changes_no
     """Planned whole, every configuration each model-parallel layout ranked predicts no more than
     the bound from data parallelism's counted steps at its own split and checkpointing (with
     FSDP2's gathers where data parallelism's plan sharded), from its ranked settings and from its
-    step counted as where it fits nowhere, nor than the bound from its own step; with the
-    bounds, the search chooses the same plan, planning no more layouts."""
+    step counted as where it fits nowhere, nor than the bound from its own step (with every block
+    checkpointed, nor than the one from its own step without); with the bounds, the search chooses the same plan, planning no more layouts."""
     from autotune.orchestration.predicted import _counted_reference, reference_steps
 
     whole, planned = _ranked_search(monkeypatch, prune=False, options=options)
@@ -635,6 +648,14 @@ def _check_bounds(planned, references, options, alone=False):
             own = own_bounds(planner_, own_steps(planner_, every_block=every), [configuration.micro_batches],
                              network=network)[tuple(configuration.micro_batches)]
             assert configuration.step_time.samples_per_s <= own * (1 + 1e-9), (layout, configuration.label())
+            if every:
+                # A step with every block checkpointed runs every op of the step without, and the
+                # recompute: the bound from the layout's own step without checkpointing holds for it
+                # too (_cannot_win bounds every block with it before that step is counted).
+                unchecked = own_bounds(planner_, own_steps(planner_, every_block=False),
+                                       [configuration.micro_batches], network=network)
+                assert configuration.step_time.samples_per_s <= unchecked[tuple(configuration.micro_batches)] * (
+                    1 + 1e-9), (layout, configuration.label())
             checked.add(layout.describe_degrees())
             own_checked.add(every)
             gathers_bind |= bound < fastest_possible(references, layout, configuration.micro_batches, **kwargs)
