@@ -148,6 +148,27 @@ def test_a_layouts_floor_steps_are_exact_where_counted_and_below_its_count_elsew
     assert sum(floor.at(8).seconds.values()) > 0.75 * sum(exact.values())  # not a trivial floor
 
 
+def test_every_blocks_floor_from_the_step_without_adds_data_parallelisms_least_recompute_over_the_degree():
+    from autotune.timing.bound import FloorSteps, RecomputedFloorSteps, recompute_floor
+
+    without = {n: _costs(n, recompute=False) for n in (1, 2)}
+    every, plain = ReferenceStep(_model(recompute=True), every_block=True), ReferenceStep(_model(recompute=False), every_block=False)
+    floor = RecomputedFloorSteps(without, SPEED, "bf16", [every, plain], degree=4)
+    for n in (1, 2, 5):
+        base, got = FloorSteps(without, SPEED, "bf16").at(n).seconds, floor.at(n).seconds
+        redone = every.model.at(n).seconds["recompute"]
+        assert recompute_floor([every, plain], n) == redone > 0
+        assert got["recompute"] == pytest.approx(base.get("recompute", 0.0) + SLACK * redone / 4)
+        assert {p: s for p, s in got.items() if p != "recompute"} == {p: s for p, s in base.items() if p != "recompute"}
+        # Below what the layout's own step with every block would cost: its forward again, on a
+        # quarter of each sample's work.
+        own = StepModel({m: _costs(m, recompute=True) for m in (1, 2)}, SPEED, "bf16").at(n).seconds
+        assert sum(got.values()) <= sum(own.values())
+    # No reference with every block: no recompute added (the step without is the floor).
+    assert recompute_floor([plain], 3) == 0.0
+    assert RecomputedFloorSteps(without, SPEED, "bf16", [plain], degree=2).at(3).seconds.get("recompute", 0.0) == 0.0
+
+
 def test_fsdp_gathers_bound_each_phase_over_the_layouts_group_and_scatter_on_the_last_micro_step():
     from autotune.timing.bound import sharded_seconds
     from autotune.timing.comm import Link, Network, collective_time
@@ -431,40 +452,54 @@ def test_data_parallelisms_trials_guess_where_a_layout_fits_without_checkpointin
                                          Layout(cp=2), usable) == 0
 
 
-def test_a_setting_holding_less_than_one_that_fitted_is_counted_before_it_is_screened(monkeypatch, one_thread):
+@pytest.mark.parametrize("fits_at_4", [False, True], ids=["every-block-runs-out-at-4", "every-block-fits-at-4"])
+def test_every_block_is_bounded_by_the_step_without_and_screened_where_that_lets_it_win(
+        monkeypatch, one_thread, fits_at_4):
     """Without checkpointing the layout fits at micro-batch 1, where its own step cannot win, and
-    runs out at 2; every block checkpointed holds less, so it fits at 1 too: its own step is
-    counted first and moves the smallest micro-batch that could win from 2 (data parallelism's
-    bound, and the step without checkpointing's) to 4, where one screen rules it out. Before, a
-    screen at 2 came first (8B's CP 2: 8.5 CPU s). (Data parallelism's trials say nothing of where
-    it fits here, or its step would be counted before any screen:
-    ``test_a_layout_whose_own_step_cannot_win_is_not_planned``.)"""
+    runs out at 2, where it could. Every block checkpointed is bounded by that count with data
+    parallelism's recompute (``recompute_from``): it could win from 4 only, and no trial says it
+    fits there, so a screen at 4 comes before its own count. Where that runs out, the count is
+    spared (8B's CP 2 with every block: 2.3 CPU s); where it fits, its own step is counted and
+    moves the smallest micro-batch that could win to 8, where a screen decides. (Data
+    parallelism's trials say nothing of where it fits here, or its step without checkpointing
+    would be counted before any screen: ``test_a_layout_whose_own_step_cannot_win_is_not_planned``.)"""
     from autotune.orchestration import layout_search
 
     monkeypatch.setattr(layout_search, "_likely_without_checkpointing", lambda *args: 0)
-
-    monkeypatch.setattr(layout_search, "fastest_possible",
-                        lambda *args, recompute, **kw: float("inf") if not recompute or max(args[2]) >= 2 else 0.0)
+    monkeypatch.setattr(layout_search, "fastest_possible", lambda *args, **kw: float("inf"))
     owns = []
 
-    def own_bounds(planner_, steps, splits, **kw):
-        owns.append(planner_.options.parallel)
-        least = 2 if owns.count(planner_.options.parallel) == 1 else 4  # without checkpointing, then with
+    def own_bounds(planner_, steps, splits, recompute_from=None, **kw):
+        owns.append((planner_.options.parallel, recompute_from is not None))
+        # Without checkpointing; every block from that count; every block's own count.
+        least = {1: 2, 2: 4, 3: 8}[sum(1 for layout, _ in owns if layout == planner_.options.parallel)]
         return {tuple(split): 0.0 if max(split) < least else float("inf") for split in splits}
 
+    counted = []
+    real_own_steps = layout_search.own_steps
+
+    def own_steps(planner_, *, every_block):
+        counted.append((planner_.options.parallel, every_block))
+        return real_own_steps(planner_, every_block=every_block)
+
     monkeypatch.setattr(layout_search, "own_bounds", own_bounds)
+    monkeypatch.setattr(layout_search, "own_steps", own_steps)
     planned, ran, screens = _search(monkeypatch, screen=lambda layout, micro_batch, checkpointing: (
-        None if checkpointing == "off" and micro_batch == 1 else "runs out (stub)"))
+        None if (checkpointing, micro_batch) in {("off", 1), ("on", 4 if fits_at_4 else 0)} else "runs out (stub)"))
     ring = [Layout(cp=2)] if cpu_ring_available() else []
     assert ran == [Layout()] and planned.parallel == Layout()
+    last = [(4, "on"), (8, "on")] if fits_at_4 else [(4, "on")]
     # Before torch 2.14 context parallel's CPU ring is refused once its screen fits: its own step
     # is not counted.
-    assert screens == [s for layout in [Layout(tp=2), *ring]
-                       for s in ((layout, 1, "off"), (layout, 2, "off"), (layout, 4, "on"))] + (
+    assert screens == [(layout, *s) for layout in [Layout(tp=2), *ring] for s in [(1, "off"), (2, "off"), *last]] + (
         [] if ring else [(Layout(cp=2), 1, "off")])
+    assert counted == [c for layout in [Layout(tp=2), *ring] for c in [(layout, False), *([(layout, True)] * fits_at_4)]]
+    # Data parallelism's recompute is added where every block is bounded from the step without.
+    assert owns == [o for layout in [Layout(tp=2), *ring] for o in [(layout, False), (layout, True), *([(layout, False)] * fits_at_4)]]
     reason = planned.reasons["layout"]
-    assert reason.count("every block checkpointed up to inf (its own step counted), from micro-batch 4: "
-                        "runs out (stub)") == 1 + len(ring)
+    said = ("every block checkpointed up to inf (its own step counted), from micro-batch 8" if fits_at_4 else
+            "every block checkpointed up to inf (its own step without checkpointing counted), from micro-batch 4")
+    assert reason.count(said + ": runs out (stub)") == 1 + len(ring)
 
 
 def test_where_data_parallelism_fits_nowhere_its_step_is_counted_for_the_bound(monkeypatch, one_thread):
@@ -629,7 +664,7 @@ def _check_bounds(planned, references, options, alone=False):
                                    network_gbps=options.get("network_gbps"))
     if options.get("sharding") == "fsdp" and not alone:  # its gathers bound the layouts' (auto may rank FSDP2 too)
         assert any(r.sharded_calls for r in references)
-    checked, own_checked, gathers_bind = set(), set(), False
+    checked, own_checked, gathers_bind, recomputed = set(), set(), False, False
     for planner_, made in planned:
         layout = planner_.options.parallel
         if layout.trivial:
@@ -649,18 +684,22 @@ def _check_bounds(planned, references, options, alone=False):
                              network=network)[tuple(configuration.micro_batches)]
             assert configuration.step_time.samples_per_s <= own * (1 + 1e-9), (layout, configuration.label())
             if every:
-                # A step with every block checkpointed runs every op of the step without, and the
-                # recompute: the bound from the layout's own step without checkpointing holds for it
-                # too (_cannot_win bounds every block with it before that step is counted).
+                # A step with every block checkpointed runs every op of the step without, and a
+                # recompute no faster than data parallelism's over tp × cp: the bound from the
+                # layout's own step without checkpointing and those references' recompute holds for
+                # it too (_cannot_win bounds every block with it before that step is counted).
                 unchecked = own_bounds(planner_, own_steps(planner_, every_block=False),
-                                       [configuration.micro_batches], network=network)
+                                       [configuration.micro_batches], network=network, recompute_from=references)
                 assert configuration.step_time.samples_per_s <= unchecked[tuple(configuration.micro_batches)] * (
                     1 + 1e-9), (layout, configuration.label())
+                recomputed |= any(r.every_block for r in references)
             checked.add(layout.describe_degrees())
             own_checked.add(every)
             gathers_bind |= bound < fastest_possible(references, layout, configuration.micro_batches, **kwargs)
     assert "tp 2" in checked
     assert own_checked == {False, True}  # the layouts' own steps bound with and without checkpointing
+    # ... and every block's from the step without, with data parallelism's recompute where it has one.
+    assert recomputed or alone
     # Between hosts of 2 at 25 Gb/s, FSDP2's gathers bound at least one layout tighter than compute:
     # cp 2's, over all 4 ranks (tp 2's group of 2 stays inside a host; torch 2.13 has no CPU ring).
     assert gathers_bind or options is WIDE or not cpu_ring_available() or alone

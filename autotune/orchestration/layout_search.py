@@ -257,9 +257,11 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
     Where one does, the layout's own step, counted at micro-batches 1 and 2 for that setting
     (``predicted.own_steps``, kept for its planner), bounds those splits again
     (``predicted.own_bounds``), and a screen at the smallest that still could win decides; a
-    setting that holds less than one a screen saw fit is counted without that first screen, and
-    so is the least memory where a screen would be at micro-batch 1: still winning there after its
-    count, the layout is planned whole unscreened (``_UNSCREENED``). A pipeline whose least memory
+    setting that holds less than one a screen saw fit there is counted without that first screen,
+    and so is the least memory where a screen would be at micro-batch 1: still winning there after
+    its count, the layout is planned whole unscreened (``_UNSCREENED``). Every block checkpointed
+    is bounded first by the step counted without checkpointing, with data parallelism's recompute
+    over tp × cp (``timing.bound.RecomputedFloorSteps``). A pipeline whose least memory
     could win at micro-batch 1 is screened there first: where that does not fit, it fits nowhere.
     Every block's recompute is a floor only where that is the one checkpointed setting ranked
     (a sharded layout's; a replica's planner also ranks fewer blocks: its own step is counted
@@ -303,17 +305,23 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
         short = screen(workload, planner, layout, checkpointable, micro_batch=1, checkpointing=least_memory)
         if short is not None:
             return _fits_nowhere(layout, short)
-    unchecked = {}  # the layout's own step without checkpointing, where counted: its bounds
+    unchecked = None  # the layout's own step counted without checkpointing, where it was
     for checkpointing, recompute in choices:
         bounds = drawn[checkpointing]
         label = "every block checkpointed" if checkpointing == "on" else "checkpointing off"
         counted = False  # bounded by the layout's own step too
-        borrowed = checkpointing == "on" and bool(unchecked)
+        borrowed = checkpointing == "on" and unchecked is not None
         if borrowed:
-            # A step with every block checkpointed runs every op of the step without (and the
-            # recompute): the bounds from that step's own count hold for it too, before its own is
-            # counted (the wide decoder's TP 2 cannot win without checkpointing: 1.1 CPU s).
-            bounds = {split: min(b, unchecked.get(split, b)) for split, b in bounds.items()}
+            # A step with every block checkpointed runs every op of the step without, and
+            # recomputes each block's forward, no faster than 1/(tp × cp) of data parallelism's
+            # recompute (``timing.bound.RecomputedFloorSteps``): that step's own count bounds it
+            # before its own is counted (the wide decoder's TP 2 is ruled out: 1.1 CPU s; 8B's
+            # CP 2 could win from micro-batch 8, not 2). Where fewer blocks may be ranked (a
+            # replica's planner), without the recompute.
+            could = [split for split, b in bounds.items() if b > leader.samples_per_s]
+            own = own_bounds(planner, unchecked, could, network=network,
+                             recompute_from=references if recompute else None)
+            bounds = {split: min(b, own.get(split, b)) for split, b in bounds.items()}
         while True:
             winning = [split for split, b in bounds.items() if b > leader.samples_per_s]
             said = (f"{label} {'up to' if winning else 'at most'} {max(bounds.values(), default=0.0):.4g}"
@@ -323,21 +331,23 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
                 words.append(said)
                 break
             micro_batch = min(max(split) for split in winning)
-            # A setting holding less than one a screen saw fit (every block checkpointed, after
-            # none fitted at ``fits_at``) is counted before it is screened: its own step moves
-            # the smallest micro-batch that could win up, and one screen there decides (8B's CP 2:
-            # the screen at micro-batch 2 fitted, its own count then asked for 16; 8.5 CPU s saved).
-            # The least memory at micro-batch 1 is counted before it is screened too, and planned
-            # whole unscreened where its own step still lets it win there: a screen would only say
-            # it fits, which the planner's probe finds anyway (70B's TP 2: 11 CPU s); one that fits
-            # nowhere fails that probe instead (no pipeline here: 70B's and 405B's fit nowhere).
-            # So is a setting that data parallelism's trials say likely fits there (without
-            # checkpointing at that micro-batch; with it, anywhere one without does): a screen
-            # that fits only sends it to its count (8B's CP 2 screened micro-batch 1 without
-            # checkpointing, 3.0 CPU s, to count its step and screen micro-batch 2 next).
+            # A setting holding less than one a screen saw fit there (every block checkpointed, at
+            # or below ``fits_at``) is counted, not screened: it fits there too, and its own step
+            # moves the smallest micro-batch that could win up, where one screen decides (8B's CP
+            # 2: the screen at micro-batch 2 fitted, its own count then asked for 16; 8.5 CPU s
+            # saved). The least memory at micro-batch 1 is counted before it is screened too, and
+            # planned whole unscreened where its own step still lets it win there: a screen would
+            # only say it fits, which the planner's probe finds anyway (70B's TP 2: 11 CPU s); one
+            # that fits nowhere fails that probe instead (no pipeline here: 70B's and 405B's fit
+            # nowhere). So is a setting that data parallelism's trials say likely fits there
+            # (without checkpointing at that micro-batch, and so with it): a screen that fits only
+            # sends it to its count (8B's CP 2 screened micro-batch 1 without checkpointing, 3.0
+            # CPU s, to count its step and screen micro-batch 2 next). Past those, a screen that
+            # runs out spares the count (8B's CP 2 with every block, which could win from
+            # micro-batch 8 by its step without checkpointing: out of memory there, 2.3 CPU s).
             least = checkpointing == least_memory and micro_batch == 1
-            guessed = likely >= micro_batch if checkpointing == "off" else bool(likely)
-            count_first = not counted and layout.pp == 1 and (bool(fits_at) or guessed or least)
+            guessed = likely >= micro_batch
+            count_first = not counted and layout.pp == 1 and (micro_batch <= fits_at or guessed or least)
             if counted and least:
                 return _UNSCREENED
             if micro_batch > fits_at and not count_first:
@@ -364,7 +374,7 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
             own = own_bounds(planner, steps, winning, network=network)
             bounds = {split: min(bounds[split], own[split]) for split in winning}
             if checkpointing == "off":
-                unchecked = bounds
+                unchecked = steps
     why = (f"cannot beat {leader.name}'s {leader.samples_per_s:.4g} samples/s per GPU (bounded from data "
            f"parallelism's counted step, or its own where said): {'; '.join(words)}")
     return LayoutOutcome(layout, beaten=1, screened=True, error=why)

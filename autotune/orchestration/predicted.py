@@ -22,7 +22,7 @@ from ..errors import EstimateUnavailable, PlanError
 from ..planning.policy import micro_batch_for_steps, split_for
 from ..planning.types import ConfigurationPredicted, Plan, SettingTried, ThroughputOutcome
 from ..precision import Precision
-from ..timing.bound import SLACK, FloorSteps, ReferenceStep
+from ..timing.bound import SLACK, FloorSteps, RecomputedFloorSteps, ReferenceStep
 from ..timing.comm import network_from_profile
 from ..timing.layout import with_layout
 from ..timing.count import count_steps_costs
@@ -302,14 +302,19 @@ def own_steps(planner, *, every_block: bool) -> dict:
                   tokens_per_sample(planner.workload), planner.target.profile.name)
 
 
-def own_bounds(planner, steps: dict, splits, *, network) -> dict:
+def own_bounds(planner, steps: dict, splits, *, network, recompute_from=None) -> dict:
     """The most samples/s per GPU ``planner``'s layout could be predicted at with each of
     ``splits`` (one data-parallel rank's micro-batches), from ``steps``, its step counted at one
     and two micro-batches (``own_steps``; each other size at its floor,
     ``timing.bound.FloorSteps``), its gradients reduce-scattered every micro-step or once a
-    window, whichever predicts faster."""
+    window, whichever predicts faster. ``recompute_from`` (data parallelism's ``ReferenceStep``s):
+    ``steps`` were counted without checkpointing, and the bound is every block checkpointed's,
+    with the least recompute those references draw (``timing.bound.RecomputedFloorSteps``)."""
     setting = _own_setting(planner, every_block=False)
-    model = FloorSteps(steps, speed_for_profile(planner.target.profile), setting.precision)
+    speed = speed_for_profile(planner.target.profile)
+    layout = planner.options.parallel
+    model = (FloorSteps(steps, speed, setting.precision) if recompute_from is None else
+             RecomputedFloorSteps(steps, speed, setting.precision, recompute_from, layout.tp * layout.cp * layout.pp))
     pipelined = planner.options.parallel.pp > 1
 
     def bound(split: list[int]) -> float:

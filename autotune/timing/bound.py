@@ -33,6 +33,7 @@ and above it only between them, by a hair; ``SLACK`` covers that.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -72,6 +73,12 @@ def phase_floors(references: list[ReferenceStep], micro_batch: int, *, recompute
     if recompute and redone:
         backward = min(redone)
     return forward, backward
+
+
+def recompute_floor(references: list[ReferenceStep], micro_batch: int) -> float:
+    """The least seconds data parallelism's counted every-block steps draw for one micro-step's
+    recompute of ``micro_batch`` (0 where none had every block checkpointed)."""
+    return min((_phases(r.model, micro_batch, ("recompute",)) for r in references if r.every_block), default=0.0)
 
 
 def micro_step_floor(references: list[ReferenceStep], micro_batch: int, *, recompute: bool) -> float:
@@ -177,6 +184,27 @@ class FloorSteps(StepModel):
                          attention_kernel_s={p: float("inf") for p in a.attention_kernel_s})
 
 
+class RecomputedFloorSteps(FloorSteps):
+    """A layout's step with every block checkpointed, never slower than its step counted without
+    checkpointing (``FloorSteps`` of those counts) plus a recompute no faster than 1/d of data
+    parallelism's (``recompute_floor``, d = ``degree``, less ``SLACK``): the step with every block
+    runs every op of the step without, and recomputes each block's forward, of which a rank of the
+    layout runs at least 1/d of data parallelism's (see the module). No more time where data
+    parallelism counted no recompute. The recompute's collectives (FSDP2's re-gathers, the ring's)
+    are left out: a floor."""
+
+    def __init__(self, costs: dict[int, StepCosts], speed: DeviceSpeed, precision,
+                 references: list[ReferenceStep], degree: int):
+        super().__init__(costs, speed, precision)
+        self._references, self._degree = references, degree
+
+    def at(self, n: int) -> MicroStep:
+        step = super().at(n)
+        seconds = dict(step.seconds)
+        seconds["recompute"] = seconds.get("recompute", 0.0) + SLACK * recompute_floor(self._references, n) / self._degree
+        return dataclasses.replace(step, seconds=seconds)
+
+
 def _phase_groups(costs: StepCosts) -> dict[tuple[str, str], tuple[int, float, float]]:
     groups: dict = defaultdict(lambda: [0, 0.0, 0.0])
     for op in costs.ops:
@@ -194,4 +222,5 @@ def _summed(pairs) -> dict[str, float]:
     return out
 
 
-__all__ = ["FloorSteps", "ReferenceStep", "SLACK", "fastest_possible", "micro_step_floor", "phase_floors", "sharded_seconds"]
+__all__ = ["FloorSteps", "RecomputedFloorSteps", "ReferenceStep", "SLACK", "fastest_possible", "micro_step_floor",
+           "phase_floors", "recompute_floor", "sharded_seconds"]
