@@ -249,6 +249,7 @@ class _StubPlanner:
         from autotune.planning.policy import PlanRequest
 
         self.options, self.target, self.world_size, self.chosen = options, None, options.world_size, "bf16"
+        self.usable = 80 * 2**30  # what a plan may hold (no trial holds it against anything here)
         self.request = PlanRequest(target_batch=options.target_batch, world_size=self.world_size,
                                    checkpointing="off", headroom=0.0, parallel=options.parallel,
                                    sharding="fsdp", precision="bf16")

@@ -207,6 +207,44 @@ def test_a_pipeline_trial_past_the_limit_it_plans_within_stops_there_not_proved_
 BIG_HEAD = TESTS / "pp_big_head_model.py"  # its last stage holds more than its first
 
 
+@needs_fake_pipeline
+@pytest.mark.parametrize("memo", [False, True], ids=["one-session", "fresh-builds"])
+def test_a_pipeline_trial_whose_first_window_passes_the_limit_runs_no_steady_state_window(monkeypatch, memo):
+    """A pipeline trial runs its schedule's first window, then the steady-state one. Where the
+    first's tensors alone pass the limit the estimate plans within, the trial cannot fit (it
+    peaks at least there): it ends, past the limit, without the second window. Also where each
+    trial runs on a fresh build (a --gpu planner's CUDA target, whose memo keeps the answers)."""
+    from autotune.distributed.pipeline import PipelinedModel
+    from autotune.memory.fake import EstimateMemoryBackend
+    from autotune.probing.api import window_trial
+
+    windows = []
+    real_run = PipelinedModel.run
+
+    def run(self, batches, weigh, loss):
+        windows.append(len(batches))
+        return real_run(self, batches, weigh, loss)
+
+    monkeypatch.setattr(PipelinedModel, "run", run)
+
+    def trial(limit):
+        windows.clear()
+        backend = EstimateMemoryBackend(2**30, for_cuda=memo)  # a CUDA target's trials run fresh
+        backend.trials_memo = {} if memo else None
+        return window_trial(BIG_HEAD, backend, micro_batch=4, window=2, precision="fp32",
+                            checkpointing="off", sharding="fsdp", world_size=2, parallel=parse_layout(pp=2),
+                            reduce_every_micro_step=True, limit=limit)
+
+    whole = trial(None)
+    assert whole.fits and whole.past_limit is None and len(windows) == 4  # two windows on each rank
+    limit = whole.peak_bytes // 2
+    stopped = trial(limit)
+    # The likeliest rank (the last stage: the big head) ran its first window alone.
+    assert not stopped.fits and stopped.past_limit == limit and stopped.peak_bytes > limit
+    assert windows == [2]
+    assert stopped.verdict == "past the limit"
+
+
 @pytest.mark.slow
 @needs_fake_pipeline
 def test_the_probe_measures_the_worst_pipeline_rank():

@@ -114,7 +114,10 @@ class FreshTrialsSession:
             self._close_full()
         session = self._full_session()
         self._full_ran = True
-        return session.run(n, window=window, micro_batches=micro_batches)
+        # The fresh build's backend plans within what this one does (a trial may stop past it).
+        limited = getattr(session.backend, "limited", None)
+        with limited(getattr(self.backend, "limit_bytes", None)) if limited else contextlib.nullcontext():
+            return session.run(n, window=window, micro_batches=micro_batches)
 
     def _memo_key(self, n: int, window: int, micro_batches) -> tuple:
         """What a fresh trial's answer depends on besides the workload (the memo is one

@@ -74,6 +74,14 @@ class PipelineSessionMixin:
             self.model.run(batches, weigh, self.workload.loss)
             first_peak = self.backend.peak_bytes()
             self.optimizer.zero_grad(set_to_none=True)
+            limit = getattr(self.backend, "limit_bytes", None)
+            if limit is not None and first_peak > limit:
+                # Its tensors alone passed what the caller plans within (``limited``): the trial
+                # peaks at least there and cannot fit, whatever the steady-state window adds; not
+                # run (8B's pp 2 screened without checkpointing at micro-batch 1: 72.08 GiB past
+                # 70.84, a third of its CPU s).
+                del batches, totals
+                return first_peak, first_peak
             self.backend.reset_peak()
         # The steady-state window, the one a step count reads (``steady_state``): the schedule
         # built, the batches made as a run makes them before its first window.
