@@ -311,6 +311,24 @@ def test_a_configuration_whose_warm_up_would_end_past_the_budget_is_not_started(
     assert len(first.calls) == 1
 
 
+def test_the_memory_plan_with_the_shortest_predicted_warm_up_is_measured_first():
+    # fp32's warm-up (20 s predicted) passes the 10 s budget, bf16's (0.5 s) does not: bf16's
+    # memory plan runs first, then fp32's is not started. Before, fp32's came first and, nothing
+    # being measured yet, ran whatever its warm-up: 20 s of a 10 s budget.
+    slow_fp32 = [dataclasses.replace(c, warm_up_s=20.0 if c.config.precision == "fp32" else 0.5)
+                 for c in _candidates()]
+    measure = Ticking()
+    result = _search(measure, candidates=slow_fp32, budget_s=10, name="shortest", clock=measure.now,
+                     confirm_top=0)
+    assert measure.calls[0] == ("bf16", False, 32)
+    assert {precision for precision, _, _ in measure.calls} == {"bf16"}
+    assert {r.precision for r in result.records if r.status == "skipped"} == {"fp32"}
+    # With the budget for both, both memory plans are measured, the shorter first.
+    both = Ticking()
+    _search(both, candidates=slow_fp32, budget_s=100, name="both", clock=both.now, confirm_top=0)
+    assert both.calls[:2] == [("bf16", False, 32), ("fp32", False, 32)]
+
+
 def test_a_skipped_configuration_sampled_again_is_not_evaluated_again(tmp_path):
     # In a space too large to queue whole, TPE repeats itself: one stored result per skipped
     # configuration (before, each repeat was evaluated and stored again, and reset the count of

@@ -558,14 +558,19 @@ def _to_enqueue(candidates: list[Candidate], known: dict, tried: set) -> list[Ca
 
 
 def _first_to_try(candidates: list[Candidate]) -> list[Candidate]:
-    """Per setting, the largest micro-batch predicted to fit (what a memory plan would train)."""
+    """Per setting, the largest micro-batch predicted to fit (what a memory plan would train), the
+    shortest predicted warm-up first: the first configuration measured runs whatever its warm-up
+    (a plan needs one), so a budget shorter than the others' warm-ups is overrun least, or not at
+    all, and the likeliest fastest is measured first (a warm-up is the share at the setting's
+    fastest rate per sample)."""
     best: dict[tuple, Candidate] = {}
     for candidate in candidates:
         setting = _setting(candidate.config)
         if candidate.predicted_fits and (setting not in best or
                                          candidate.config.micro_batch > best[setting].config.micro_batch):
             best[setting] = candidate
-    return sorted(best.values(), key=lambda c: (c.config.checkpointing.enabled,
+    return sorted(best.values(), key=lambda c: (c.warm_up_s is None, c.warm_up_s or 0.0,
+                                                c.config.checkpointing.enabled,
                                                 c.config.checkpointing.all_blocks))
 
 
