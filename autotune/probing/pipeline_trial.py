@@ -76,8 +76,9 @@ class PipelineSessionMixin:
             self.optimizer.zero_grad(set_to_none=True)
             limit = getattr(self.backend, "limit_bytes", None)
             if limit is not None and first_peak > limit:
-                # Its tensors alone passed what the caller plans within (``limited``): the trial
-                # peaks at least there and cannot fit, whatever the steady-state window adds; not
+                # Its peak (a CUDA target's modelled reserved memory, else its tensors) passed
+                # what the caller plans within (``limited``) already: the trial peaks at least
+                # there and cannot fit, whatever the steady-state window adds; that window is not
                 # run (8B's pp 2 screened without checkpointing at micro-batch 1: 72.08 GiB past
                 # 70.84, a third of its CPU s).
                 del batches, totals
