@@ -151,9 +151,9 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             # trials say it likely fits its whole share without checkpointing (one probe answers
             # then): its search without checkpointing runs below the micro-batch every block
             # reached, where it can fit, not from the share down (405B's TP 2 tried micro-batches
-            # 4, 2 and 1 without it, its TP 4 8 and 1, where every block reached 2: 6.8 of 76
-            # CPU s, 2.3 left). Not data parallelism's replicas, whose search of fewer blocks
-            # checkpointed needs none probed first.
+            # 4, 2 and 1 without it, its TP 4 8 and 1, where every block reached 2: 7.3 and 2.5
+            # CPU s, 2.7 and 0.2 now). Not data parallelism's replicas, whose search of fewer
+            # blocks checkpointed needs none probed first.
             planner.every_block_first = screened or (
                 rank_by_time and not layout.trivial and not _likely_fits_without_checkpointing(
                     planners.get(Layout()), layout, planner.usable, planner.request.wanted_micro_batch))
