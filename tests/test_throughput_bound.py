@@ -389,21 +389,30 @@ def test_a_model_parallel_layout_ranked_by_throughput_is_probed_every_block_firs
     assert "FSDP 1 × TP 2 (" in planned.reasons["layout"]
 
 
+def _recording_own_steps(monkeypatch) -> list:
+    """(layout, every_block) of each own step the layout search counts from now on, once counted
+    (before torch 2.14 context parallel's count is refused)."""
+    from autotune.orchestration import layout_search
+
+    counted = []
+    real_own_steps = layout_search.own_steps
+
+    def own_steps(planner_, *, every_block):
+        steps = real_own_steps(planner_, every_block=every_block)
+        counted.append((planner_.options.parallel, every_block))
+        return steps
+
+    monkeypatch.setattr(layout_search, "own_steps", own_steps)
+    return counted
+
+
 @pytest.mark.parametrize("likely", [True, False], ids=["likely-fits", "guess-unknown"])
 def test_a_layout_whose_own_step_cannot_win_is_not_planned(monkeypatch, one_thread, likely):
     from autotune.orchestration import layout_search
 
     if not likely:
         monkeypatch.setattr(layout_search, "_likely_without_checkpointing", lambda *args: 0)
-    counted = []
-    real_own_steps = layout_search.own_steps
-
-    def own_steps(planner_, *, every_block):
-        steps = real_own_steps(planner_, every_block=every_block)  # before torch 2.14 cp 2's is refused
-        counted.append((planner_.options.parallel, every_block))
-        return steps
-
-    monkeypatch.setattr(layout_search, "own_steps", own_steps)
+    counted = _recording_own_steps(monkeypatch)
     planned, ran, screens = _search(monkeypatch)
     # Data parallelism's bound leaves it a chance, but its own step, counted at micro-batches 1
     # and 2, says it cannot pass DDP 2 (TP 2 and CP 2 predict a third slower planned whole): no
@@ -476,16 +485,8 @@ def test_every_block_is_bounded_by_the_step_without_and_screened_where_that_lets
         least = {1: 2, 2: 4, 3: 8}[sum(1 for layout, _ in owns if layout == planner_.options.parallel)]
         return {tuple(split): 0.0 if max(split) < least else float("inf") for split in splits}
 
-    counted = []
-    real_own_steps = layout_search.own_steps
-
-    def own_steps(planner_, *, every_block):
-        steps = real_own_steps(planner_, every_block=every_block)  # before torch 2.14 cp 2's is refused
-        counted.append((planner_.options.parallel, every_block))
-        return steps
-
+    counted = _recording_own_steps(monkeypatch)
     monkeypatch.setattr(layout_search, "own_bounds", own_bounds)
-    monkeypatch.setattr(layout_search, "own_steps", own_steps)
     planned, ran, screens = _search(monkeypatch, screen=lambda layout, micro_batch, checkpointing: (
         None if (checkpointing, micro_batch) in {("off", 1), ("on", 4 if fits_at_4 else 0)} else "runs out (stub)"))
     ring = [Layout(cp=2)] if cpu_ring_available() else []

@@ -315,7 +315,7 @@ def own_bounds(planner, steps: dict, splits, *, network, recompute_from=None) ->
     layout = planner.options.parallel
     model = (FloorSteps(steps, speed, setting.precision) if recompute_from is None else
              RecomputedFloorSteps(steps, speed, setting.precision, recompute_from, layout.tp * layout.cp * layout.pp))
-    pipelined = planner.options.parallel.pp > 1
+    pipelined = layout.pp > 1
 
     def bound(split: list[int]) -> float:
         return max(_in_layout(planner, predict_window(
