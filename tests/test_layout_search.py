@@ -616,10 +616,11 @@ def test_every_block_first_probes_none_at_its_micro_batch_only(examples_dir):
     planner = _Planner(load_workload(examples_dir / "tiny_lm.py"), PlanOptions(
         target_batch=8, world_size=2, sharding="fsdp", eval_batch=False, precision="fp32",
         device="cpu", memory_limit="1GiB", parallel=Layout(tp=2)))
-    calls, allowed = [], {}
+    calls, allowed, hints = [], {}, []
 
     def try_setting(checkpoint, precision=None, layout=None, upper=None, hint=None, least=None):
         calls.append((checkpoint.label, upper, least))
+        hints.append(hint)
         return SettingTried(precision="fp32", checkpointing=checkpoint,
                             allowed_micro_batch=allowed[checkpoint.label])
 
@@ -656,6 +657,14 @@ def test_every_block_first_probes_none_at_its_micro_batch_only(examples_dir):
     found = planner.try_layout((Sharding.FSDP, 1))
     assert calls == [(on, None, None), (off, 3, None)]
     assert [s.checkpointing.label for s in found] == [off, on] and found[0].only_micro_batch is None
+    assert hints[-1] is None  # no guess: the search's own order
+    # A layout search's guess of where none fits (from data parallelism's trials) is where that
+    # search starts: at 1 where nothing likely fits, never above every block's micro-batch.
+    for guessed, hint in ((0, 1), (2, 2), (9, 3)):
+        planner.likely_without_checkpointing = lambda guessed=guessed: guessed
+        calls.clear(), hints.clear()
+        planner.try_layout((Sharding.FSDP, 1))
+        assert calls == [(on, None, None), (off, 3, None)] and hints == [None, hint]
 
 
 def test_a_layout_search_probes_data_parallels_sharded_settings_every_block_first():
@@ -681,6 +690,9 @@ def test_a_layout_search_probes_data_parallels_sharded_settings_every_block_firs
             inspected=(SimpleNamespace(param_bytes=8 * 2**20, checkpointable=True),
                        ModelShape(heads=4, kv_heads=4, hidden=64, blocks=8)))
         assert made[0].sharded_every_block_first
+        # Where none checkpointed is searched below every block, it starts at data parallelism's
+        # guess (here: no trials, nothing likely fits).
+        assert made[0].likely_without_checkpointing() == 0
 
 
 def test_a_layout_that_could_only_tie_at_micro_batch_1_and_runs_out_there_fits_nowhere():

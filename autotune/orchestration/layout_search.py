@@ -14,6 +14,7 @@ fastest so far (``_cannot_win``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 from ..distributed.layout import Layout
@@ -154,6 +155,10 @@ def search_layout(workload, options, degrees: dict, *, make_planner, inspected, 
             # 4, 2 and 1 without it, its TP 4 8 and 1, where every block reached 2: 7.3 and 2.5
             # CPU s, 2.7 and 0.2 now). Not data parallelism's replicas, whose search of fewer
             # blocks checkpointed needs none probed first.
+            # Where its search without checkpointing runs below every block's answer, it
+            # starts at data parallelism's guess (read then: that planner's trials so far).
+            planner.likely_without_checkpointing = functools.partial(
+                _likely_without_checkpointing, planners.get(Layout()), layout, planner.usable)
             planner.every_block_first = screened or (
                 rank_by_time and not layout.trivial and not _likely_fits_without_checkpointing(
                     planners.get(Layout()), layout, planner.usable, planner.request.wanted_micro_batch))

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import functools
 import math
+from typing import Callable
 
 import torch
 
@@ -335,6 +336,11 @@ class _Planner:
         """Probe every block checkpointed first for sharded settings (``try_layout``): set by the
         layout search for data parallel, whose FSDP settings have no fewest-blocks search to
         lose (a replica's does) and 405B's fits nowhere, which every block shows first."""
+        self.likely_without_checkpointing: Callable[[], int] | None = None
+        """Where set (a layout search), the largest micro-batch this planner's layout likely fits
+        without checkpointing, guessed from the trials data parallelism ran (0: none): where
+        the search without checkpointing runs below every block's answer, ranked by time
+        (``_every_block_first``), it starts there. A guess orders the trials, never the answer."""
         self.search_details = True
         """Search the smaller shard groups that reach as few steps and estimate the sync-on-last
         window. A layout search defers both to the layout it chooses: neither changes what it
@@ -459,8 +465,15 @@ class _Planner:
         if self.options.optimize == "throughput":
             # Ranked by time, none at a smaller micro-batch (more steps, no recompute) may win:
             # its search runs, below the micro-batch every block reached. 8B's FSDP 8 searched
-            # micro-batches 8, 3, 2 and 1 without checkpointing (all out of memory) before.
-            return [self.try_setting(self.first, precision_, layout=layout, upper=micro_batch), on]
+            # micro-batches 8, 3, 2 and 1 without checkpointing (all out of memory) before. It
+            # starts where a layout search's guess puts it (``likely_without_checkpointing``),
+            # at 1 where nothing is likely to fit: 1 alone proves that, and where it fits its
+            # trial is the baseline the search's estimates grow from. 8B's FSDP 8 halved to 2,
+            # then 1, both out of memory (5.4 CPU s; 2.7 from 1); the wide decoder's FSDP 4 fits
+            # at 2, where its replicas fitted (one trial, as halving took).
+            guess = self.likely_without_checkpointing
+            hint = None if guess is None else min(max(guess(), 1), micro_batch)
+            return [self.try_setting(self.first, precision_, layout=layout, upper=micro_batch, hint=hint), on]
         off = self.try_setting(self.first, precision_, layout=layout, upper=micro_batch, least=micro_batch)
         off.only_micro_batch = micro_batch
         return [off, on]
