@@ -1,14 +1,16 @@
 """A step's costs extended from small builds to the whole model (autotune/timing/extend.py): the
 rules on hand-made costs, and counts of real layouts extended against the whole model's count."""
 
+import dataclasses
+
 import pytest
 
 from autotune.distributed.layout import parse_layout
 from autotune.probing.affine_blocks import small_builds, synthesized_traces
-from autotune.timing import count
 from autotune.timing.costs import CollectiveCall, OpCost, StepCosts
 from autotune.timing.count import count_steps_costs
-from autotune.timing.extend import extend_step_costs, normal_form
+from autotune.timing import extend
+from autotune.timing.extend import extend_checked_step_costs, extend_step_costs, normal_form
 from autotune.workload.contract import load_workload
 
 from conftest import ROOT
@@ -66,6 +68,23 @@ def test_a_third_build_off_the_line_through_the_first_two_does_not_extend(third,
     assert extend_step_costs([_step(4), _step(5), third], units=4, repeats=32) is None, why
 
 
+def _at(step: StepCosts, micro_batch: int) -> StepCosts:
+    return dataclasses.replace(step, micro_batch=micro_batch)
+
+
+def test_a_third_build_counted_at_the_smallest_micro_batch_checks_every_micro_batchs_extension():
+    builds = [{n: _at(_step(units), n) for n in (1, 2)} for units in (4, 5)]
+    extended = extend_checked_step_costs([*builds, {1: _at(_step(6), 1)}], units=4, repeats=32)
+    assert extended == {n: _at(normal_form(_step(32)), n) for n in (1, 2)}
+    # Off the line at the micro-batch it was counted at: no micro-batch extends.
+    off = _at(_step(6, norm_bytes=7), 1)
+    assert extend_checked_step_costs([*builds, {1: off}], units=4, repeats=32) is None
+    # Two builds alone extend without a check (the third checked another micro-batch).
+    assert extend_step_costs([_step(4), _step(5)], units=4, repeats=32) == normal_form(_step(32))
+    with pytest.raises(ValueError, match="two or three"):
+        extend_step_costs([_step(4), _step(5), _step(6), _step(7)], units=4, repeats=32)
+
+
 def test_steps_that_lose_calls_as_blocks_are_added_do_not_extend():
     fewer = _step(5)
     fewer = StepCosts(ops=fewer.ops, collectives=fewer.collectives[:-2], micro_batch=2,
@@ -88,21 +107,23 @@ def test_steps_that_lose_calls_as_blocks_are_added_do_not_extend():
 def test_a_count_on_three_small_builds_extends_to_the_whole_models_count(
         monkeypatch, sharding, world, layout, checkpointing):
     extended = []
-    original = count.extend_step_costs
+    original = extend.extend_step_costs
 
     def spy(steps, **kwargs):
         found = original(steps, **kwargs)
-        extended.append(found is not None)
+        extended.append((steps[0].micro_batch, len(steps), found is not None))
         return found
 
-    monkeypatch.setattr(count, "extend_step_costs", spy)
+    monkeypatch.setattr(extend, "extend_step_costs", spy)
     settings = dict(precision="bf16", checkpointing=checkpointing, sharding=sharding, world_size=world,
                     for_gpu=H100, parallel=parse_layout(**layout))
     with synthesized_traces(True, max_share=None):  # twelve blocks: builds of 2, 3 and 4
-        small = count_steps_costs(LLAMA12, [2], **settings)
-    assert extended == [True]
-    whole = count_steps_costs(LLAMA12, [2], few_blocks=False, **settings)
-    assert normal_form(small[2]) == normal_form(whole[2])
+        small = count_steps_costs(LLAMA12, [2, 1], **settings)
+    # The third build checked micro-batch 1 only; 2 extended from the first two builds.
+    assert extended == [(1, 3, True), (2, 2, True)]
+    whole = count_steps_costs(LLAMA12, [2, 1], few_blocks=False, **settings)
+    for n in (1, 2):
+        assert normal_form(small[n]) == normal_form(whole[n]), n
 
 
 def test_only_models_whose_small_builds_cost_well_below_the_whole_are_counted_on_them():

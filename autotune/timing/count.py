@@ -30,7 +30,7 @@ from ..probing.estimate import EstimateSession, _on_local_shards, estimate_sessi
 from ..workload.contract import load_workload
 from ..probing.trial import TrialSession
 from .costs import CollectiveCall, OpCost, StepCosts, causal_share
-from .extend import extend_step_costs
+from .extend import extend_checked_step_costs
 
 
 def count_step_costs(workload, micro_batch: int, *, precision="fp32", checkpointing=False,
@@ -93,14 +93,14 @@ def _extended_from_small_builds(workload, sizes, settings) -> dict[int, StepCost
         return None
     pattern, builds = found
     try:
-        counted = [_counted(workload, sizes, settings, build=build) for build in builds]
+        # The third build is the check, at the smallest size only (``extend_checked_step_costs``).
+        counted = [_counted(workload, sizes if index < 2 else [min(sizes)], settings, build=build)
+                   for index, build in enumerate(builds)]
     except Exception as exc:  # noqa: BLE001 - the whole model's count raises a genuine error again
         if not built_whole_instead(exc):
             raise
         return None
-    extended = {n: extend_step_costs([c[n] for c in counted], units=builds[0].units, repeats=pattern.repeats)
-                for n in sizes}
-    return None if any(c is None for c in extended.values()) else extended
+    return extend_checked_step_costs(counted, units=builds[0].units, repeats=pattern.repeats)
 
 
 def _slowest_stage_costs(workload, micro_batches, **session) -> dict[int, StepCosts]:
