@@ -505,6 +505,34 @@ def test_every_block_is_bounded_by_the_step_without_and_screened_where_that_lets
     assert reason.count(said + ": runs out (stub)") == 1 + len(ring)
 
 
+@pytest.mark.parametrize("on_from", [2, 4], ids=["every-block-could-win-as-early", "every-block-could-win-later"])
+def test_where_every_block_would_be_screened_no_later_it_is_screened_first_and_answers_both(
+        monkeypatch, one_thread, on_from):
+    """Without checkpointing could win from micro-batch 2, and data parallelism's trials guess it
+    does not fit anywhere (stub: a trial holding more than the budget); every block checkpointed,
+    by data parallelism's bound, from ``on_from``. Where that is no later, every block's screen
+    (its turn's first step) runs first: it runs out (stub), so none checkpointed (holding at least
+    as much) runs out at 2 too, unscreened (70B's CP 2: 3.0 CPU s). Where every block could only
+    win later, none checkpointed is screened at 2 first, as before. (Where the trials say nothing,
+    none checkpointed is screened first: ``test_a_layout_whose_own_step_cannot_win_is_not_planned``.)"""
+    from autotune.orchestration import layout_search
+
+    monkeypatch.setattr(layout_search, "_split_trials", lambda *args: iter([(1, 0, float("inf"))]))
+    monkeypatch.setattr(layout_search, "fastest_possible", lambda references, layout, split, recompute, **kw: (
+        float("inf") if max(split) >= (on_from if recompute else 2) else 0.0))
+    counted = _recording_own_steps(monkeypatch)
+    planned, ran, screens = _search(monkeypatch, screen="runs out (stub)")
+    assert ran == [Layout()] and planned.parallel == Layout() and counted == []
+    layouts = [Layout(tp=2), Layout(cp=2)]
+    asked = [(2, "on")] if on_from == 2 else [(2, "off"), (4, "on")]
+    assert screens == [(layout, *s) for layout in layouts for s in asked]
+    reason = planned.reasons["layout"]
+    off = ("checkpointing off up to inf, from micro-batch 2: every block checkpointed already does not fit at 2"
+           if on_from == 2 else "checkpointing off up to inf, from micro-batch 2: runs out (stub)")
+    on = f"every block checkpointed up to inf, from micro-batch {on_from}: runs out (stub)"
+    assert reason.count(off) == 2 and reason.count(on) == 2
+
+
 def test_where_data_parallelism_fits_nowhere_its_step_is_counted_for_the_bound(monkeypatch, one_thread):
     from autotune.errors import PlanError
     from autotune.orchestration import layout_search, planner

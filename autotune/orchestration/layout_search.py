@@ -268,9 +268,11 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
     is bounded first by the step counted without checkpointing, with data parallelism's recompute
     over tp × cp (``timing.bound.RecomputedFloorSteps``). A pipeline whose least memory
     could win at micro-batch 1 is screened there first: where that does not fit, it fits nowhere.
-    Every block's recompute is a floor only where that is the one checkpointed setting ranked
-    (a sharded layout's; a replica's planner also ranks fewer blocks: its own step is counted
-    without checkpointing then)."""
+    Likewise a setting that would be screened where data parallelism's trials guess it does not
+    fit waits for the least memory's screen where that turn starts no later: where the least memory runs out there, so
+    does the setting holding more. Every block's recompute is a floor only where that is the one
+    checkpointed setting ranked (a sharded layout's; a replica's planner also ranks fewer blocks:
+    its own step is counted without checkpointing then)."""
     if reference is None or not hasattr(reference, "step_models") or planner.target is None:
         return None
     choices = _checkpointing_choices(planner, checkpointable=checkpointable,
@@ -300,6 +302,26 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
         hidden=shape.hidden, blocks=shape.blocks, activation_bytes=activation_bytes, sharded_group=group)
         for split in sorted(splits)} for checkpointing, recompute in choices}
     least_memory = choices[-1][0]
+    answered = {}  # (micro-batch, setting): a screen's answer, asked once
+
+    def screened(micro_batch: int, checkpointing: str) -> str | None:
+        key = (micro_batch, checkpointing)
+        if key not in answered:
+            answered[key] = screen(workload, planner, layout, checkpointable, micro_batch=micro_batch,
+                                   checkpointing=checkpointing)
+        return answered[key]
+
+    def least_memory_screened_at() -> int | None:
+        # The micro-batch the least memory's turn (below) starts with a screen at, from data
+        # parallelism's bound alone (its own step without checkpointing not counted); None
+        # where it starts with its count, or nothing of it could win.
+        could = [max(split) for split, b in drawn[least_memory].items() if b > leader.samples_per_s]
+        if not could:
+            return None
+        first = min(could)
+        counted_first = layout.pp == 1 and (first <= fits_at or likely >= first or first == 1)
+        return None if counted_first else first
+
     if layout.pp > 1 and any(
             b > leader.samples_per_s and max(split) == 1 for split, b in drawn[least_memory].items()):
         # A pipeline (no count of its own) whose least memory could win at micro-batch 1 is screened
@@ -307,7 +329,7 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
         # holding more (70B's and 405B's pipelines: 7 CPU s each); where it fits, the same
         # screen answers its setting's turn below. (Any other layout's least memory at 1 is
         # counted, never screened, below.)
-        short = screen(workload, planner, layout, checkpointable, micro_batch=1, checkpointing=least_memory)
+        short = screened(1, least_memory)
         if short is not None:
             return _fits_nowhere(layout, short)
     unchecked = None  # the layout's own step counted without checkpointing, where it was
@@ -356,8 +378,22 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
             if counted and least:
                 return _UNSCREENED
             if micro_batch > fits_at and not count_first:
-                short = screen(workload, planner, layout, checkpointable, micro_batch=micro_batch,
-                               checkpointing=checkpointing)
+                earlier = (least_memory_screened_at() if checkpointing != least_memory and not counted
+                           and _guessed_short_without_checkpointing(reference, layout, planner.usable, micro_batch)
+                           else None)
+                if earlier is not None and earlier <= micro_batch and screened(earlier, least_memory) is not None:
+                    # The least memory's turn starts with its screen at a micro-batch no larger,
+                    # and data parallelism's trials guess this setting does not fit here (where
+                    # they say nothing, both screens may fit, and the first is then spent): that
+                    # screen goes first, and
+                    # where it runs out, this setting (holding at least as much) runs out here
+                    # too. 70B's CP 2 was screened at micro-batch 4 without checkpointing (out of
+                    # memory: 577 GiB) and then with every block (past the limit), 3.0 and 5.2
+                    # CPU s; the second alone answers both now.
+                    words.append(f"{said}, from micro-batch {micro_batch}: every block checkpointed "
+                                 f"already does not fit at {earlier}")
+                    break
+                short = screened(micro_batch, checkpointing)
                 if short is not None:
                     words.append(f"{said}, from micro-batch {micro_batch}: {short}")
                     break
@@ -405,6 +441,14 @@ def _likely_fits_without_checkpointing(reference, layout: Layout, usable: int, m
     ``micro_batch`` / m times its rest (more than its parameters' gathers grow)."""
     return any(held + rest * max(1.0, micro_batch / m) <= usable
                for m, held, rest in _split_trials(reference, layout))
+
+
+def _guessed_short_without_checkpointing(reference, layout: Layout, usable: int, micro_batch: int) -> bool:
+    """Whether data parallelism's trials guess that ``layout`` does not fit ``usable`` at
+    ``micro_batch`` without checkpointing: some whole-step trial exists, and none says it likely
+    fits (``_likely_fits_without_checkpointing``). False where no trial says anything."""
+    return (next(_split_trials(reference, layout), None) is not None
+            and not _likely_fits_without_checkpointing(reference, layout, usable, micro_batch))
 
 
 def _split_trials(reference, layout: Layout):
