@@ -269,8 +269,8 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
     over tp × cp (``timing.bound.RecomputedFloorSteps``). A pipeline whose least memory
     could win at micro-batch 1 is screened there first: where that does not fit, it fits nowhere.
     Likewise a setting that would be screened where data parallelism's trials guess it does not
-    fit waits for the least memory's screen where that turn starts no later: where the least memory runs out there, so
-    does the setting holding more. Every block's recompute is a floor only where that is the one
+    fit waits for the least memory's screen where that turn starts no later: where the least
+    memory runs out there, so does the setting holding more. Every block's recompute is a floor only where that is the one
     checkpointed setting ranked (a sharded layout's; a replica's planner also ranks fewer blocks:
     its own step is counted without checkpointing then)."""
     if reference is None or not hasattr(reference, "step_models") or planner.target is None:
@@ -311,6 +311,11 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
                                    checkpointing=checkpointing)
         return answered[key]
 
+    def count_comes_first(micro_batch: int, *, least: bool) -> bool:
+        # Counted before any screen (see the loop below): no pipeline, and a screen saw it fit
+        # there, data parallelism's trials guess it does, or it is the least memory at 1.
+        return layout.pp == 1 and (micro_batch <= fits_at or likely >= micro_batch or least)
+
     def least_memory_screened_at() -> int | None:
         # The micro-batch the least memory's turn (below) starts with a screen at, from data
         # parallelism's bound alone (its own step without checkpointing not counted); None
@@ -319,8 +324,7 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
         if not could:
             return None
         first = min(could)
-        counted_first = layout.pp == 1 and (first <= fits_at or likely >= first or first == 1)
-        return None if counted_first else first
+        return None if count_comes_first(first, least=first == 1) else first
 
     if layout.pp > 1 and any(
             b > leader.samples_per_s and max(split) == 1 for split, b in drawn[least_memory].items()):
@@ -373,8 +377,7 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
             # runs out spares the count (8B's CP 2 with every block, which could win from
             # micro-batch 8 by its step without checkpointing: out of memory there, 2.3 CPU s).
             least = checkpointing == least_memory and micro_batch == 1
-            guessed = likely >= micro_batch
-            count_first = not counted and layout.pp == 1 and (micro_batch <= fits_at or guessed or least)
+            count_first = not counted and count_comes_first(micro_batch, least=least)
             if counted and least:
                 return _UNSCREENED
             if micro_batch > fits_at and not count_first:
@@ -385,9 +388,8 @@ def _cannot_win(workload, planner, layout: Layout, leader: LayoutOutcome, refere
                     # The least memory's turn starts with its screen at a micro-batch no larger,
                     # and data parallelism's trials guess this setting does not fit here (where
                     # they say nothing, both screens may fit, and the first is then spent): that
-                    # screen goes first, and
-                    # where it runs out, this setting (holding at least as much) runs out here
-                    # too. 70B's CP 2 was screened at micro-batch 4 without checkpointing (out of
+                    # screen goes first, and where it runs out, this setting (holding at least as
+                    # much) runs out here too. 70B's CP 2 was screened at micro-batch 4 without checkpointing (out of
                     # memory: 577 GiB) and then with every block (past the limit), 3.0 and 5.2
                     # CPU s; the second alone answers both now.
                     words.append(f"{said}, from micro-batch {micro_batch}: every block checkpointed "

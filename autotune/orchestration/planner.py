@@ -469,7 +469,7 @@ class _Planner:
             # starts where a layout search's guess puts it (``likely_without_checkpointing``),
             # at 1 where nothing is likely to fit: 1 alone proves that, and where it fits its
             # trial is the baseline the search's estimates grow from. 8B's FSDP 8 halved to 2,
-            # then 1, both out of memory (5.4 CPU s; 2.7 from 1); the wide decoder's FSDP 4 fits
+            # then 1, both out of memory (5.4 CPU s; 2.1 from 1, traced); the wide decoder's FSDP 4 fits
             # at 2, where its replicas fitted (one trial, as halving took).
             guess = self.likely_without_checkpointing
             hint = None if guess is None else min(max(guess(), 1), micro_batch)
