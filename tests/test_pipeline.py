@@ -440,15 +440,18 @@ def test_pipelined_training_ends_where_one_process_ends(tmp_path, example, sched
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_file, world", [(EXAMPLES / "tiny_lm.py", 4), (EXAMPLES / "tiny_lm.py", 8),
-                                               (TESTS / "cp_hf_llama_model.py", 4)],
-                         ids=["tiny_lm-4", "tiny_lm-8", "hf_llama-4"])
+                                               (TESTS / "cp_hf_llama_model.py", 4),
+                                               (EXAMPLES / "real" / "llama_lora.py", 4)],
+                         ids=["tiny_lm-4", "tiny_lm-8", "hf_llama-4", "hf_llama_lora-4"])
 def test_tensor_parallel_inside_pipeline_stages_matches_real_peaks_and_trains_as_one_process(
         tmp_path, monkeypatch, model_file, world):
     """TP 2 × PP 2 (4 ranks) and FSDP 2 × TP 2 × PP 2 (8): each pipeline rank's estimate
     against gloo's real peaks, and training against one process, the gradient norm clipped (a
     norm over every stage and both tensor-parallel shards: clipped by the same factor). HF
     Llama brings its own tp_plan, whose embedding and head each stage but one has cut out, and
-    runs with sequence parallel: stages send and receive their share of the sequence. As in
+    runs with sequence parallel: stages send and receive their share of the sequence; its LoRA
+    version (peft, the base frozen) splits each adapter with the layer it adapts in every stage
+    and trains only the adapters, as one process does. As in
     test_tensor_parallel: the estimate holds each all-gather's buffers until the next
     collective, as a late gloo worker thread does in some repeats (sequence parallel gathers
     at every norm), so it is at least what most repeats reach; without that it is at most 3%
