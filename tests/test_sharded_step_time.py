@@ -148,11 +148,12 @@ def test_sharded_microbenchmarks_measure_finite_costs_and_real_dispatch(monkeypa
 def test_pooling_and_batch_norm_curves_count_bytes_as_the_step_does(monkeypatch):
     seen = {}
 
-    def record(rates, family, forward_bytes, backward_bytes, forward, call):
-        seen.setdefault(family, (forward_bytes, backward_bytes))
+    def record(points):
+        for family, forward_bytes, backward_bytes, _ in points:
+            seen.setdefault(family, (forward_bytes, backward_bytes))
 
-    monkeypatch.setattr(cpu_profile, "_add_byte_rates", record)
-    cpu_profile._memory_kernel_rates(1e-6)
+    monkeypatch.setattr(cpu_profile, "_byte_rates", record)
+    cpu_profile._memory_kernel_rates()
     batch, channels, side = cpu_profile.POOLED[0]
     size = 4.0 * batch * channels * side * side
     # max_pool2d reads the input, writes a quarter and its int64 indices; its backward reads the

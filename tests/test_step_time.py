@@ -150,6 +150,65 @@ def test_one_thread_microbenchmarks_read_the_thread_cpu_clock():
         torch.set_num_threads(threads)
 
 
+def test_a_curves_sizes_are_timed_in_turns_on_one_clock(monkeypatch):
+    # A machine slowing down steadily over the measurement (each op takes 1 + 10 t times its
+    # work at t seconds). Timed one size after the other, the larger size would be timed later
+    # alone, and its rate come out lower (a ratio of 6.7); in turns, both sizes
+    # see the same moments and their ratio is the work's.
+    now = [0.0]
+    runs = []
+
+    def drifting(work):
+        def op():
+            now[0] += work * (1.0 + 10.0 * now[0])
+            runs.append(work)
+        return op
+
+    monkeypatch.setattr(cpu_profile, "clock", lambda: lambda: now[0])
+    monkeypatch.setattr(cpu_profile, "_MIN_SECONDS", 0.01)
+    small, large = cpu_profile._op_times([drifting(1e-3), drifting(4e-3)])
+    assert large / small == pytest.approx(4.0, rel=0.1)
+    # The timed runs alternate op by op after each op's first two calls (warm-up, calibration).
+    timed = runs[4:]
+    switches = sum(a != b for a, b in zip(timed, timed[1:]))
+    assert switches == 2 * cpu_profile._REPEATS - 1
+
+
+def test_every_size_of_a_curve_is_timed_in_one_group_beside_the_call_it_subtracts(monkeypatch):
+    groups = []
+
+    def recorded(ops):
+        groups.append(len(ops))
+        return [2e-6] + [1e-3] * (len(ops) - 1)
+
+    monkeypatch.setattr(cpu_profile, "_op_times", recorded)
+    rates = cpu_profile._kernel_rates()
+    points = len(cpu_profile.CONVOLUTIONS) + len(cpu_profile.ATTENTIONS)
+    # The one-element op, each forward, and each forward with its backward: one group.
+    assert groups == [1 + 2 * points]
+    assert rates["convolution"][0][1] == pytest.approx(2.0 * 8 * 16 * 32 * 32 * 8 * 9 / (1e-3 - 2e-6))
+
+
+def test_the_bandwidth_adds_share_one_buffer_and_never_overwrite_their_inputs(monkeypatch):
+    built = []
+    monkeypatch.setattr(cpu_profile, "_cycling_add", lambda inputs, outputs, n: built.append((inputs, outputs, n)))
+    cpu_profile._streaming_adds([2**10, 2**16])
+    (inputs, outputs, _), (same_inputs, same_outputs, _) = built
+    assert inputs is same_inputs and outputs is same_outputs  # one buffer, not one per size
+    assert 4 * (inputs.numel() + outputs.numel()) == pytest.approx(cpu_profile._STREAM_BYTES, rel=1e-6)
+    monkeypatch.undo()
+
+    inputs, outputs = torch.randn(2 * 64), torch.zeros(64)
+    before = inputs.clone()
+    for n in (4, 16, 64):
+        add = cpu_profile._cycling_add(inputs, outputs, n)
+        for _ in range(40):  # every set, several times
+            add()
+    assert torch.equal(inputs, before)
+    # Set i of n elements adds inputs [2in, (2i+1)n) and [(2i+1)n, (2i+2)n) into outputs [in, (i+1)n).
+    assert torch.equal(outputs, inputs[:64] + inputs[64:])
+
+
 def test_measured_windows_read_the_given_clock():
     from autotune.memory.cpu import CPUMemoryBackend
     from autotune.tuning.measure import Configuration, measure_configuration
@@ -379,7 +438,7 @@ def test_checkpoint_microbenchmark_splits_the_extra_time_into_block_and_recomput
         checkpointed = cpu_profile._dispatched_ops(op, recomputed=True) > 0
         return op_cost * cpu_profile._dispatched_ops(op) + (block_cost if checkpointed else 0.0)
 
-    monkeypatch.setattr(cpu_profile, "_op_time", timed)
+    monkeypatch.setattr(cpu_profile, "_op_times", lambda ops: [timed(op) for op in ops])
     block, per_op = cpu_profile._checkpoint_overheads(op_cost)
     assert per_op == pytest.approx(op_cost, rel=1e-9)
     assert block == pytest.approx(block_cost, rel=1e-9)

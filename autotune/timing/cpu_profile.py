@@ -32,12 +32,13 @@ MEMORY_ELEMENTS = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 """fp32 elements per tensor of the bandwidth microbenchmark (4 KiB to 64 MiB; three tensors)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE_FILE = "cpu-speed.json"
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 """2: the CPU clock at one thread, module-call, checkpoint-block and optimizer-op costs, layer
 norm / softmax / embedding / NLL loss curves. 3: checkpoint costs from transformer-like layers.
 4: pooling and batch-norm bytes by the step's own rule; FSDP2's and DTensor's per-call costs
 (``sharded_profile``). 5: causal attention's rate per FLOP its mask keeps, as the counts now count
-it (``costs.causal_share``)."""
+it (``costs.causal_share``). 6: each curve's sizes (and each cost's two timings) timed in turns
+(``_op_times``), the bandwidth's outputs written before they are timed."""
 _MIN_SECONDS = 0.02
 """Each timed repetition runs at least this long; the median of ``_REPEATS`` counts."""
 _REPEATS = 7
@@ -77,22 +78,21 @@ def machine_key() -> str:
 def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
     """Runs the microbenchmarks (a few seconds) at the current thread count; matmuls in
     ``precisions`` (fp32 always)."""
-    call = _op_time(_add(1))  # a one-element op from Python: all call, no work
     peaks, curves = {}, {}
     for name in dict.fromkeys(("fp32", *precisions)):
         dtype = PRECISIONS[name]
-        rates = [(2.0 * n**3, 2.0 * n**3 / _work_time(_mm(n, dtype), call)) for n in MATMUL_SIZES]
+        times = _work_times([_mm(n, dtype) for n in MATMUL_SIZES])
+        rates = [(2.0 * n**3, 2.0 * n**3 / seconds) for n, seconds in zip(MATMUL_SIZES, times)]
         peak = max(rate for _, rate in rates)
         peaks[name] = peak
         curves[name] = _at_least_smaller(tuple((flops, rate / peak) for flops, rate in rates))
-    rates = []
-    for n in MEMORY_ELEMENTS:
-        moved = 3.0 * 4 * n  # add reads two tensors and writes a third
-        rates.append((moved, moved / _work_time(_streaming_add(n), call)))
+    # add reads two tensors and writes a third
+    rates = [(3.0 * 4 * n, 3.0 * 4 * n / seconds)
+             for n, seconds in zip(MEMORY_ELEMENTS, _work_times(_streaming_adds(MEMORY_ELEMENTS)))]
     kernel_curves = {family: _at_least_smaller(tuple((flops, rate / peaks["fp32"]) for flops, rate in rates))
-                     for family, rates in _kernel_rates(call).items()}
-    byte_rates = _memory_kernel_rates(call)
-    byte_rates.update(_counted_kernel_rates(call))
+                     for family, rates in _kernel_rates().items()}
+    byte_rates = _memory_kernel_rates()
+    byte_rates.update(_counted_kernel_rates())
     op_overhead = _training_op_overhead()
     checkpoint_block, recompute_op = _checkpoint_overheads(op_overhead)
     sharded = measure_sharded_overheads(op_overhead, _op_time, _dispatched_ops)
@@ -116,10 +116,9 @@ def speed_probe() -> tuple[float, float, float]:
     """A fraction of a second's look at the CPU's speed now: (FLOP/s of a 256² matmul, bytes/s of
     a streamed add of 2^19 elements, seconds of a one-element op). ``scaled_speed`` rescales a
     full measurement by two of these, taken then and now, on a machine whose load drifts."""
-    call = _op_time(_add(1))
     n, elements = 256, 2**19
-    return (2.0 * n**3 / _work_time(_mm(n, torch.float32), call),
-            3.0 * 4 * elements / _work_time(_streaming_add(elements), call), call)
+    call, matmul, add = _op_times([_add(1), _mm(n, torch.float32), _streaming_adds([elements])[0]])
+    return 2.0 * n**3 / _less_call(matmul, call), 3.0 * 4 * elements / _less_call(add, call), call
 
 
 def scaled_speed(speed: DeviceSpeed, then: tuple, now: tuple) -> DeviceSpeed:
@@ -137,10 +136,16 @@ def scaled_speed(speed: DeviceSpeed, then: tuple, now: tuple) -> DeviceSpeed:
         **{name: getattr(speed, name) * call for name in SHARDED_FIELDS})
 
 
-def _work_time(op, call: float) -> float:
-    # The op's time less the cost of calling it (counted once per op as op_overhead_s); never
-    # below half the measured time, where the two are too close to tell apart on a busy machine.
-    measured = _op_time(op)
+def _work_times(ops) -> list[float]:
+    """Each op's time less the cost of calling it (counted once per op as ``op_overhead_s``): a
+    one-element op from Python, all call and no work, timed with them."""
+    call, *times = _op_times([_add(1), *ops])
+    return [_less_call(measured, call) for measured in times]
+
+
+def _less_call(measured: float, call: float) -> float:
+    # Never below half the measured time, where the two are too close to tell apart on a busy
+    # machine.
     return max(measured - call, 0.5 * measured)
 
 
@@ -214,7 +219,8 @@ def _checkpoint_overheads(op_overhead: float) -> tuple[float, float]:
         plain, checkpointed = _plain_and_checkpointed(body, leaves)
         recomputed = _recomputed_ops(body, leaves)
         others = _dispatched_ops(checkpointed) - _dispatched_ops(plain) - recomputed
-        return _op_time(checkpointed) - _op_time(plain) - others * op_overhead, recomputed
+        checkpointed_time, plain_time = _op_times([checkpointed, plain])
+        return checkpointed_time - plain_time - others * op_overhead, recomputed
 
     (short, short_ops), (long, long_ops) = extra(1), extra(_CHECKPOINT_LAYERS)
     per_op = max((long - short) / (long_ops - short_ops), 0.0)
@@ -286,7 +292,8 @@ def _module_call_overhead() -> float:
             y = y * 1.0001
         return y
 
-    return max((_op_time(through_modules) - _op_time(inline)) / _CHAIN, 0.0)
+    through_time, inline_time = _op_times([through_modules, inline])
+    return max((through_time - inline_time) / _CHAIN, 0.0)
 
 
 class _Scale(torch.nn.Module):
@@ -382,16 +389,15 @@ ATTENTIONS = ((16, 32), (16, 128), (64, 128), (64, 512))
 """Causal scaled-dot-product attention (head size, sequence length), 8 heads × batch 2, fp32."""
 
 
-def _kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
+def _kernel_rates() -> dict[str, list[tuple[float, float]]]:
     """FLOP/s of the kernel families a CPU runs far below its matmul rate (convolutions' backward,
     attention at small head sizes), forward and backward, at a few sizes: (FLOPs of one op, rate)."""
-    rates: dict[str, list] = {"convolution": [], "convolution_backward": [], "attention": [],
-                              "attention_backward": []}
+    points = []
     for cin, cout, side in CONVOLUTIONS:
         flops = 2.0 * 8 * cout * side * side * cin * 9
         x = torch.randn(8, cin, side, side, requires_grad=True)
         conv = torch.nn.Conv2d(cin, cout, 3, padding=1, bias=False)
-        _add_rates(rates, "convolution", flops, lambda: conv(x), call)
+        points.append(("convolution", flops, lambda conv=conv, x=x: conv(x)))
     for head, length in ATTENTIONS:
         q, k, v = (torch.randn(2, 8, length, head, requires_grad=True) for _ in range(3))
         # torch's sdpa_flop_count, of the pairs the causal mask keeps (what the counts time).
@@ -400,19 +406,18 @@ def _kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
         def attend(q=q, k=k, v=v):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        _add_rates(rates, "attention", flops, attend, call)
-    return {family: sorted(points) for family, points in rates.items()}
+        points.append(("attention", flops, attend))
+    return _flop_rates(points)
 
 
 POOLED = ((8, 16, 32), (32, 32, 32), (32, 64, 64))
 """Batch, channels, image side of the pooling and batch-norm microbenchmarks (fp32)."""
 
 
-def _memory_kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
+def _memory_kernel_rates() -> dict[str, list[tuple[float, float]]]:
     """Bytes/s of the memory-bound kernel families a CPU runs far below an add's bandwidth
     (2×2 max pooling, training-mode batch norm), forward and backward: (bytes one op moves, rate)."""
-    rates: dict[str, list] = {"pooling": [], "pooling_backward": [], "batch_norm": [],
-                              "batch_norm_backward": []}
+    points = []
     for batch, channels, side in POOLED:
         x = torch.randn(batch, channels, side, side, requires_grad=True)
         norm = torch.nn.BatchNorm2d(channels)
@@ -421,9 +426,8 @@ def _memory_kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
         # input's size), not the 1.75 its forward moves.
         for family, forward in (("pooling", lambda x=x: torch.nn.functional.max_pool2d(x, 2)),
                                 ("batch_norm", lambda x=x, n=norm: n(x))):
-            forward_bytes, backward_bytes = _family_bytes(family, forward)
-            _add_byte_rates(rates, family, forward_bytes, backward_bytes, forward, call)
-    return {family: sorted(points) for family, points in rates.items()}
+            points.append((family, *_family_bytes(family, forward), forward))
+    return _byte_rates(points)
 
 
 _COUNTED_FAMILIES = ("layer_norm", "softmax", "embedding", "nll_loss")
@@ -432,14 +436,13 @@ ROWS = ((64, 64), (512, 256), (4096, 512))
 up ``rows`` tokens in a table of 8192 rows of ``features``."""
 
 
-def _counted_kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
+def _counted_kernel_rates() -> dict[str, list[tuple[float, float]]]:
     """Bytes/s of layer norm, softmax (and log-softmax), embedding and the NLL loss, forward and
     backward, at a few sizes. Their bytes are counted as the step's are (``count``'s rule: every
     tensor an op reads and writes), so a lookup that reads a few rows of a large table, or a loss
     that reads one logit per row, gets the rate that rule needs."""
     functional = torch.nn.functional
-    rates: dict[str, list] = {f"{family}{suffix}": [] for family in _COUNTED_FAMILIES
-                              for suffix in ("", "_backward")}
+    points = []
     for rows, features in ROWS:
         x = torch.randn(rows, features, requires_grad=True)
         weight, bias = torch.ones(features, requires_grad=True), torch.zeros(features, requires_grad=True)
@@ -448,13 +451,12 @@ def _counted_kernel_rates(call: float) -> dict[str, list[tuple[float, float]]]:
         log_probs = torch.randn(rows, features).log_softmax(-1).requires_grad_()
         targets = torch.randint(0, features, (rows,))
         for family, forward in (
-                ("layer_norm", lambda: functional.layer_norm(x, (features,), weight, bias)),
-                ("softmax", lambda: torch.softmax(x, -1)),
-                ("embedding", lambda: functional.embedding(tokens, table)),
-                ("nll_loss", lambda: functional.nll_loss(log_probs, targets))):
-            forward_bytes, backward_bytes = _family_bytes(family, forward)
-            _add_byte_rates(rates, family, forward_bytes, backward_bytes, forward, call)
-    return {family: sorted(points) for family, points in rates.items()}
+                ("layer_norm", lambda x=x, w=weight, b=bias: functional.layer_norm(x, x.shape[-1:], w, b)),
+                ("softmax", lambda x=x: torch.softmax(x, -1)),
+                ("embedding", lambda t=tokens, table=table: functional.embedding(t, table)),
+                ("nll_loss", lambda p=log_probs, t=targets: functional.nll_loss(p, t))):
+            points.append((family, *_family_bytes(family, forward), forward))
+    return _byte_rates(points)
 
 
 def _family_bytes(family: str, forward) -> tuple[float, float]:
@@ -480,31 +482,40 @@ def _family_bytes(family: str, forward) -> tuple[float, float]:
     return moved[family], moved[f"{family}_backward"]
 
 
-def _add_byte_rates(rates: dict, family: str, forward_bytes: float, backward_bytes: float,
-                    forward, call: float) -> None:
-    forward_time, backward_time = _forward_backward_times(forward, call)
-    rates[family].append((forward_bytes, forward_bytes / forward_time))
-    rates[f"{family}_backward"].append((backward_bytes, backward_bytes / backward_time))
+def _byte_rates(points) -> dict[str, list[tuple[float, float]]]:
+    """``points``: (family, forward bytes, backward bytes, forward). Each family's forward and
+    backward rates, (bytes one op moves, bytes/s), in order of bytes."""
+    times = _forward_backward_times([forward for *_, forward in points])
+    rates: dict[str, list] = {}
+    for (family, forward_bytes, backward_bytes, _), (forward_time, backward_time) in zip(points, times):
+        rates.setdefault(family, []).append((forward_bytes, forward_bytes / forward_time))
+        rates.setdefault(f"{family}_backward", []).append((backward_bytes, backward_bytes / backward_time))
+    return {family: sorted(found) for family, found in rates.items()}
 
 
-def _forward_backward_times(forward, call: float) -> tuple[float, float]:
-    """Seconds of ``forward`` and of its backward (forward and backward less the forward)."""
-    out = forward()
-    grad = torch.ones_like(out)
+def _flop_rates(points) -> dict[str, list[tuple[float, float]]]:
+    """``points``: (family, FLOPs, forward). The forward's rate, and the backward's: forward and
+    backward less the forward, for the backward's twice the forward's FLOPs (gradients of the
+    input and of the weights or keys); (FLOPs of one op, FLOP/s), in order of FLOPs."""
+    times = _forward_backward_times([forward for *_, forward in points])
+    rates: dict[str, list] = {}
+    for (family, flops, _), (forward_time, backward_time) in zip(points, times):
+        rates.setdefault(family, []).append((flops, flops / forward_time))
+        rates.setdefault(f"{family}_backward", []).append((2 * flops, 2 * flops / backward_time))
+    return {family: sorted(found) for family, found in rates.items()}
 
-    def both():
-        forward().backward(grad)
 
-    forward_time = _work_time(forward, call)
-    return forward_time, max(_work_time(both, call) - forward_time, 0.5 * forward_time)
+def _forward_backward_times(forwards) -> list[tuple[float, float]]:
+    """Seconds of each of ``forwards`` and of its backward (forward and backward less the
+    forward), all timed together (``_op_times``)."""
+    def both(forward):
+        grad = torch.ones_like(forward())
+        return lambda: forward().backward(grad)
 
-
-def _add_rates(rates: dict, family: str, flops: float, forward, call: float) -> None:
-    """The forward's rate, and the backward's: forward and backward less the forward, for the
-    backward's twice the forward's FLOPs (gradients of the input and of the weights or keys)."""
-    forward_time, backward_time = _forward_backward_times(forward, call)
-    rates[family].append((flops, flops / forward_time))
-    rates[f"{family}_backward"].append((2 * flops, 2 * flops / backward_time))
+    times = _work_times([*forwards, *(both(forward) for forward in forwards)])
+    forward_times = times[:len(forwards)]
+    return [(forward, max(together - forward, 0.5 * forward))
+            for forward, together in zip(forward_times, times[len(forwards):])]
 
 
 def _mm(n: int, dtype: torch.dtype):
@@ -518,17 +529,28 @@ def _add(n: int):
     return lambda: torch.add(a, b, out=out)
 
 
-def _streaming_add(n: int):
-    """``add`` of n elements whose operands were not touched by the last few ops: it cycles
-    through sets of tensors larger together than the last-level cache, as a training step's ops
-    read tensors that the ops between (other layers, the optimizer's other parameters) evicted."""
-    sets = max(1, -(-_STREAM_BYTES // (3 * 4 * n)))
-    tensors = [(torch.randn(n), torch.randn(n), torch.empty(n)) for _ in range(sets)]
+def _streaming_adds(sizes):
+    """For each of ``sizes``, an ``add`` of that many elements whose operands were not touched by
+    the last few ops: each cycles through sets of tensors larger together than the last-level
+    cache, as a training step's ops read tensors that the ops between (other layers, the
+    optimizer's other parameters) evicted. The sets of every size are views of one buffer of
+    ``_STREAM_BYTES`` (inputs in its first two thirds, outputs in the last), so the ops can be
+    timed together (``_op_times``) in that memory, not in that memory once per size."""
+    elements = max(_STREAM_BYTES // 4, 3 * max(sizes)) // 3
+    # Outputs written once now: a first write to a page the kernel has not mapped yet costs a
+    # page fault, which a step's outputs, in memory its allocator reuses, do not pay.
+    inputs, outputs = torch.randn(2 * elements), torch.zeros(elements)
+    return [_cycling_add(inputs, outputs, n) for n in sizes]
+
+
+def _cycling_add(inputs: torch.Tensor, outputs: torch.Tensor, n: int):
+    sets = max(1, outputs.numel() // n)
     turn = iter(range(2**62))
 
     def op():
-        a, b, out = tensors[next(turn) % sets]
-        torch.add(a, b, out=out)
+        i = next(turn) % sets
+        torch.add(inputs[2 * i * n:(2 * i + 1) * n], inputs[(2 * i + 1) * n:(2 * i + 2) * n],
+                  out=outputs[i * n:(i + 1) * n])
 
     return op
 
@@ -538,21 +560,31 @@ _STREAM_BYTES = 256 * 2**20
 
 
 def _op_time(op) -> float:
-    """Seconds per call of ``op``: the median of several timed runs of many calls (the machine's
-    typical speed under the load it has, as the steps it predicts will see it), on ``clock()``."""
+    return _op_times([op])[0]
+
+
+def _op_times(ops) -> list[float]:
+    """Seconds per call of each of ``ops``: the median of several timed runs of many calls (the
+    machine's typical speed under the load it has, as the steps it predicts will see it), on
+    ``clock()``. The ops' runs take turns, round by round: a curve is the rates of one kernel at
+    several sizes, and a shared machine's speed drifts over a second; timed one after the other,
+    each size would be timed at another moment, and the curve would bend with the drift (this
+    machine's add curve moved 0.38-1.08 at 0.8 MB between profiles measured so; docs/step-time.md)."""
     now = clock()
-    op()  # first call: allocations, kernel selection
-    start = now()
-    op()
-    once = now() - start
-    calls = max(1, int(_MIN_SECONDS / max(once, 1e-7)))
-    runs = []
-    for _ in range(_REPEATS):
+    calls = []
+    for op in ops:
+        op()  # first call: allocations, kernel selection
         start = now()
-        for _ in range(calls):
-            op()
-        runs.append((now() - start) / calls)
-    return statistics.median(runs)
+        op()
+        calls.append(max(1, int(_MIN_SECONDS / max(now() - start, 1e-7))))
+    runs: list[list[float]] = [[] for _ in ops]
+    for _ in range(_REPEATS):
+        for op, count, found in zip(ops, calls, runs):
+            start = now()
+            for _ in range(count):
+                op()
+            found.append((now() - start) / count)
+    return [statistics.median(found) for found in runs]
 
 
 def clock():
