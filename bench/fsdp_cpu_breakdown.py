@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from autotune.distributed.sharding.ranks import fake_process_group  # noqa: E402
 from autotune.distributed.sharding.wrap import build_mesh, shard_model  # noqa: E402
 from autotune.timing import sharded_profile  # noqa: E402
-from autotune.timing.cpu_profile import _dispatched_ops, _op_time, _training_op_overhead  # noqa: E402
+from autotune.timing.cpu_profile import _dispatched_ops, _op_times, _training_op_overhead  # noqa: E402
 from autotune.workload import load_workload  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "tiny_lm.py")
@@ -100,7 +100,7 @@ def main():
         mesh = build_mesh("cpu", 2, 2)
         for width in WIDTHS:
             sharded_profile._WIDTH = width  # the microbenchmark's layer width
-            extra, units, _ = sharded_profile._fsdp_extra(mesh, 4, 4, op_overhead, _op_time, _dispatched_ops)
+            extra, units, _ = sharded_profile._fsdp_extra(mesh, 4, 4, op_overhead, _op_times, _dispatched_ops)
             nbytes = 4 * (width * width + width) * (4 * (units - 1) + 1)  # units of 4 layers, a root layer
             print(f"| {width} | {nbytes / 2**20:.2f} | {extra * 1e3:.2f} |", flush=True)
 

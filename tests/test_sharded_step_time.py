@@ -136,13 +136,40 @@ def test_sharded_microbenchmarks_measure_finite_costs_and_real_dispatch(monkeypa
 
     monkeypatch.setattr(cpu_profile, "_MIN_SECONDS", 0.002)  # shorter timings: a fast test
     monkeypatch.setattr(cpu_profile, "_REPEATS", 3)
-    measured = measure_sharded_overheads(cpu_profile._training_op_overhead(), cpu_profile._op_time,
+    measured = measure_sharded_overheads(cpu_profile._training_op_overhead(), cpu_profile._op_times,
                                          cpu_profile._dispatched_ops)
     values = dataclasses.asdict(measured)
     # Costs are differences of timings: on a loaded machine one can come out at zero (clamped),
     # so the test asserts what a cost may be; bench/step_time_distributed.py reports their sizes.
     assert set(values) == set(SHARDED_FIELDS)
     assert all(math.isfinite(v) and v >= 0 for v in values.values()), values
+
+
+def test_sharded_costs_come_from_runs_timed_in_one_group_each():
+    # Every FSDP2 step (three stacks, sharded and plain) in one group, and the four DTensor runs in
+    # another: each cost is a difference of differences of those timings, which a drift between
+    # separately timed runs would move. A machine where a sharded step costs 40 us, 300 us per
+    # unit and 20 us per parameter more than its plain step gives back exactly those.
+    from autotune.timing import sharded_profile
+
+    groups = []
+
+    def time_ops(fns):
+        groups.append(len(fns))
+        if len(fns) == 4:  # AdamW and clipping, sharded and plain
+            return [1e-3, 1e-3, 1e-3, 1e-3]
+        times = []
+        for units, layers in sharded_profile._UNIT_SHAPES:
+            params = 2 * (units * layers + 1)  # weights and biases, the root Linear's too
+            times += [40e-6 + 300e-6 * (units + 1) + 20e-6 * params, 0.0]
+        return times
+
+    measured = sharded_profile.measure_sharded_overheads(0.0, time_ops, lambda fn: 0)
+    assert groups == [6, 4]
+    assert measured.fsdp_step_s == pytest.approx(40e-6)
+    assert measured.fsdp_unit_s == pytest.approx(300e-6)
+    assert measured.fsdp_param_s == pytest.approx(20e-6)
+    assert measured.dtensor_op_s == 0.0 and measured.dtensor_list_tensor_s == 0.0
 
 
 def test_pooling_and_batch_norm_curves_count_bytes_as_the_step_does(monkeypatch):
@@ -242,7 +269,7 @@ def _sharded_overheads_under_a_group(rank, port, out):
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
         # Measured in a fresh process.
-        measured = measure_sharded_overheads(5e-6, cpu_profile._op_time, cpu_profile._dispatched_ops)
+        measured = measure_sharded_overheads(5e-6, cpu_profile._op_times, cpu_profile._dispatched_ops)
         with open(out, "w") as f:
             f.write(repr(dataclasses.asdict(measured)))
     finally:

@@ -37,8 +37,9 @@ PROFILE_VERSION = 6
 norm / softmax / embedding / NLL loss curves. 3: checkpoint costs from transformer-like layers.
 4: pooling and batch-norm bytes by the step's own rule; FSDP2's and DTensor's per-call costs
 (``sharded_profile``). 5: causal attention's rate per FLOP its mask keeps, as the counts now count
-it (``costs.causal_share``). 6: each curve's sizes (and each cost's two timings) timed in turns
-(``_op_times``), the bandwidth's outputs written before they are timed."""
+it (``costs.causal_share``). 6: each curve's sizes, and the runs each cost is the difference of
+(FSDP2's and DTensor's too), timed in turns (``_op_times``); the bandwidth's outputs written before
+they are timed."""
 _MIN_SECONDS = 0.02
 """Each timed repetition runs at least this long; the median of ``_REPEATS`` counts."""
 _REPEATS = 7
@@ -95,7 +96,7 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
     byte_rates.update(_counted_kernel_rates())
     op_overhead = _training_op_overhead()
     checkpoint_block, recompute_op = _checkpoint_overheads(op_overhead)
-    sharded = measure_sharded_overheads(op_overhead, _op_time, _dispatched_ops)
+    sharded = measure_sharded_overheads(op_overhead, _op_times, _dispatched_ops)
     # The bandwidth is the largest op's; smaller ops reach less of it (or more, where the
     # prefetchers and cache lines already in flight help).
     bandwidth = rates[-1][1]

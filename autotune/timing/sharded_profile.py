@@ -10,7 +10,9 @@ Both are measured on tiny tensors (the work is nil: what is left is the per-call
 process group of ``WORLD`` ranks, whose collectives return at once: the collectives' own work is
 gloo's or NCCL's, priced by the communication model (``comm``, and ``gloo.measure_gloo_cpu`` for
 the CPU time gloo takes on CPU ranks). Each is the sharded run less the same run unsharded, less
-the extra ops the fake step counts at ``op_overhead_s`` each, on ``cpu_profile``'s clock:
+the extra ops the fake step counts at ``op_overhead_s`` each, on ``cpu_profile``'s clock; every run
+a cost is derived from is timed in turns with the others (``cpu_profile._op_times``), since a cost
+is a difference of differences that a machine's drift between two timings would move:
 
 - FSDP2: a stack of ``L`` units of ``K`` one-element-wide ``Linear`` layers, each unit and the root
   ``fully_shard``-ed as ``distributed.sharding.wrap.shard_model`` does (units reshard after
@@ -52,11 +54,11 @@ class ShardedOverheads:
     """Per DTensor passed in a tensor list (foreach ops), beyond the op's own."""
 
 
-def measure_sharded_overheads(op_overhead: float, time_op, count_ops) -> ShardedOverheads:
+def measure_sharded_overheads(op_overhead: float, time_ops, count_ops) -> ShardedOverheads:
     """Runs the microbenchmarks (a few seconds) in a fake process group; in a process that
     already has a process group (a fake one cannot be made beside it), in a fresh process.
-    ``time_op(fn)``: seconds per call of ``fn``; ``count_ops(fn)``: the ops ``fn`` dispatches
-    (``cpu_profile``'s, on its clock)."""
+    ``time_ops(fns)``: seconds per call of each of ``fns``, timed in turns; ``count_ops(fn)``: the
+    ops ``fn`` dispatches (``cpu_profile``'s, on its clock)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -65,40 +67,53 @@ def measure_sharded_overheads(op_overhead: float, time_op, count_ops) -> Sharded
 
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             return pool.submit(_measure_in_fresh_process, torch.get_num_threads(), op_overhead,
-                               time_op, count_ops).result()
-    return _measure(op_overhead, time_op, count_ops)
+                               time_ops, count_ops).result()
+    return _measure(op_overhead, time_ops, count_ops)
 
 
-def _measure_in_fresh_process(threads: int, op_overhead: float, time_op, count_ops):
+def _measure_in_fresh_process(threads: int, op_overhead: float, time_ops, count_ops):
     torch.set_num_threads(threads)
-    return _measure(op_overhead, time_op, count_ops)
+    return _measure(op_overhead, time_ops, count_ops)
 
 
-def _measure(op_overhead: float, time_op, count_ops) -> ShardedOverheads:
+def _measure(op_overhead: float, time_ops, count_ops) -> ShardedOverheads:
     from ..distributed.sharding.ranks import fake_process_group
     from ..distributed.sharding.wrap import build_mesh
 
     with fake_process_group(WORLD):
         mesh = build_mesh("cpu", WORLD, WORLD)
-        step, unit, param = _fsdp_overheads(mesh, op_overhead, time_op, count_ops)
-        op, listed = _dtensor_overheads(mesh, time_op)
+        step, unit, param = _fsdp_overheads(mesh, op_overhead, time_ops, count_ops)
+        op, listed = _dtensor_overheads(mesh, time_ops)
     return ShardedOverheads(fsdp_step_s=step, fsdp_unit_s=unit, fsdp_param_s=param,
                             dtensor_op_s=op, dtensor_list_tensor_s=listed)
 
 
-def _fsdp_overheads(mesh, op_overhead: float, time_op, count_ops) -> tuple[float, float, float]:
-    (e1, u1, p1), (e2, u2, p2), (e3, u3, p3) = (
-        _fsdp_extra(mesh, units, layers, op_overhead, time_op, count_ops) for units, layers in _UNIT_SHAPES)
+def _fsdp_overheads(mesh, op_overhead: float, time_ops, count_ops) -> tuple[float, float, float]:
+    (e1, u1, p1), (e2, u2, p2), (e3, u3, p3) = _fsdp_extras(
+        [_fsdp_steps(mesh, units, layers, count_ops) for units, layers in _UNIT_SHAPES], op_overhead, time_ops)
     param = max((e3 - e2) / (p3 - p2), 0.0)
     unit = max((e2 - e1 - param * (p2 - p1)) / (u2 - u1), 0.0)
     step = max(e1 - unit * u1 - param * p1, 0.0)
     return step, unit, param
 
 
-def _fsdp_extra(mesh, units: int, layers: int, op_overhead: float, time_op,
+def _fsdp_extra(mesh, units: int, layers: int, op_overhead: float, time_ops,
                 count_ops) -> tuple[float, int, int]:
     """(seconds a sharded forward and backward takes beyond the plain one and the extra ops it
     dispatches, FSDP2 units, sharded parameters) of the stack (``units``, ``layers``)."""
+    return _fsdp_extras([_fsdp_steps(mesh, units, layers, count_ops)], op_overhead, time_ops)[0]
+
+
+def _fsdp_extras(stacks, op_overhead: float, time_ops) -> list[tuple[float, int, int]]:
+    """``_fsdp_extra`` of each of ``stacks`` (``_fsdp_steps``), every step timed in turns."""
+    times = time_ops([step for sharded, plain, *_ in stacks for step in (sharded, plain)])
+    return [(times[2 * i] - times[2 * i + 1] - extra_ops * op_overhead, units, params)
+            for i, (_, _, extra_ops, units, params) in enumerate(stacks)]
+
+
+def _fsdp_steps(mesh, units: int, layers: int, count_ops):
+    """(sharded step, plain step, the extra ops the sharded one dispatches, FSDP2 units, sharded
+    parameters) of the stack (``units``, ``layers``): forward and backward."""
     from torch.distributed.fsdp import fully_shard
 
     plain, sharded = _unit_stack(units, layers), _unit_stack(units, layers)
@@ -117,8 +132,7 @@ def _fsdp_extra(mesh, units: int, layers: int, op_overhead: float, time_op,
     plain_step, sharded_step = step_of(plain), step_of(sharded)
     sharded_step()  # FSDP2's lazy initialisation
     extra_ops = count_ops(sharded_step) - count_ops(plain_step)
-    extra = time_op(sharded_step) - time_op(plain_step) - extra_ops * op_overhead
-    return extra, units + 1, sum(1 for _ in sharded.parameters())
+    return sharded_step, plain_step, extra_ops, units + 1, sum(1 for _ in sharded.parameters())
 
 
 def _unit_stack(units: int, layers: int) -> torch.nn.Sequential:
@@ -129,7 +143,7 @@ def _unit_stack(units: int, layers: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(_WIDTH, _WIDTH), *(unit() for _ in range(units)))
 
 
-def _dtensor_overheads(mesh, time_op) -> tuple[float, float]:
+def _dtensor_overheads(mesh, time_ops) -> tuple[float, float]:
     """(seconds per DTensor op, per DTensor in a tensor list) beyond the same ops on plain
     tensors of the local shards' size (their local ops, which the fake step prices, cancel)."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -148,10 +162,12 @@ def _dtensor_overheads(mesh, time_op) -> tuple[float, float]:
     def clip(params):
         return lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)
 
-    ops, _ = _dtensor_dispatches(adam(sharded))
-    per_op = max((time_op(adam(sharded)) - time_op(adam(plain))) / max(ops, 1), 0.0)
-    ops, listed = _dtensor_dispatches(clip(sharded))
-    extra = time_op(clip(sharded)) - time_op(clip(plain)) - ops * per_op
+    adam_ops, _ = _dtensor_dispatches(adam(sharded))
+    clip_ops, listed = _dtensor_dispatches(clip(sharded))
+    adam_sharded, adam_plain, clip_sharded, clip_plain = time_ops(
+        [adam(sharded), adam(plain), clip(sharded), clip(plain)])
+    per_op = max((adam_sharded - adam_plain) / max(adam_ops, 1), 0.0)
+    extra = clip_sharded - clip_plain - clip_ops * per_op
     return per_op, max(extra / max(listed, 1), 0.0)
 
 
