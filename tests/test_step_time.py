@@ -192,10 +192,15 @@ def test_every_size_of_a_curve_is_timed_in_one_group_beside_the_call_it_subtract
 def test_the_bandwidth_adds_share_one_buffer_and_never_overwrite_their_inputs(monkeypatch):
     built = []
     monkeypatch.setattr(cpu_profile, "_cycling_add", lambda inputs, outputs, n: built.append((inputs, outputs, n)))
-    cpu_profile._streaming_adds([2**10, 2**16])
+    monkeypatch.setattr(cpu_profile, "_STREAM_BYTES", 4 * 3 * 2**10)
+    cpu_profile._streaming_adds([2**4, 2**6])
     (inputs, outputs, _), (same_inputs, same_outputs, _) = built
     assert inputs is same_inputs and outputs is same_outputs  # one buffer, not one per size
     assert 4 * (inputs.numel() + outputs.numel()) == pytest.approx(cpu_profile._STREAM_BYTES, rel=1e-6)
+    built.clear()
+    cpu_profile._streaming_adds([2**11])  # a set larger than the buffer: two sets, not one
+    (inputs, outputs, n), = built
+    assert outputs.numel() == 2 * n and inputs.numel() == 4 * n
     monkeypatch.undo()
 
     inputs, outputs = torch.randn(2 * 64), torch.zeros(64)

@@ -535,9 +535,10 @@ def _streaming_adds(sizes):
     the last few ops: each cycles through sets of tensors larger together than the last-level
     cache, as a training step's ops read tensors that the ops between (other layers, the
     optimizer's other parameters) evicted. The sets of every size are views of one buffer of
-    ``_STREAM_BYTES`` (inputs in its first two thirds, outputs in the last), so the ops can be
-    timed together (``_op_times``) in that memory, not in that memory once per size."""
-    elements = max(_STREAM_BYTES // 4, 3 * max(sizes)) // 3
+    ``_STREAM_BYTES``, or of two sets of the largest size where that is more (inputs in its first
+    two thirds, outputs in the last), so the ops can be timed together (``_op_times``) in that
+    memory, not in that memory once per size."""
+    elements = max(_STREAM_BYTES // 4, 2 * 3 * max(sizes)) // 3
     # Outputs written once now: a first write to a page the kernel has not mapped yet costs a
     # page fault, which a step's outputs, in memory its allocator reuses, do not pay.
     inputs, outputs = torch.randn(2 * elements), torch.zeros(elements)
