@@ -228,6 +228,21 @@ def test_a_noisy_gloo_measurement_is_taken_again_and_only_rank_0_fits(monkeypatc
     assert len(measured) == 3
 
 
+def test_gloo_collectives_take_turns_size_by_size(monkeypatch):
+    # Each repetition runs every kind and size once (after a barrier each), so every size of a
+    # fit is timed across the same moments of a machine whose load drifts.
+    from autotune.timing import gloo
+
+    order = []
+    monkeypatch.setattr(gloo, "_collective", lambda kind, elements, p, group: lambda: order.append((kind, elements)))
+    monkeypatch.setattr(gloo.dist, "barrier", lambda group=None: None)
+    ticks = iter(range(10**6))
+    cases = [("all_gather", 8), ("all_gather", 64), ("all_reduce", 8)]
+    times = gloo._median_times(cases, 2, None, 3, clock=lambda: float(next(ticks)))
+    assert order == cases + cases * 3  # a first call of each, then three rounds
+    assert times == [1.0, 1.0, 1.0]
+
+
 def _gloo_cpu_worker(rank, world, port, out):
     from autotune.timing.gloo import measure_gloo_cpu
 

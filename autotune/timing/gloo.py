@@ -1,8 +1,9 @@
 """This machine's gloo link, measured: the alpha–beta model's latency and bandwidth for CPU ranks.
 
 Every rank of an initialised gloo process group times all-gathers, reduce-scatters and
-all-reduces of a few sizes (the median of several repetitions: the link under the load the
-machine has, as the CPU's microbenchmarks take theirs); rank 0's times are fitted to ``steps * alpha + factor * bytes / bandwidth`` with
+all-reduces of a few sizes (the median of several repetitions, every kind and size taking turns
+repetition by repetition, as the CPU's curves do: the link under the load the machine has, and
+every size timed across the same moments of it); rank 0's times are fitted to ``steps * alpha + factor * bytes / bandwidth`` with
 each collective's own factor and steps (``comm.terms``) by least squares, and every rank gets the
 same ``Link`` back. A microbenchmark of the collectives alone, never of training steps.
 
@@ -37,12 +38,11 @@ def measure_gloo(group=None, *, sizes=SIZES, repeats: int = REPEATS, attempts: i
     p = dist.get_world_size(group)
 
     def rows():  # (steps, factor * bytes, seconds)
+        cases = [(kind, nbytes // 4 // p * p) for kind in _MEASURED for nbytes in sizes]
         out = []
-        for kind in _MEASURED:
-            for nbytes in sizes:
-                elements = nbytes // 4 // p * p
-                factor, steps = terms(kind, p)
-                out.append((steps, factor * elements * 4, _median_time(kind, elements, p, group, repeats)))
+        for (kind, elements), seconds in zip(cases, _median_times(cases, p, group, repeats)):
+            factor, steps = terms(kind, p)
+            out.append((steps, factor * elements * 4, seconds))
         return [out]
 
     (alpha, inverse_bandwidth), = _fitted_on_rank_0(rows, group, attempts, what="gloo timings")
@@ -71,15 +71,10 @@ def measure_gloo_cpu(group=None, *, sizes=SIZES, repeats: int = REPEATS,
     p = dist.get_world_size(group)
 
     def rows():
-        out = []
-        for kind in _MEASURED:
-            kind_rows = []
-            for nbytes in sizes:
-                elements = nbytes // 4 // p * p
-                kind_rows.append((1.0, elements * 4.0, _median_time(kind, elements, p, group, repeats,
-                                                                    clock=time.process_time)))
-            out.append(kind_rows)
-        return out
+        cases = [(kind, nbytes // 4 // p * p) for kind in _MEASURED for nbytes in sizes]
+        times = _median_times(cases, p, group, repeats, clock=time.process_time)
+        return [[(1.0, elements * 4.0, seconds) for (kind, elements), seconds in zip(cases, times)
+                 if kind == measured] for measured in _MEASURED]
 
     fits = _fitted_on_rank_0(rows, group, attempts, what="gloo CPU timings")
     return CollectiveCpu(per_call={kind: fit[0] for kind, fit in zip(_MEASURED, fits)},
@@ -91,22 +86,30 @@ def collective_cpu_seconds(calls, cpu: CollectiveCpu) -> float:
     return sum(cpu.seconds(call) for call in calls)
 
 
-def _median_time(kind: str, elements: int, p: int, group, repeats: int, clock=time.perf_counter) -> float:
+def _median_times(cases, p: int, group, repeats: int, clock=time.perf_counter) -> list[float]:
+    """The median seconds of each (kind, elements) collective of ``cases``; each repetition runs
+    every case once, after a barrier each (every rank runs the same cases in the same order)."""
+    runs = [_collective(kind, elements, p, group) for kind, elements in cases]
+    for run in runs:
+        run()  # the first call sets up the algorithm's buffers
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, found in zip(runs, times):
+            dist.barrier(group=group)
+            start = clock()
+            run()
+            found.append(clock() - start)
+    return [statistics.median(found) for found in times]
+
+
+def _collective(kind: str, elements: int, p: int, group):
     full = torch.ones(elements)
     shard = torch.ones(elements // p)
-    run = {
+    return {
         "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
         "all_reduce": lambda: dist.all_reduce(full, group=group),
     }[kind]
-    run()  # the first call sets up the algorithm's buffers
-    times = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        start = clock()
-        run()
-        times.append(clock() - start)
-    return statistics.median(times)
 
 
 def _fitted_on_rank_0(measure, group, attempts: int, what: str) -> list[tuple[float, float]]:
