@@ -179,7 +179,7 @@ def test_pooling_and_batch_norm_curves_count_bytes_as_the_step_does(monkeypatch)
         for family, forward_bytes, backward_bytes, _ in points:
             seen.setdefault(family, (forward_bytes, backward_bytes))
 
-    monkeypatch.setattr(cpu_profile, "_byte_rates", record)
+    monkeypatch.setattr(cpu_profile, "_rates", record)
     cpu_profile._memory_kernel_rates()
     batch, channels, side = cpu_profile.POOLED[0]
     size = 4.0 * batch * channels * side * side

@@ -398,7 +398,7 @@ def _kernel_rates() -> dict[str, list[tuple[float, float]]]:
         flops = 2.0 * 8 * cout * side * side * cin * 9
         x = torch.randn(8, cin, side, side, requires_grad=True)
         conv = torch.nn.Conv2d(cin, cout, 3, padding=1, bias=False)
-        points.append(("convolution", flops, lambda conv=conv, x=x: conv(x)))
+        points.append(("convolution", flops, 2 * flops, lambda conv=conv, x=x: conv(x)))
     for head, length in ATTENTIONS:
         q, k, v = (torch.randn(2, 8, length, head, requires_grad=True) for _ in range(3))
         # torch's sdpa_flop_count, of the pairs the causal mask keeps (what the counts time).
@@ -407,8 +407,8 @@ def _kernel_rates() -> dict[str, list[tuple[float, float]]]:
         def attend(q=q, k=k, v=v):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        points.append(("attention", flops, attend))
-    return _flop_rates(points)
+        points.append(("attention", flops, 2 * flops, attend))
+    return _rates(points)
 
 
 POOLED = ((8, 16, 32), (32, 32, 32), (32, 64, 64))
@@ -428,7 +428,7 @@ def _memory_kernel_rates() -> dict[str, list[tuple[float, float]]]:
         for family, forward in (("pooling", lambda x=x: torch.nn.functional.max_pool2d(x, 2)),
                                 ("batch_norm", lambda x=x, n=norm: n(x))):
             points.append((family, *_family_bytes(family, forward), forward))
-    return _byte_rates(points)
+    return _rates(points)
 
 
 _COUNTED_FAMILIES = ("layer_norm", "softmax", "embedding", "nll_loss")
@@ -457,7 +457,7 @@ def _counted_kernel_rates() -> dict[str, list[tuple[float, float]]]:
                 ("embedding", lambda t=tokens, table=table: functional.embedding(t, table)),
                 ("nll_loss", lambda p=log_probs, t=targets: functional.nll_loss(p, t))):
             points.append((family, *_family_bytes(family, forward), forward))
-    return _byte_rates(points)
+    return _rates(points)
 
 
 def _family_bytes(family: str, forward) -> tuple[float, float]:
@@ -483,26 +483,16 @@ def _family_bytes(family: str, forward) -> tuple[float, float]:
     return moved[family], moved[f"{family}_backward"]
 
 
-def _byte_rates(points) -> dict[str, list[tuple[float, float]]]:
-    """``points``: (family, forward bytes, backward bytes, forward). Each family's forward and
-    backward rates, (bytes one op moves, bytes/s), in order of bytes."""
+def _rates(points) -> dict[str, list[tuple[float, float]]]:
+    """``points``: (family, forward's amount, backward's amount, forward), in FLOPs or bytes. Each
+    family's forward and backward rates, (amount of one op, amount per second), in order of
+    amount. A FLOP-counted backward is twice its forward's FLOPs (gradients of the input and of
+    the weights or keys); a byte-counted one, the bytes the step's own rule gives it."""
     times = _forward_backward_times([forward for *_, forward in points])
     rates: dict[str, list] = {}
-    for (family, forward_bytes, backward_bytes, _), (forward_time, backward_time) in zip(points, times):
-        rates.setdefault(family, []).append((forward_bytes, forward_bytes / forward_time))
-        rates.setdefault(f"{family}_backward", []).append((backward_bytes, backward_bytes / backward_time))
-    return {family: sorted(found) for family, found in rates.items()}
-
-
-def _flop_rates(points) -> dict[str, list[tuple[float, float]]]:
-    """``points``: (family, FLOPs, forward). The forward's rate, and the backward's: forward and
-    backward less the forward, for the backward's twice the forward's FLOPs (gradients of the
-    input and of the weights or keys); (FLOPs of one op, FLOP/s), in order of FLOPs."""
-    times = _forward_backward_times([forward for *_, forward in points])
-    rates: dict[str, list] = {}
-    for (family, flops, _), (forward_time, backward_time) in zip(points, times):
-        rates.setdefault(family, []).append((flops, flops / forward_time))
-        rates.setdefault(f"{family}_backward", []).append((2 * flops, 2 * flops / backward_time))
+    for (family, forward_amount, backward_amount, _), (forward_time, backward_time) in zip(points, times):
+        rates.setdefault(family, []).append((forward_amount, forward_amount / forward_time))
+        rates.setdefault(f"{family}_backward", []).append((backward_amount, backward_amount / backward_time))
     return {family: sorted(found) for family, found in rates.items()}
 
 

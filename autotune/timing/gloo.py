@@ -38,7 +38,7 @@ def measure_gloo(group=None, *, sizes=SIZES, repeats: int = REPEATS, attempts: i
     p = dist.get_world_size(group)
 
     def rows():  # (steps, factor * bytes, seconds)
-        cases = [(kind, nbytes // 4 // p * p) for kind in _MEASURED for nbytes in sizes]
+        cases = _cases(sizes, p)
         out = []
         for (kind, elements), seconds in zip(cases, _median_times(cases, p, group, repeats)):
             factor, steps = terms(kind, p)
@@ -71,7 +71,7 @@ def measure_gloo_cpu(group=None, *, sizes=SIZES, repeats: int = REPEATS,
     p = dist.get_world_size(group)
 
     def rows():
-        cases = [(kind, nbytes // 4 // p * p) for kind in _MEASURED for nbytes in sizes]
+        cases = _cases(sizes, p)
         times = _median_times(cases, p, group, repeats, clock=time.process_time)
         return [[(1.0, elements * 4.0, seconds) for (kind, elements), seconds in zip(cases, times)
                  if kind == measured] for measured in _MEASURED]
@@ -84,6 +84,11 @@ def measure_gloo_cpu(group=None, *, sizes=SIZES, repeats: int = REPEATS,
 def collective_cpu_seconds(calls, cpu: CollectiveCpu) -> float:
     """CPU seconds ``calls`` (``CollectiveCall``s) cost a rank's process."""
     return sum(cpu.seconds(call) for call in calls)
+
+
+def _cases(sizes, p: int) -> list[tuple[str, int]]:
+    """(kind, fp32 elements) of every measured kind at every size, divisible by the ``p`` ranks."""
+    return [(kind, nbytes // 4 // p * p) for kind in _MEASURED for nbytes in sizes]
 
 
 def _median_times(cases, p: int, group, repeats: int, clock=time.perf_counter) -> list[float]:
