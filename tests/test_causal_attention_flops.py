@@ -77,3 +77,14 @@ def test_causal_attention_counts_the_pairs_its_mask_keeps(for_gpu):
     for phase in whole:
         assert causal[phase] == pytest.approx(whole[phase] * causal_share(LENGTH, LENGTH), rel=1e-12)
         assert masked[phase] == whole[phase]  # a mask tensor skips nothing
+
+
+def test_causal_and_other_attention_are_timed_as_two_kernel_families():
+    # A causal kernel's rate per counted FLOP is its own (at 128 tokens this CPU's flash kernel
+    # does the whole square's work under is_causal): the counts tell the two apart.
+    def kernels(mode: str) -> set:
+        return {(op.kernel, op.phase) for op in count_step_costs(_workload(mode), 2).ops
+                if op.op_class == "attention"}
+
+    assert kernels("causal") == {("attention_causal", "forward"), ("attention_causal_backward", "backward")}
+    assert kernels("mask") == kernels("full") == {("attention", "forward"), ("attention_backward", "backward")}

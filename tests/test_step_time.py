@@ -16,7 +16,7 @@ from torch import nn
 from autotune import Workload
 from autotune.cli.main import cli
 from autotune.timing import cpu_profile
-from autotune.timing.costs import OpCost, StepCosts
+from autotune.timing.costs import OpCost, StepCosts, causal_share
 from autotune.timing.count import count_step_costs
 from autotune.timing.roofline import DeviceSpeed, compute_time, speed_for_profile, window_time
 from autotune.timing.window import StepModel, WindowTime, predict_window
@@ -183,23 +183,34 @@ def test_every_size_of_a_curve_is_timed_in_one_group_beside_the_call_it_subtract
 
     monkeypatch.setattr(cpu_profile, "_op_times", recorded)
     rates = cpu_profile._kernel_rates()
-    points = len(cpu_profile.CONVOLUTIONS) + len(cpu_profile.ATTENTIONS)
+    points = len(cpu_profile.CONVOLUTIONS) + 2 * len(cpu_profile.ATTENTIONS)  # causal and not
     # The one-element op, each forward, and each forward with its backward: one group.
     assert groups == [1 + 2 * points]
     assert rates["convolution"][0][1] == pytest.approx(2.0 * 8 * 16 * 32 * 32 * 8 * 9 / (1e-3 - 2e-6))
+    # The same attention timed as long either way: the causal rate is per pair its mask keeps.
+    head, length = cpu_profile.ATTENTIONS[0]
+    whole = 4.0 * 2 * 8 * length * length * head / (1e-3 - 2e-6)
+    assert rates["attention"][0][1] == pytest.approx(whole)
+    assert rates["attention_causal"][0][1] == pytest.approx(whole * causal_share(length, length))
+    assert rates["attention_causal_backward"][0][0] == 2 * rates["attention_causal"][0][0]
 
 
 def test_the_bandwidth_adds_share_one_buffer_and_never_overwrite_their_inputs(monkeypatch):
     built = []
-    monkeypatch.setattr(cpu_profile, "_cycling_add", lambda inputs, outputs, n: built.append((inputs, outputs, n)))
+    monkeypatch.setattr(cpu_profile, "_cycling_add",
+                        lambda inputs, outputs, n, inplace=False: built.append((inputs, outputs, n, inplace)))
     monkeypatch.setattr(cpu_profile, "_STREAM_BYTES", 4 * 3 * 2**10)
     cpu_profile._streaming_adds([2**4, 2**6])
-    (inputs, outputs, _), (same_inputs, same_outputs, _) = built
+    (inputs, outputs, _, _), (same_inputs, same_outputs, _, _) = built
     assert inputs is same_inputs and outputs is same_outputs  # one buffer, not one per size
     assert 4 * (inputs.numel() + outputs.numel()) == pytest.approx(cpu_profile._STREAM_BYTES, rel=1e-6)
     built.clear()
+    cpu_profile._streaming_adds([2**4, 2**6], inplace=True)  # then the in-place adds, same buffer
+    assert [(n, inplace) for *_, n, inplace in built] == [(2**4, False), (2**6, False), (2**4, True), (2**6, True)]
+    assert len({id(inputs) for inputs, *_ in built}) == 1
+    built.clear()
     cpu_profile._streaming_adds([2**11])  # a set larger than the buffer: two sets, not one
-    (inputs, outputs, n), = built
+    (inputs, outputs, n, _), = built
     assert outputs.numel() == 2 * n and inputs.numel() == 4 * n
     monkeypatch.undo()
 
@@ -212,6 +223,13 @@ def test_the_bandwidth_adds_share_one_buffer_and_never_overwrite_their_inputs(mo
     assert torch.equal(inputs, before)
     # Set i of n elements adds inputs [2in, (2i+1)n) and [(2i+1)n, (2i+2)n) into outputs [in, (i+1)n).
     assert torch.equal(outputs, inputs[:64] + inputs[64:])
+    # In place, set i adds inputs [2in, (2i+1)n) to outputs [in, (i+1)n): once per turn.
+    outputs.zero_()
+    add = cpu_profile._cycling_add(inputs, outputs, 16, inplace=True)
+    for _ in range(3 * 4):  # every one of the 4 sets three times
+        add()
+    assert torch.equal(inputs, before)
+    assert torch.allclose(outputs, 3 * torch.cat([inputs[32 * i:32 * i + 16] for i in range(4)]))
 
 
 def test_measured_windows_read_the_given_clock():
@@ -281,10 +299,43 @@ def _conv_net():
                          nn.Flatten(), nn.Linear(8 * 4 * 4, 2))
 
 
+def test_bytes_count_each_input_once_and_views_none():
+    from autotune.timing.count import _bytes_moved
+
+    aten = torch.ops.aten
+    state, grad = torch.zeros(256), torch.ones(256)
+    # exp_avg_sq.addcmul_(grad, grad): the gradient is read once, the state read and written.
+    out = aten.addcmul_.default(state, grad, grad)
+    assert _bytes_moved(aten.addcmul_.default, (state, grad, grad), {}, out) == 3 * 4 * 256
+    # matmul returns its reshaped output through _unsafe_view, a view whose schema does not say so.
+    viewed = aten._unsafe_view.default(grad, [16, 16])
+    assert viewed.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+    assert _bytes_moved(aten._unsafe_view.default, (grad, [16, 16]), {}, viewed) == 0.0
+
+
+def test_in_place_ops_are_a_kernel_family_of_their_own():
+    # In place, an op writes where it reads; out of place, a CPU first reads its output's cache
+    # lines to write them: the two reach different bandwidths per byte counted.
+    workload = _workload(_two_linears)
+    costs = count_step_costs(workload, N)
+    optimizer = {op.kernel for op in costs.ops if op.phase == "optimizer" and op.bytes}
+    assert "inplace" in optimizer and "" in optimizer  # AdamW's lerp_, addcmul_ ...; its sqrt, div
+    speed = DeviceSpeed(name="synthetic", peak_flops={"fp32": 1e12}, memory_bandwidth=1e10,
+                        fractions={"matmul": 1.0, "attention": 1.0, "memory": 1.0},
+                        kernel_byte_curves={"inplace": ((1.0, 2.0),)})
+    plain = dataclasses.replace(speed, kernel_byte_curves={})
+    inplace_ops = [op for op in costs.ops if op.kernel == "inplace"]
+    assert inplace_ops
+    for op in inplace_ops:
+        faster = compute_time(dataclasses.replace(costs, ops=(op,)), speed)["total"]
+        assert faster == pytest.approx(compute_time(dataclasses.replace(costs, ops=(op,)), plain)["total"] / 2)
+
+
 def test_convolution_pooling_and_batch_norm_are_told_apart():
     workload = Workload(model=_conv_net, make_batch=lambda n: torch.randn(n, 3, 8, 8),
                         loss_fn=_sum_loss, source="conv-net")
-    kernels = {(op.kernel, op.phase) for op in count_step_costs(workload, 2).ops if op.kernel}
+    kernels = {(op.kernel, op.phase) for op in count_step_costs(workload, 2).ops
+               if op.kernel and op.kernel != "inplace"}
     assert kernels == {(k, phase) for base in ("convolution", "batch_norm", "pooling", "mm")
                        for k, phase in ((base, "forward"), (f"{base}_backward", "backward"))
                        if k != "mm_backward"} | {("mm", "backward")}

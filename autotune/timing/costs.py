@@ -20,13 +20,15 @@ PHASES = ("forward", "backward", "recompute", "optimizer")
 """recompute: the forward of checkpointed blocks run again during backward."""
 
 KERNELS = ("mm", "convolution", "convolution_backward", "attention", "attention_backward",
+           "attention_causal", "attention_causal_backward",
            "pooling", "pooling_backward", "batch_norm", "batch_norm_backward", "layer_norm",
            "layer_norm_backward", "softmax", "softmax_backward", "embedding", "embedding_backward",
-           "nll_loss", "nll_loss_backward")
+           "nll_loss", "nll_loss_backward", "inplace")
 """Kernel families a device's speed can tell apart: of the FLOP-counted ops (a CPU runs a
-convolution's backward or a small attention far below its matmul rate), and of the
-memory-bound ones (a CPU's pooling and batch norm kernels move far fewer bytes per second than
-an add; so do its layer norm, softmax, embedding and loss kernels)."""
+convolution's backward or a small attention far below its matmul rate; a causal attention,
+counted at the pairs its mask keeps, at its own rate), and of the memory-bound ones (a CPU's
+pooling and batch norm kernels move far fewer bytes per second than an add; so do its layer norm,
+softmax, embedding and loss kernels; in-place ops, which write where they read, more)."""
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv",
                     "all_to_all")

@@ -308,9 +308,11 @@ _COLLECTIVES = {
 
 _ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "flex_attention")
 
-# Allocate without writing: no bytes moved.
+# Allocate without writing, or alias without copying (``_unsafe_view``: a view whose schema
+# does not say so, which matmul and autograd return their reshaped outputs through): no bytes moved.
 _UNWRITTEN = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
-              "aten::new_empty_strided", "aten::lift_fresh", "aten::_to_copy.fake"}
+              "aten::new_empty_strided", "aten::lift_fresh", "aten::_to_copy.fake",
+              "aten::_unsafe_view"}
 
 # The CPU's flash-attention kernels, which torch's flop counter does not list; their FLOPs are
 # those of the other scaled_dot_product kernels (same arguments: query, key, value, ...).
@@ -432,7 +434,7 @@ class _OpRecorder(TorchDispatchMode):
         flops = _flops(func, args, kwargs, out)
         moved = _bytes_moved(func, args, kwargs, out)
         op_class = _op_class(func, name, flops, moved, phase)
-        kernel = _kernel(name, flops)
+        kernel = _kernel(name, flops, causal=_is_causal(func, args, kwargs))
         self.ops[(op_class, phase, flops, moved, kernel)] += 1
         if phase == "optimizer":
             self.optimizer_calls.append((name, op_class, flops, moved, kernel))
@@ -520,11 +522,14 @@ def _op_class(func, name: str, flops: float, moved: float, phase: str) -> str:
     return "elementwise" if moved else "other"
 
 
-def _kernel(name: str, flops: float) -> str:
-    """The op's family in ``costs.KERNELS``, or "" (an elementwise op like any other)."""
+def _kernel(name: str, flops: float, *, causal: bool = False) -> str:
+    """The op's family in ``costs.KERNELS``, or "" (an elementwise op like any other).
+    ``causal``: an attention kernel run under ``is_causal``, whose rate per FLOP counted
+    (``_causal_share``) is its own: a CPU's flash kernel skips no work at 128 tokens, so its rate
+    per kept pair is half a masked or unmasked kernel's there."""
     suffix = "_backward" if "backward" in name else ""
     if any(word in name for word in _ATTENTION_WORDS):
-        return "attention" + suffix
+        return ("attention_causal" if causal else "attention") + suffix
     if flops:
         return "convolution" + suffix if "conv" in name else "mm"
     if "pool" in name:
@@ -532,6 +537,11 @@ def _kernel(name: str, flops: float) -> str:
     for family in _BYTE_FAMILIES:
         if family in name:
             return family + suffix
+    if name.endswith("_"):
+        # torch's in-place ops (add_, mul_, addcmul_, lerp_, _foreach_*_, copy_): they write
+        # where they read, where an out-of-place op first reads its output's lines into the
+        # cache to write them (a third more traffic than an add's count of its bytes).
+        return "inplace"
     return ""
 
 
@@ -560,6 +570,22 @@ def _dense_flops(func, args, kwargs, out) -> float:
     return 0.0
 
 
+def _is_causal(func, args, kwargs) -> bool:
+    """An attention kernel called with ``is_causal`` (and its query and key)."""
+    given = _attention_arguments(func, args, kwargs)
+    return bool(given.get("is_causal")) and given.get("query") is not None and given.get("key") is not None
+
+
+def _attention_arguments(func, args, kwargs) -> dict:
+    if not any(word in func._schema.name for word in _ATTENTION_WORDS):
+        return {}
+    given = {}
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name in ("query", "key", "is_causal"):
+            given[argument.name] = args[i] if i < len(args) else kwargs.get(argument.name)
+    return given
+
+
 def _causal_share(func, args, kwargs) -> float:
     """The share of an attention kernel's (query, key) pairs it computes: 1, or under
     ``is_causal`` those torch's causal mask keeps (``torch.ones(L, S).tril()``, the
@@ -570,26 +596,23 @@ def _causal_share(func, args, kwargs) -> float:
     ``flops(..., causal)``), and the attention rates here (``roofline.GPU_FRACTIONS``, this CPU's
     ``cpu_profile``) are rates of the FLOPs so counted. Context parallelism's ring runs its
     diagonal chunks causal and the others whole: both counted as they run."""
-    if not any(word in func._schema.name for word in _ATTENTION_WORDS):
+    if not _is_causal(func, args, kwargs):
         return 1.0
-    given = {}
-    for i, argument in enumerate(func._schema.arguments):
-        if argument.name in ("query", "key", "is_causal"):
-            given[argument.name] = args[i] if i < len(args) else kwargs.get(argument.name)
-    if not given.get("is_causal") or given.get("query") is None or given.get("key") is None:
-        return 1.0
+    given = _attention_arguments(func, args, kwargs)
     return causal_share(given["query"].shape[-2], given["key"].shape[-2])
 
 
 def _bytes_moved(func, args, kwargs, out) -> float:
-    """Bytes an op reads (its tensor inputs) and writes (its outputs); none for views, which
-    alias their input, and for allocations that write nothing."""
+    """Bytes an op reads (its tensor inputs, each once: ``addcmul_(grad, grad)`` reads the
+    gradient once) and writes (its outputs); none for views, which alias their input, and for
+    allocations that write nothing."""
     returns = func._schema.returns
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
         return 0.0
     if func._schema.name in _UNWRITTEN:
         return 0.0
-    read = sum(_tensor_bytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    inputs = {id(t): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    read = sum(_tensor_bytes(t) for t in inputs.values())
     written = sum(_tensor_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     return float(read + written)
 

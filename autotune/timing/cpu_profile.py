@@ -32,14 +32,15 @@ MEMORY_ELEMENTS = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 """fp32 elements per tensor of the bandwidth microbenchmark (4 KiB to 64 MiB; three tensors)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE_FILE = "cpu-speed.json"
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 """2: the CPU clock at one thread, module-call, checkpoint-block and optimizer-op costs, layer
 norm / softmax / embedding / NLL loss curves. 3: checkpoint costs from transformer-like layers.
 4: pooling and batch-norm bytes by the step's own rule; FSDP2's and DTensor's per-call costs
 (``sharded_profile``). 5: causal attention's rate per FLOP its mask keeps, as the counts now count
 it (``costs.causal_share``). 6: each curve's sizes, and the runs each cost is the difference of
 (FSDP2's and DTensor's too), timed in turns (``_op_times``); the bandwidth's outputs written before
-they are timed."""
+they are timed. 7: in-place adds' curve (``inplace``); attention with and without ``is_causal``, two
+families."""
 _MIN_SECONDS = 0.02
 """Each timed repetition runs at least this long; the median of ``_REPEATS`` counts."""
 _REPEATS = 7
@@ -87,13 +88,15 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
         peak = max(rate for _, rate in rates)
         peaks[name] = peak
         curves[name] = _at_least_smaller(tuple((flops, rate / peak) for flops, rate in rates))
-    # add reads two tensors and writes a third
-    rates = [(3.0 * 4 * n, 3.0 * 4 * n / seconds)
-             for n, seconds in zip(MEMORY_ELEMENTS, _work_times(_streaming_adds(MEMORY_ELEMENTS)))]
+    # Both adds read two tensors and write a third (the in-place one's output is one of the two).
+    times = _work_times(_streaming_adds(MEMORY_ELEMENTS, inplace=True))
+    rates, inplace = ([(3.0 * 4 * n, 3.0 * 4 * n / seconds) for n, seconds in zip(MEMORY_ELEMENTS, found)]
+                      for found in (times[:len(MEMORY_ELEMENTS)], times[len(MEMORY_ELEMENTS):]))
     kernel_curves = {family: _at_least_smaller(tuple((flops, rate / peaks["fp32"]) for flops, rate in rates))
                      for family, rates in _kernel_rates().items()}
     byte_rates = _memory_kernel_rates()
     byte_rates.update(_counted_kernel_rates())
+    byte_rates["inplace"] = inplace
     op_overhead = _training_op_overhead()
     checkpoint_block, recompute_op = _checkpoint_overheads(op_overhead)
     sharded = measure_sharded_overheads(op_overhead, _op_times, _dispatched_ops)
@@ -401,13 +404,17 @@ def _kernel_rates() -> dict[str, list[tuple[float, float]]]:
         points.append(("convolution", flops, 2 * flops, lambda conv=conv, x=x: conv(x)))
     for head, length in ATTENTIONS:
         q, k, v = (torch.randn(2, 8, length, head, requires_grad=True) for _ in range(3))
-        # torch's sdpa_flop_count, of the pairs the causal mask keeps (what the counts time).
-        flops = 4.0 * 2 * 8 * length * length * head * causal_share(length, length)
+        # torch's sdpa_flop_count: of every pair, and of the pairs the causal mask keeps (what the
+        # counts time a causal kernel at); each kind its own family, as the counts tell them
+        # apart (``count._kernel``): at 128 tokens this CPU's causal kernel does the whole
+        # square's work, and a causal rate would time a masked or unmasked attention at twice it.
+        flops = 4.0 * 2 * 8 * length * length * head
+        for family, causal, counted in (("attention", False, flops),
+                                        ("attention_causal", True, flops * causal_share(length, length))):
+            def attend(q=q, k=k, v=v, causal=causal):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-        def attend(q=q, k=k, v=v):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        points.append(("attention", flops, 2 * flops, attend))
+            points.append((family, counted, 2 * counted, attend))
     return _rates(points)
 
 
@@ -520,29 +527,34 @@ def _add(n: int):
     return lambda: torch.add(a, b, out=out)
 
 
-def _streaming_adds(sizes):
+def _streaming_adds(sizes, *, inplace: bool = False):
     """For each of ``sizes``, an ``add`` of that many elements whose operands were not touched by
     the last few ops: each cycles through sets of tensors larger together than the last-level
     cache, as a training step's ops read tensors that the ops between (other layers, the
     optimizer's other parameters) evicted. The sets of every size are views of one buffer of
     ``_STREAM_BYTES``, or of two sets of the largest size where that is more (inputs in its first
     two thirds, outputs in the last), so the ops can be timed together (``_op_times``) in that
-    memory, not in that memory once per size."""
+    memory, not in that memory once per size. ``inplace``: then, for each size, an in-place add
+    (``output.add_(input)``) cycling through the same sets."""
     elements = max(_STREAM_BYTES // 4, 2 * 3 * max(sizes)) // 3
     # Outputs written once now: a first write to a page the kernel has not mapped yet costs a
     # page fault, which a step's outputs, in memory its allocator reuses, do not pay.
     inputs, outputs = torch.randn(2 * elements), torch.zeros(elements)
-    return [_cycling_add(inputs, outputs, n) for n in sizes]
+    kinds = (False, True) if inplace else (False,)
+    return [_cycling_add(inputs, outputs, n, inplace=kind) for kind in kinds for n in sizes]
 
 
-def _cycling_add(inputs: torch.Tensor, outputs: torch.Tensor, n: int):
+def _cycling_add(inputs: torch.Tensor, outputs: torch.Tensor, n: int, *, inplace: bool = False):
     sets = max(1, outputs.numel() // n)
     turn = iter(range(2**62))
 
     def op():
         i = next(turn) % sets
-        torch.add(inputs[2 * i * n:(2 * i + 1) * n], inputs[(2 * i + 1) * n:(2 * i + 2) * n],
-                  out=outputs[i * n:(i + 1) * n])
+        if inplace:
+            outputs[i * n:(i + 1) * n].add_(inputs[2 * i * n:(2 * i + 1) * n])
+        else:
+            torch.add(inputs[2 * i * n:(2 * i + 1) * n], inputs[(2 * i + 1) * n:(2 * i + 2) * n],
+                      out=outputs[i * n:(i + 1) * n])
 
     return op
 
