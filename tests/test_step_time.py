@@ -17,7 +17,7 @@ from autotune import Workload
 from autotune.cli.main import cli
 from autotune.timing import cpu_profile
 from autotune.timing.costs import OpCost, StepCosts, causal_share
-from autotune.timing.count import count_step_costs
+from autotune.timing.count import count_step_costs, count_steps_costs
 from autotune.timing.roofline import DeviceSpeed, compute_time, speed_for_profile, window_time
 from autotune.timing.window import StepModel, WindowTime, predict_window
 from autotune.tuning import loop_cost
@@ -516,6 +516,30 @@ def test_loop_costs_are_measured_once_and_cached_with_the_profile(tmp_path, monk
 
     monkeypatch.setattr(loop_cost, "with_loop_costs", no_measuring)
     assert loop_cost.cpu_speed_with_loop(cache_dir=tmp_path) == measured
+
+
+def test_loop_costs_come_from_two_windows_taking_turns(monkeypatch):
+    # A window of 8 samples as one micro-step and as 8: timed side by side on the profile's clock
+    # (``compare_configurations``), the loop's costs are what is left beyond the roofline's step.
+    from autotune.tuning.measure import Measurement
+
+    speed = _speed(peak_flops={"fp32": 1e11}, memory_bandwidth=1e10)
+    costs = count_steps_costs(loop_cost._trivial_workload(), [1, 8])
+    bare = {steps: window_time(costs[size], speed, steps)["total"] for steps, size in ((1, 8), (8, 1))}
+    window_s, micro_step_s = 300e-6, 40e-6
+    calls = []
+
+    def compared(workload, backend, configs, *, seconds, clock):
+        calls.append(([config.micro_batches for config in configs], clock))
+        return [Measurement(samples_per_s=1.0, peak_bytes=None,
+                            window_seconds=(9.0, bare[steps] + window_s + steps * micro_step_s, 0.0))
+                for steps in (1, 8)]
+
+    monkeypatch.setattr(loop_cost, "compare_configurations", compared)
+    measured = loop_cost.with_loop_costs(speed)
+    assert calls == [([(8,), (1,) * 8], cpu_profile.clock())]
+    assert measured.loop_micro_step_s == pytest.approx(micro_step_s, rel=1e-9)
+    assert measured.loop_window_s == pytest.approx(window_s, rel=1e-9)
 
 
 def test_a_pipeline_window_divides_into_micro_steps_and_keeps_its_one_reduce_scatter():

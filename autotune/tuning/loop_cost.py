@@ -4,10 +4,12 @@ cached with the CPU profile (``timing.cpu_profile``).
 ``autotune train``'s loop (``training.loop.StepRunner``) does work the fake step does not hold:
 per micro-step it moves the batch, counts its items and scales the loss; per window it zeroes the
 gradients, steps the scheduler and records metrics. Measured by the loop itself (``measure``'s
-timed windows, on ``cpu_profile.clock``) on a trivial model (one 4×4 Linear, one-sample
-micro-batches), whose windows are nearly all loop: the measured window less the roofline's step
-(``roofline.window_time`` without loop costs) at one micro-step and at ``_MICRO_STEPS``; the
-extra per extra micro-step is the micro-step's, what is left at one micro-step the window's.
+timed windows, on ``cpu_profile.clock``) on a trivial model (one 4×4 Linear), whose windows are
+nearly all loop: a window of ``_MICRO_STEPS`` samples as one micro-step and as ``_MICRO_STEPS``
+one-sample micro-steps, less the roofline's step (``roofline.window_time`` without loop costs);
+the extra per extra micro-step is the micro-step's, what is left at one micro-step the window's.
+The two windows take turns (``measure.compare_configurations``): the costs are a difference of
+two small times, which a machine whose speed drifts would otherwise take at two moments.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from ..timing.count import count_steps_costs
 from ..timing.cpu_profile import cache_path, clock, cpu_speed, machine_key, save_cached
 from ..timing.roofline import DeviceSpeed, window_time
 from ..workload.contract import Workload
-from .measure import Configuration, measure_configuration
+from .measure import Configuration, compare_configurations
 
 SOURCE = "measured on this machine by autotune.tuning.loop_cost"
 _MICRO_STEPS = 8
-_WINDOWS = 15
+_SECONDS = 1.0
 _WIDTH = 4
 
 
@@ -43,17 +45,16 @@ def cpu_speed_with_loop(*, refresh: bool = False, cache_dir: Path | None = None)
 
 
 def with_loop_costs(speed: DeviceSpeed) -> DeviceSpeed:
-    """``speed`` with ``loop_micro_step_s`` and ``loop_window_s`` measured (a few seconds)."""
+    """``speed`` with ``loop_micro_step_s`` and ``loop_window_s`` measured (about a second)."""
     workload = _trivial_workload()
-    costs = count_steps_costs(workload, [1])[1]
+    costs = count_steps_costs(workload, [1, _MICRO_STEPS])
     bare = dataclasses.replace(speed, loop_micro_step_s=0.0, loop_window_s=0.0)
-    extra = {}
-    for steps in (1, _MICRO_STEPS):
-        config = Configuration(precision="fp32", checkpointing="off", micro_batches=(1,) * steps)
-        measured = measure_configuration(workload, CPUMemoryBackend(), config, windows=_WINDOWS,
-                                         min_seconds=0.0, clock=clock())
-        extra[steps] = (statistics.median(measured.window_seconds)
-                        - window_time(costs, bare, steps)["total"])
+    whole, split = (Configuration(precision="fp32", checkpointing="off", micro_batches=batches)
+                    for batches in ((_MICRO_STEPS,), (1,) * _MICRO_STEPS))
+    measured = compare_configurations(workload, CPUMemoryBackend(), [whole, split], seconds=_SECONDS,
+                                      clock=clock())
+    extra = {steps: statistics.median(found.window_seconds) - window_time(costs[size], bare, steps)["total"]
+             for steps, size, found in ((1, _MICRO_STEPS, measured[0]), (_MICRO_STEPS, 1, measured[1]))}
     per_micro_step = max((extra[_MICRO_STEPS] - extra[1]) / (_MICRO_STEPS - 1), 0.0)
     return dataclasses.replace(
         speed, loop_micro_step_s=per_micro_step, loop_window_s=max(extra[1] - per_micro_step, 0.0),

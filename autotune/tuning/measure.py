@@ -176,7 +176,7 @@ COMPARE_MIN_ROUNDS = 3
 
 
 def compare_configurations(workload: Workload, backend: MemoryBackend, configs: list[Configuration], *,
-                           seconds: float) -> list[Measurement]:
+                           seconds: float, clock=time.perf_counter) -> list[Measurement]:
     """Time configurations side by side: one model, their windows interleaved round by round for
     at most about ``seconds`` (at least ``COMPARE_MIN_ROUNDS`` rounds after a warm-up round; no
     later round starts that would end past them), samples/s from each one's median window.
@@ -186,7 +186,7 @@ def compare_configurations(workload: Workload, backend: MemoryBackend, configs: 
     same ones, and the median window compares them on those same moments where each one's
     single fastest window is a matter of luck. Only for configurations already measured one by
     one: this measures no peak, and one that runs out of memory here (CUDA fragmentation) drops
-    out with ``out_of_memory``.
+    out with ``out_of_memory``. ``clock`` times each window, as ``measure_configuration``'s.
     """
     if len({config.share for config in configs}) > 1:
         raise ValueError("compare_configurations: every configuration must split the same share")
@@ -195,7 +195,7 @@ def compare_configurations(workload: Workload, backend: MemoryBackend, configs: 
                            checkpointing=Checkpointing.off())
     try:
         with session:
-            times = _compare_in(session, configs, started + seconds)
+            times = _compare_in(session, configs, started + seconds, clock)
     except SetupOutOfMemory:
         times = [None] * len(configs)
     return [Measurement(samples_per_s=None, peak_bytes=None, out_of_memory=True) if not found
@@ -204,7 +204,8 @@ def compare_configurations(workload: Workload, backend: MemoryBackend, configs: 
             for config, found in zip(configs, times)]
 
 
-def _compare_in(session: TrialSession, configs: list[Configuration], deadline: float) -> list:
+def _compare_in(session: TrialSession, configs: list[Configuration], deadline: float,
+                clock=time.perf_counter) -> list:
     """Per configuration, its timed windows (None: it ran out of memory)."""
     runners = []
     for config in configs:
@@ -226,7 +227,7 @@ def _compare_in(session: TrialSession, configs: list[Configuration], deadline: f
                     if times[i] is None:
                         continue
                     session.set_checkpointing(config.checkpointing)
-                    seconds = _timed_window(runners[i], _window(config), batch, session.device)
+                    seconds = _timed_window(runners[i], _window(config), batch, session.device, clock)
                     if seconds is None:
                         times[i] = None
                     elif round_:
