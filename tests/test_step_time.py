@@ -92,7 +92,7 @@ def _language_model():
             self.head = nn.Linear(D_HID, 50)
 
         def forward(self, tokens):
-            logits = self.head(self.norm(self.embed(tokens)))
+            logits = self.head(nn.functional.silu(nn.functional.gelu(self.norm(self.embed(tokens)))))
             return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
     return Tiny()
@@ -103,8 +103,17 @@ def test_norm_softmax_embedding_and_loss_kernels_are_told_apart():
                         loss_fn=lambda model, batch: model(batch), source="tiny language model",
                         build_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     kernels = {op.kernel for op in count_step_costs(workload, N).ops}
-    for family in ("layer_norm", "softmax", "embedding", "nll_loss"):
+    families = ("layer_norm", "softmax", "embedding", "nll_loss", "gelu", "silu")
+    for family in families:
         assert {family, f"{family}_backward"} <= kernels
+
+
+def test_every_counted_family_has_its_curves_measured(monkeypatch):
+    monkeypatch.setattr(cpu_profile, "_op_times", lambda ops: [2e-6] + [1e-3] * (len(ops) - 1))
+    rates = cpu_profile._counted_kernel_rates()
+    for family in ("layer_norm", "softmax", "embedding", "nll_loss", "gelu", "silu"):
+        for name in (family, f"{family}_backward"):
+            assert len(rates[name]) == len(cpu_profile.ROWS) and all(rate > 0 for _, rate in rates[name])
 
 
 def test_roofline_adds_module_calls_checkpoint_blocks_and_optimizer_ops():

@@ -23,12 +23,14 @@ KERNELS = ("mm", "convolution", "convolution_backward", "attention", "attention_
            "attention_causal", "attention_causal_backward",
            "pooling", "pooling_backward", "batch_norm", "batch_norm_backward", "layer_norm",
            "layer_norm_backward", "softmax", "softmax_backward", "embedding", "embedding_backward",
-           "nll_loss", "nll_loss_backward", "inplace")
+           "nll_loss", "nll_loss_backward", "gelu", "gelu_backward", "silu", "silu_backward",
+           "inplace")
 """Kernel families a device's speed can tell apart: of the FLOP-counted ops (a CPU runs a
 convolution's backward or a small attention far below its matmul rate; a causal attention,
 counted at the pairs its mask keeps, at its own rate), and of the memory-bound ones (a CPU's
 pooling and batch norm kernels move far fewer bytes per second than an add; so do its layer norm,
-softmax, embedding and loss kernels; in-place ops, which write where they read, more)."""
+softmax, embedding and loss kernels, and GELU and SiLU, whose arithmetic per element a CPU core
+does not hide; in-place ops, which write where they read, more)."""
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv",
                     "all_to_all")

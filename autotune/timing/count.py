@@ -547,8 +547,9 @@ def _kernel(name: str, flops: float, *, causal: bool = False) -> str:
 
 # Memory-bound families by a word of their aten names (native_batch_norm, native_layer_norm,
 # _softmax / _log_softmax and their _backward_data, embedding / embedding_dense_backward,
-# nll_loss_forward / nll_loss_backward).
-_BYTE_FAMILIES = ("batch_norm", "layer_norm", "softmax", "embedding", "nll_loss")
+# nll_loss_forward / nll_loss_backward), and the activations whose arithmetic per element (erf,
+# exp) keeps a CPU core below its bandwidth: gelu / gelu_backward, silu / silu_backward.
+_BYTE_FAMILIES = ("batch_norm", "layer_norm", "softmax", "embedding", "nll_loss", "gelu", "silu")
 
 
 def _flops(func, args, kwargs, out) -> float:

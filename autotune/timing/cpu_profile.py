@@ -40,7 +40,8 @@ norm / softmax / embedding / NLL loss curves. 3: checkpoint costs from transform
 it (``costs.causal_share``). 6: each curve's sizes, and the runs each cost is the difference of
 (FSDP2's and DTensor's too), timed in turns (``_op_times``); the bandwidth's outputs written before
 they are timed. 7: in-place adds' curve (``inplace``); attention with and without ``is_causal``, two
-families."""
+families; GELU and SiLU curves; backward microbenchmarks that do not add their gradients into the
+last run's."""
 _MIN_SECONDS = 0.02
 """Each timed repetition runs at least this long; the median of ``_REPEATS`` counts."""
 _REPEATS = 7
@@ -438,17 +439,16 @@ def _memory_kernel_rates() -> dict[str, list[tuple[float, float]]]:
     return _rates(points)
 
 
-_COUNTED_FAMILIES = ("layer_norm", "softmax", "embedding", "nll_loss")
 ROWS = ((64, 64), (512, 256), (4096, 512))
-"""(rows, features) of the layer norm, softmax and loss microbenchmarks (fp32); embedding looks
-up ``rows`` tokens in a table of 8192 rows of ``features``."""
+"""(rows, features) of the layer norm, softmax, activation and loss microbenchmarks (fp32);
+embedding looks up ``rows`` tokens in a table of 8192 rows of ``features``."""
 
 
 def _counted_kernel_rates() -> dict[str, list[tuple[float, float]]]:
-    """Bytes/s of layer norm, softmax (and log-softmax), embedding and the NLL loss, forward and
-    backward, at a few sizes. Their bytes are counted as the step's are (``count``'s rule: every
-    tensor an op reads and writes), so a lookup that reads a few rows of a large table, or a loss
-    that reads one logit per row, gets the rate that rule needs."""
+    """Bytes/s of layer norm, softmax (and log-softmax), embedding, the NLL loss, GELU and SiLU,
+    forward and backward, at a few sizes. Their bytes are counted as the step's are (``count``'s
+    rule: every tensor an op reads and writes), so a lookup that reads a few rows of a large table,
+    or a loss that reads one logit per row, gets the rate that rule needs."""
     functional = torch.nn.functional
     points = []
     for rows, features in ROWS:
@@ -462,7 +462,9 @@ def _counted_kernel_rates() -> dict[str, list[tuple[float, float]]]:
                 ("layer_norm", lambda x=x, w=weight, b=bias: functional.layer_norm(x, x.shape[-1:], w, b)),
                 ("softmax", lambda x=x: torch.softmax(x, -1)),
                 ("embedding", lambda t=tokens, table=table: functional.embedding(t, table)),
-                ("nll_loss", lambda p=log_probs, t=targets: functional.nll_loss(p, t))):
+                ("nll_loss", lambda p=log_probs, t=targets: functional.nll_loss(p, t)),
+                ("gelu", lambda x=x: functional.gelu(x)),
+                ("silu", lambda x=x: functional.silu(x))):
             points.append((family, *_family_bytes(family, forward), forward))
     return _rates(points)
 
@@ -505,15 +507,34 @@ def _rates(points) -> dict[str, list[tuple[float, float]]]:
 
 def _forward_backward_times(forwards) -> list[tuple[float, float]]:
     """Seconds of each of ``forwards`` and of its backward (forward and backward less the
-    forward), all timed together (``_op_times``)."""
+    forward), all timed together (``_op_times``). The backward returns its leaves' gradients
+    (``torch.autograd.grad``) rather than adding them into ``.grad``: run again and again,
+    ``backward()`` would add each new gradient into the last (an add over every input, up to as
+    many bytes as the kernel's own), which a step's activations never pay and its parameters'
+    accumulation is counted for as ops of its own."""
     def both(forward):
-        grad = torch.ones_like(forward())
-        return lambda: forward().backward(grad)
+        out = forward()
+        grad, leaves = torch.ones_like(out), _leaves(out)
+        return lambda: torch.autograd.grad(forward(), leaves, grad)
 
     times = _work_times([*forwards, *(both(forward) for forward in forwards)])
     forward_times = times[:len(forwards)]
     return [(forward, max(together - forward, 0.5 * forward))
             for forward, together in zip(forward_times, times[len(forwards):])]
+
+
+def _leaves(out: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors ``out``'s graph would accumulate gradients into."""
+    found, nodes, seen = [], [out.grad_fn], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad: the leaf it accumulates into
+            found.append(node.variable)
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def _mm(n: int, dtype: torch.dtype):
