@@ -329,9 +329,8 @@ def test_in_place_ops_are_a_kernel_family_of_their_own():
     costs = count_step_costs(workload, N)
     optimizer = {op.kernel for op in costs.ops if op.phase == "optimizer" and op.bytes}
     assert "inplace" in optimizer and "" in optimizer  # AdamW's lerp_, addcmul_ ...; its sqrt, div
-    speed = DeviceSpeed(name="synthetic", peak_flops={"fp32": 1e12}, memory_bandwidth=1e10,
-                        fractions={"matmul": 1.0, "attention": 1.0, "memory": 1.0},
-                        kernel_byte_curves={"inplace": ((1.0, 2.0),)})
+    speed = _speed(op_overhead_s=0.0, fractions={"matmul": 1.0, "attention": 1.0, "memory": 1.0},
+                   kernel_byte_curves={"inplace": ((1.0, 2.0),)})
     plain = dataclasses.replace(speed, kernel_byte_curves={})
     inplace_ops = [op for op in costs.ops if op.kernel == "inplace"]
     assert inplace_ops

@@ -431,10 +431,11 @@ class _OpRecorder(TorchDispatchMode):
             return out
         if func.namespace == "_c10d_functional":  # waits: no work of their own
             return out
-        flops = _flops(func, args, kwargs, out)
+        attention = _attention_arguments(func, args, kwargs)
+        flops = _dense_flops(func, args, kwargs, out) * _causal_share(attention)
         moved = _bytes_moved(func, args, kwargs, out)
         op_class = _op_class(func, name, flops, moved, phase)
-        kernel = _kernel(name, flops, causal=_is_causal(func, args, kwargs))
+        kernel = _kernel(name, flops, causal=_is_causal(attention))
         self.ops[(op_class, phase, flops, moved, kernel)] += 1
         if phase == "optimizer":
             self.optimizer_calls.append((name, op_class, flops, moved, kernel))
@@ -552,10 +553,6 @@ def _kernel(name: str, flops: float, *, causal: bool = False) -> str:
 _BYTE_FAMILIES = ("batch_norm", "layer_norm", "softmax", "embedding", "nll_loss", "gelu", "silu")
 
 
-def _flops(func, args, kwargs, out) -> float:
-    return _dense_flops(func, args, kwargs, out) * _causal_share(func, args, kwargs)
-
-
 def _dense_flops(func, args, kwargs, out) -> float:
     formula = flop_counter.flop_registry.get(func._overloadpacket)
     if formula is not None:
@@ -571,13 +568,15 @@ def _dense_flops(func, args, kwargs, out) -> float:
     return 0.0
 
 
-def _is_causal(func, args, kwargs) -> bool:
-    """An attention kernel called with ``is_causal`` (and its query and key)."""
-    given = _attention_arguments(func, args, kwargs)
-    return bool(given.get("is_causal")) and given.get("query") is not None and given.get("key") is not None
+def _is_causal(attention: dict) -> bool:
+    """An attention kernel (its ``_attention_arguments``) called with ``is_causal``, with its
+    query and key."""
+    return (bool(attention.get("is_causal")) and attention.get("query") is not None
+            and attention.get("key") is not None)
 
 
 def _attention_arguments(func, args, kwargs) -> dict:
+    """An attention kernel's query, key and is_causal as called; {} for any other op."""
     if not any(word in func._schema.name for word in _ATTENTION_WORDS):
         return {}
     given = {}
@@ -587,8 +586,9 @@ def _attention_arguments(func, args, kwargs) -> dict:
     return given
 
 
-def _causal_share(func, args, kwargs) -> float:
-    """The share of an attention kernel's (query, key) pairs it computes: 1, or under
+def _causal_share(attention: dict) -> float:
+    """The share of an attention kernel's (query, key) pairs it computes (``attention``: its
+    ``_attention_arguments``): 1, or under
     ``is_causal`` those torch's causal mask keeps (``torch.ones(L, S).tril()``, the
     scaled_dot_product_attention docs). torch's flop counter counts the whole L × S square
     ("NB: We aren't accounting for causal attention here", torch/utils/flop_counter.py), where
@@ -597,10 +597,9 @@ def _causal_share(func, args, kwargs) -> float:
     ``flops(..., causal)``), and the attention rates here (``roofline.GPU_FRACTIONS``, this CPU's
     ``cpu_profile``) are rates of the FLOPs so counted. Context parallelism's ring runs its
     diagonal chunks causal and the others whole: both counted as they run."""
-    if not _is_causal(func, args, kwargs):
+    if not _is_causal(attention):
         return 1.0
-    given = _attention_arguments(func, args, kwargs)
-    return causal_share(given["query"].shape[-2], given["key"].shape[-2])
+    return causal_share(attention["query"].shape[-2], attention["key"].shape[-2])
 
 
 def _bytes_moved(func, args, kwargs, out) -> float:
