@@ -28,7 +28,7 @@ def _step(units: int, *, foreach_bytes=None, norm_bytes=None) -> StepCosts:
     an optimizer foreach op over every parameter; FSDP2's all-gathers and reduce-scatters."""
     per_param = 1000
     foreach = foreach_bytes if foreach_bytes is not None else 400 + per_param * units
-    ops = (OpCost("matmul", "forward", 2e6 * 2 * units, 3e4 * 2 * units, 2 * units, "mm"),
+    ops = (OpCost("matmul", "forward", 2e6 * 2 * units, 3e4 * 2 * units, 2 * units, "mm", 1e4 * 2 * units),
            OpCost("elementwise", "forward", 0.0, 512.0 * units, units),
            OpCost("elementwise", "forward", 0.0, 4096.0, 1, "embedding"),
            OpCost("optimizer", "optimizer", 0.0, 2.0 * foreach, 2),
@@ -39,7 +39,7 @@ def _step(units: int, *, foreach_bytes=None, norm_bytes=None) -> StepCosts:
     calls = (CollectiveCall("all_gather", 5000, 4, "forward"), *[gather] * units,
              *[back_gather, scatter] * units, CollectiveCall("reduce_scatter", 10000, 4, "backward"), norm)
     return StepCosts(ops=ops, collectives=calls, micro_batch=2, module_calls={"forward": 2 + 3 * units},
-                     optimizer_calls=(("aten::_foreach_mul_", "optimizer", 0.0, float(foreach), ""),) * 2,
+                     optimizer_calls=(("aten::_foreach_mul_", "optimizer", 0.0, float(foreach), "", 0.0),) * 2,
                      checkpoint_blocks=0, sharded_units=1 + units, sharded_params=3 + 2 * units,
                      dtensor_ops={"optimizer": 16}, dtensor_list_tensors={"optimizer": 4 * (3 + 2 * units)})
 

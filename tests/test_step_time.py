@@ -136,6 +136,7 @@ def test_scaled_speed_follows_the_probe():
                  "module_call_s", "checkpoint_block_s"):
         assert getattr(scaled, name) == pytest.approx(3 * getattr(speed, name))
     assert scaled.matmul_curve == speed.matmul_curve  # fractions of the peak: unchanged
+    assert scaled.cold_write_s_per_byte == pytest.approx(speed.cold_write_s_per_byte / 2)  # as bytes
 
 
 def test_memory_kernel_microbenchmarks_count_bytes_as_the_step_does():
@@ -377,7 +378,7 @@ def _cached_speed() -> DeviceSpeed:
                   kernel_curves={"convolution_backward": ((1e3, 0.05),)},
                   kernel_byte_curves={"pooling": ((1e3, 0.1), (1e6, 0.2)), "layer_norm": ((1e3, 0.3),)},
                   recompute_op_overhead_s=3e-5, module_call_s=2e-6, checkpoint_block_s=4e-4,
-                  optimizer_op_overhead_s=5e-6)
+                  optimizer_op_overhead_s=5e-6, cold_write_s_per_byte=2e-10)
 
 
 def test_cpu_speed_cache_round_trips_and_is_used(tmp_path, monkeypatch):

@@ -48,6 +48,9 @@ class OpCost:
     count: int
     kernel: str = ""
     """The kernel family where a device's speed can tell them apart (``KERNELS``); "" else."""
+    fresh: float = 0.0
+    """Of ``bytes``, those written to new tensors (outputs that alias no input), all ``count``
+    calls: where a forward op writes them the memory is out of cache (``roofline.op_seconds``)."""
 
     def __post_init__(self):
         _check_choice("op_class", self.op_class, OP_CLASSES)
@@ -102,8 +105,9 @@ class StepCosts:
     DTensor unwraps and wraps each one."""
     optimizer_calls: tuple[tuple, ...] = ()
     """The optimizer phase's ops in the order they ran, one (op name, class, FLOPs, bytes,
-    kernel) per call (also in ``ops``): a foreach op's one call reads every parameter, so what it
-    is called is what tells these calls apart as the model grows (``timing.extend``)."""
+    kernel, fresh bytes) per call (also in ``ops``): a foreach op's one call reads every
+    parameter, so what it is called is what tells these calls apart as the model grows
+    (``timing.extend``)."""
 
     @property
     def total_flops(self) -> float:

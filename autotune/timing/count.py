@@ -165,7 +165,7 @@ def _per_micro_step(costs: StepCosts, window: int) -> StepCosts:
             ops.append(op)
         else:  # an op of fewer micro-steps than all (rare) still dispatches at least once
             ops.append(dataclasses.replace(op, flops=op.flops / window, bytes=op.bytes / window,
-                                           count=max(1, round(op.count / window))))
+                                           fresh=op.fresh / window, count=max(1, round(op.count / window))))
     calls, seen = [], Counter()
     for call in costs.collectives:
         if call.phase not in micro or (call.phase == "backward" and call.kind == "reduce_scatter"):
@@ -436,9 +436,10 @@ class _OpRecorder(TorchDispatchMode):
         moved = _bytes_moved(func, args, kwargs, out)
         op_class = _op_class(func, name, flops, moved, phase)
         kernel = _kernel(name, flops, causal=_is_causal(attention))
-        self.ops[(op_class, phase, flops, moved, kernel)] += 1
+        fresh = _fresh_bytes(func, out) if moved else 0.0
+        self.ops[(op_class, phase, flops, moved, kernel, fresh)] += 1
         if phase == "optimizer":
-            self.optimizer_calls.append((name, op_class, flops, moved, kernel))
+            self.optimizer_calls.append((name, op_class, flops, moved, kernel, fresh))
         return out
 
     def _phase(self) -> str:
@@ -450,8 +451,9 @@ class _OpRecorder(TorchDispatchMode):
         return "recompute" if torch.is_grad_enabled() else "backward"
 
     def costs(self, micro_batch: int, *, units: int = 0, sharded_params: int = 0) -> StepCosts:
-        ops = tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k, kernel=kernel)
-                    for (c, p, f, b, kernel), k in self.ops.items())
+        ops = tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k, kernel=kernel,
+                           fresh=fresh * k)
+                    for (c, p, f, b, kernel, fresh), k in self.ops.items())
         return StepCosts(ops=ops, collectives=tuple(self.collectives), micro_batch=micro_batch,
                          module_calls=dict(self.module_calls),
                          checkpoint_blocks=self.checkpoint_blocks, sharded_units=units,
@@ -615,6 +617,18 @@ def _bytes_moved(func, args, kwargs, out) -> float:
     read = sum(_tensor_bytes(t) for t in inputs.values())
     written = sum(_tensor_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     return float(read + written)
+
+
+def _fresh_bytes(func, out) -> float:
+    """Bytes of the op's outputs that are new tensors: not an input written in place (``add_``,
+    an ``out=`` argument), not a view."""
+    returns = func._schema.returns
+    outs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
+    fresh = 0
+    for returned, value in zip(returns, outs):
+        if returned.alias_info is None:
+            fresh += sum(_tensor_bytes(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return float(fresh)
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

@@ -32,7 +32,7 @@ MEMORY_ELEMENTS = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 """fp32 elements per tensor of the bandwidth microbenchmark (4 KiB to 64 MiB; three tensors)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE_FILE = "cpu-speed.json"
-PROFILE_VERSION = 7
+PROFILE_VERSION = 8
 """2: the CPU clock at one thread, module-call, checkpoint-block and optimizer-op costs, layer
 norm / softmax / embedding / NLL loss curves. 3: checkpoint costs from transformer-like layers.
 4: pooling and batch-norm bytes by the step's own rule; FSDP2's and DTensor's per-call costs
@@ -99,6 +99,7 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
     byte_rates.update(_counted_kernel_rates())
     byte_rates["inplace"] = inplace
     op_overhead = _training_op_overhead()
+    cold_write = _cold_write_cost()
     checkpoint_block, recompute_op = _checkpoint_overheads(op_overhead)
     sharded = measure_sharded_overheads(op_overhead, _op_times, _dispatched_ops)
     # The bandwidth is the largest op's; smaller ops reach less of it (or more, where the
@@ -110,7 +111,7 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
         op_overhead_s=op_overhead, recompute_op_overhead_s=recompute_op,
         optimizer_op_overhead_s=_optimizer_op_overhead(),
         module_call_s=_module_call_overhead(), checkpoint_block_s=checkpoint_block,
-        **dataclasses.asdict(sharded), matmul_curve=curves, kernel_curves=kernel_curves,
+        cold_write_s_per_byte=cold_write, **dataclasses.asdict(sharded), matmul_curve=curves, kernel_curves=kernel_curves,
         kernel_byte_curves={family: tuple((moved, rate / bandwidth) for moved, rate in rates)
                             for family, rates in byte_rates.items()},
         memory_curve=tuple((moved, rate / bandwidth) for moved, rate in rates),
@@ -128,12 +129,13 @@ def speed_probe() -> tuple[float, float, float]:
 
 def scaled_speed(speed: DeviceSpeed, then: tuple, now: tuple) -> DeviceSpeed:
     """``speed`` (measured when ``speed_probe`` gave ``then``) at the speed ``now`` shows: peaks
-    by the matmul's ratio, bandwidth by the add's, every per-call cost (FSDP2's and DTensor's
-    too) by the one-element op's."""
+    by the matmul's ratio, bandwidth (and the cold write's cost per byte) by the add's, every
+    per-call cost (FSDP2's and DTensor's too) by the one-element op's."""
     flops, moved, call = now[0] / then[0], now[1] / then[1], now[2] / then[2]
     return dataclasses.replace(
         speed, peak_flops={k: v * flops for k, v in speed.peak_flops.items()},
-        memory_bandwidth=speed.memory_bandwidth * moved, op_overhead_s=speed.op_overhead_s * call,
+        memory_bandwidth=speed.memory_bandwidth * moved,
+        cold_write_s_per_byte=speed.cold_write_s_per_byte / moved, op_overhead_s=speed.op_overhead_s * call,
         recompute_op_overhead_s=speed.recompute_op_overhead_s * call,
         optimizer_op_overhead_s=speed.optimizer_op_overhead_s * call,
         module_call_s=speed.module_call_s * call, checkpoint_block_s=speed.checkpoint_block_s * call,
@@ -344,6 +346,7 @@ def load_cached(path: Path, key: str) -> DeviceSpeed | None:
             checkpoint_block_s=float(entry.get("checkpoint_block_s", 0.0)),
             loop_micro_step_s=float(entry.get("loop_micro_step_s", 0.0)),
             loop_window_s=float(entry.get("loop_window_s", 0.0)),
+            cold_write_s_per_byte=float(entry.get("cold_write_s_per_byte", 0.0)),
             **{name: float(entry.get(name, 0.0)) for name in SHARDED_FIELDS},
             matmul_curve=_curves(entry["matmul_curve"]),
             memory_curve=tuple((float(x), float(y)) for x, y in entry["memory_curve"]),
@@ -376,6 +379,7 @@ def save_cached(path: Path, key: str, speed: DeviceSpeed) -> None:
         "module_call_s": speed.module_call_s, "checkpoint_block_s": speed.checkpoint_block_s,
         "optimizer_op_overhead_s": speed.optimizer_op_overhead_s,
         "loop_micro_step_s": speed.loop_micro_step_s, "loop_window_s": speed.loop_window_s,
+        "cold_write_s_per_byte": speed.cold_write_s_per_byte,
         **{name: getattr(speed, name) for name in SHARDED_FIELDS},
         "matmul_curve": {k: [list(p) for p in v] for k, v in speed.matmul_curve.items()},
         "memory_curve": [list(p) for p in speed.memory_curve], "sources": speed.sources,
@@ -576,6 +580,39 @@ def _cycling_add(inputs: torch.Tensor, outputs: torch.Tensor, n: int, *, inplace
         else:
             torch.add(inputs[2 * i * n:(2 * i + 1) * n], inputs[(2 * i + 1) * n:(2 * i + 2) * n],
                       out=outputs[i * n:(i + 1) * n])
+
+    return op
+
+
+COLD_WRITE_ELEMENTS = 2**19
+"""The copy ``_cold_write_cost`` times (fp32, 2 MiB: a transformer block's activation at a few
+thousand tokens, and within this CPU's 4 MiB L2 with its source)."""
+
+
+def _cold_write_cost() -> float:
+    """Seconds per byte that writing a new tensor costs when its memory is out of cache, beyond
+    writing it where the last call's output was: a copy of ``COLD_WRITE_ELEMENTS`` from one
+    source into one output, and into the next of outputs cycling through ``_STREAM_BYTES`` written
+    once before (so no page faults, as a step's reused memory has none), timed in turns. A step's
+    forward writes its kept activations into memory the last step's backward freed: on this 2-core
+    VM a copy, a GELU and an add so took 0.09-0.14 ms more per MiB, an addmm 0.16-0.37 (scratch,
+    one thread; docs/step-time.md)."""
+    n = COLD_WRITE_ELEMENTS
+    source, hot = torch.randn(n), torch.zeros(n)
+    hot_time, cold_time = _op_times([lambda: hot.copy_(source),
+                                     _cycling_copy(source, torch.zeros(max(_STREAM_BYTES // 4, 2 * n)))])
+    return max(cold_time - hot_time, 0.0) / (source.element_size() * n)
+
+
+def _cycling_copy(source: torch.Tensor, outputs: torch.Tensor):
+    """A copy of ``source`` into the next of the ``source``-sized sets of ``outputs`` each call."""
+    n = source.numel()
+    sets = outputs.numel() // n
+    turn = iter(range(2**62))
+
+    def op():
+        i = next(turn) % sets
+        outputs[i * n:(i + 1) * n].copy_(source)
 
     return op
 

@@ -95,8 +95,8 @@ def _extended(low: StepCosts, high: StepCosts, k: int) -> StepCosts | None:
     if optimizer is None or ops is None or calls is None or min(scalars.values()) < 0 \
             or any(v is None for v in counts.values()):
         return None
-    for name, op_class, flops, moved, kernel in optimizer:
-        ops[(op_class, "optimizer", flops, moved, kernel)] += 1
+    for name, op_class, flops, moved, kernel, fresh in optimizer:
+        ops[(op_class, "optimizer", flops, moved, kernel, fresh)] += 1
     return dataclasses.replace(low, ops=_ops(ops), collectives=calls, optimizer_calls=optimizer,
                                **scalars, **counts)
 
@@ -111,16 +111,18 @@ def _line(low, high, k):
 
 
 def _per_call(ops) -> Counter:
-    """{(class, phase, one call's FLOPs, one call's bytes, kernel): calls}."""
+    """{(class, phase, one call's FLOPs, one call's bytes, kernel, one call's fresh bytes): calls}."""
     keyed: Counter = Counter()
     for op in ops:
-        keyed[(op.op_class, op.phase, op.flops / op.count, op.bytes / op.count, op.kernel)] += op.count
+        keyed[(op.op_class, op.phase, op.flops / op.count, op.bytes / op.count, op.kernel,
+               op.fresh / op.count)] += op.count
     return keyed
 
 
 def _ops(keyed: Counter) -> tuple[OpCost, ...]:
-    return tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k, kernel=kernel)
-                 for (c, p, f, b, kernel), k in sorted(keyed.items(), key=lambda item: repr(item[0])) if k)
+    return tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k, kernel=kernel,
+                        fresh=fresh * k)
+                 for (c, p, f, b, kernel, fresh), k in sorted(keyed.items(), key=lambda item: repr(item[0])) if k)
 
 
 def _extended_ops(low: Counter, high: Counter, k: int) -> Counter | None:
@@ -175,7 +177,7 @@ def _collective_kind(call: CollectiveCall) -> CollectiveCall:
 
 
 def _op_kind(call: tuple) -> tuple:
-    name, op_class, _, _, kernel = call
+    name, op_class, _, _, kernel, _ = call
     return name, op_class, kernel
 
 
@@ -185,9 +187,9 @@ def _resized_collective(a: CollectiveCall, b: CollectiveCall, k: int) -> Collect
 
 
 def _resized_op(a: tuple, b: tuple, k: int) -> tuple | None:
-    (name, op_class, f1, b1, kernel), (_, _, f2, b2, _) = a, b
-    flops, moved = _line(f1, f2, k), _line(b1, b2, k)
-    return (name, op_class, flops, moved, kernel) if flops >= 0 and moved >= 0 else None
+    (name, op_class, f1, b1, kernel, w1), (_, _, f2, b2, _, w2) = a, b
+    flops, moved, fresh = _line(f1, f2, k), _line(b1, b2, k), _line(w1, w2, k)
+    return (name, op_class, flops, moved, kernel, fresh) if min(flops, moved, fresh) >= 0 else None
 
 
 def _extended_counts(low: dict, high: dict, k: int) -> dict | None:

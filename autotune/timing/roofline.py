@@ -90,6 +90,12 @@ class DeviceSpeed:
     ``tuning.loop_cost``; 0: not counted)."""
     loop_window_s: float = 0.0
     """...and per window (one optimizer step: zero_grad, the scheduler, metrics)."""
+    cold_write_s_per_byte: float = 0.0
+    """Seconds per byte a forward op of a kernel family (``kernel_curves``,
+    ``kernel_byte_curves``) takes beyond its curve to write its new tensors (``OpCost.fresh``):
+    the families' microbenchmarks write into memory the last call freed, in cache, where a step's
+    forward writes the activations it keeps into memory last touched a step ago (the memory curve's
+    adds already write out of cache). Measured on this CPU; 0: not counted (a GPU profile)."""
     matmul_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """Per precision, (FLOPs of one matmul, fraction of that precision's peak), ascending."""
     memory_curve: tuple[tuple[float, float], ...] = ()
@@ -111,6 +117,7 @@ class DeviceSpeed:
                    self.op_overhead_s, self.recompute_op_overhead_s, self.module_call_s,
                    self.optimizer_op_overhead_s,
                    self.checkpoint_block_s, self.loop_micro_step_s, self.loop_window_s,
+                   self.cold_write_s_per_byte,
                    self.fsdp_step_s, self.fsdp_unit_s, self.fsdp_param_s, self.dtensor_op_s,
                    self.dtensor_list_tensor_s]
         numbers += [v for curve in self.matmul_curve.values() for point in curve for v in point]
@@ -204,7 +211,14 @@ def op_seconds(op, speed: DeviceSpeed, precision: Precision) -> float:
                        moved / speed.byte_rate(moved))
     elif moved:
         seconds += moved / speed.byte_rate(moved, op.kernel)
+    if op.phase in COLD_WRITE_PHASES and op.kernel:
+        seconds += op.fresh / op.count * speed.cold_write_s_per_byte
     return seconds * op.count
+
+
+COLD_WRITE_PHASES = ("forward",)
+"""Phases whose new tensors are written out of cache (``DeviceSpeed.cold_write_s_per_byte``): the
+forward's, which grow the step's memory by the activations backward reads."""
 
 
 def python_seconds(costs: StepCosts, speed: DeviceSpeed):
@@ -276,6 +290,6 @@ def _interpolate(curve, x: float) -> float:
     return y0 + t * (y1 - y0)
 
 
-__all__ = ["BREAKDOWN", "DeviceSpeed", "GPU_FRACTIONS", "GPU_OP_OVERHEAD_S", "compute_time",
+__all__ = ["BREAKDOWN", "COLD_WRITE_PHASES", "DeviceSpeed", "GPU_FRACTIONS", "GPU_OP_OVERHEAD_S", "compute_time",
            "loop_time", "op_seconds", "phase_time", "python_seconds", "speed_for_profile",
            "window_time"]
