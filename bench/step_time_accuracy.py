@@ -72,7 +72,7 @@ def _measured_speed():
           f"{speed.module_call_s * 1e6:.1f} us per module call, "
           f"{speed.checkpoint_block_s * 1e6:.0f} us per checkpointed block, loop "
           f"{speed.loop_micro_step_s * 1e6:.0f} us per micro-step + {speed.loop_window_s * 1e6:.0f} us "
-          f"per window "
+          f"per window, cold writes {speed.cold_write_s_per_byte * 2**20 * 1e3:.3f} ms per MiB "
           f"(measured in {time.perf_counter() - started:.1f} s)", flush=True)
     return speed
 

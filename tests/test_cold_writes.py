@@ -11,7 +11,7 @@ from torch import nn
 from autotune import Workload
 from autotune.timing import cpu_profile
 from autotune.timing.costs import OpCost, StepCosts
-from autotune.timing.count import _fresh_bytes, count_step_costs
+from autotune.timing.count import _traffic, count_step_costs
 from autotune.timing.roofline import DeviceSpeed, compute_time, phase_time
 
 aten = torch.ops.aten
@@ -23,19 +23,24 @@ def _speed(**changes) -> DeviceSpeed:
     return DeviceSpeed(**{**values, **changes})
 
 
+def _fresh_bytes(func, *args, **kwargs) -> float:
+    return _traffic(func, args, kwargs, func(*args, **kwargs))[1]
+
+
 def test_fresh_bytes_are_new_outputs_not_inputs_written_in_place_or_views():
     a, b = torch.ones(8, 16), torch.ones(16, 4)
-    out = aten.mm.default(a, b)
-    assert _fresh_bytes(aten.mm.default, out) == 8 * 4 * 4
-    x = torch.zeros(8, 16)
-    assert _fresh_bytes(aten.add_.Tensor, aten.add_.Tensor(x, a)) == 0.0
-    assert _fresh_bytes(aten.view.default, aten.view.default(a, [16, 8])) == 0.0
+    assert _fresh_bytes(aten.mm.default, a, b) == 8 * 4 * 4
+    assert _traffic(aten.mm.default, (a, b), {}, aten.mm.default(a, b))[0] == 4 * (8 * 16 + 16 * 4 + 8 * 4)
+    assert _fresh_bytes(aten.add_.Tensor, torch.zeros(8, 16), a) == 0.0
+    assert _fresh_bytes(aten.view.default, a, [16, 8]) == 0.0
     # Several new outputs: layer norm's output, mean and reciprocal standard deviation.
-    normed = aten.native_layer_norm.default(a, [16], None, None, 1e-5)
-    assert _fresh_bytes(aten.native_layer_norm.default, normed) == 4 * (8 * 16 + 8 + 8)
+    assert _fresh_bytes(aten.native_layer_norm.default, a, [16], None, None, 1e-5) == 4 * (8 * 16 + 8 + 8)
     # Written into an out= argument: the caller's tensor, not a new one.
-    target = torch.empty(8, 4)
-    assert _fresh_bytes(aten.mm.out, aten.mm.out(a, b, out=target)) == 0.0
+    assert _fresh_bytes(aten.mm.out, a, b, out=torch.empty(8, 4)) == 0.0
+    # A foreach op's list of new tensors (one return, a list), and its in-place form.
+    xs = [torch.ones(4), torch.ones(8)]
+    assert _fresh_bytes(aten._foreach_mul.Scalar, xs, 2.0) == 4 * 12
+    assert _fresh_bytes(aten._foreach_mul_.Scalar, xs, 2.0) == 0.0
 
 
 def test_a_steps_counted_ops_carry_their_new_outputs():

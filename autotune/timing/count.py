@@ -433,10 +433,9 @@ class _OpRecorder(TorchDispatchMode):
             return out
         attention = _attention_arguments(func, args, kwargs)
         flops = _dense_flops(func, args, kwargs, out) * _causal_share(attention)
-        moved = _bytes_moved(func, args, kwargs, out)
+        moved, fresh = _traffic(func, args, kwargs, out)
         op_class = _op_class(func, name, flops, moved, phase)
         kernel = _kernel(name, flops, causal=_is_causal(attention))
-        fresh = _fresh_bytes(func, out) if moved else 0.0
         self.ops[(op_class, phase, flops, moved, kernel, fresh)] += 1
         if phase == "optimizer":
             self.optimizer_calls.append((name, op_class, flops, moved, kernel, fresh))
@@ -608,27 +607,26 @@ def _bytes_moved(func, args, kwargs, out) -> float:
     """Bytes an op reads (its tensor inputs, each once: ``addcmul_(grad, grad)`` reads the
     gradient once) and writes (its outputs); none for views, which alias their input, and for
     allocations that write nothing."""
+    return _traffic(func, args, kwargs, out)[0]
+
+
+def _traffic(func, args, kwargs, out) -> tuple[float, float]:
+    """(``_bytes_moved``, of them the bytes of outputs that are new tensors: not an input written
+    in place, as ``add_`` or an ``out=`` argument, and not a view)."""
     returns = func._schema.returns
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
-        return 0.0
+        return 0.0, 0.0
     if func._schema.name in _UNWRITTEN:
-        return 0.0
+        return 0.0, 0.0
     inputs = {id(t): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     read = sum(_tensor_bytes(t) for t in inputs.values())
-    written = sum(_tensor_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-    return float(read + written)
-
-
-def _fresh_bytes(func, out) -> float:
-    """Bytes of the op's outputs that are new tensors: not an input written in place (``add_``,
-    an ``out=`` argument), not a view."""
-    returns = func._schema.returns
-    outs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
-    fresh = 0
-    for returned, value in zip(returns, outs):
-        if returned.alias_info is None:
-            fresh += sum(_tensor_bytes(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    return float(fresh)
+    written = fresh = 0
+    for i, value in enumerate(out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)):
+        size = sum(_tensor_bytes(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+        written += size
+        if i < len(returns) and returns[i].alias_info is None:
+            fresh += size
+    return float(read + written), float(fresh)
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
