@@ -1,6 +1,7 @@
-"""New tensors a step's forward writes out of cache: counted per op (``OpCost.fresh``), priced by
-the CPU profile's cold write (``DeviceSpeed.cold_write_s_per_byte``) in the forward's kernel
-families only, and measured by a copy into memory in cache against one cycling out of it."""
+"""New tensors a step's forward (and checkpoint's recompute) writes out of cache: counted per op
+(``OpCost.fresh``), priced by the CPU profile's cold write (``DeviceSpeed.cold_write_s_per_byte``)
+in those phases' kernel families only, and measured by a copy into memory in cache against one
+cycling out of it."""
 
 import dataclasses
 
@@ -56,9 +57,11 @@ def test_a_steps_counted_ops_carry_their_new_outputs():
         assert 0.0 <= op.fresh <= op.bytes
 
 
-def test_cold_writes_are_priced_in_the_forwards_kernel_families_only():
+def test_cold_writes_are_priced_in_the_forward_and_recompute_kernel_families_only():
     fresh, cost = 4e6, 1e-10
     ops = (OpCost("elementwise", "forward", 0.0, 8e6, 2, "gelu", fresh),
+           OpCost("elementwise", "recompute", 0.0, 8e6, 2, "gelu", fresh),
+           OpCost("elementwise", "optimizer", 0.0, 8e6, 2, "inplace", fresh),
            OpCost("elementwise", "backward", 0.0, 8e6, 2, "gelu_backward", fresh),
            # an op priced by the memory curve, whose adds were measured writing out of cache
            OpCost("elementwise", "forward", 0.0, 8e6, 2, "", fresh),
@@ -68,7 +71,7 @@ def test_cold_writes_are_priced_in_the_forwards_kernel_families_only():
     for op in ops:
         alone = dataclasses.replace(costs, ops=(op,))
         extra = compute_time(alone, cold)["total"] - compute_time(alone, warm)["total"]
-        expected = fresh * cost if op.phase == "forward" and op.kernel else 0.0
+        expected = fresh * cost if op.phase in ("forward", "recompute") and op.kernel else 0.0
         assert extra == pytest.approx(expected, abs=1e-15), op
     assert phase_time(costs, cold)["forward"] - phase_time(costs, warm)["forward"] == pytest.approx(2 * fresh * cost)
 

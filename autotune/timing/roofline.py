@@ -94,8 +94,9 @@ class DeviceSpeed:
     """Seconds per byte a forward op of a kernel family (``kernel_curves``,
     ``kernel_byte_curves``) takes beyond its curve to write its new tensors (``OpCost.fresh``):
     the families' microbenchmarks write into memory the last call freed, in cache, where a step's
-    forward writes the activations it keeps into memory last touched a step ago (the memory curve's
-    adds already write out of cache). Measured on this CPU; 0: not counted (a GPU profile)."""
+    forward (and checkpoint's recompute) writes the activations it keeps into memory last touched
+    a step (a block's backward) ago (``COLD_WRITE_PHASES``; the memory curve's adds already write
+    out of cache). Measured on this CPU; 0: not counted (a GPU profile)."""
     matmul_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """Per precision, (FLOPs of one matmul, fraction of that precision's peak), ascending."""
     memory_curve: tuple[tuple[float, float], ...] = ()
@@ -216,9 +217,11 @@ def op_seconds(op, speed: DeviceSpeed, precision: Precision) -> float:
     return seconds * op.count
 
 
-COLD_WRITE_PHASES = ("forward",)
+COLD_WRITE_PHASES = ("forward", "recompute")
 """Phases whose new tensors are written out of cache (``DeviceSpeed.cold_write_s_per_byte``): the
-forward's, which grow the step's memory by the activations backward reads."""
+forward's, which grow the step's memory by the activations backward reads, and checkpoint's
+recompute, which writes a block's activations again into memory the backward of the block after
+it freed, that block's traffic ago."""
 
 
 def python_seconds(costs: StepCosts, speed: DeviceSpeed):
