@@ -50,7 +50,8 @@ class OpCost:
     """The kernel family where a device's speed can tell them apart (``KERNELS``); "" else."""
     fresh: float = 0.0
     """Of ``bytes``, those written to new tensors (outputs that alias no input), all ``count``
-    calls: where a forward op writes them the memory is out of cache (``roofline.op_seconds``)."""
+    calls: where a forward (or recomputed) op writes them the memory is out of cache
+    (``roofline.COLD_WRITE_PHASES``)."""
 
     def __post_init__(self):
         _check_choice("op_class", self.op_class, OP_CLASSES)

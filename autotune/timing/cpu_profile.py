@@ -111,7 +111,8 @@ def measure_cpu_speed(precisions=tuple(PRECISIONS)) -> DeviceSpeed:
         op_overhead_s=op_overhead, recompute_op_overhead_s=recompute_op,
         optimizer_op_overhead_s=_optimizer_op_overhead(),
         module_call_s=_module_call_overhead(), checkpoint_block_s=checkpoint_block,
-        cold_write_s_per_byte=cold_write, **dataclasses.asdict(sharded), matmul_curve=curves, kernel_curves=kernel_curves,
+        cold_write_s_per_byte=cold_write, **dataclasses.asdict(sharded), matmul_curve=curves,
+        kernel_curves=kernel_curves,
         kernel_byte_curves={family: tuple((moved, rate / bandwidth) for moved, rate in rates)
                             for family, rates in byte_rates.items()},
         memory_curve=tuple((moved, rate / bandwidth) for moved, rate in rates),

@@ -122,7 +122,8 @@ def _per_call(ops) -> Counter:
 def _ops(keyed: Counter) -> tuple[OpCost, ...]:
     return tuple(OpCost(op_class=c, phase=p, flops=f * k, bytes=b * k, count=k, kernel=kernel,
                         fresh=fresh * k)
-                 for (c, p, f, b, kernel, fresh), k in sorted(keyed.items(), key=lambda item: repr(item[0])) if k)
+                 for (c, p, f, b, kernel, fresh), k in sorted(keyed.items(), key=lambda item: repr(item[0]))
+                 if k)
 
 
 def _extended_ops(low: Counter, high: Counter, k: int) -> Counter | None:

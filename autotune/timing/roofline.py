@@ -293,6 +293,6 @@ def _interpolate(curve, x: float) -> float:
     return y0 + t * (y1 - y0)
 
 
-__all__ = ["BREAKDOWN", "COLD_WRITE_PHASES", "DeviceSpeed", "GPU_FRACTIONS", "GPU_OP_OVERHEAD_S", "compute_time",
-           "loop_time", "op_seconds", "phase_time", "python_seconds", "speed_for_profile",
-           "window_time"]
+__all__ = ["BREAKDOWN", "COLD_WRITE_PHASES", "DeviceSpeed", "GPU_FRACTIONS", "GPU_OP_OVERHEAD_S",
+           "compute_time", "loop_time", "op_seconds", "phase_time", "python_seconds",
+           "speed_for_profile", "window_time"]
