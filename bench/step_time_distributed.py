@@ -165,7 +165,8 @@ def main():
         link, cpu, speed = rows[0]["link"], rows[0]["cpu"], rows[0]["speed"]
         print(f"world {world}: rank 0's CPU speed: fp32 matmul {speed.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, "
               f"memory {speed.memory_bandwidth / 1e9:.2f} GB/s, {speed.op_overhead_s * 1e6:.2f} us per op, "
-              f"cold writes {speed.cold_write_s_per_byte * 2**20 * 1e3:.3f} ms per MiB; FSDP2 {speed.fsdp_step_s * 1e6:.0f} us per step + {speed.fsdp_unit_s * 1e6:.0f} us per unit + "
+              f"cold writes {speed.cold_write_s_per_byte * 2**20 * 1e3:.3f} ms per MiB; "
+              f"FSDP2 {speed.fsdp_step_s * 1e6:.0f} us per step + {speed.fsdp_unit_s * 1e6:.0f} us per unit + "
               f"{speed.fsdp_param_s * 1e6:.1f} us per parameter; DTensor {speed.dtensor_op_s * 1e6:.1f} us per op "
               f"+ {speed.dtensor_list_tensor_s * 1e6:.1f} us per listed tensor")
         within = sum(abs(r["predicted"] / r["measured"] - 1) <= 0.25 for r in rows)

@@ -165,7 +165,8 @@ def _per_micro_step(costs: StepCosts, window: int) -> StepCosts:
             ops.append(op)
         else:  # an op of fewer micro-steps than all (rare) still dispatches at least once
             ops.append(dataclasses.replace(op, flops=op.flops / window, bytes=op.bytes / window,
-                                           fresh=op.fresh / window, count=max(1, round(op.count / window))))
+                                           fresh=op.fresh / window,
+                                           count=max(1, round(op.count / window))))
     calls, seen = [], Counter()
     for call in costs.collectives:
         if call.phase not in micro or (call.phase == "backward" and call.kind == "reduce_scatter"):

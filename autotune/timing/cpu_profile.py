@@ -136,7 +136,8 @@ def scaled_speed(speed: DeviceSpeed, then: tuple, now: tuple) -> DeviceSpeed:
     return dataclasses.replace(
         speed, peak_flops={k: v * flops for k, v in speed.peak_flops.items()},
         memory_bandwidth=speed.memory_bandwidth * moved,
-        cold_write_s_per_byte=speed.cold_write_s_per_byte / moved, op_overhead_s=speed.op_overhead_s * call,
+        cold_write_s_per_byte=speed.cold_write_s_per_byte / moved,
+        op_overhead_s=speed.op_overhead_s * call,
         recompute_op_overhead_s=speed.recompute_op_overhead_s * call,
         optimizer_op_overhead_s=speed.optimizer_op_overhead_s * call,
         module_call_s=speed.module_call_s * call, checkpoint_block_s=speed.checkpoint_block_s * call,
